@@ -1,0 +1,44 @@
+# Everything runs from a project-local virtualenv that these targets create on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: example test lint typecheck unit protos bench clean
+
+$(BIN)/kpng: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+# Runs kpng on the bundled example cluster and prints node-2's state.
+example: $(BIN)/kpng
+	$(BIN)/kpng file --input examples/cluster.yaml to-local --node-name node-2 to-json --once --output - \
+	  | $(BIN)/python -m json.tool
+
+# The whole suite: lint, types, layer contracts, tests.
+test: lint typecheck unit
+
+lint: $(BIN)/kpng
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/lint-imports
+
+typecheck: $(BIN)/kpng
+	$(BIN)/mypy
+
+unit: $(BIN)/kpng
+	$(BIN)/pytest
+
+# Regenerates the Python code of the .proto files under src/kpng/api.
+protos: $(BIN)/kpng
+	$(BIN)/python -m grpc_tools.protoc -I src \
+	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+	  --python_out=src --mypy_out=src --grpc_python_out=src --mypy_grpc_out=src \
+	  src/kpng/api/localv1.proto src/kpng/api/globalv1.proto
+
+bench: $(BIN)/kpng
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,64 @@
+"""The global model: what kpng keeps of the cluster, in the shape the resolver reads fastest.
+
+Services are kept as localv1 ``Service`` messages; EndpointSlices as ``Slice`` below, one
+``SliceEndpoint`` per endpoint address; Nodes as globalv1 ``Node`` messages. Every value is frozen,
+so the store can compare an object with its previous version in C and keep references safely.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kpng.model.messages import Node, Service
+
+ServiceKey = tuple[str, str]
+"""(namespace, name) of a Service."""
+
+SliceKey = tuple[str, str]
+"""(namespace, name) of an EndpointSlice."""
+
+
+class SlicePort(msgspec.Struct, frozen=True):
+    name: str
+    protocol: str
+    port: int
+
+
+class SliceEndpoint(msgspec.Struct, frozen=True):
+    """One endpoint of a slice: its first address, conditions with Kubernetes' defaults applied."""
+
+    ip: str
+    hostname: str = ""
+    node: str = ""
+    zone: str = ""
+    pod: str = ""
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    zone_hints: tuple[str, ...] = ()
+    node_hints: tuple[str, ...] = ()
+
+
+class Slice(msgspec.Struct, frozen=True):
+    namespace: str
+    name: str
+    service: str
+    v6: bool
+    ports: tuple[SlicePort, ...]
+    endpoints: tuple[SliceEndpoint, ...]
+
+    @property
+    def key(self) -> SliceKey:
+        return (self.namespace, self.name)
+
+    @property
+    def service_key(self) -> ServiceKey:
+        return (self.namespace, self.service)
+
+
+def service_key(service: Service) -> ServiceKey:
+    return (service.Namespace, service.Name)
+
+
+def node_zone(node: Node | None) -> str:
+    return node.Topology.Zone if node is not None and node.Topology is not None else ""

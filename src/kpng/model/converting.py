@@ -1,0 +1,309 @@
+"""Kubernetes objects to the global model: every ignore rule and validation of kube-proxy.
+
+Each converter returns the model object, or None when kube-proxy would ignore the object (that is
+not an error: a labelled or headless object is simply not kpng's). Objects kpng cannot use raise
+``InvalidObject`` naming the kind, namespace, name and reason. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kpng.errors import InvalidObject
+from kpng.model import k8s
+from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
+from kpng.model.ips import BadAddress, parse_cidr, parse_ip
+from kpng.model.messages import (
+    ClientIPAffinity,
+    IPFilter,
+    IPSet,
+    Node,
+    PortMapping,
+    Service,
+    ServiceIPs,
+    TopologyInfo,
+)
+
+log = logging.getLogger(__name__)
+
+LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+LABEL_HEADLESS = "service.kubernetes.io/headless"
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+LABEL_ZONE = "topology.kubernetes.io/zone"
+# A copy of the whole object that kubectl keeps; carrying it would double kpng's memory.
+_DROPPED_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
+
+PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
+SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer"})
+DEFAULT_AFFINITY_TIMEOUT = 10800
+_MAX_AFFINITY_TIMEOUT = 86400
+
+
+def is_proxied(labels: dict[str, str] | None, *, proxy_name: str | None) -> bool:
+    """Whether an object with these labels is this proxy's (the service-proxy-name rule)."""
+    value = labels.get(LABEL_SERVICE_PROXY_NAME) if labels else None
+    if proxy_name is None:
+        return value is None
+    return value == proxy_name
+
+
+def _identity(meta: k8s.ObjectMeta) -> tuple[str, str]:
+    return meta.namespace or "default", meta.name
+
+
+def _annotations(meta: k8s.ObjectMeta) -> dict[str, str]:
+    if not meta.annotations:
+        return {}
+    return {k: v for k, v in meta.annotations.items() if k not in _DROPPED_ANNOTATIONS}
+
+
+def _ip_set(ips: list[str], invalid: InvalidObjectFactory, what: str) -> IPSet:
+    v4: set[str] = set()
+    v6: set[str] = set()
+    for ip in ips:
+        try:
+            is_v6, text = parse_ip(ip)
+        except BadAddress as exc:
+            raise invalid(f"{what}: {exc}") from None
+        (v6 if is_v6 else v4).add(text)
+    return IPSet(V4=tuple(sorted(v4)), V6=tuple(sorted(v6)))
+
+
+class InvalidObjectFactory:
+    """Builds InvalidObject errors for one object, so each check states only its reason."""
+
+    __slots__ = ("kind", "name", "namespace")
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        self.kind, self.namespace, self.name = kind, namespace, name
+
+    def __call__(self, reason: str) -> InvalidObject:
+        return InvalidObject(self.kind, self.namespace, self.name, reason)
+
+
+def _port_number(value: object, invalid: InvalidObjectFactory, what: str, *, zero: bool) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{what}: missing port number")
+    if not (0 if zero else 1) <= value <= 65535:
+        raise invalid(f"{what}: port {value} out of range")
+    return value
+
+
+def _traffic_policy_local(value: str, invalid: InvalidObjectFactory, what: str) -> bool:
+    if value in ("", "Cluster"):
+        return False
+    if value == "Local":
+        return True
+    raise invalid(f"{what}: unknown traffic policy {value!r}")
+
+
+def _service_port(port: k8s.ServicePort, invalid: InvalidObjectFactory, i: int) -> PortMapping:
+    what = f"spec.ports[{i}]"
+    number = _port_number(port.port, invalid, what, zero=False)
+    if port.protocol not in PROTOCOLS:
+        raise invalid(f"{what}: unknown protocol {port.protocol!r}")
+    node_port = _port_number(port.node_port, invalid, f"{what}.nodePort", zero=True)
+    target = port.target_port
+    if target is None or target == 0:
+        target = number
+    if isinstance(target, str):
+        if not target:
+            raise invalid(f"{what}.targetPort: empty port name")
+        return PortMapping(
+            Name=port.name,
+            Protocol=port.protocol,
+            Port=number,
+            NodePort=node_port,
+            TargetPortName=target,
+        )
+    target = _port_number(target, invalid, f"{what}.targetPort", zero=False)
+    return PortMapping(
+        Name=port.name, Protocol=port.protocol, Port=number, NodePort=node_port, TargetPort=target
+    )
+
+
+def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Service | None:
+    """The localv1 Service for a v1 Service, or None if kube-proxy would ignore it."""
+    namespace, name = _identity(obj.metadata)
+    invalid = InvalidObjectFactory("Service", namespace, name)
+    if not name:
+        raise invalid("metadata.name is missing")
+    if obj.api_version != k8s.API_VERSIONS[k8s.Service]:
+        raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    spec = obj.spec
+    if not is_proxied(obj.metadata.labels, proxy_name=proxy_name) or spec.type == "ExternalName":
+        return None
+    cluster_ips = spec.cluster_ips or ([spec.cluster_ip] if spec.cluster_ip else [])
+    if not cluster_ips or "None" in cluster_ips:
+        return None  # headless, or no IP allocated yet
+    if spec.type not in SERVICE_TYPES:
+        raise invalid(f"spec.type: unknown service type {spec.type!r}")
+
+    ports = tuple(_service_port(p, invalid, i) for i, p in enumerate(spec.ports or ()))
+    seen: set[tuple[str, str]] = set()
+    for p in ports:
+        if (p.Name, p.Protocol) in seen:
+            raise invalid(f"spec.ports: duplicate port {p.Name or '<unnamed>'}/{p.Protocol}")
+        seen.add((p.Name, p.Protocol))
+
+    status = obj.status.load_balancer if obj.status is not None else None
+    ingress = status.ingress if status is not None else None
+    # Only VIP-style ingress IPs are the node's to serve; "Proxy" ones belong to the balancer.
+    lb_ips = [ing.ip for ing in ingress or () if ing.ip and ing.ip_mode in (None, "VIP")]
+    lb_set = _ip_set(lb_ips, invalid, "status.loadBalancer.ingress")
+
+    filters: tuple[IPFilter, ...] = ()
+    if spec.load_balancer_source_ranges:
+        ranges = []
+        for cidr in spec.load_balancer_source_ranges:
+            try:
+                ranges.append(parse_cidr(cidr)[1])
+            except BadAddress as exc:
+                raise invalid(f"spec.loadBalancerSourceRanges: {exc}") from None
+        if lb_set.V4 or lb_set.V6:
+            filters = (IPFilter(TargetIPs=lb_set, SourceRanges=tuple(ranges)),)
+
+    affinity = None
+    if spec.session_affinity == "ClientIP":
+        timeout = DEFAULT_AFFINITY_TIMEOUT
+        config = spec.session_affinity_config
+        if config is not None and config.client_ip is not None:
+            if config.client_ip.timeout_seconds is not None:
+                timeout = config.client_ip.timeout_seconds
+        if not 0 < timeout <= _MAX_AFFINITY_TIMEOUT:
+            raise invalid(f"spec.sessionAffinityConfig: timeoutSeconds {timeout} out of range")
+        affinity = ClientIPAffinity(TimeoutSeconds=timeout)
+    elif spec.session_affinity not in ("", "None"):
+        raise invalid(f"spec.sessionAffinity: unknown value {spec.session_affinity!r}")
+
+    external_local = _traffic_policy_local(
+        spec.external_traffic_policy, invalid, "spec.externalTrafficPolicy"
+    )
+    internal_local = _traffic_policy_local(
+        spec.internal_traffic_policy, invalid, "spec.internalTrafficPolicy"
+    )
+    # kube-proxy serves a health check only where it means something: LoadBalancer with eTP=Local.
+    health_port = 0
+    if spec.type == "LoadBalancer" and external_local:
+        health_port = _port_number(
+            spec.health_check_node_port, invalid, "spec.healthCheckNodePort", zero=True
+        )
+
+    return Service(
+        Namespace=namespace,
+        Name=name,
+        Type=spec.type,
+        IPs=ServiceIPs(
+            ClusterIPs=_ip_set(cluster_ips, invalid, "spec.clusterIPs"),
+            ExternalIPs=_ip_set(spec.external_ips or [], invalid, "spec.externalIPs"),
+            LoadBalancerIPs=lb_set,
+        ),
+        Ports=ports,
+        ExternalTrafficToLocal=external_local,
+        Labels=dict(obj.metadata.labels or {}),
+        Annotations=_annotations(obj.metadata),
+        IPFilters=filters,
+        ClientIP=affinity,
+        InternalTrafficToLocal=internal_local,
+        HealthCheckNodePort=health_port,
+        TrafficDistribution=spec.traffic_distribution,
+    )
+
+
+def _slice_ports(obj: k8s.EndpointSlice, invalid: InvalidObjectFactory) -> tuple[SlicePort, ...]:
+    ports = []
+    for i, port in enumerate(obj.ports or ()):
+        if port.name is None:
+            # kube-proxy drops a slice port without a name (the API always writes one, maybe "").
+            log.warning(
+                "EndpointSlice %s/%s: ports[%d] has no name; ignored, as kube-proxy does",
+                invalid.namespace,
+                invalid.name,
+                i,
+            )
+            continue
+        if port.port is None or port.port == 0:
+            continue  # kube-proxy: a port without a number is ignored
+        number = _port_number(port.port, invalid, f"ports[{i}]", zero=False)
+        protocol = port.protocol or "TCP"
+        if protocol not in PROTOCOLS:
+            raise invalid(f"ports[{i}]: unknown protocol {protocol!r}")
+        ports.append(SlicePort(name=port.name, protocol=protocol, port=number))
+    return tuple(ports)
+
+
+def _slice_endpoint(
+    ep: k8s.Endpoint, *, v6: bool, invalid: InvalidObjectFactory, i: int
+) -> SliceEndpoint | None:
+    if not ep.addresses:
+        return None
+    try:
+        is_v6, ip = parse_ip(ep.addresses[0])
+    except BadAddress as exc:
+        raise invalid(f"endpoints[{i}].addresses: {exc}") from None
+    if is_v6 != v6:
+        return None  # wrong family for the slice's addressType: ignored, as kube-proxy does
+    cond = ep.conditions
+    hints = ep.hints
+    ref = ep.target_ref
+    return SliceEndpoint(
+        ip=ip,
+        hostname=ep.hostname or "",
+        node=ep.node_name or "",
+        zone=ep.zone or "",
+        pod=ref.name if ref is not None and ref.kind == "Pod" else "",
+        ready=cond is None or cond.ready is None or cond.ready,
+        serving=cond is None or cond.serving is None or cond.serving,
+        terminating=cond is not None and cond.terminating is not None and cond.terminating,
+        zone_hints=tuple(z.name for z in hints.for_zones or ()) if hints is not None else (),
+        node_hints=tuple(n.name for n in hints.for_nodes or ()) if hints is not None else (),
+    )
+
+
+def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> Slice | None:
+    """The model of a discovery.k8s.io/v1 EndpointSlice, or None if kube-proxy would ignore it."""
+    namespace, name = _identity(obj.metadata)
+    invalid = InvalidObjectFactory("EndpointSlice", namespace, name)
+    if not name:
+        raise invalid("metadata.name is missing")
+    if obj.api_version != k8s.API_VERSIONS[k8s.EndpointSlice]:
+        raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    labels = obj.metadata.labels or {}
+    service = labels.get(LABEL_SERVICE_NAME)
+    if not service or LABEL_HEADLESS in labels or not is_proxied(labels, proxy_name=proxy_name):
+        return None
+    if obj.address_type == "FQDN":
+        return None
+    if obj.address_type not in ("IPv4", "IPv6"):
+        raise invalid(f"addressType: unknown value {obj.address_type!r}")
+    v6 = obj.address_type == "IPv6"
+    endpoints = []
+    for i, ep in enumerate(obj.endpoints or ()):
+        converted = _slice_endpoint(ep, v6=v6, invalid=invalid, i=i)
+        if converted is not None:
+            endpoints.append(converted)
+    return Slice(
+        namespace=namespace,
+        name=name,
+        service=service,
+        v6=v6,
+        ports=_slice_ports(obj, invalid),
+        endpoints=tuple(endpoints),
+    )
+
+
+def node_from_k8s(obj: k8s.Node) -> Node:
+    """The globalv1 Node for a v1 Node."""
+    name = obj.metadata.name
+    invalid = InvalidObjectFactory("Node", "", name)
+    if not name:
+        raise invalid("metadata.name is missing")
+    if obj.api_version != k8s.API_VERSIONS[k8s.Node]:
+        raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    labels = dict(obj.metadata.labels or {})
+    return Node(
+        Name=name,
+        Labels=labels,
+        Annotations=_annotations(obj.metadata),
+        Topology=TopologyInfo(Node=name, Zone=labels.get(LABEL_ZONE, "")),
+    )

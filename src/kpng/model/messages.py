@@ -1,0 +1,143 @@
+"""The localv1 and globalv1 messages as msgspec Structs.
+
+These mirror ``kpng/api/localv1.proto`` and ``kpng/api/globalv1.proto`` field for field, with the
+proto field names, so that ``msgspec.json.encode`` of a Struct is the message in protobuf's
+canonical JSON mapping (proto3 leaves default values out, and so does ``omit_defaults``). kpng
+computes with these rather than with the generated protobuf classes: they compare and encode in C,
+and building them costs a fraction of a protobuf message. ``tests/test_wire_model.py`` holds the
+two definitions to each other.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Message(msgspec.Struct, frozen=True, omit_defaults=True):
+    pass
+
+
+class IPSet(_Message):
+    V4: tuple[str, ...] = ()
+    V6: tuple[str, ...] = ()
+
+    def family(self, v6: bool) -> tuple[str, ...]:
+        return self.V6 if v6 else self.V4
+
+
+EMPTY_IPSET = IPSet()
+
+
+class ServiceIPs(_Message):
+    ClusterIPs: IPSet | None = None
+    ExternalIPs: IPSet | None = None
+    Headless: bool = False
+    LoadBalancerIPs: IPSet | None = None
+
+
+class IPFilter(_Message):
+    TargetIPs: IPSet | None = None
+    SourceRanges: tuple[str, ...] = ()
+
+
+class IPFamilies(_Message):
+    V4: bool = False
+    V6: bool = False
+
+
+class PortMapping(_Message):
+    Name: str = ""
+    Protocol: str = ""
+    Port: int = 0
+    NodePort: int = 0
+    TargetPort: int = 0
+    TargetPortName: str = ""
+    UsableEndpoints: IPFamilies | None = None
+
+
+class ClientIPAffinity(_Message):
+    TimeoutSeconds: int = 0
+
+
+class Service(_Message):
+    Namespace: str = ""
+    Name: str = ""
+    Type: str = ""
+    IPs: ServiceIPs | None = None
+    MapIP: bool = False
+    Ports: tuple[PortMapping, ...] = ()
+    ExternalTrafficToLocal: bool = False
+    Labels: dict[str, str] = {}
+    Annotations: dict[str, str] = {}
+    IPFilters: tuple[IPFilter, ...] = ()
+    ClientIP: ClientIPAffinity | None = None
+    InternalTrafficToLocal: bool = False
+    HealthCheckNodePort: int = 0
+    TrafficDistribution: str = ""
+
+
+class PortName(_Message):
+    Name: str = ""
+    Port: int = 0
+    Protocol: str = ""
+
+
+class EndpointScopes(_Message):
+    Internal: bool = False
+    External: bool = False
+    Cluster: bool = False
+
+
+class Endpoint(_Message):
+    Hostname: str = ""
+    IPs: IPSet | None = None
+    Local: bool = False
+    PortOverrides: tuple[PortName, ...] = ()
+    Scopes: EndpointScopes | None = None
+    Ready: bool = False
+    Serving: bool = False
+    Terminating: bool = False
+
+
+# --- globalv1 (the Hash fields are added where the messages are put on the wire or in a dump)
+
+
+class TopologyInfo(_Message):
+    Node: str = ""
+    Zone: str = ""
+
+
+class TopologyHints(_Message):
+    Zones: tuple[str, ...] = ()
+    Nodes: tuple[str, ...] = ()
+
+
+class EndpointConditions(_Message):
+    Ready: bool = False
+    Serving: bool = False
+    Terminating: bool = False
+
+
+class EndpointInfo(_Message):
+    Namespace: str = ""
+    SourceName: str = ""
+    ServiceName: str = ""
+    Endpoint: Endpoint | None = None
+    Conditions: EndpointConditions | None = None
+    PodName: str = ""
+    Topology: TopologyInfo | None = None
+    Hints: TopologyHints | None = None
+
+
+class Node(_Message):
+    Name: str = ""
+    Labels: dict[str, str] = {}
+    Annotations: dict[str, str] = {}
+    Topology: TopologyInfo | None = None
+
+
+class ServiceEndpoints(msgspec.Struct, frozen=True):
+    """One service of a node-local state, with the endpoints this node may use for it."""
+
+    service: Service
+    endpoints: tuple[Endpoint, ...]

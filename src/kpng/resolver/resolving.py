@@ -1,0 +1,237 @@
+"""The brain: the global model to one node's local state, incrementally.
+
+``resolve_service`` computes one service's node-local view (pure, table-tested);
+``NodeResolver`` keeps the index from services to their slices and recomputes only the services
+that a change touched, so one EndpointSlice event costs one service, whatever the cluster's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+
+from kpng.model.cluster import ServiceKey, Slice, SliceEndpoint, SliceKey, node_zone
+from kpng.model.messages import (
+    EMPTY_IPSET,
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPSet,
+    Node,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+)
+from kpng.resolver.categorizing import categorize
+
+_SCOPES = {
+    (i, e, c): EndpointScopes(Internal=i, External=e, Cluster=c)
+    for i in (False, True)
+    for e in (False, True)
+    for c in (False, True)
+}
+_FAMILIES = {
+    (v4, v6): IPFamilies(V4=v4, V6=v6) if v4 or v6 else None
+    for v4 in (False, True)
+    for v6 in (False, True)
+}
+
+
+def _service_externally_accessible(service: Service, ips: IPSet) -> bool:
+    """kube-proxy's service-level rule, which gates externalTrafficPolicy: Local."""
+    return service.Type in ("NodePort", "LoadBalancer") or bool(ips.V4 or ips.V6)
+
+
+def _port_endpoints(
+    port: PortMapping, slices: Sequence[Slice], *, node: str
+) -> list[tuple[SliceEndpoint, int]]:
+    """The endpoints of one service port in one family, deduplicated by address and port.
+
+    Slices are matched by port name and protocol, and give the port number (named target ports
+    resolve this way). One address may sit in several slices for a while; as kube-proxy does, one
+    endpoint is kept per address and port, the local one if any.
+    """
+    chosen: dict[tuple[str, int], SliceEndpoint] = {}
+    for sl in slices:
+        number = 0
+        for sp in sl.ports:
+            if sp.name == port.Name and sp.protocol == port.Protocol:
+                number = sp.port
+                break
+        if not number:
+            continue
+        for ep in sl.endpoints:
+            key = (ep.ip, number)
+            if key not in chosen or ep.node == node:
+                chosen[key] = ep
+    return [(ep, number) for (_, number), ep in chosen.items()]
+
+
+def resolve_service(
+    service: Service, slices: Iterable[Slice], *, node: str, zone: str
+) -> ServiceEndpoints:
+    """One service as node ``node`` in ``zone`` sees it: its ports, and its endpoints with scopes.
+
+    Each IP family is resolved on its own (kube-proxy runs one proxier per family), and each
+    service port on its own; an endpoint whose scopes are the same on every port it serves comes
+    out once, with a PortOverride per port.
+    """
+    ips = service.IPs
+    cluster_ips = ips.ClusterIPs if ips is not None and ips.ClusterIPs is not None else EMPTY_IPSET
+    external_ips = ips.ExternalIPs if ips is not None and ips.ExternalIPs else EMPTY_IPSET
+    lb_ips = ips.LoadBalancerIPs if ips is not None and ips.LoadBalancerIPs else EMPTY_IPSET
+    internal_local = service.InternalTrafficToLocal
+    external_local = service.ExternalTrafficToLocal and _service_externally_accessible(
+        service, external_ips
+    )
+    ordered = sorted(slices, key=lambda sl: sl.name)
+
+    # (endpoint identity, scopes) -> [endpoint, v6, ports]; dicts keep first-seen order.
+    grouped: dict[tuple[int, EndpointScopes], tuple[SliceEndpoint, bool, list[PortName]]] = {}
+    usable: list[list[bool]] = [[False, False] for _ in service.Ports]
+    for v6 in (False, True):
+        if not cluster_ips.family(v6):
+            continue
+        family_slices = [sl for sl in ordered if sl.v6 == v6]
+        has_external_ip = bool(external_ips.family(v6) or lb_ips.family(v6))
+        for p, port in enumerate(service.Ports):
+            candidates = _port_endpoints(port, family_slices, node=node)
+            if not candidates:
+                continue
+            external = port.NodePort != 0 or has_external_ip
+            cats = categorize(
+                [ep for ep, _ in candidates],
+                node=node,
+                zone=zone,
+                uses_cluster=not internal_local or external,
+                uses_local=internal_local or (external_local and external),
+            )
+            usable[p][v6] = cats.has_any
+            for i, (ep, number) in enumerate(candidates):
+                in_cluster = i in cats.cluster
+                in_local = i in cats.local
+                scopes = _SCOPES[
+                    (
+                        in_local if internal_local else in_cluster,
+                        external and (in_local if external_local else in_cluster),
+                        in_cluster,
+                    )
+                ]
+                if scopes is _SCOPES[(False, False, False)]:
+                    continue
+                entry = grouped.get((id(ep), scopes))
+                if entry is None:
+                    entry = grouped[(id(ep), scopes)] = (ep, v6, [])
+                entry[2].append(PortName(Name=port.Name, Port=number, Protocol=port.Protocol))
+
+    endpoints = [
+        Endpoint(
+            Hostname=ep.hostname,
+            IPs=IPSet(V6=(ep.ip,)) if v6 else IPSet(V4=(ep.ip,)),
+            Local=ep.node == node,
+            PortOverrides=tuple(ports),
+            Scopes=scopes,
+            Ready=ep.ready,
+            Serving=ep.serving,
+            Terminating=ep.terminating,
+        )
+        for (_, scopes), (ep, v6, ports) in grouped.items()
+    ]
+    endpoints.sort(key=_endpoint_order)
+    ports = tuple(
+        msgspec.structs.replace(port, UsableEndpoints=_FAMILIES[(v4, v6)])
+        for port, (v4, v6) in zip(service.Ports, usable, strict=True)
+    )
+    return ServiceEndpoints(
+        service=msgspec.structs.replace(service, Ports=ports), endpoints=tuple(endpoints)
+    )
+
+
+def _endpoint_order(ep: Endpoint) -> tuple[bool, str, tuple[tuple[str, str], ...]]:
+    ips = ep.IPs
+    assert ips is not None
+    return (
+        bool(ips.V6),
+        (ips.V6 or ips.V4)[0],
+        tuple((p.Name, p.Protocol) for p in ep.PortOverrides),
+    )
+
+
+class Changes(msgspec.Struct, frozen=True):
+    """What one ``NodeResolver.resolve`` changed in the node-local state."""
+
+    updated: Mapping[ServiceKey, ServiceEndpoints]
+    deleted: frozenset[ServiceKey]
+
+    def __bool__(self) -> bool:
+        return bool(self.updated or self.deleted)
+
+
+class NodeResolver:
+    """The node-local state of one node, kept up to date from global-model changes.
+
+    Feed it with ``set_service``, ``set_slice`` and ``set_node`` (None deletes), then call
+    ``resolve``: it recomputes exactly the services those calls touched and returns what changed.
+    """
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self._zone = ""
+        self._services: dict[ServiceKey, Service] = {}
+        self._slices: dict[SliceKey, Slice] = {}
+        self._slices_by_service: dict[ServiceKey, dict[SliceKey, Slice]] = {}
+        self._dirty: set[ServiceKey] = set()
+        self._state: dict[ServiceKey, ServiceEndpoints] = {}
+
+    @property
+    def state(self) -> Mapping[ServiceKey, ServiceEndpoints]:
+        """The current node-local state, by service key (read-only; resolve() updates it)."""
+        return self._state
+
+    def set_service(self, key: ServiceKey, service: Service | None) -> None:
+        if service is None:
+            self._services.pop(key, None)
+        else:
+            self._services[key] = service
+        self._dirty.add(key)
+
+    def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
+        old = self._slices.pop(key, None)
+        if old is not None:
+            siblings = self._slices_by_service[old.service_key]
+            del siblings[key]
+            if not siblings:
+                del self._slices_by_service[old.service_key]
+            self._dirty.add(old.service_key)
+        if sl is not None:
+            self._slices[key] = sl
+            self._slices_by_service.setdefault(sl.service_key, {})[key] = sl
+            self._dirty.add(sl.service_key)
+
+    def set_node(self, node: Node | None) -> None:
+        """This node's object (others are ignored): its zone drives topology-aware routing."""
+        if node is not None and node.Name != self.node_name:
+            return
+        zone = node_zone(node)
+        if zone != self._zone:
+            self._zone = zone
+            self._dirty.update(self._services)
+
+    def resolve(self) -> Changes:
+        updated: dict[ServiceKey, ServiceEndpoints] = {}
+        deleted: set[ServiceKey] = set()
+        for key in self._dirty:
+            service = self._services.get(key)
+            if service is None:
+                if self._state.pop(key, None) is not None:
+                    deleted.add(key)
+                continue
+            slices = self._slices_by_service.get(key, {}).values()
+            resolved = resolve_service(service, slices, node=self.node_name, zone=self._zone)
+            if self._state.get(key) != resolved:
+                self._state[key] = resolved
+                updated[key] = resolved
+        self._dirty.clear()
+        return Changes(updated=updated, deleted=frozenset(deleted))
