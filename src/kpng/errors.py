@@ -8,7 +8,7 @@ class KpngError(Exception):
 
 
 class InvalidObject(KpngError):
-    """A Kubernetes object kpng cannot use: it is reported and skipped, everything else is served."""
+    """A Kubernetes object kpng cannot use: it is reported and skipped; the rest is served."""
 
     def __init__(self, kind: str, namespace: str, name: str, reason: str) -> None:
         self.kind = kind

@@ -57,7 +57,10 @@ def _annotations(meta: k8s.ObjectMeta) -> dict[str, str]:
     return {k: v for k, v in meta.annotations.items() if k not in _DROPPED_ANNOTATIONS}
 
 
-def _ip_set(ips: list[str], invalid: InvalidObjectFactory, what: str) -> IPSet:
+def _ip_set(ips: list[str], invalid: InvalidObjectFactory, what: str) -> IPSet | None:
+    """The addresses as an IPSet, None if there are none (proto3 JSON then leaves it out)."""
+    if not ips:
+        return None
     v4: set[str] = set()
     v6: set[str] = set()
     for ip in ips:
@@ -160,16 +163,16 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
                 ranges.append(parse_cidr(cidr)[1])
             except BadAddress as exc:
                 raise invalid(f"spec.loadBalancerSourceRanges: {exc}") from None
-        if lb_set.V4 or lb_set.V6:
+        if lb_set is not None:
             filters = (IPFilter(TargetIPs=lb_set, SourceRanges=tuple(ranges)),)
 
     affinity = None
     if spec.session_affinity == "ClientIP":
-        timeout = DEFAULT_AFFINITY_TIMEOUT
         config = spec.session_affinity_config
-        if config is not None and config.client_ip is not None:
-            if config.client_ip.timeout_seconds is not None:
-                timeout = config.client_ip.timeout_seconds
+        client_ip = config.client_ip if config is not None else None
+        timeout = DEFAULT_AFFINITY_TIMEOUT
+        if client_ip is not None and client_ip.timeout_seconds is not None:
+            timeout = client_ip.timeout_seconds
         if not 0 < timeout <= _MAX_AFFINITY_TIMEOUT:
             raise invalid(f"spec.sessionAffinityConfig: timeoutSeconds {timeout} out of range")
         affinity = ClientIPAffinity(TimeoutSeconds=timeout)

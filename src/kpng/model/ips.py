@@ -1,4 +1,4 @@
-"""IP address and CIDR parsing, strict and fast (the file source validates every endpoint address)."""
+"""IP address and CIDR parsing, strict and fast: the file source checks every endpoint address."""
 
 from __future__ import annotations
 

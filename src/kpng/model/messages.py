@@ -17,7 +17,7 @@ class _Message(msgspec.Struct, frozen=True, omit_defaults=True):
     pass
 
 
-class IPSet(_Message):
+class IPSet(_Message, frozen=True):
     V4: tuple[str, ...] = ()
     V6: tuple[str, ...] = ()
 
@@ -28,24 +28,24 @@ class IPSet(_Message):
 EMPTY_IPSET = IPSet()
 
 
-class ServiceIPs(_Message):
+class ServiceIPs(_Message, frozen=True):
     ClusterIPs: IPSet | None = None
     ExternalIPs: IPSet | None = None
     Headless: bool = False
     LoadBalancerIPs: IPSet | None = None
 
 
-class IPFilter(_Message):
+class IPFilter(_Message, frozen=True):
     TargetIPs: IPSet | None = None
     SourceRanges: tuple[str, ...] = ()
 
 
-class IPFamilies(_Message):
+class IPFamilies(_Message, frozen=True):
     V4: bool = False
     V6: bool = False
 
 
-class PortMapping(_Message):
+class PortMapping(_Message, frozen=True):
     Name: str = ""
     Protocol: str = ""
     Port: int = 0
@@ -55,11 +55,11 @@ class PortMapping(_Message):
     UsableEndpoints: IPFamilies | None = None
 
 
-class ClientIPAffinity(_Message):
+class ClientIPAffinity(_Message, frozen=True):
     TimeoutSeconds: int = 0
 
 
-class Service(_Message):
+class Service(_Message, frozen=True):
     Namespace: str = ""
     Name: str = ""
     Type: str = ""
@@ -76,19 +76,19 @@ class Service(_Message):
     TrafficDistribution: str = ""
 
 
-class PortName(_Message):
+class PortName(_Message, frozen=True):
     Name: str = ""
     Port: int = 0
     Protocol: str = ""
 
 
-class EndpointScopes(_Message):
+class EndpointScopes(_Message, frozen=True):
     Internal: bool = False
     External: bool = False
     Cluster: bool = False
 
 
-class Endpoint(_Message):
+class Endpoint(_Message, frozen=True):
     Hostname: str = ""
     IPs: IPSet | None = None
     Local: bool = False
@@ -102,23 +102,23 @@ class Endpoint(_Message):
 # --- globalv1 (the Hash fields are added where the messages are put on the wire or in a dump)
 
 
-class TopologyInfo(_Message):
+class TopologyInfo(_Message, frozen=True):
     Node: str = ""
     Zone: str = ""
 
 
-class TopologyHints(_Message):
+class TopologyHints(_Message, frozen=True):
     Zones: tuple[str, ...] = ()
     Nodes: tuple[str, ...] = ()
 
 
-class EndpointConditions(_Message):
+class EndpointConditions(_Message, frozen=True):
     Ready: bool = False
     Serving: bool = False
     Terminating: bool = False
 
 
-class EndpointInfo(_Message):
+class EndpointInfo(_Message, frozen=True):
     Namespace: str = ""
     SourceName: str = ""
     ServiceName: str = ""
@@ -129,7 +129,7 @@ class EndpointInfo(_Message):
     Hints: TopologyHints | None = None
 
 
-class Node(_Message):
+class Node(_Message, frozen=True):
     Name: str = ""
     Labels: dict[str, str] = {}
     Annotations: dict[str, str] = {}

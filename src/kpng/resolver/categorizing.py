@@ -26,7 +26,7 @@ _NONE: frozenset[int] = frozenset()
 
 
 def _topology_mode(endpoints: Sequence[SliceEndpoint], *, node: str, zone: str) -> str:
-    """"node", "zone" or "" (no topology): from the hints of the ready endpoints only."""
+    """ "node", "zone" or "" (no topology): from the hints of the ready endpoints only."""
     all_node_hints = all_zone_hints = True
     for_node = for_zone = False
     for ep in endpoints:

@@ -1,0 +1,5 @@
+import sys
+
+from kpng.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""``to-json``: the node-local state as one JSON line per revision.
+
+Each line is ``{"node": NAME, "revision": N, "services": [{"service": <localv1.Service>,
+"endpoints": [<localv1.Endpoint>, ...]}, ...]}``, messages in protobuf's canonical JSON mapping,
+services by namespace and name, endpoints by family, address and ports. Each service's JSON is
+cached and re-encoded only when it changes, so a revision costs the change plus one join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import BinaryIO
+
+import msgspec
+
+from kpng.backends.registry import Backend, BackendSpec, NodeState, register
+from kpng.model.cluster import ServiceKey
+
+_encoder = msgspec.json.Encoder()
+
+
+class JsonBackend:
+    def __init__(self, output: BinaryIO, *, once: bool = False, close_output: bool = False) -> None:
+        self._output = output
+        self._once = once
+        self._close_output = close_output
+        self._encoded: dict[ServiceKey, bytes] = {}
+
+    async def apply(self, state: NodeState) -> bool:
+        for key in state.deleted:
+            self._encoded.pop(key, None)
+        for key in state.updated:
+            self._encoded[key] = _encoder.encode(state.services[key])
+        services = b",".join(self._encoded[key] for key in sorted(self._encoded))
+        head = b'{"node":%s,"revision":%d,"services":[' % (
+            _encoder.encode(state.node),
+            state.revision,
+        )
+        self._output.write(head + services + b"]}\n")
+        self._output.flush()
+        return self._once
+
+    async def close(self) -> None:
+        if self._close_output:
+            self._output.close()
+        else:
+            with contextlib.suppress(BrokenPipeError):
+                self._output.flush()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--output", default="-", metavar="FILE", help="where to write the lines (- for stdout)"
+    )
+    parser.add_argument("--once", action="store_true", help="exit 0 after the first complete state")
+
+
+def _create(args: argparse.Namespace) -> Backend:
+    if args.output == "-":
+        return JsonBackend(sys.stdout.buffer, once=args.once)
+    return JsonBackend(open(args.output, "wb"), once=args.once, close_output=True)
+
+
+register(
+    BackendSpec(
+        name="json",
+        help="write the node-local state as one JSON line per revision",
+        add_arguments=_add_arguments,
+        create=_create,
+    )
+)

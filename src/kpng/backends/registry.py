@@ -1,0 +1,88 @@
+"""The backend registry and the in-process backend interface of the ``to-local`` sink."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from kpng.errors import UsageError
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+
+ENTRY_POINT_GROUP = "kpng.backends"
+
+
+class NodeState(msgspec.Struct, frozen=True):
+    """One revision of a node's local state, handed to a backend.
+
+    ``services`` is the complete state (read-only; it changes after ``apply`` returns);
+    ``updated`` and ``deleted`` say which services changed since the previous call, so a backend
+    can do work proportional to the change. The first call names every service in ``updated``.
+    """
+
+    node: str
+    revision: int
+    services: Mapping[ServiceKey, ServiceEndpoints]
+    updated: frozenset[ServiceKey]
+    deleted: frozenset[ServiceKey]
+
+
+class Backend(Protocol):
+    async def apply(self, state: NodeState) -> bool:
+        """Program ``state``. Return True when the backend is done (e.g. ``--once``)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the backend holds; called once, also after a failure."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    """The backend's command is ``to-<name>``."""
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    create: Callable[[argparse.Namespace], Backend]
+
+
+_registry: dict[str, BackendSpec] = {}
+
+
+def register(spec: BackendSpec) -> BackendSpec:
+    """Make ``to-<spec.name>`` available; called by a backend module when it is imported."""
+    _registry[spec.name] = spec
+    return spec
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def names() -> list[str]:
+    """Every backend name, built-in or installed, without importing any backend."""
+    import kpng.backends
+
+    builtin = {m.name for m in pkgutil.iter_modules(kpng.backends.__path__) if m.ispkg}
+    return sorted(builtin | set(_entry_points()))
+
+
+def lookup(name: str) -> BackendSpec:
+    """The registered backend ``name``, importing its module on first use."""
+    if name not in _registry:
+        if name in names():
+            ep = _entry_points().get(name)
+            if ep is not None:
+                importlib.import_module(ep.value)
+            else:
+                importlib.import_module(f"kpng.backends.{name}")
+        if name not in _registry:
+            raise UsageError(f"unknown backend to-{name} (known: {', '.join(names())})")
+    return _registry[name]

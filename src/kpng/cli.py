@@ -1,0 +1,209 @@
+"""The ``kpng`` command. Commands read like the data flow:
+
+    kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]
+
+The command line is cut into those segments at the known source, sink and backend names, and each
+segment is parsed by its own parser, so each part's ``--help`` lists exactly its own flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kpng import __version__
+from kpng.backends import registry
+from kpng.errors import KpngError, UsageError
+from kpng.sinks.file import run_file
+from kpng.sinks.local import run_local
+from kpng.sources.file import FileSource
+from kpng.store import Store
+
+log = logging.getLogger("kpng")
+
+SOURCES = {"file": "read Services, EndpointSlices and Nodes from manifest files, and follow them"}
+SINKS = {
+    "to-local": "resolve the state of one node and feed a backend",
+    "to-file": "write the global state to a file at each revision",
+}
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def _main_parser() -> argparse.ArgumentParser:
+    backends = "\n".join(f"  to-{name}" for name in registry.names())
+    parser = argparse.ArgumentParser(
+        prog="kpng",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]",
+        description="kpng: a pluggable Kubernetes service proxy.",
+        epilog="sources:\n"
+        + "\n".join(f"  {k:10} {v}" for k, v in SOURCES.items())
+        + "\nsinks:\n"
+        + "\n".join(f"  {k:10} {v}" for k, v in SINKS.items())
+        + f"\nbackends (after to-local):\n{backends}\n\n"
+        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe messages to log (default: info)",
+    )
+    parser.add_argument("--version", action="version", version=f"kpng {__version__}")
+    return parser
+
+
+def _source_parser(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kpng {name}", description=SOURCES[name])
+    parser.add_argument(
+        "--input", required=True, type=Path, metavar="PATH", help="a manifest file or directory"
+    )
+    parser.add_argument(
+        "--service-proxy-name",
+        metavar="NAME",
+        help="serve only objects labelled service.kubernetes.io/service-proxy-name=NAME "
+        "(default: only objects without that label)",
+    )
+    return parser
+
+
+def _sink_parser(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kpng <source> {name}", description=SINKS[name])
+    if name == "to-local":
+        parser.add_argument("--node-name", required=True, help="the node whose state to compute")
+    else:
+        parser.add_argument(
+            "--output", required=True, metavar="FILE", help="the dump file (- for stdout)"
+        )
+        parser.add_argument("--once", action="store_true", help="exit 0 after the first dump")
+    return parser
+
+
+@dataclass
+class _Segment:
+    name: str
+    args: list[str]
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
+    """(global args, [source, sink, backend...] segments), cut at the known command names."""
+    backend_names = {f"to-{n}" for n in registry.names()}
+    head: list[str] = []
+    segments: list[_Segment] = []
+    for arg in argv:
+        if (
+            (not segments and arg in SOURCES)
+            or (len(segments) == 1 and arg in SINKS)
+            or (len(segments) >= 2 and segments[1].name == "to-local" and arg in backend_names)
+        ):
+            segments.append(_Segment(arg, []))
+        elif segments:
+            segments[-1].args.append(arg)
+        else:
+            head.append(arg)
+    return head, segments
+
+
+def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Callable[[], Awaitable[None]]]:
+    """Parse the command line into logging options and the coroutine that runs the pipeline."""
+    head, segments = _split(argv)
+    options = _main_parser().parse_args(head)
+    if not segments:
+        _main_parser().print_help(sys.stderr)
+        raise UsageError("a source is required")
+    source_args = _source_parser(segments[0].name).parse_args(segments[0].args)
+    if len(segments) < 2:
+        raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")
+    sink = segments[1]
+    sink_args = _sink_parser(sink.name).parse_args(sink.args)
+
+    source = FileSource(source_args.input, proxy_name=source_args.service_proxy_name)
+    store = Store()
+    sink_run: Callable[[], Awaitable[None]]
+    if sink.name == "to-local":
+        if len(segments) != 3:
+            names = ", ".join(f"to-{n}" for n in registry.names())
+            raise UsageError(f"to-local takes one backend ({names})")
+        spec = registry.lookup(segments[2].name.removeprefix("to-"))
+        backend_parser = argparse.ArgumentParser(
+            prog=f"kpng <source> to-local {segments[2].name}", description=spec.help
+        )
+        spec.add_arguments(backend_parser)
+        backend_args = backend_parser.parse_args(segments[2].args)
+
+        async def sink_run() -> None:
+            backend = spec.create(backend_args)
+            try:
+                await run_local(store, node_name=sink_args.node_name, backend=backend)
+            finally:
+                await backend.close()
+
+    else:
+        if len(segments) > 2:
+            raise UsageError(f"{sink.name} takes no backend")
+
+        async def sink_run() -> None:
+            await run_file(store, output=Path(sink_args.output), once=sink_args.once)
+
+    async def pipeline() -> None:
+        source_task = asyncio.create_task(source.run(store.source("file")), name="source")
+        sink_task = asyncio.create_task(sink_run(), name="sink")
+        try:
+            done, _ = await asyncio.wait(
+                {source_task, sink_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                task.result()  # raise the first failure
+        finally:
+            for task in (source_task, sink_task):
+                task.cancel()
+            await asyncio.gather(source_task, sink_task, return_exceptions=True)
+
+    return options, pipeline
+
+
+async def _run_until_signalled(pipeline: Callable[[], Awaitable[None]]) -> None:
+    task = asyncio.ensure_future(pipeline())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options, pipeline = build(argv)
+    except KpngError as exc:
+        print(f"kpng: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=options.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(_run_until_signalled(pipeline))
+    except KpngError as exc:
+        log.error("%s", exc)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head -1`): not kpng's failure. Point stdout at /dev/null
+        # so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sinks: where the global state goes."""

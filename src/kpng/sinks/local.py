@@ -1,0 +1,53 @@
+"""``to-local``: resolve the store for one node and feed a backend."""
+
+from __future__ import annotations
+
+import logging
+
+from kpng.backends.registry import Backend, NodeState
+from kpng.resolver.resolving import NodeResolver
+from kpng.store import Delta, Store
+
+log = logging.getLogger(__name__)
+
+
+def apply_delta(resolver: NodeResolver, store: Store, delta: Delta) -> None:
+    """Hand the objects a delta names to the resolver (absent ones are deletions)."""
+    for name in delta.nodes:
+        if name == resolver.node_name:
+            resolver.set_node(store.nodes.get(name))
+    for key in delta.services:
+        resolver.set_service(key, store.services.get(key))
+    for key in delta.slices:
+        resolver.set_slice(key, store.slices.get(key))
+
+
+async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
+    """Feed ``backend`` every revision that changes this node's state, until it says it is done."""
+    resolver = NodeResolver(node_name)
+    subscription = store.subscribe()
+    first = True
+    try:
+        async for delta in subscription:
+            apply_delta(resolver, store, delta)
+            changes = resolver.resolve()
+            if not (changes or first):
+                continue
+            state = NodeState(
+                node=node_name,
+                revision=delta.revision,
+                services=resolver.state,
+                updated=frozenset(changes.updated),
+                deleted=changes.deleted,
+            )
+            log.debug(
+                "revision %d: %d services updated, %d deleted",
+                delta.revision,
+                len(state.updated),
+                len(state.deleted),
+            )
+            first = False
+            if await backend.apply(state):
+                return
+    finally:
+        subscription.close()

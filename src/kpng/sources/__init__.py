@@ -1,0 +1,1 @@
+"""Sources: where the global state comes from."""

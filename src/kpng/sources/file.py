@@ -1,0 +1,156 @@
+"""``kpng file --input PATH``: the cluster described by manifest files, followed as they change.
+
+PATH is a file or a directory (read recursively: ``*.yaml``, ``*.yml``, ``*.json``). Each file is
+parsed on its own, so a change re-reads only that file, and only the objects whose content changed
+reach the store. An object defined in two files is reported, and the file that sorts first wins.
+A file that cannot be read or parsed any more is reported and keeps serving its last good content:
+an editor's half-written save never wipes services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import watchfiles
+
+from kpng.errors import InputError
+from kpng.model.cluster import Slice
+from kpng.model.messages import Node, Service
+from kpng.sources import manifests
+from kpng.sources.manifests import Model, ObjectKey, Parsed
+from kpng.store import SourceHandle
+
+log = logging.getLogger(__name__)
+
+SUFFIXES = frozenset({".yaml", ".yml", ".json"})
+# Group a burst of writes (an editor's save, a `cp -r`) into one reload, yet answer promptly.
+_WATCH_STEP_MS = 30
+_WATCH_DEBOUNCE_MS = 400
+
+
+class FileSource:
+    def __init__(self, path: Path, *, proxy_name: str | None = None) -> None:
+        self.path = path
+        self.proxy_name = proxy_name
+        self._parsed: dict[Path, Parsed] = {}
+        self._owner: dict[ObjectKey, Path] = {}
+
+    def files(self) -> list[Path]:
+        """The files PATH names now, in the order that decides duplicates."""
+        if self.path.is_dir():
+            return sorted(p for p in self.path.rglob("*") if self._wanted(p) and p.is_file())
+        return [self.path]
+
+    def _wanted(self, path: Path) -> bool:
+        """In a directory: manifest suffixes, nothing hidden (editors' swap files, .git)."""
+        if not self.path.is_dir():
+            return path == self.path
+        try:
+            parts = path.relative_to(self.path).parts
+        except ValueError:
+            return False
+        return path.suffix in SUFFIXES and not any(part.startswith(".") for part in parts)
+
+    def load(self, out: SourceHandle) -> None:
+        """Read every file and mark the source synced. Raises InputError if PATH is unusable."""
+        if not self.path.exists():
+            raise InputError(f"--input {self.path}: no such file or directory")
+        if self.path.is_file():
+            try:
+                self.path.read_bytes()
+            except OSError as exc:
+                raise InputError(f"--input {self.path}: {exc.strerror}") from None
+        self.reload(self.files(), out)
+        out.mark_synced()
+
+    def reload(self, paths: Iterable[Path], out: SourceHandle) -> None:
+        """Re-read these files (gone ones are forgotten) and stage what changed in the store."""
+        touched: set[ObjectKey] = set()
+        for path in paths:
+            old = self._parsed.get(path)
+            if old is not None:
+                touched.update(old.objects)
+            if not path.exists():
+                self._parsed.pop(path, None)
+                continue
+            parsed = self._read(path)
+            if parsed is None:
+                continue  # unreadable now: keep its last good content
+            self._parsed[path] = parsed
+            touched.update(parsed.objects)
+        order = {p: i for i, p in enumerate(sorted(self._parsed))}
+        for key in touched:
+            self._resolve_owner(key, order, out)
+
+    def _read(self, path: Path) -> Parsed | None:
+        try:
+            data = path.read_bytes()
+            parsed = manifests.parse(data, filename=str(path), proxy_name=self.proxy_name)
+        except OSError as exc:
+            log.error("%s: cannot read: %s; keeping its previous content", path, exc.strerror)
+            return None
+        except InputError as exc:
+            log.error("%s; keeping the file's previous content", exc)
+            return None
+        for error in parsed.errors:
+            log.error("%s", error)
+        return parsed
+
+    def _resolve_owner(self, key: ObjectKey, order: dict[Path, int], out: SourceHandle) -> None:
+        holders = sorted(
+            (p for p in self._parsed if key in self._parsed[p].objects), key=order.__getitem__
+        )
+        owner = holders[0] if holders else None
+        if len(holders) > 1 and self._owner.get(key) != owner:
+            kind, namespace, name = key
+            others = ", ".join(str(p) for p in holders[1:])
+            log.error(
+                "%s %s: defined in %s and again in %s; using %s",
+                kind,
+                f"{namespace}/{name}" if namespace else name,
+                owner,
+                others,
+                owner,
+            )
+        if owner is None:
+            self._owner.pop(key, None)
+            _stage(out, key, None)
+        else:
+            self._owner[key] = owner
+            _stage(out, key, self._parsed[owner].objects[key])
+
+    async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
+        """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
+        self.load(out)
+        watch_root = self.path if self.path.is_dir() else self.path.parent
+        if watching is not None:
+            # awatch arms its inotify watches synchronously in its first step, before it first
+            # yields to the loop; a callback scheduled now runs only after that.
+            asyncio.get_running_loop().call_soon(watching.set)
+        async for batch in watchfiles.awatch(
+            watch_root,
+            recursive=self.path.is_dir(),
+            step=_WATCH_STEP_MS,
+            debounce=_WATCH_DEBOUNCE_MS,
+        ):
+            changed = {Path(p) for _, p in batch if self._wanted(Path(p))}
+            if changed:
+                self.reload(sorted(changed), out)
+                if out.commit():
+                    log.info("reloaded %d file(s)", len(changed))
+
+
+def _stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
+    kind, namespace, name = key
+    if kind == "Service":
+        assert model is None or isinstance(model, Service)
+        out.set_service((namespace, name), model)
+    elif kind == "EndpointSlice":
+        assert model is None or isinstance(model, Slice)
+        out.set_slice((namespace, name), model)
+    else:
+        assert model is None or isinstance(model, Node)
+        out.set_node(name, model)

@@ -1,0 +1,184 @@
+"""Manifest documents (YAML or JSON, single objects, ``kind: List``, kpng dumps) to model objects.
+
+Pure: bytes in, model objects and error messages out. A malformed object is reported with its
+file, kind, namespace and name, and skipped; the rest of the document is still used. A document
+that cannot be parsed at all raises ``InputError``, so the caller can keep what it had.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import yaml
+
+from kpng.errors import InputError, InvalidObject
+from kpng.model import converting, dumping, k8s
+from kpng.model.cluster import Slice
+from kpng.model.messages import Node, Service
+
+log = logging.getLogger(__name__)
+
+ObjectKey = tuple[str, str, str]
+"""(kind, namespace, name); namespace is "" for Nodes."""
+
+Model = Service | Slice | Node
+_KINDS = ("Service", "EndpointSlice", "Node")
+
+
+class Parsed(msgspec.Struct):
+    """One file's objects. A value of None: the object is there but ignored (not kpng's)."""
+
+    objects: dict[ObjectKey, Model | None]
+    errors: list[str]
+
+
+class _Envelope(msgspec.Struct):
+    kind: str = ""
+    items: list[msgspec.Raw] | None = None
+
+
+_object_decoder = msgspec.json.Decoder(k8s.Object)
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+
+
+def parse(data: bytes, *, filename: str, proxy_name: str | None = None) -> Parsed:
+    """The objects of one file. Raises InputError if the file is not YAML or JSON at all."""
+    parsed = Parsed(objects={}, errors=[])
+    stripped = data.lstrip()
+    if stripped[:1] in (b"{", b"["):
+        _parse_json(data, filename, proxy_name, parsed)
+    else:
+        _parse_yaml(data, filename, proxy_name, parsed)
+    return parsed
+
+
+def _parse_json(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InputError(f"{filename}: invalid JSON: {exc}") from None
+    if envelope.kind == dumping.KIND:
+        _add_dump(data, filename, parsed)
+    elif envelope.kind == "List" or (not envelope.kind and envelope.items is not None):
+        for i, raw in enumerate(envelope.items or ()):
+            _add_json_object(raw, f"{filename}: items[{i}]", proxy_name, parsed)
+    else:
+        _add_json_object(data, filename, proxy_name, parsed)
+
+
+def _add_json_object(
+    raw: msgspec.Raw | bytes, where: str, proxy_name: str | None, parsed: Parsed
+) -> None:
+    try:
+        obj = _object_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        _report_undecodable(msgspec.json.decode(raw), exc, where, parsed)
+        return
+    _add(obj, where, proxy_name, parsed)
+
+
+def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
+    try:
+        documents = list(yaml.load_all(data, Loader=_Loader))
+    except yaml.YAMLError as exc:
+        raise InputError(f"{filename}: invalid YAML: {exc}") from None
+    for d, doc in enumerate(documents):
+        where = f"{filename}: document {d}" if len(documents) > 1 else filename
+        if doc is None:
+            continue
+        if isinstance(doc, dict) and doc.get("kind") == dumping.KIND:
+            _add_dump(msgspec.json.encode(doc), where, parsed)
+        elif isinstance(doc, dict) and doc.get("kind") == "List":
+            for i, item in enumerate(doc.get("items") or ()):
+                _add_python_object(item, f"{where}: items[{i}]", proxy_name, parsed)
+        else:
+            _add_python_object(doc, where, proxy_name, parsed)
+
+
+def _add_python_object(item: Any, where: str, proxy_name: str | None, parsed: Parsed) -> None:
+    try:
+        obj = msgspec.convert(item, type=k8s.Object, str_keys=True)
+    except msgspec.ValidationError as exc:
+        _report_undecodable(item, exc, where, parsed)
+        return
+    _add(obj, where, proxy_name, parsed)
+
+
+def _report_undecodable(
+    item: Any, exc: msgspec.ValidationError, where: str, parsed: Parsed
+) -> None:
+    kind, namespace, name = _identity_of(item)
+    if kind not in _KINDS:
+        reason = f"unsupported kind {kind!r}" if kind else "object without a kind"
+    else:
+        reason = str(exc)
+    what = f"{kind or 'object'} {namespace + '/' if namespace else ''}{name or '<no name>'}"
+    parsed.errors.append(f"{where}: {what}: {reason}; skipped")
+
+
+def _identity_of(item: Any) -> tuple[str, str, str]:
+    if not isinstance(item, dict):
+        return "", "", ""
+    meta = item.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    return (
+        str(item.get("kind") or ""),
+        str(meta.get("namespace") or ""),
+        str(meta.get("name") or ""),
+    )
+
+
+def _add(obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed) -> None:
+    model: Model | None
+    try:
+        if isinstance(obj, k8s.Service):
+            model = converting.service_from_k8s(obj, proxy_name=proxy_name)
+        elif isinstance(obj, k8s.EndpointSlice):
+            model = converting.slice_from_k8s(obj, proxy_name=proxy_name)
+        else:
+            model = converting.node_from_k8s(obj)
+    except InvalidObject as exc:
+        parsed.errors.append(f"{where}: {exc}; skipped")
+        return
+    kind = type(obj).__name__
+    namespace = "" if kind == "Node" else obj.metadata.namespace or "default"
+    _keep(parsed, (kind, namespace, obj.metadata.name), model, where)
+
+
+def _keep(parsed: Parsed, key: ObjectKey, model: Model | None, where: str) -> None:
+    if key in parsed.objects:
+        kind, namespace, name = key
+        ident = f"{namespace}/{name}" if namespace else name
+        parsed.errors.append(f"{where}: {kind} {ident}: duplicate object; the first one is kept")
+        return
+    parsed.objects[key] = model
+
+
+def _add_dump(data: bytes, where: str, parsed: Parsed) -> None:
+    try:
+        objects = dumping.load(data)
+    except InputError as exc:
+        parsed.errors.append(f"{where}: {exc}; skipped")
+        return
+    for model in objects:
+        _keep(parsed, model_key(model), model, where)
+
+
+def model_key(model: Model) -> ObjectKey:
+    if isinstance(model, Service):
+        return ("Service", model.Namespace, model.Name)
+    if isinstance(model, Slice):
+        return ("EndpointSlice", model.namespace, model.name)
+    return ("Node", "", model.Name)
+
+
+class _Loader(yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader):  # type: ignore[misc]
+    """Safe YAML with timestamps left as strings (kpng reads none, and msgspec wants str keys)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}

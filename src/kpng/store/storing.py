@@ -1,0 +1,195 @@
+"""The global store: the cluster's Services, EndpointSlices and Nodes as the sources last saw them.
+
+- **Deduplicated**: writing an object equal to the one stored changes nothing (frozen Structs
+  compare in C, so a resent or relisted object costs one comparison, and no revision).
+- **Revisioned**: each source ``commit()`` that changed something is one new revision.
+- **Never partial**: subscribers hear of nothing before every registered source has marked itself
+  synced; then their first delta names every object.
+- **Coalescing**: each subscriber accumulates the keys changed since it last read, so a slow
+  subscriber reads one merged delta instead of a backlog, and memory stays bounded by the number of
+  objects, not of events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import TypeVar
+
+import msgspec
+
+from kpng.model.cluster import ServiceKey, Slice, SliceKey
+from kpng.model.messages import Node, Service
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Delta(msgspec.Struct, frozen=True):
+    """Keys changed (set or deleted) since a subscriber's previous read, at ``revision``."""
+
+    revision: int
+    services: frozenset[ServiceKey]
+    slices: frozenset[SliceKey]
+    nodes: frozenset[str]
+
+
+class Subscription:
+    """A subscriber's view of the store's changes; iterate it (async) to receive Deltas."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._services: set[ServiceKey] = set()
+        self._slices: set[SliceKey] = set()
+        self._nodes: set[str] = set()
+        self._revision = 0  # the last revision delivered
+        self._wakeup = asyncio.Event()
+        self._closed = False
+
+    def _note(self, services: set[ServiceKey], slices: set[SliceKey], nodes: set[str]) -> None:
+        self._services |= services
+        self._slices |= slices
+        self._nodes |= nodes
+        self._wakeup.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._store._subscriptions.discard(self)
+        self._wakeup.set()
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Delta:
+        store = self._store
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            if store.synced and store.revision > self._revision:
+                if self._revision == 0:
+                    # First delivery: everything, whatever was noted before the sync.
+                    self._services = set(store.services)
+                    self._slices = set(store.slices)
+                    self._nodes = set(store.nodes)
+                delta = Delta(
+                    revision=store.revision,
+                    services=frozenset(self._services),
+                    slices=frozenset(self._slices),
+                    nodes=frozenset(self._nodes),
+                )
+                self._services.clear()
+                self._slices.clear()
+                self._nodes.clear()
+                self._revision = store.revision
+                return delta
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+
+class SourceHandle:
+    """What one source writes through. Writes are staged until ``commit()``."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self._store = store
+        self.name = name
+        self.synced = False
+        self._services: set[ServiceKey] = set()
+        self._slices: set[SliceKey] = set()
+        self._nodes: set[str] = set()
+
+    def set_service(self, key: ServiceKey, service: Service | None) -> None:
+        if _put(self._store._services, key, service):
+            self._services.add(key)
+
+    def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
+        if _put(self._store._slices, key, sl):
+            self._slices.add(key)
+
+    def set_node(self, name: str, node: Node | None) -> None:
+        if _put(self._store._nodes, name, node):
+            self._nodes.add(name)
+
+    def commit(self) -> bool:
+        """Publish the staged changes as one revision; False if nothing really changed."""
+        if not (self._services or self._slices or self._nodes):
+            return False
+        self._store._publish(self._services, self._slices, self._nodes)
+        self._services, self._slices, self._nodes = set(), set(), set()
+        return True
+
+    def mark_synced(self) -> None:
+        """The source has delivered its complete initial state (commits what is staged)."""
+        self.commit()
+        if not self.synced:
+            self.synced = True
+            self._store._source_synced(self)
+
+
+def _put(table: dict[K, V], key: K, value: V | None) -> bool:
+    if value is None:
+        return table.pop(key, None) is not None
+    if table.get(key) == value:
+        return False
+    table[key] = value
+    return True
+
+
+class Store:
+    def __init__(self) -> None:
+        self._services: dict[ServiceKey, Service] = {}
+        self._slices: dict[SliceKey, Slice] = {}
+        self._nodes: dict[str, Node] = {}
+        self._sources: list[SourceHandle] = []
+        self._subscriptions: set[Subscription] = set()
+        self.revision = 0
+
+    @property
+    def services(self) -> Mapping[ServiceKey, Service]:
+        return self._services
+
+    @property
+    def slices(self) -> Mapping[SliceKey, Slice]:
+        return self._slices
+
+    @property
+    def nodes(self) -> Mapping[str, Node]:
+        return self._nodes
+
+    @property
+    def synced(self) -> bool:
+        """Every source has delivered its initial state (and there is at least one source)."""
+        return bool(self._sources) and all(s.synced for s in self._sources)
+
+    def source(self, name: str) -> SourceHandle:
+        """Register a source; until it marks itself synced, no subscriber hears anything."""
+        handle = SourceHandle(self, name)
+        self._sources.append(handle)
+        return handle
+
+    def subscribe(self) -> Subscription:
+        sub = Subscription(self)
+        self._subscriptions.add(sub)
+        return sub
+
+    def _publish(self, services: set[ServiceKey], slices: set[SliceKey], nodes: set[str]) -> None:
+        self.revision += 1
+        log.debug(
+            "revision %d: %d services, %d slices, %d nodes changed",
+            self.revision,
+            len(services),
+            len(slices),
+            len(nodes),
+        )
+        for sub in self._subscriptions:
+            sub._note(services, slices, nodes)
+
+    def _source_synced(self, source: SourceHandle) -> None:
+        log.info("source %s synced", source.name)
+        if self.synced:
+            if self.revision == 0:
+                self.revision = 1  # an empty cluster is a complete state too
+            for sub in self._subscriptions:
+                sub._wakeup.set()
