@@ -15,8 +15,13 @@ class InvalidObject(KpngError):
         self.namespace = namespace
         self.name = name
         self.reason = reason
-        where = f"{namespace}/{name}" if namespace else name
-        super().__init__(f"{kind} {where or '<no name>'}: {reason}")
+        super().__init__(f"{kind} {object_name(namespace, name)}: {reason}")
+
+
+def object_name(namespace: str, name: str) -> str:
+    """How kpng names an object in messages: namespace/name, or name alone for Nodes."""
+    name = name or "<no name>"
+    return f"{namespace}/{name}" if namespace else name
 
 
 class InputError(KpngError):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import watchfiles
 
-from kpng.errors import InputError
+from kpng.errors import InputError, object_name
 from kpng.model.cluster import Slice
 from kpng.model.messages import Node, Service
 from kpng.sources import manifests
@@ -84,6 +84,25 @@ class FileSource:
         order = {p: i for i, p in enumerate(sorted(self._parsed))}
         for key in touched:
             self._resolve_owner(key, order, out)
+        self._report_orphans(touched)
+
+    def _report_orphans(self, keys: Iterable[ObjectKey]) -> None:
+        """Slices whose Service is not defined anywhere (ignored Services count as defined)."""
+        for kind, namespace, name in keys:
+            owner = self._owner.get((kind, namespace, name))
+            if kind != "EndpointSlice" or owner is None:
+                continue
+            sl = self._parsed[owner].objects[(kind, namespace, name)]
+            if isinstance(sl, Slice) and ("Service", namespace, sl.service) not in self._owner:
+                log.warning(
+                    "%s: EndpointSlice %s/%s: Service %s/%s is not defined; "
+                    "its endpoints are unused until it is",
+                    owner,
+                    namespace,
+                    name,
+                    namespace,
+                    sl.service,
+                )
 
     def _read(self, path: Path) -> Parsed | None:
         try:
@@ -110,7 +129,7 @@ class FileSource:
             log.error(
                 "%s %s: defined in %s and again in %s; using %s",
                 kind,
-                f"{namespace}/{name}" if namespace else name,
+                object_name(namespace, name),
                 owner,
                 others,
                 owner,

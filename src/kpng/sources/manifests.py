@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from kpng.errors import InputError, InvalidObject
+from kpng.errors import InputError, InvalidObject, object_name
 from kpng.model import converting, dumping, k8s
 from kpng.model.cluster import Slice
 from kpng.model.messages import Node, Service
@@ -46,19 +46,25 @@ _envelope_decoder = msgspec.json.Decoder(_Envelope)
 def parse(data: bytes, *, filename: str, proxy_name: str | None = None) -> Parsed:
     """The objects of one file. Raises InputError if the file is not YAML or JSON at all."""
     parsed = Parsed(objects={}, errors=[])
-    stripped = data.lstrip()
-    if stripped[:1] in (b"{", b"["):
-        _parse_json(data, filename, proxy_name, parsed)
-    else:
+    if data.lstrip()[:1] not in (b"{", b"["):
         _parse_yaml(data, filename, proxy_name, parsed)
-    return parsed
-
-
-def _parse_json(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
+        return parsed
     try:
         envelope = _envelope_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise InputError(f"{filename}: invalid JSON: {exc}") from None
+        # Not one JSON document; maybe YAML in flow style, or several documents.
+        try:
+            _parse_yaml(data, filename, proxy_name, parsed)
+        except InputError:
+            raise InputError(f"{filename}: invalid JSON: {exc}") from None
+        return parsed
+    _parse_json(envelope, data, filename, proxy_name, parsed)
+    return parsed
+
+
+def _parse_json(
+    envelope: _Envelope, data: bytes, filename: str, proxy_name: str | None, parsed: Parsed
+) -> None:
     if envelope.kind == dumping.KIND:
         _add_dump(data, filename, parsed)
     elif envelope.kind == "List" or (not envelope.kind and envelope.items is not None):
@@ -114,8 +120,9 @@ def _report_undecodable(
         reason = f"unsupported kind {kind!r}" if kind else "object without a kind"
     else:
         reason = str(exc)
-    what = f"{kind or 'object'} {namespace + '/' if namespace else ''}{name or '<no name>'}"
-    parsed.errors.append(f"{where}: {what}: {reason}; skipped")
+    parsed.errors.append(
+        f"{where}: {kind or 'object'} {object_name(namespace, name)}: {reason}; skipped"
+    )
 
 
 def _identity_of(item: Any) -> tuple[str, str, str]:
@@ -150,8 +157,9 @@ def _add(obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed) ->
 def _keep(parsed: Parsed, key: ObjectKey, model: Model | None, where: str) -> None:
     if key in parsed.objects:
         kind, namespace, name = key
-        ident = f"{namespace}/{name}" if namespace else name
-        parsed.errors.append(f"{where}: {kind} {ident}: duplicate object; the first one is kept")
+        parsed.errors.append(
+            f"{where}: {kind} {object_name(namespace, name)}: duplicate object; the first one is kept"
+        )
         return
     parsed.objects[key] = model
 

@@ -1,0 +1,207 @@
+"""Manifest parsing: every format kpng reads, and every kind of bad input reported and skipped."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kpng.errors import InputError
+from kpng.model.cluster import Slice
+from kpng.model.messages import Node, Service
+from kpng.sources.manifests import parse
+
+
+def _svc(name: str = "web", namespace: str = "shop", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"name": "http", "port": 80}], **spec},
+    }
+
+
+def _slice(name: str = "web-1", service: str = "web", address: str = "10.1.0.1") -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080}],
+        "endpoints": [{"addresses": [address]}],
+    }
+
+
+NODE = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}}
+
+
+def _yaml(*docs: dict[str, Any]) -> bytes:
+    # JSON is YAML; joined as a multi-document stream.
+    return "\n---\n".join(json.dumps(d) for d in docs).encode()
+
+
+def test_multi_document_yaml() -> None:
+    parsed = parse(_yaml(_svc(), _slice(), NODE), filename="c.yaml")
+    assert parsed.errors == []
+    assert isinstance(parsed.objects[("Service", "shop", "web")], Service)
+    assert isinstance(parsed.objects[("EndpointSlice", "shop", "web-1")], Slice)
+    assert isinstance(parsed.objects[("Node", "", "n1")], Node)
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "yaml"])
+def test_kind_list_as_kubectl_prints_it(as_json: bool) -> None:
+    doc = {"apiVersion": "v1", "kind": "List", "items": [_svc(), _slice(), NODE]}
+    data = json.dumps(doc, indent=4).encode() if as_json else _yaml(doc)
+    parsed = parse(data, filename="list")
+    assert parsed.errors == []
+    assert len(parsed.objects) == 3
+
+
+def test_single_json_object() -> None:
+    parsed = parse(json.dumps(_svc()).encode(), filename="svc.json")
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+
+
+def test_missing_namespace_means_default() -> None:
+    doc = _svc()
+    del doc["metadata"]["namespace"]
+    parsed = parse(_yaml(doc), filename="c.yaml")
+    assert ("Service", "default", "web") in parsed.objects
+
+
+def test_ignored_objects_are_known_but_none() -> None:
+    labelled = _svc(name="other")
+    labelled["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "x"}
+    parsed = parse(_yaml(labelled), filename="c.yaml")
+    assert parsed.objects == {("Service", "shop", "other"): None}
+    assert parsed.errors == []
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"kind: Service\nmetadata: {name: [unclosed\n", "invalid YAML"),
+        (b'{"kind": "Service", "metadata": ', "invalid JSON"),
+    ],
+    ids=["malformed-yaml", "malformed-json"],
+)
+def test_unparseable_file_raises_input_error_naming_the_file(data: bytes, message: str) -> None:
+    with pytest.raises(InputError, match=f"broken.yaml: {message}"):
+        parse(data, filename="broken.yaml")
+
+
+def _bad_port(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["spec"]["ports"][0]["port"] = 70000
+    return doc
+
+
+def _no_port_number(doc: dict[str, Any]) -> dict[str, Any]:
+    del doc["spec"]["ports"][0]["port"]
+    return doc
+
+
+def _bad_protocol(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["spec"]["ports"][0]["protocol"] = "ICMP"
+    return doc
+
+
+def _wrong_type(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["spec"]["ports"][0]["port"] = "eighty"
+    return doc
+
+
+BAD_OBJECTS = [
+    pytest.param(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "shop"}, "spec": {}},
+        "Service shop/<no name>",
+        "metadata.name is missing",
+        id="object-without-name",
+    ),
+    pytest.param(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "shop"}},
+        "Pod shop/p",
+        "unsupported kind 'Pod'",
+        id="unknown-kind",
+    ),
+    pytest.param(
+        _svc(clusterIP="10.96.0.300"), "Service shop/web", "invalid IP address", id="invalid-ip"
+    ),
+    pytest.param(
+        _svc(externalIPs=["not-an-ip"]), "Service shop/web", "spec.externalIPs", id="external-ip"
+    ),
+    pytest.param(
+        _svc(loadBalancerSourceRanges=["10.0.0.0/33"]),
+        "Service shop/web",
+        "invalid CIDR",
+        id="invalid-cidr",
+    ),
+    pytest.param(_bad_port(_svc()), "Service shop/web", "out of range", id="port-out-of-range"),
+    pytest.param(
+        _no_port_number(_svc()), "Service shop/web", "missing port number", id="port-without-number"
+    ),
+    pytest.param(
+        _bad_protocol(_svc()), "Service shop/web", "unknown protocol", id="unknown-protocol"
+    ),
+    pytest.param(_wrong_type(_svc()), "Service shop/web", "Expected `int", id="mistyped-field"),
+    pytest.param(
+        _slice(address="10.1.0.999"),
+        "EndpointSlice shop/web-1",
+        "invalid IP address",
+        id="invalid-endpoint-ip",
+    ),
+]
+
+
+@pytest.mark.parametrize(("bad", "ident", "reason"), BAD_OBJECTS)
+def test_bad_object_is_reported_with_file_kind_namespace_name_and_skipped(
+    bad: dict[str, Any], ident: str, reason: str
+) -> None:
+    good = _svc(name="good")
+    parsed = parse(_yaml(good, bad, NODE), filename="cluster.yaml")
+    assert len(parsed.errors) == 1
+    error = parsed.errors[0]
+    assert error.startswith("cluster.yaml: document 1: ")
+    assert ident in error
+    assert reason in error
+    assert error.endswith("skipped")
+    # everything else is still there
+    assert ("Service", "shop", "good") in parsed.objects
+    assert ("Node", "", "n1") in parsed.objects
+    assert len(parsed.objects) == 2
+
+
+def test_bad_item_in_a_list_names_its_index() -> None:
+    doc = {"kind": "List", "items": [_svc(), _svc(name="bad", clusterIP="x")]}
+    parsed = parse(json.dumps(doc).encode(), filename="l.json")
+    assert parsed.errors == [
+        "l.json: items[1]: Service shop/bad: spec.clusterIPs: invalid IP address 'x'; skipped"
+    ]
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+
+
+def test_duplicate_object_keeps_the_first_and_says_so() -> None:
+    parsed = parse(_yaml(_svc(), _svc(clusterIP="10.96.0.2")), filename="d.yaml")
+    assert parsed.errors == [
+        "d.yaml: document 1: Service shop/web: duplicate object; the first one is kept"
+    ]
+    service = parsed.objects[("Service", "shop", "web")]
+    assert isinstance(service, Service)
+    assert service.IPs is not None and service.IPs.ClusterIPs is not None
+    assert service.IPs.ClusterIPs.V4 == ("10.96.0.1",)
+
+
+def test_yaml_timestamps_do_not_break_decoding() -> None:
+    data = (
+        b"apiVersion: v1\nkind: Node\nmetadata:\n  name: n1\n"
+        b"  creationTimestamp: 2024-01-01T00:00:00Z\n  labels: {built: 2024-01-01}\n"
+    )
+    parsed = parse(data, filename="n.yaml")
+    assert parsed.errors == []
+    node = parsed.objects[("Node", "", "n1")]
+    assert isinstance(node, Node)
+    assert node.Labels == {"built": "2024-01-01"}
