@@ -104,7 +104,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
         if (
             (not segments and arg in SOURCES)
             or (len(segments) == 1 and arg in SINKS)
-            or (len(segments) >= 2 and segments[1].name == "to-local" and arg in backend_names)
+            or (len(segments) >= 2 and arg in backend_names)
         ):
             segments.append(_Segment(arg, []))
         elif segments:
@@ -117,10 +117,12 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
 def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Callable[[], Awaitable[None]]]:
     """Parse the command line into logging options and the coroutine that runs the pipeline."""
     head, segments = _split(argv)
-    options = _main_parser().parse_args(head)
+    options, unknown = _main_parser().parse_known_args(head)
+    if unknown:
+        raise UsageError(f"unknown source {unknown[0]!r} (sources: {', '.join(SOURCES)})")
     if not segments:
-        _main_parser().print_help(sys.stderr)
-        raise UsageError("a source is required")
+        _main_parser().print_usage(sys.stderr)
+        raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
     source_args = _source_parser(segments[0].name).parse_args(segments[0].args)
     if len(segments) < 2:
         raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")

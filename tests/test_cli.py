@@ -1,0 +1,212 @@
+"""End to end: the kpng command on the bundled example and on files it writes and reads back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import EXAMPLE
+
+TIMEOUT_S = 60
+
+
+def _run(
+    cmd: list[str], *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False
+    )
+
+
+def _state(cmd: list[str], node: str, source: Path = EXAMPLE) -> dict[str, Any]:
+    done = _run(
+        cmd, "file", "--input", str(source), "to-local", "--node-name", node, "to-json", "--once"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1
+    state: dict[str, Any] = json.loads(lines[0])
+    return state
+
+
+def _by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f"{s['service']['Namespace']}/{s['service']['Name']}": s for s in state["services"]}
+
+
+def _scopes(entry: dict[str, Any]) -> dict[str, str]:
+    """address -> scope letters (I internal, E external, C cluster) of a service's endpoints."""
+    out = {}
+    for ep in entry["endpoints"]:
+        ips = ep["IPs"].get("V4", []) + ep["IPs"].get("V6", [])
+        scopes = ep.get("Scopes", {})
+        out[ips[0]] = "".join(k[0] for k in ("Internal", "External", "Cluster") if scopes.get(k))
+    return out
+
+
+def test_example_node_local_state_follows_kube_proxy_semantics(kpng_command: list[str]) -> None:
+    state = _state(kpng_command, "node-2")
+    assert state["node"] == "node-2"
+    assert state["revision"] == 1
+    services = _by_name(state)
+    # ignored: another proxy's, headless, ExternalName
+    assert sorted(services) == [
+        "edge/ingress",
+        "kube-system/dns-cache",
+        "monitoring/metrics",
+        "shop/api",
+        "shop/pending",
+        "shop/web",
+    ]
+    # zone hints: node-2 is in zone-a, so only the zone-a ready endpoint; the terminating one is
+    # not needed while a ready endpoint exists
+    assert _scopes(services["shop/web"]) == {"10.244.1.11": "IC"}
+    # eTP=Local with no local endpoint on node-2: nothing External (dropped), but the cluster set
+    # stays for short-circuited traffic
+    assert _scopes(services["edge/ingress"]) == {"10.244.1.31": "IC", "10.244.3.32": "IC"}
+    ingress = services["edge/ingress"]["service"]
+    assert ingress["IPs"]["LoadBalancerIPs"] == {"V4": ["192.0.2.10"]}  # the Proxy-mode IP is not
+    assert ingress["HealthCheckNodePort"] == 32000
+    # iTP=Local: internal traffic to the local endpoint only; the external IP uses all
+    assert _scopes(services["kube-system/dns-cache"]) == {
+        "10.244.1.53": "EC",
+        "10.244.2.53": "IEC",
+        "10.244.3.53": "EC",
+    }
+    assert _scopes(services["monitoring/metrics"]) == {
+        "10.244.1.90": "IC",
+        "fd00:10:244:1::90": "IC",
+    }
+    assert services["monitoring/metrics"]["service"]["Ports"][0]["UsableEndpoints"] == {
+        "V4": True,
+        "V6": True,
+    }
+    assert services["shop/api"]["service"]["ClientIP"] == {"TimeoutSeconds": 600}
+    # no endpoint anywhere: REJECT, told by UsableEndpoints being absent
+    pending = services["shop/pending"]
+    assert pending["endpoints"] == []
+    assert "UsableEndpoints" not in pending["service"]["Ports"][0]
+
+
+def test_node_with_local_endpoints_gets_them_for_external_traffic(kpng_command: list[str]) -> None:
+    services = _by_name(_state(kpng_command, "node-1"))
+    assert _scopes(services["edge/ingress"]) == {"10.244.1.31": "IEC", "10.244.3.32": "IC"}
+
+
+def test_output_is_deterministic(kpng_command: list[str]) -> None:
+    assert _state(kpng_command, "node-3") == _state(kpng_command, "node-3")
+
+
+def test_to_file_dump_reads_back_to_the_same_node_state(
+    kpng_command: list[str], tmp_path: Path
+) -> None:
+    dump = tmp_path / "state.json"
+    done = _run(
+        kpng_command, "file", "--input", str(EXAMPLE), "to-file", "--output", str(dump), "--once"
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads(dump.read_text())
+    assert document["kind"] == "GlobalState"
+    assert {n["Node"]["Name"] for n in document["nodes"]} == {"node-1", "node-2", "node-3"}
+    assert all(int(info["Hash"]) > 0 for info in document["services"])
+    for node in ("node-1", "node-2", "node-3"):
+        assert (
+            _state(kpng_command, node, dump)["services"] == _state(kpng_command, node)["services"]
+        )
+
+
+def test_missing_input_exits_non_zero_with_a_clear_error(
+    kpng_command: list[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.yaml"
+    done = _run(
+        kpng_command, "file", "--input", str(missing), "to-local", "--node-name", "n", "to-json"
+    )
+    assert done.returncode != 0
+    assert f"--input {missing}: no such file or directory" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser to drop root")
+def test_unreadable_input_exits_non_zero_with_a_clear_error(
+    kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    secret = tmp_path / "secret.yaml"
+    shutil.copy(EXAMPLE, secret)
+    secret.chmod(0o000)
+    tmp_path.chmod(0o755)
+    done = _run(
+        ["runuser", "-u", "nobody", "--", *kpng_command],
+        "file", "--input", str(secret), "to-local", "--node-name", "n", "to-json", "--once",
+        env=subprocess_env,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "Permission denied" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["file", "--input", "x"], "a sink is required"),
+        (["file", "--input", "x", "to-local", "--node-name", "n"], "to-local takes one backend"),
+        (["to-local"], "unknown source 'to-local' (sources: file)"),
+        ([], "a source is required"),
+        (
+            ["file", "--input", "x", "to-file", "--output", "-", "to-json"],
+            "to-file takes no backend",
+        ),
+    ],
+    ids=["no-sink", "no-backend", "not-a-source", "nothing", "backend-after-to-file"],
+)
+def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: str) -> None:
+    done = _run(kpng_command, *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_help_lists_sources_sinks_and_registered_backends(kpng_command: list[str]) -> None:
+    done = _run(kpng_command, "--help")
+    assert done.returncode == 0
+    for name in ("file", "to-local", "to-file", "to-json"):
+        assert name in done.stdout
+
+
+def test_following_a_file_prints_a_line_per_change(
+    kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    source = tmp_path / "cluster.yaml"
+    shutil.copy(EXAMPLE, source)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [*kpng_command, "file", "--input", str(source), "to-local", "--node-name", "node-2",
+         "to-json", "--output", str(out)],
+        stderr=subprocess.PIPE, text=True, env=subprocess_env,
+    )  # fmt: skip
+    try:
+        _wait_for_lines(out, 1)
+        # the watch is armed before the first state is written; change the web service's port
+        source.write_text(
+            source.read_text().replace("port: 80, targetPort: http", "port: 81, targetPort: http")
+        )
+        lines = _wait_for_lines(out, 2)
+        web = _by_name(json.loads(lines[1]))["shop/web"]
+        assert web["service"]["Ports"][0]["Port"] == 81
+        assert json.loads(lines[1])["revision"] == 2
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, stderr
+
+
+def _wait_for_lines(path: Path, count: int) -> list[str]:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.02)
+    raise AssertionError(f"{path} did not reach {count} lines in {TIMEOUT_S}s")

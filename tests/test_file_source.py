@@ -1,0 +1,185 @@
+"""The file source: files and directories, followed with inotify, losing nothing on bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kpng.errors import InputError
+from kpng.model.messages import Service
+from kpng.sources.file import FileSource
+from kpng.store import Store
+
+# Bounds for waiting on inotify; a change normally lands in tens of milliseconds.
+WAIT_S = 10.0
+
+
+def _svc(name: str, ip: str = "10.96.0.1") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"clusterIP": ip, "ports": [{"port": 80}]},
+    }
+
+
+def _slice(name: str, service: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.1.0.1"]}],
+    }
+
+
+def _write(path: Path, *docs: dict[str, Any]) -> None:
+    path.write_text("\n---\n".join(json.dumps(d) for d in docs))
+
+
+def _cluster_ip(store: Store, name: str) -> str | None:
+    service = store.services.get(("ns", name))
+    if service is None:
+        return None
+    assert isinstance(service, Service) and service.IPs and service.IPs.ClusterIPs
+    return service.IPs.ClusterIPs.V4[0]
+
+
+def _load(path: Path) -> tuple[FileSource, Store]:
+    store = Store()
+    source = FileSource(path)
+    source.load(store.source("file"))
+    return source, store
+
+
+def test_directory_is_read_recursively_skipping_hidden_and_other_files(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".git").mkdir()
+    _write(tmp_path / "a.yaml", _svc("a"))
+    _write(tmp_path / "sub" / "b.json", _svc("b"))
+    _write(tmp_path / ".git" / "c.yaml", _svc("c"))
+    _write(tmp_path / ".d.yaml.swp", _svc("d"))
+    _write(tmp_path / "notes.txt", _svc("e"))
+    _, store = _load(tmp_path)
+    assert set(store.services) == {("ns", "a"), ("ns", "b")}
+    assert store.synced
+
+
+@pytest.mark.parametrize("missing", ["nothing-here", "nothing-here/x.yaml"])
+def test_missing_input_is_a_clear_error(tmp_path: Path, missing: str) -> None:
+    with pytest.raises(InputError, match="no such file or directory"):
+        _load(tmp_path / missing)
+
+
+def test_duplicate_across_files_first_file_wins_then_hands_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "1.yaml", _svc("a", "10.96.0.1"))
+    _write(tmp_path / "2.yaml", _svc("a", "10.96.0.2"))
+    with caplog.at_level(logging.ERROR):
+        source, store = _load(tmp_path)
+    assert _cluster_ip(store, "a") == "10.96.0.1"
+    assert any("Service ns/a: defined in" in r.getMessage() for r in caplog.records)
+    (tmp_path / "1.yaml").unlink()
+    source.reload([tmp_path / "1.yaml"], store.source("again"))
+    assert _cluster_ip(store, "a") == "10.96.0.2"
+
+
+def test_a_file_that_stops_parsing_keeps_its_last_good_content(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"), _svc("b", "10.96.0.2"))
+    source, store = _load(path)
+    path.write_text("kind: Service\nmetadata: {name: [half-written\n")
+    handle = store.source("reload")
+    with caplog.at_level(logging.ERROR):
+        source.reload([path], handle)
+    assert not handle.commit()
+    assert set(store.services) == {("ns", "a"), ("ns", "b")}
+    assert any("invalid YAML" in r.getMessage() for r in caplog.records)
+
+
+def test_slice_of_an_undefined_service_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "c.yaml", _slice("lost-1", "lost"), _svc("a"), _slice("a-1", "a"))
+    with caplog.at_level(logging.WARNING):
+        _, store = _load(tmp_path / "c.yaml")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("EndpointSlice ns/lost-1: Service ns/lost is not defined" in m for m in messages)
+    assert not any("ns/a-1" in m for m in messages)
+    assert ("ns", "lost-1") in store.slices  # kept: the Service may come later
+
+
+async def _follow(path: Path, change: Callable[[], None], until: Callable[[Store], bool]) -> Store:
+    store = Store()
+    watching = asyncio.Event()
+    task = asyncio.create_task(FileSource(path).run(store.source("file"), watching=watching))
+    try:
+        await asyncio.wait_for(watching.wait(), WAIT_S)
+        change()
+        async with asyncio.timeout(WAIT_S):
+            while not until(store):
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return store
+
+
+def _run(coro: Awaitable[Store]) -> Store:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_editing_a_watched_file_applies_only_what_changed(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"), _svc("b", "10.96.0.2"))
+
+    def change() -> None:
+        _write(path, _svc("a"), _svc("b", "10.96.0.3"))
+
+    store = _run(_follow(path, change, lambda s: _cluster_ip(s, "b") == "10.96.0.3"))
+    assert store.revision == 2  # the load, then exactly one change
+    assert _cluster_ip(store, "a") == "10.96.0.1"
+
+
+def test_file_replaced_by_rename_is_followed(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"))
+
+    def change() -> None:
+        aside = tmp_path / "c.yaml.new"
+        _write(aside, _svc("a"), _svc("b"))
+        aside.rename(path)
+
+    store = _run(_follow(path, change, lambda s: ("ns", "b") in s.services))
+    assert ("ns", "a") in store.services
+
+
+def test_new_and_deleted_files_in_a_watched_directory(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+
+    def change() -> None:
+        (tmp_path / "a.yaml").unlink()
+        (tmp_path / "more").mkdir()
+        _write(tmp_path / "more" / "b.yaml", _svc("b"))
+
+    store = _run(
+        _follow(
+            tmp_path,
+            change,
+            lambda s: ("ns", "b") in s.services and ("ns", "a") not in s.services,
+        )
+    )
+    assert set(store.services) == {("ns", "b")}
