@@ -51,7 +51,9 @@ def _cluster_ip(store: Store, name: str) -> str | None:
     service = store.services.get(("ns", name))
     if service is None:
         return None
-    assert isinstance(service, Service) and service.IPs and service.IPs.ClusterIPs
+    assert isinstance(service, Service)
+    assert service.IPs is not None
+    assert service.IPs.ClusterIPs is not None
     return service.IPs.ClusterIPs.V4[0]
 
 
@@ -124,14 +126,16 @@ def test_slice_of_an_undefined_service_is_reported(
 
 async def _follow(path: Path, change: Callable[[], None], until: Callable[[Store], bool]) -> Store:
     store = Store()
+    deltas = store.subscribe()
     watching = asyncio.Event()
     task = asyncio.create_task(FileSource(path).run(store.source("file"), watching=watching))
     try:
         await asyncio.wait_for(watching.wait(), WAIT_S)
         change()
         async with asyncio.timeout(WAIT_S):
-            while not until(store):
-                await asyncio.sleep(0.01)
+            async for _ in deltas:
+                if until(store):
+                    break
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

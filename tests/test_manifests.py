@@ -191,7 +191,8 @@ def test_duplicate_object_keeps_the_first_and_says_so() -> None:
     ]
     service = parsed.objects[("Service", "shop", "web")]
     assert isinstance(service, Service)
-    assert service.IPs is not None and service.IPs.ClusterIPs is not None
+    assert service.IPs is not None
+    assert service.IPs.ClusterIPs is not None
     assert service.IPs.ClusterIPs.V4 == ("10.96.0.1",)
 
 

@@ -70,7 +70,8 @@ def test_slow_subscriber_reads_one_coalesced_delta() -> None:
         src.set_service(("ns", "a"), None)
         src.commit()
         delta = await _next(sub)
-        assert delta.revision == store.revision == 5
+        assert delta.revision == 5
+        assert store.revision == 5
         assert delta.services == {("ns", "a"), ("ns", "b"), ("ns", "c")}
         assert ("ns", "a") not in store.services
 
@@ -99,7 +100,7 @@ def test_an_empty_cluster_is_delivered_as_a_complete_state() -> None:
         store.source("files").mark_synced()
         delta = await _next(sub)
         assert delta.revision == 1
-        assert not (delta.services or delta.slices or delta.nodes)
+        assert delta.services == delta.slices == delta.nodes == frozenset()
 
     asyncio.run(scenario())
 
@@ -112,6 +113,7 @@ def test_closed_subscription_stops_iterating() -> None:
         await asyncio.sleep(0)
         sub.close()
         done, _ = await asyncio.wait({pending}, timeout=5)
-        assert done and isinstance(pending.exception(), StopAsyncIteration)
+        assert done
+        assert isinstance(pending.exception(), StopAsyncIteration)
 
     asyncio.run(scenario())

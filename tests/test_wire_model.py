@@ -69,7 +69,8 @@ GO_KPNG_FIELDS = {
 def _descriptor(full_name: str) -> Descriptor:
     package, name = full_name.split(".")
     module = localv1_pb2 if package == "localv1" else globalv1_pb2
-    return module.DESCRIPTOR.message_types_by_name[name]
+    descriptor: Descriptor = module.DESCRIPTOR.message_types_by_name[name]
+    return descriptor
 
 
 @pytest.mark.parametrize("full_name", sorted(GO_KPNG_FIELDS))
@@ -102,7 +103,8 @@ def test_sets_enum_and_services_match_go_kpng() -> None:
         watch = module.DESCRIPTOR.services_by_name["Sets"].methods_by_name["Watch"]
         assert watch.input_type.name == request
         assert watch.output_type.full_name == "localv1.OpItem"
-        assert watch.client_streaming and watch.server_streaming
+        assert watch.client_streaming
+        assert watch.server_streaming
 
 
 @pytest.mark.parametrize(
@@ -122,12 +124,12 @@ def test_struct_fields_are_the_proto_fields(
             assert default is None
 
 
-def _is_repeated(field: FieldDescriptor) -> bool:
+def _is_repeated(field: Any) -> bool:
     return bool(field.is_repeated)
 
 
-def _is_map(field: FieldDescriptor) -> bool:
-    return field.message_type is not None and field.message_type.GetOptions().map_entry
+def _is_map(field: Any) -> bool:
+    return field.message_type is not None and bool(field.message_type.GetOptions().map_entry)
 
 
 FULL_SERVICE = messages.Service(

@@ -157,9 +157,8 @@ def _add(obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed) ->
 def _keep(parsed: Parsed, key: ObjectKey, model: Model | None, where: str) -> None:
     if key in parsed.objects:
         kind, namespace, name = key
-        parsed.errors.append(
-            f"{where}: {kind} {object_name(namespace, name)}: duplicate object; the first one is kept"
-        )
+        what = f"{kind} {object_name(namespace, name)}"
+        parsed.errors.append(f"{where}: {what}: duplicate object; the first one is kept")
         return
     parsed.objects[key] = model
 
