@@ -20,8 +20,8 @@ example: $(BIN)/kpng
 test: lint typecheck unit
 
 lint: $(BIN)/kpng
-	$(BIN)/ruff check src tests bench examples
-	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
 typecheck: $(BIN)/kpng

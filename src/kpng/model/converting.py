@@ -134,7 +134,14 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
     if obj.api_version != k8s.API_VERSIONS[k8s.Service]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
     spec = obj.spec
-    if not is_proxied(obj.metadata.labels, proxy_name=proxy_name) or spec.type == "ExternalName":
+    labels = obj.metadata.labels or {}
+    # kube-proxy watches Services and EndpointSlices through one label selector, so the headless
+    # label hides a Service as well as a slice.
+    if (
+        not is_proxied(labels, proxy_name=proxy_name)
+        or LABEL_HEADLESS in labels
+        or spec.type == "ExternalName"
+    ):
         return None
     cluster_ips = spec.cluster_ips or ([spec.cluster_ip] if spec.cluster_ip else [])
     if not cluster_ips or "None" in cluster_ips:
