@@ -2,7 +2,9 @@
 
 Services are kept as localv1 ``Service`` messages; EndpointSlices as ``Slice`` below, one
 ``SliceEndpoint`` per endpoint address; Nodes as globalv1 ``Node`` messages. Every value is frozen,
-so the store can compare an object with its previous version in C and keep references safely.
+so the store can compare an object with its previous version in C and keep references safely, and
+untracked by the cyclic garbage collector (gc=False), as frozen trees of strings cannot form
+cycles.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ SliceKey = tuple[str, str]
 """(namespace, name) of an EndpointSlice."""
 
 
-class SlicePort(msgspec.Struct, frozen=True):
+class SlicePort(msgspec.Struct, frozen=True, gc=False):
     name: str
     protocol: str
     port: int
 
 
-class SliceEndpoint(msgspec.Struct, frozen=True):
+class SliceEndpoint(msgspec.Struct, frozen=True, gc=False):
     """One endpoint of a slice: its first address, conditions with Kubernetes' defaults applied."""
 
     ip: str
@@ -39,7 +41,7 @@ class SliceEndpoint(msgspec.Struct, frozen=True):
     node_hints: tuple[str, ...] = ()
 
 
-class Slice(msgspec.Struct, frozen=True):
+class Slice(msgspec.Struct, frozen=True, gc=False):
     namespace: str
     name: str
     service: str
