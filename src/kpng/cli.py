@@ -11,29 +11,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kpng import __version__
 from kpng.backends import registry
+from kpng.backends.registry import Backend
 from kpng.errors import KpngError, UsageError
-from kpng.sinks.file import run_file
-from kpng.sinks.local import run_local
-from kpng.sources.file import FileSource
+from kpng.sinks import SinkSpec
+from kpng.sinks import file as file_sink
+from kpng.sinks import local as local_sink
+from kpng.sources import Runner, SourceSpec
+from kpng.sources import file as file_source
 from kpng.store import Store
 
 log = logging.getLogger("kpng")
 
-SOURCES = {"file": "read Services, EndpointSlices and Nodes from manifest files, and follow them"}
-SINKS = {
-    "to-local": "resolve the state of one node and feed a backend",
-    "to-file": "write the global state to a file at each revision",
-}
+SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC,)}
+SINKS: dict[str, SinkSpec] = {spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC)}
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -47,9 +47,9 @@ def _main_parser() -> argparse.ArgumentParser:
         usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]",
         description="kpng: a pluggable Kubernetes service proxy.",
         epilog="sources:\n"
-        + "\n".join(f"  {k:10} {v}" for k, v in SOURCES.items())
+        + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
         + "\nsinks:\n"
-        + "\n".join(f"  {k:10} {v}" for k, v in SINKS.items())
+        + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
         + f"\nbackends (after to-local):\n{backends}\n\n"
         "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`.",
     )
@@ -63,29 +63,11 @@ def _main_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _source_parser(name: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"kpng {name}", description=SOURCES[name])
-    parser.add_argument(
-        "--input", required=True, type=Path, metavar="PATH", help="a manifest file or directory"
-    )
-    parser.add_argument(
-        "--service-proxy-name",
-        metavar="NAME",
-        help="serve only objects labelled service.kubernetes.io/service-proxy-name=NAME "
-        "(default: only objects without that label)",
-    )
-    return parser
-
-
-def _sink_parser(name: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"kpng <source> {name}", description=SINKS[name])
-    if name == "to-local":
-        parser.add_argument("--node-name", required=True, help="the node whose state to compute")
-    else:
-        parser.add_argument(
-            "--output", required=True, metavar="FILE", help="the dump file (- for stdout)"
-        )
-        parser.add_argument("--once", action="store_true", help="exit 0 after the first dump")
+def _parser(
+    prog: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=help)
+    add_arguments(parser)
     return parser
 
 
@@ -114,7 +96,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
     return head, segments
 
 
-def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Callable[[], Awaitable[None]]]:
+def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     """Parse the command line into logging options and the coroutine that runs the pipeline."""
     head, segments = _split(argv)
     options, unknown = _main_parser().parse_known_args(head)
@@ -123,42 +105,36 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Callable[[], Awaitab
     if not segments:
         _main_parser().print_usage(sys.stderr)
         raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
-    source_args = _source_parser(segments[0].name).parse_args(segments[0].args)
+    source_spec = SOURCES[segments[0].name]
+    source_args = _parser(
+        f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
+    ).parse_args(segments[0].args)
     if len(segments) < 2:
         raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")
-    sink = segments[1]
-    sink_args = _sink_parser(sink.name).parse_args(sink.args)
+    sink_spec = SINKS[segments[1].name]
+    sink_args = _parser(
+        f"kpng <source> {sink_spec.name}", sink_spec.help, sink_spec.add_arguments
+    ).parse_args(segments[1].args)
 
-    source = FileSource(source_args.input, proxy_name=source_args.service_proxy_name)
-    store = Store()
-    sink_run: Callable[[], Awaitable[None]]
-    if sink.name == "to-local":
+    backend_factory: Callable[[], Backend] | None = None
+    if sink_spec.takes_backend:
         if len(segments) != 3:
             names = ", ".join(f"to-{n}" for n in registry.names())
-            raise UsageError(f"to-local takes one backend ({names})")
+            raise UsageError(f"{sink_spec.name} takes one backend ({names})")
         spec = registry.lookup(segments[2].name.removeprefix("to-"))
-        backend_parser = argparse.ArgumentParser(
-            prog=f"kpng <source> to-local {segments[2].name}", description=spec.help
-        )
-        spec.add_arguments(backend_parser)
-        backend_args = backend_parser.parse_args(segments[2].args)
+        backend_args = _parser(
+            f"kpng <source> {sink_spec.name} {segments[2].name}", spec.help, spec.add_arguments
+        ).parse_args(segments[2].args)
+        backend_factory = functools.partial(spec.create, backend_args)
+    elif len(segments) > 2:
+        raise UsageError(f"{sink_spec.name} takes no backend")
 
-        async def sink_run() -> None:
-            backend = spec.create(backend_args)
-            try:
-                await run_local(store, node_name=sink_args.node_name, backend=backend)
-            finally:
-                await backend.close()
-
-    else:
-        if len(segments) > 2:
-            raise UsageError(f"{sink.name} takes no backend")
-
-        async def sink_run() -> None:
-            await run_file(store, output=Path(sink_args.output), once=sink_args.once)
+    store = Store()
+    source_run = source_spec.create(source_args, store)
+    sink_run = sink_spec.create(sink_args, store, backend_factory)
 
     async def pipeline() -> None:
-        source_task = asyncio.create_task(source.run(store.source("file")), name="source")
+        source_task = asyncio.create_task(source_run(), name="source")
         sink_task = asyncio.create_task(sink_run(), name="sink")
         try:
             done, _ = await asyncio.wait(
@@ -174,7 +150,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Callable[[], Awaitab
     return options, pipeline
 
 
-async def _run_until_signalled(pipeline: Callable[[], Awaitable[None]]) -> None:
+async def _run_until_signalled(pipeline: Runner) -> None:
     task = asyncio.ensure_future(pipeline())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

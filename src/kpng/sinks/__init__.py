@@ -1,1 +1,25 @@
-"""Sinks: where the global state goes."""
+"""Sinks: where the global state goes. Each module exposes a ``SPEC`` the CLI lists."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kpng.backends.registry import Backend
+from kpng.store import Store
+
+Runner = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    name: str
+    """The command word, e.g. ``to-local``."""
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    create: Callable[[argparse.Namespace, Store, Callable[[], Backend] | None], Runner]
+    """Returns what runs the sink until it is done or cancelled; a sink that takes a backend gets
+    the factory of the one named on the command line."""
+    takes_backend: bool = False

@@ -6,11 +6,15 @@ dump; ``kpng file --input`` reads it back.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from kpng.backends.registry import Backend
 from kpng.model import dumping
+from kpng.sinks import Runner, SinkSpec
 from kpng.store import Store
 
 
@@ -39,3 +43,20 @@ async def run_file(store: Store, *, output: Path, once: bool = False) -> None:
                 return
     finally:
         subscription.close()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, metavar="FILE", help="the dump (- for stdout)")
+    parser.add_argument("--once", action="store_true", help="exit 0 after the first dump")
+
+
+def _create(args: argparse.Namespace, store: Store, _: Callable[[], Backend] | None) -> Runner:
+    return lambda: run_file(store, output=Path(args.output), once=args.once)
+
+
+SPEC = SinkSpec(
+    name="to-file",
+    help="write the global state to a file at each revision",
+    add_arguments=_add_arguments,
+    create=_create,
+)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+from collections.abc import Callable
 
 from kpng.backends.registry import Backend, NodeState
 from kpng.resolver.resolving import NodeResolver
+from kpng.sinks import Runner, SinkSpec
 from kpng.store import Delta, Store
 
 log = logging.getLogger(__name__)
@@ -51,3 +54,31 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
                 return
     finally:
         subscription.close()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-name", required=True, help="the node whose state to compute")
+
+
+def _create(
+    args: argparse.Namespace, store: Store, backend_factory: Callable[[], Backend] | None
+) -> Runner:
+    assert backend_factory is not None
+
+    async def run() -> None:
+        backend = backend_factory()
+        try:
+            await run_local(store, node_name=args.node_name, backend=backend)
+        finally:
+            await backend.close()
+
+    return run
+
+
+SPEC = SinkSpec(
+    name="to-local",
+    help="resolve the state of one node and feed a backend",
+    add_arguments=_add_arguments,
+    create=_create,
+    takes_backend=True,
+)

@@ -1,1 +1,23 @@
-"""Sources: where the global state comes from."""
+"""Sources: where the global state comes from. Each module exposes a ``SPEC`` the CLI lists."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kpng.store import Store
+
+Runner = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    """The command word, e.g. ``file``."""
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    create: Callable[[argparse.Namespace, Store], Runner]
+    """Registers the source's handles in the store now (so no sink can see the store synced
+    without them), and returns what runs the source until cancelled."""

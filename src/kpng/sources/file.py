@@ -9,6 +9,7 @@ an editor's half-written save never wipes services.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import Iterable
@@ -19,9 +20,9 @@ import watchfiles
 from kpng.errors import InputError, object_name
 from kpng.model.cluster import Slice
 from kpng.model.messages import Node, Service
-from kpng.sources import manifests
+from kpng.sources import Runner, SourceSpec, manifests
 from kpng.sources.manifests import Model, ObjectKey, Parsed
-from kpng.store import SourceHandle
+from kpng.store import SourceHandle, Store
 
 log = logging.getLogger(__name__)
 
@@ -173,3 +174,29 @@ def _stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
     else:
         assert model is None or isinstance(model, Node)
         out.set_node(name, model)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input", required=True, type=Path, metavar="PATH", help="a manifest file or directory"
+    )
+    parser.add_argument(
+        "--service-proxy-name",
+        metavar="NAME",
+        help="serve only objects labelled service.kubernetes.io/service-proxy-name=NAME "
+        "(default: only objects without that label)",
+    )
+
+
+def _create(args: argparse.Namespace, store: Store) -> Runner:
+    source = FileSource(args.input, proxy_name=args.service_proxy_name)
+    handle = store.source("file")
+    return lambda: source.run(handle)
+
+
+SPEC = SourceSpec(
+    name="file",
+    help="read Services, EndpointSlices and Nodes from manifest files, and follow them",
+    add_arguments=_add_arguments,
+    create=_create,
+)
