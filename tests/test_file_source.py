@@ -187,3 +187,25 @@ def test_new_and_deleted_files_in_a_watched_directory(tmp_path: Path) -> None:
         )
     )
     assert set(store.services) == {("ns", "b")}
+
+
+def test_directory_moved_in_and_out_of_a_watched_directory(tmp_path: Path) -> None:
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    _write(watched / "a.yaml", _svc("a"))
+    staging = tmp_path / "staging"
+    (staging / "deep").mkdir(parents=True)
+    _write(staging / "deep" / "b.yaml", _svc("b"))
+    _write(staging / "c.json", _svc("c"))
+
+    def move_in() -> None:
+        staging.rename(watched / "team")  # files that existed before any watch on them
+
+    store = _run(_follow(watched, move_in, lambda s: len(s.services) == 3))
+    assert set(store.services) == {("ns", "a"), ("ns", "b"), ("ns", "c")}
+
+    def move_out() -> None:
+        (watched / "team").rename(tmp_path / "gone")
+
+    store = _run(_follow(watched, move_out, lambda s: len(s.services) == 1))
+    assert set(store.services) == {("ns", "a")}

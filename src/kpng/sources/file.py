@@ -105,6 +105,22 @@ class FileSource:
                     sl.service,
                 )
 
+    def _files_behind(self, paths: set[Path]) -> set[Path]:
+        """The manifest files that changed events may concern.
+
+        A directory created or moved in is read whole: its files can be written before inotify
+        watches it (`cp -r`). A directory deleted or moved out takes its known files with it.
+        """
+        files: set[Path] = set()
+        for path in paths:
+            if path.is_dir():
+                files.update(p for p in path.rglob("*") if self._wanted(p) and p.is_file())
+            elif self._wanted(path):
+                files.add(path)
+            if not path.exists():
+                files.update(p for p in self._parsed if p.is_relative_to(path))
+        return files
+
     def _read(self, path: Path) -> Parsed | None:
         try:
             data = path.read_bytes()
@@ -156,7 +172,7 @@ class FileSource:
             step=_WATCH_STEP_MS,
             debounce=_WATCH_DEBOUNCE_MS,
         ):
-            changed = {Path(p) for _, p in batch if self._wanted(Path(p))}
+            changed = self._files_behind({Path(p) for _, p in batch})
             if changed:
                 self.reload(sorted(changed), out)
                 if out.commit():
