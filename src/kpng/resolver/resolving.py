@@ -160,7 +160,7 @@ def _endpoint_order(ep: Endpoint) -> tuple[bool, str, tuple[tuple[str, str], ...
 
 
 class Changes(msgspec.Struct, frozen=True):
-    """What one ``NodeResolver.resolve`` changed in the node-local state."""
+    """What one ``resolve`` changed in a node-local state."""
 
     updated: Mapping[ServiceKey, ServiceEndpoints]
     deleted: frozenset[ServiceKey]
@@ -169,33 +169,78 @@ class Changes(msgspec.Struct, frozen=True):
         return bool(self.updated or self.deleted)
 
 
-class NodeResolver:
-    """The node-local state of one node, kept up to date from global-model changes.
+# A node name no endpoint can have (Kubernetes names are DNS labels): resolving for it gives the
+# view of every node that hosts none of a service's endpoints and is named by none of its hints.
+_ELSEWHERE = "\x00"
 
-    Feed it with ``set_service``, ``set_slice`` and ``set_node`` (None deletes), then call
-    ``resolve``: it recomputes exactly the services those calls touched and returns what changed.
+
+class _ServiceResults:
+    """One service's resolutions, shared by every node that sees it the same way."""
+
+    __slots__ = ("node_relevant", "results", "zone_relevant")
+
+    def __init__(self, slices: Iterable[Slice]) -> None:
+        nodes: set[str] = set()
+        zone_relevant = False
+        for sl in slices:
+            for ep in sl.endpoints:
+                nodes.add(ep.node)
+                nodes.update(ep.node_hints)
+                zone_relevant = zone_relevant or bool(ep.zone_hints)
+        self.node_relevant = frozenset(nodes)
+        self.zone_relevant = zone_relevant
+        self.results: dict[tuple[str, str], ServiceEndpoints] = {}
+
+    def class_of(self, node: str, zone: str) -> tuple[str, str]:
+        """Nodes of one class see the service identically: resolve_service reads the node name
+        only to compare it with endpoints' nodes and node hints, and the zone only through zone
+        hints."""
+        return (
+            node if node in self.node_relevant else _ELSEWHERE,
+            zone if self.zone_relevant else "",
+        )
+
+
+class ClusterResolver:
+    """The brain for any number of nodes: one index of the cluster, results shared by nodes.
+
+    Feed it with ``set_service``, ``set_slice`` and ``set_node`` (None deletes). Each node's state
+    is a ``NodeView``; ``NodeView.resolve`` recomputes only the services changed since its last
+    call. Resolutions are cached per service and per class of nodes that see it alike (those
+    hosting none of its endpoints share one), so a thousand nodes cost a handful of resolutions
+    per changed service, not a thousand.
     """
 
-    def __init__(self, node_name: str) -> None:
-        self.node_name = node_name
-        self._zone = ""
+    def __init__(self) -> None:
         self._services: dict[ServiceKey, Service] = {}
         self._slices: dict[SliceKey, Slice] = {}
         self._slices_by_service: dict[ServiceKey, dict[SliceKey, Slice]] = {}
-        self._dirty: set[ServiceKey] = set()
-        self._state: dict[ServiceKey, ServiceEndpoints] = {}
+        self._zones: dict[str, str] = {}
+        self._results: dict[ServiceKey, _ServiceResults] = {}
+        # Changed service keys, read by each view from its own position on.
+        self._log: list[ServiceKey] = []
+        self._log_start = 0
+        self._views: set[NodeView] = set()
 
     @property
-    def state(self) -> Mapping[ServiceKey, ServiceEndpoints]:
-        """The current node-local state, by service key (read-only; resolve() updates it)."""
-        return self._state
+    def services(self) -> Mapping[ServiceKey, Service]:
+        return self._services
+
+    def zone(self, node: str) -> str:
+        return self._zones.get(node, "")
+
+    def _changed(self, key: ServiceKey) -> None:
+        self._results.pop(key, None)
+        if self._views:
+            self._log.append(key)
 
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
         if service is None:
-            self._services.pop(key, None)
+            if self._services.pop(key, None) is None:
+                return
         else:
             self._services[key] = service
-        self._dirty.add(key)
+        self._changed(key)
 
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         old = self._slices.pop(key, None)
@@ -204,34 +249,133 @@ class NodeResolver:
             del siblings[key]
             if not siblings:
                 del self._slices_by_service[old.service_key]
-            self._dirty.add(old.service_key)
+            self._changed(old.service_key)
         if sl is not None:
             self._slices[key] = sl
             self._slices_by_service.setdefault(sl.service_key, {})[key] = sl
-            self._dirty.add(sl.service_key)
+            if old is None or old.service_key != sl.service_key:
+                self._changed(sl.service_key)
 
-    def set_node(self, node: Node | None) -> None:
-        """This node's object (others are ignored): its zone drives topology-aware routing."""
-        if node is not None and node.Name != self.node_name:
-            return
+    def set_node(self, name: str, node: Node | None) -> None:
+        """A node's object: its zone drives topology-aware routing for that node."""
         zone = node_zone(node)
-        if zone != self._zone:
-            self._zone = zone
-            self._dirty.update(self._services)
+        if zone == self._zones.get(name, ""):
+            return
+        if node is None or not zone:
+            self._zones.pop(name, None)
+        else:
+            self._zones[name] = zone
+        for view in self._views:
+            if view.node_name == name:
+                view._everything_dirty = True
+
+    def resolve(self, key: ServiceKey, node: str) -> ServiceEndpoints | None:
+        """Service ``key`` as ``node`` sees it, None if there is no such service."""
+        service = self._services.get(key)
+        if service is None:
+            return None
+        slices = self._slices_by_service.get(key, {}).values()
+        results = self._results.get(key)
+        if results is None:
+            results = self._results[key] = _ServiceResults(slices)
+        cls = results.class_of(node, self._zones.get(node, ""))
+        resolved = results.results.get(cls)
+        if resolved is None:
+            resolved = results.results[cls] = resolve_service(
+                service, slices, node=cls[0], zone=cls[1]
+            )
+        return resolved
+
+    def view(self, node_name: str) -> NodeView:
+        """A new node-local state; its first ``resolve`` yields every service."""
+        view = NodeView(self, node_name, self._log_start + len(self._log))
+        self._views.add(view)
+        return view
+
+    def _read_log(self, view: NodeView) -> list[ServiceKey]:
+        keys = self._log[view._position - self._log_start :]
+        view._position = self._log_start + len(self._log)
+        self._trim_log()
+        return keys
+
+    def _trim_log(self) -> None:
+        done = min((v._position for v in self._views), default=self._log_start + len(self._log))
+        if done > self._log_start:
+            del self._log[: done - self._log_start]
+            self._log_start = done
+
+    def _close(self, view: NodeView) -> None:
+        self._views.discard(view)
+        self._trim_log()
+
+
+class NodeView:
+    """One node's local state inside a ClusterResolver, updated by ``resolve``."""
+
+    def __init__(self, cluster: ClusterResolver, node_name: str, position: int) -> None:
+        self.node_name = node_name
+        self._cluster = cluster
+        self._position = position
+        self._everything_dirty = True
+        self._state: dict[ServiceKey, ServiceEndpoints] = {}
+
+    @property
+    def state(self) -> Mapping[ServiceKey, ServiceEndpoints]:
+        """The node-local state, by service key (read-only; resolve() updates it)."""
+        return self._state
 
     def resolve(self) -> Changes:
+        """Bring the state up to date; return what changed since the previous call."""
+        if self._everything_dirty:
+            self._everything_dirty = False
+            self._cluster._read_log(self)
+            keys: Iterable[ServiceKey] = set(self._cluster.services) | set(self._state)
+        else:
+            keys = set(self._cluster._read_log(self))
         updated: dict[ServiceKey, ServiceEndpoints] = {}
         deleted: set[ServiceKey] = set()
-        for key in self._dirty:
-            service = self._services.get(key)
-            if service is None:
-                if self._state.pop(key, None) is not None:
+        for key in keys:
+            resolved = self._cluster.resolve(key, self.node_name)
+            old = self._state.get(key)
+            if resolved is None:
+                if old is not None:
+                    del self._state[key]
                     deleted.add(key)
-                continue
-            slices = self._slices_by_service.get(key, {}).values()
-            resolved = resolve_service(service, slices, node=self.node_name, zone=self._zone)
-            if self._state.get(key) != resolved:
+            elif old is not resolved and old != resolved:
                 self._state[key] = resolved
                 updated[key] = resolved
-        self._dirty.clear()
         return Changes(updated=updated, deleted=frozenset(deleted))
+
+    def close(self) -> None:
+        self._cluster._close(self)
+
+
+class NodeResolver:
+    """The node-local state of one node, kept up to date from global-model changes.
+
+    Feed it with ``set_service``, ``set_slice`` and ``set_node`` (None deletes; other nodes'
+    objects are ignored), then call ``resolve``: it recomputes exactly the services those calls
+    touched and returns what changed.
+    """
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self._cluster = ClusterResolver()
+        self._view = self._cluster.view(node_name)
+
+    @property
+    def state(self) -> Mapping[ServiceKey, ServiceEndpoints]:
+        return self._view.state
+
+    def set_service(self, key: ServiceKey, service: Service | None) -> None:
+        self._cluster.set_service(key, service)
+
+    def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
+        self._cluster.set_slice(key, sl)
+
+    def set_node(self, node: Node | None) -> None:
+        if node is None or node.Name == self.node_name:
+            self._cluster.set_node(self.node_name, node)
+
+    def resolve(self) -> Changes:
+        return self._view.resolve()
