@@ -11,7 +11,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from kpng.api import globalv1_pb2, localv1_pb2
-from kpng.model import dumping, messages
+from kpng.model import messages
 
 PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.IPSet, localv1_pb2.IPSet),
@@ -28,9 +28,9 @@ PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.TopologyHints, globalv1_pb2.TopologyHints),
     (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
     (messages.Node, globalv1_pb2.Node),
-    (dumping._ServiceInfo, globalv1_pb2.ServiceInfo),
-    (dumping._EndpointInfo, globalv1_pb2.EndpointInfo),
-    (dumping._NodeInfo, globalv1_pb2.NodeInfo),
+    (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
+    (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
+    (messages.NodeInfo, globalv1_pb2.NodeInfo),
 ]
 
 GO_KPNG_FIELDS = {
@@ -198,7 +198,7 @@ def test_struct_json_is_protobuf_canonical_json(
 
 
 def test_dump_infos_are_globalv1_json() -> None:
-    info = dumping._EndpointInfo(
+    info = messages.EndpointInfo(
         Hash="18446744073709551615",
         Namespace="ns",
         SourceName="svc-abc",

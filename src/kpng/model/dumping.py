@@ -22,8 +22,10 @@ from kpng.model.messages import (
     EndpointInfo,
     IPSet,
     Node,
+    NodeInfo,
     PortName,
     Service,
+    ServiceInfo,
     TopologyHints,
     TopologyInfo,
 )
@@ -40,35 +42,13 @@ def message_hash(message: msgspec.Struct) -> str:
     return str(int.from_bytes(digest, "big"))
 
 
-class _ServiceInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    Hash: str = ""
-    Service: Service | None = None
-
-
-class _EndpointInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    Hash: str = ""
-    Namespace: str = ""
-    SourceName: str = ""
-    ServiceName: str = ""
-    Endpoint: Endpoint | None = None
-    Conditions: EndpointConditions | None = None
-    PodName: str = ""
-    Topology: TopologyInfo | None = None
-    Hints: TopologyHints | None = None
-
-
-class _NodeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    Hash: str = ""
-    Node: Node | None = None
-
-
 class GlobalState(msgspec.Struct, frozen=True, rename={"api_version": "apiVersion"}):
     api_version: str = API_VERSION
     kind: str = KIND
     revision: int = 0
-    nodes: tuple[_NodeInfo, ...] = ()
-    services: tuple[_ServiceInfo, ...] = ()
-    endpoints: tuple[_EndpointInfo, ...] = ()
+    nodes: tuple[NodeInfo, ...] = ()
+    services: tuple[ServiceInfo, ...] = ()
+    endpoints: tuple[EndpointInfo, ...] = ()
 
 
 def endpoint_infos(sl: Slice) -> Iterable[EndpointInfo]:
@@ -103,13 +83,11 @@ def dump(
     infos = [info for key in sorted(slices) for info in endpoint_infos(slices[key])]
     state = GlobalState(
         revision=revision,
-        nodes=tuple(_NodeInfo(Hash=message_hash(n), Node=n) for _, n in sorted(nodes.items())),
+        nodes=tuple(NodeInfo(Hash=message_hash(n), Node=n) for _, n in sorted(nodes.items())),
         services=tuple(
-            _ServiceInfo(Hash=message_hash(s), Service=s) for _, s in sorted(services.items())
+            ServiceInfo(Hash=message_hash(s), Service=s) for _, s in sorted(services.items())
         ),
-        endpoints=tuple(
-            _EndpointInfo(Hash=message_hash(i), **msgspec.structs.asdict(i)) for i in infos
-        ),
+        endpoints=tuple(msgspec.structs.replace(i, Hash=message_hash(i)) for i in infos),
     )
     return _encoder.encode(state) + b"\n"
 
@@ -124,7 +102,7 @@ def load(data: bytes) -> list[Service | Slice | Node]:
         raise InputError(f"unsupported {KIND} apiVersion {state.api_version!r}")
     objects: list[Service | Slice | Node] = [n.Node for n in state.nodes if n.Node is not None]
     objects += [s.Service for s in state.services if s.Service is not None]
-    grouped: dict[SliceKey, list[_EndpointInfo]] = {}
+    grouped: dict[SliceKey, list[EndpointInfo]] = {}
     for info in state.endpoints:
         grouped.setdefault((info.Namespace, info.SourceName), []).append(info)
     for (namespace, name), infos in grouped.items():
@@ -132,7 +110,7 @@ def load(data: bytes) -> list[Service | Slice | Node]:
     return objects
 
 
-def _slice_of(namespace: str, name: str, infos: list[_EndpointInfo]) -> Slice:
+def _slice_of(namespace: str, name: str, infos: list[EndpointInfo]) -> Slice:
     first = infos[0].Endpoint or Endpoint()
     endpoints = []
     v6 = False

@@ -101,7 +101,8 @@ class Endpoint(_Message, frozen=True):
     Terminating: bool = False
 
 
-# --- globalv1 (the Hash fields are added where the messages are put on the wire or in a dump)
+# --- globalv1. Hash is Go KPNG's uint64 change hash, kept as canonical JSON writes a uint64: a
+# decimal string. kpng sets it where the messages leave the process (dumps, the global watch).
 
 
 class TopologyInfo(_Message, frozen=True):
@@ -120,7 +121,13 @@ class EndpointConditions(_Message, frozen=True):
     Terminating: bool = False
 
 
+class ServiceInfo(_Message, frozen=True):
+    Hash: str = ""
+    Service: Service | None = None
+
+
 class EndpointInfo(_Message, frozen=True):
+    Hash: str = ""
     Namespace: str = ""
     SourceName: str = ""
     ServiceName: str = ""
@@ -136,6 +143,11 @@ class Node(_Message, frozen=True):
     Labels: dict[str, str] = {}
     Annotations: dict[str, str] = {}
     Topology: TopologyInfo | None = None
+
+
+class NodeInfo(_Message, frozen=True):
+    Hash: str = ""
+    Node: Node | None = None
 
 
 class ServiceEndpoints(msgspec.Struct, frozen=True, gc=False):

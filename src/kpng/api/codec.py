@@ -1,0 +1,175 @@
+"""The model's msgspec Structs to protobuf wire bytes and back, and the framing of watch ops.
+
+The Structs mirror the proto messages field for field (``tests/test_wire_model.py``), so one
+generic codec per message type, planned once from the descriptors, converts either way. Ops are
+framed by hand: an OpItem or OpBatch is a few length-delimited fields around a payload that is
+encoded once and shared by every stream that sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from kpng.api import globalv1_pb2, localv1_pb2
+from kpng.model import messages
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+_MESSAGE = FieldDescriptor.TYPE_MESSAGE
+_ENUM = FieldDescriptor.TYPE_ENUM
+_UINT64 = FieldDescriptor.TYPE_UINT64
+
+
+class Codec(Generic[S]):
+    """Converts one Struct type to its protobuf message and back."""
+
+    def __init__(self, struct: type[S], proto: type[Message], subcodecs: dict[str, Codec[Any]]):
+        self.struct = struct
+        self.proto = proto
+        descriptor: Any = proto.DESCRIPTOR  # upb's and the pure-Python descriptor types differ
+        defaults = {f.name: f.default for f in msgspec.structs.fields(struct)}
+        self._to: list[tuple[str, Callable[[Any], Any], Any]] = []
+        self._from: list[tuple[str, Callable[[Any], Any], bool]] = []
+        field: Any
+        for field in descriptor.fields:
+            name = field.name
+            is_map = field.message_type is not None and field.message_type.GetOptions().map_entry
+            to: Callable[[Any], Any]
+            back: Callable[[Any], Any]
+            presence = False
+            if is_map:
+                to, back = _same, dict
+            elif field.type == _MESSAGE:
+                sub = subcodecs[field.message_type.full_name]
+                if field.is_repeated:
+                    to = _each(sub.to_proto)
+                    back = _each(sub.from_proto)
+                else:
+                    to, back, presence = sub.to_proto, sub.from_proto, True
+            elif field.type == _ENUM:
+                names = {v.number: v.name for v in field.enum_type.values}
+                names[0] = ""  # the zero value is the unset default
+                to, back = _same, names.__getitem__
+            elif field.type == _UINT64 and isinstance(defaults[name], str):
+                to, back = int, str  # Hash: canonical JSON writes a uint64 as a string
+            elif field.is_repeated:
+                to, back = _same, tuple
+            else:
+                to, back = _same, _same
+            self._to.append((name, to, defaults[name]))
+            self._from.append((name, back, presence))
+
+    def to_proto(self, value: S) -> Message:
+        kwargs = {}
+        for name, to, default in self._to:
+            v = getattr(value, name)
+            if v != default:
+                kwargs[name] = to(v)
+        return self.proto(**kwargs)
+
+    def from_proto(self, message: Message) -> S:
+        kwargs = {}
+        for name, back, presence in self._from:
+            if presence:
+                if message.HasField(name):
+                    kwargs[name] = back(getattr(message, name))
+            else:
+                kwargs[name] = back(getattr(message, name))
+        return self.struct(**kwargs)
+
+    def encode(self, value: S) -> bytes:
+        return self.to_proto(value).SerializeToString()
+
+    def decode(self, data: bytes) -> S:
+        return self.from_proto(self.proto.FromString(data))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _each(convert: Callable[[Any], Any]) -> Callable[[Iterable[Any]], tuple[Any, ...]]:
+    return lambda values: tuple(convert(v) for v in values)
+
+
+def _plan() -> dict[str, Codec[Any]]:
+    pairs: list[tuple[type[msgspec.Struct], type[Message]]] = [
+        # leaves first: each codec needs the codecs of its fields' messages
+        (messages.IPSet, localv1_pb2.IPSet),
+        (messages.ServiceIPs, localv1_pb2.ServiceIPs),
+        (messages.IPFilter, localv1_pb2.IPFilter),
+        (messages.IPFamilies, localv1_pb2.IPFamilies),
+        (messages.PortMapping, localv1_pb2.PortMapping),
+        (messages.ClientIPAffinity, localv1_pb2.ClientIPAffinity),
+        (messages.Service, localv1_pb2.Service),
+        (messages.PortName, localv1_pb2.PortName),
+        (messages.EndpointScopes, localv1_pb2.EndpointScopes),
+        (messages.Endpoint, localv1_pb2.Endpoint),
+        (messages.TopologyInfo, globalv1_pb2.TopologyInfo),
+        (messages.TopologyHints, globalv1_pb2.TopologyHints),
+        (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
+        (messages.Node, globalv1_pb2.Node),
+        (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
+        (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
+        (messages.NodeInfo, globalv1_pb2.NodeInfo),
+    ]
+    codecs: dict[str, Codec[Any]] = {}
+    for struct, proto in pairs:
+        codecs[proto.DESCRIPTOR.full_name] = Codec(struct, proto, codecs)
+    return codecs
+
+
+_CODECS = _plan()
+SERVICE: Codec[messages.Service] = _CODECS["localv1.Service"]
+ENDPOINT: Codec[messages.Endpoint] = _CODECS["localv1.Endpoint"]
+SERVICE_INFO: Codec[messages.ServiceInfo] = _CODECS["globalv1.ServiceInfo"]
+ENDPOINT_INFO: Codec[messages.EndpointInfo] = _CODECS["globalv1.EndpointInfo"]
+NODE_INFO: Codec[messages.NodeInfo] = _CODECS["globalv1.NodeInfo"]
+
+
+# --- op framing (protobuf wire format, written by hand: see the module docstring)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(tag << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _ref(set_: int, path: str) -> bytes:
+    return (_varint(1 << 3) + _varint(set_) if set_ else b"") + (
+        _field(2, path.encode()) if path else b""
+    )
+
+
+# OpItem fields: Sync=1, Set=2, Delete=3, Reset=4. Value: Ref=1, Bytes=2.
+OP_SYNC = _field(1, b"")
+OP_RESET = _field(4, b"")
+
+
+def op_set(set_: int, path: str, payload: bytes) -> bytes:
+    """An encoded OpItem setting ``path`` of ``set_`` to the encoded message ``payload``."""
+    value = _field(1, _ref(set_, path)) + (_field(2, payload) if payload else b"")
+    return _field(2, value)
+
+
+def op_delete(set_: int, path: str) -> bytes:
+    return _field(3, _ref(set_, path))
+
+
+def op_batch(ops: Iterable[bytes]) -> bytes:
+    """An encoded batchv1.OpBatch of encoded OpItems (Ops=1)."""
+    return b"".join(_field(1, op) for op in ops)
