@@ -24,6 +24,7 @@ from kpng.backends import registry
 from kpng.backends.registry import Backend
 from kpng.errors import KpngError, UsageError
 from kpng.sinks import SinkSpec
+from kpng.sinks import api as api_sink
 from kpng.sinks import file as file_sink
 from kpng.sinks import local as local_sink
 from kpng.sources import Runner, SourceSpec
@@ -33,7 +34,9 @@ from kpng.store import Store
 log = logging.getLogger("kpng")
 
 SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC,)}
-SINKS: dict[str, SinkSpec] = {spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC)}
+SINKS: dict[str, SinkSpec] = {
+    spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC, api_sink.SPEC)
+}
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1

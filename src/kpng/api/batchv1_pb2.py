@@ -22,19 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from kpng.api import globalv1_pb2 as kpng_dot_api_dot_globalv1__pb2
 from kpng.api import localv1_pb2 as kpng_dot_api_dot_localv1__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x17kpng/api/globalv1.proto\x1a\x16kpng/api/localv1.proto\"\'\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem2\x81\x01\n\x04Sets\x12\x35\n\x05Watch\x12\x11.localv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x42\n\x0bWatchGlobal\x12\x18.globalv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x16kpng/api/localv1.proto\"F\n\x08WatchReq\x12\x10\n\x08NodeName\x18\x01 \x01(\t\x12(\n\x08\x45ncoding\x18\x02 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\":\n\x0eGlobalWatchReq\x12(\n\x08\x45ncoding\x18\x01 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\"\'\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem*\"\n\x08\x45ncoding\x12\x0c\n\x08PROTOBUF\x10\x00\x12\x08\n\x04JSON\x10\x01\x32\x8a\x01\n\x04Sets\x12:\n\x05Watch\x12\x16.kpng.batchv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x46\n\x0bWatchGlobal\x12\x1c.kpng.batchv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpng.api.batchv1_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPBATCH']._serialized_start=89
-  _globals['_OPBATCH']._serialized_end=128
-  _globals['_SETS']._serialized_start=131
-  _globals['_SETS']._serialized_end=260
+  _globals['_ENCODING']._serialized_start=237
+  _globals['_ENCODING']._serialized_end=271
+  _globals['_WATCHREQ']._serialized_start=64
+  _globals['_WATCHREQ']._serialized_end=134
+  _globals['_GLOBALWATCHREQ']._serialized_start=136
+  _globals['_GLOBALWATCHREQ']._serialized_end=194
+  _globals['_OPBATCH']._serialized_start=196
+  _globals['_OPBATCH']._serialized_end=235
+  _globals['_SETS']._serialized_start=274
+  _globals['_SETS']._serialized_end=412
 # @@protoc_insertion_point(module_scope)

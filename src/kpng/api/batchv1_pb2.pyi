@@ -13,6 +13,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kpng.api import localv1_pb2 as _localv1_pb2
 import builtins as _builtins
 import sys
@@ -24,6 +25,71 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Encoding:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EncodingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Encoding.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PROTOBUF: _Encoding.ValueType  # 0
+    """Protobuf binary, as in localv1.Sets/Watch and globalv1.Sets/Watch."""
+    JSON: _Encoding.ValueType  # 1
+    """Protobuf's canonical JSON mapping (what protojson / JsonFormat parse): several times
+    cheaper to produce and to read in languages without generated parsers in native code.
+    """
+
+class Encoding(_Encoding, metaclass=_EncodingEnumTypeWrapper):
+    """How Value.Bytes hold their message. The first request of a stream decides for the stream."""
+
+PROTOBUF: Encoding.ValueType  # 0
+"""Protobuf binary, as in localv1.Sets/Watch and globalv1.Sets/Watch."""
+JSON: Encoding.ValueType  # 1
+"""Protobuf's canonical JSON mapping (what protojson / JsonFormat parse): several times
+cheaper to produce and to read in languages without generated parsers in native code.
+"""
+Global___Encoding: _TypeAlias = Encoding  # noqa: Y015
+
+@_typing.final
+class WatchReq(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODENAME_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
+    NodeName: _builtins.str
+    Encoding: Global___Encoding.ValueType
+    def __init__(
+        self,
+        *,
+        NodeName: _builtins.str = ...,
+        Encoding: Global___Encoding.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Encoding", b"Encoding", "NodeName", b"NodeName"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchReq: _TypeAlias = WatchReq  # noqa: Y015
+
+@_typing.final
+class GlobalWatchReq(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENCODING_FIELD_NUMBER: _builtins.int
+    Encoding: Global___Encoding.ValueType
+    def __init__(
+        self,
+        *,
+        Encoding: Global___Encoding.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Encoding", b"Encoding"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GlobalWatchReq: _TypeAlias = GlobalWatchReq  # noqa: Y015
 
 @_typing.final
 class OpBatch(_message.Message):

@@ -4,8 +4,6 @@ import grpc
 import warnings
 
 from kpng.api import batchv1_pb2 as kpng_dot_api_dot_batchv1__pb2
-from kpng.api import globalv1_pb2 as kpng_dot_api_dot_globalv1__pb2
-from kpng.api import localv1_pb2 as kpng_dot_api_dot_localv1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -38,12 +36,12 @@ class SetsStub:
         """
         self.Watch = channel.stream_stream(
                 '/kpng.batchv1.Sets/Watch',
-                request_serializer=kpng_dot_api_dot_localv1__pb2.WatchReq.SerializeToString,
+                request_serializer=kpng_dot_api_dot_batchv1__pb2.WatchReq.SerializeToString,
                 response_deserializer=kpng_dot_api_dot_batchv1__pb2.OpBatch.FromString,
                 _registered_method=True)
         self.WatchGlobal = channel.stream_stream(
                 '/kpng.batchv1.Sets/WatchGlobal',
-                request_serializer=kpng_dot_api_dot_globalv1__pb2.GlobalWatchReq.SerializeToString,
+                request_serializer=kpng_dot_api_dot_batchv1__pb2.GlobalWatchReq.SerializeToString,
                 response_deserializer=kpng_dot_api_dot_batchv1__pb2.OpBatch.FromString,
                 _registered_method=True)
 
@@ -68,12 +66,12 @@ def add_SetsServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Watch': grpc.stream_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=kpng_dot_api_dot_localv1__pb2.WatchReq.FromString,
+                    request_deserializer=kpng_dot_api_dot_batchv1__pb2.WatchReq.FromString,
                     response_serializer=kpng_dot_api_dot_batchv1__pb2.OpBatch.SerializeToString,
             ),
             'WatchGlobal': grpc.stream_stream_rpc_method_handler(
                     servicer.WatchGlobal,
-                    request_deserializer=kpng_dot_api_dot_globalv1__pb2.GlobalWatchReq.FromString,
+                    request_deserializer=kpng_dot_api_dot_batchv1__pb2.GlobalWatchReq.FromString,
                     response_serializer=kpng_dot_api_dot_batchv1__pb2.OpBatch.SerializeToString,
             ),
     }
@@ -102,7 +100,7 @@ class Sets:
             request_iterator,
             target,
             '/kpng.batchv1.Sets/Watch',
-            kpng_dot_api_dot_localv1__pb2.WatchReq.SerializeToString,
+            kpng_dot_api_dot_batchv1__pb2.WatchReq.SerializeToString,
             kpng_dot_api_dot_batchv1__pb2.OpBatch.FromString,
             options,
             channel_credentials,
@@ -129,7 +127,7 @@ class Sets:
             request_iterator,
             target,
             '/kpng.batchv1.Sets/WatchGlobal',
-            kpng_dot_api_dot_globalv1__pb2.GlobalWatchReq.SerializeToString,
+            kpng_dot_api_dot_batchv1__pb2.GlobalWatchReq.SerializeToString,
             kpng_dot_api_dot_batchv1__pb2.OpBatch.FromString,
             options,
             channel_credentials,

@@ -12,8 +12,6 @@ set may span several OpBatch messages and ends with the one whose last op is Syn
 from collections import abc as _abc
 from grpc import aio as _aio
 from kpng.api import batchv1_pb2 as _batchv1_pb2
-from kpng.api import globalv1_pb2 as _globalv1_pb2
-from kpng.api import localv1_pb2 as _localv1_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -39,27 +37,27 @@ class SetsStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SetsAsyncStub: ...
-    Watch: _grpc.StreamStreamMultiCallable[_localv1_pb2.WatchReq, _batchv1_pb2.OpBatch]
-    WatchGlobal: _grpc.StreamStreamMultiCallable[_globalv1_pb2.GlobalWatchReq, _batchv1_pb2.OpBatch]
+    Watch: _grpc.StreamStreamMultiCallable[_batchv1_pb2.WatchReq, _batchv1_pb2.OpBatch]
+    WatchGlobal: _grpc.StreamStreamMultiCallable[_batchv1_pb2.GlobalWatchReq, _batchv1_pb2.OpBatch]
 
 @_typing.type_check_only
 class SetsAsyncStub(SetsStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Watch: _aio.StreamStreamMultiCallable[_localv1_pb2.WatchReq, _batchv1_pb2.OpBatch]  # type: ignore[assignment]
-    WatchGlobal: _aio.StreamStreamMultiCallable[_globalv1_pb2.GlobalWatchReq, _batchv1_pb2.OpBatch]  # type: ignore[assignment]
+    Watch: _aio.StreamStreamMultiCallable[_batchv1_pb2.WatchReq, _batchv1_pb2.OpBatch]  # type: ignore[assignment]
+    WatchGlobal: _aio.StreamStreamMultiCallable[_batchv1_pb2.GlobalWatchReq, _batchv1_pb2.OpBatch]  # type: ignore[assignment]
 
 class SetsServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Watch(
         self,
-        request_iterator: _MaybeAsyncIterator[_localv1_pb2.WatchReq],
+        request_iterator: _MaybeAsyncIterator[_batchv1_pb2.WatchReq],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_batchv1_pb2.OpBatch], _abc.AsyncIterator[_batchv1_pb2.OpBatch]]: ...
 
     @_abc_1.abstractmethod
     def WatchGlobal(
         self,
-        request_iterator: _MaybeAsyncIterator[_globalv1_pb2.GlobalWatchReq],
+        request_iterator: _MaybeAsyncIterator[_batchv1_pb2.GlobalWatchReq],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_batchv1_pb2.OpBatch], _abc.AsyncIterator[_batchv1_pb2.OpBatch]]: ...
 

@@ -173,3 +173,10 @@ def op_delete(set_: int, path: str) -> bytes:
 def op_batch(ops: Iterable[bytes]) -> bytes:
     """An encoded batchv1.OpBatch of encoded OpItems (Ops=1)."""
     return b"".join(_field(1, op) for op in ops)
+
+
+GLOBAL_INFOS: dict[type[msgspec.Struct], Codec[Any]] = {
+    messages.ServiceInfo: SERVICE_INFO,
+    messages.EndpointInfo: ENDPOINT_INFO,
+    messages.NodeInfo: NODE_INFO,
+}

@@ -24,6 +24,7 @@ from kpng.model.messages import (
     Service,
     ServiceEndpoints,
 )
+from kpng.model.paths import endpoint_order
 from kpng.resolver.categorizing import categorize
 
 _SCOPES = {
@@ -139,7 +140,7 @@ def resolve_service(
         )
         for (_, scopes), (ep, v6, ports) in grouped.items()
     ]
-    endpoints.sort(key=_endpoint_order)
+    endpoints.sort(key=endpoint_order)
     ports = tuple(
         msgspec.structs.replace(port, UsableEndpoints=_FAMILIES[(v4, v6)])
         for port, (v4, v6) in zip(service.Ports, usable, strict=True)
@@ -149,25 +150,21 @@ def resolve_service(
     )
 
 
-def _endpoint_order(ep: Endpoint) -> tuple[bool, str, tuple[tuple[str, str], ...]]:
-    ips = ep.IPs
-    assert ips is not None
-    return (
-        bool(ips.V6),
-        (ips.V6 or ips.V4)[0],
-        tuple((p.Name, p.Protocol) for p in ep.PortOverrides),
-    )
-
-
 class Changes(msgspec.Struct, frozen=True):
     """What one ``resolve`` changed in a node-local state."""
 
     updated: Mapping[ServiceKey, ServiceEndpoints]
     deleted: frozenset[ServiceKey]
+    previous: Mapping[ServiceKey, ServiceEndpoints] = {}
+    """The values the updated and deleted services had before (absent for new services)."""
 
     def __bool__(self) -> bool:
         return bool(self.updated or self.deleted)
 
+
+# The change log is trimmed as views read it; past this many entries (or twice the number of
+# services) views that lag behind are switched to a full re-read.
+_MIN_LOG = 4096
 
 # A node name no endpoint can have (Kubernetes names are DNS labels): resolving for it gives the
 # view of every node that hosts none of a service's endpoints and is named by none of its hints.
@@ -233,6 +230,22 @@ class ClusterResolver:
         self._results.pop(key, None)
         if self._views:
             self._log.append(key)
+            if len(self._log) > max(_MIN_LOG, 2 * len(self._services)):
+                self._catch_up_laggards()
+
+    def _catch_up_laggards(self) -> None:
+        """Views that have not read the older half of the log re-read every service instead.
+
+        This bounds the log by the cluster's size, whatever a slow watcher does, at the price
+        of a full pass for that watcher only (which its next resolve would need anyway).
+        """
+        end = self._log_start + len(self._log)
+        middle = self._log_start + len(self._log) // 2
+        for view in self._views:
+            if view._position < middle:
+                view._everything_dirty = True
+                view._position = end
+        self._trim_log()
 
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
         if service is None:
@@ -334,6 +347,7 @@ class NodeView:
             keys = set(self._cluster._read_log(self))
         updated: dict[ServiceKey, ServiceEndpoints] = {}
         deleted: set[ServiceKey] = set()
+        previous: dict[ServiceKey, ServiceEndpoints] = {}
         for key in keys:
             resolved = self._cluster.resolve(key, self.node_name)
             old = self._state.get(key)
@@ -341,10 +355,13 @@ class NodeView:
                 if old is not None:
                     del self._state[key]
                     deleted.add(key)
+                    previous[key] = old
             elif old is not resolved and old != resolved:
                 self._state[key] = resolved
                 updated[key] = resolved
-        return Changes(updated=updated, deleted=frozenset(deleted))
+                if old is not None:
+                    previous[key] = old
+        return Changes(updated=updated, deleted=frozenset(deleted), previous=previous)
 
     def close(self) -> None:
         self._cluster._close(self)

@@ -1,0 +1,152 @@
+"""Change sets as encoded ops: what one watch answer carries. Pure.
+
+A change set lists, in this order: Sets of services, Sets of endpoints, Deletes of endpoints,
+Deletes of services; paths in sorted order within each group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import msgspec
+
+from kpng.api import codec
+from kpng.api.localv1_pb2 import (
+    EndpointsSet,
+    GlobalEndpointInfos,
+    GlobalNodeInfos,
+    GlobalServiceInfos,
+    ServicesSet,
+)
+from kpng.model.cluster import ServiceKey, Slice, SliceKey
+from kpng.model.dumping import endpoint_infos, message_hash
+from kpng.model.messages import (
+    Endpoint,
+    EndpointInfo,
+    Node,
+    NodeInfo,
+    Service,
+    ServiceEndpoints,
+    ServiceInfo,
+)
+from kpng.model.paths import endpoint_address, endpoint_keys, service_path
+
+EncodeService = Callable[[Service], bytes]
+EncodeEndpoint = Callable[[Endpoint], bytes]
+
+
+def local_ops(
+    *,
+    updated: Mapping[ServiceKey, ServiceEndpoints],
+    deleted: Iterable[ServiceKey],
+    previous: Mapping[ServiceKey, ServiceEndpoints],
+    encode_service: EncodeService,
+    encode_endpoint: EncodeEndpoint,
+) -> list[bytes]:
+    """The ops turning a node-local state with ``previous`` values into one with ``updated``."""
+    service_sets: list[bytes] = []
+    endpoint_sets: list[bytes] = []
+    endpoint_deletes: list[bytes] = []
+    service_deletes: list[bytes] = []
+    for key in sorted(updated):
+        new = updated[key]
+        old = previous.get(key)
+        path = service_path(key)
+        if old is None or old.service != new.service:
+            service_sets.append(codec.op_set(ServicesSet, path, encode_service(new.service)))
+        old_eps = endpoint_keys(old.endpoints) if old is not None else {}
+        new_eps = endpoint_keys(new.endpoints)
+        for ep_key in sorted(new_eps):
+            ep = new_eps[ep_key]
+            if old_eps.get(ep_key) != ep:
+                payload = encode_endpoint(ep)
+                endpoint_sets.append(codec.op_set(EndpointsSet, f"{path}/{ep_key}", payload))
+        for ep_key in sorted(old_eps.keys() - new_eps.keys()):
+            endpoint_deletes.append(codec.op_delete(EndpointsSet, f"{path}/{ep_key}"))
+    for key in sorted(deleted):
+        path = service_path(key)
+        old = previous.get(key)
+        if old is not None:
+            for ep_key in sorted(endpoint_keys(old.endpoints)):
+                endpoint_deletes.append(codec.op_delete(EndpointsSet, f"{path}/{ep_key}"))
+        service_deletes.append(codec.op_delete(ServicesSet, path))
+    return service_sets + endpoint_sets + endpoint_deletes + service_deletes
+
+
+EncodeInfo = Callable[[msgspec.Struct], bytes]
+
+
+class GlobalTracker:
+    """What one global watcher holds, and the ops that bring it to the store's current state.
+
+    Paths: services ``namespace/name``, nodes ``name``, endpoints
+    ``namespace/service/slice/address`` (one EndpointInfo per slice endpoint).
+    """
+
+    def __init__(self, encode: EncodeInfo) -> None:
+        self._encode = encode
+        self._services: dict[str, bytes] = {}
+        self._nodes: dict[str, bytes] = {}
+        self._endpoints: dict[SliceKey, dict[str, bytes]] = {}
+
+    def ops(
+        self,
+        *,
+        services: Mapping[ServiceKey, Service],
+        slices: Mapping[SliceKey, Slice],
+        nodes: Mapping[str, Node],
+        changed_services: Iterable[ServiceKey],
+        changed_slices: Iterable[SliceKey],
+        changed_nodes: Iterable[str],
+    ) -> list[bytes]:
+        sets: list[bytes] = []
+        deletes: list[bytes] = []
+        for name in sorted(changed_nodes):
+            node = nodes.get(name)
+            info = None if node is None else NodeInfo(Hash=message_hash(node), Node=node)
+            self._put(self._nodes, GlobalNodeInfos, name, info, sets, deletes)
+        for key in sorted(changed_services):
+            service = services.get(key)
+            sinfo = (
+                None
+                if service is None
+                else ServiceInfo(Hash=message_hash(service), Service=service)
+            )
+            self._put(self._services, GlobalServiceInfos, service_path(key), sinfo, sets, deletes)
+        for key in sorted(changed_slices):
+            sl = slices.get(key)
+            sent = self._endpoints.pop(key, {})
+            wanted: dict[str, EndpointInfo] = {}
+            if sl is not None:
+                for epinfo in endpoint_infos(sl):
+                    ep = epinfo.Endpoint
+                    assert ep is not None
+                    address = endpoint_address(ep)
+                    path = f"{sl.namespace}/{sl.service}/{sl.name}/{address}"
+                    wanted[path] = msgspec.structs.replace(epinfo, Hash=message_hash(epinfo))
+            kept: dict[str, bytes] = {}
+            for path in sorted(wanted.keys() | sent.keys()):
+                if path in sent:
+                    kept[path] = sent[path]
+                self._put(kept, GlobalEndpointInfos, path, wanted.get(path), sets, deletes)
+            if kept:
+                self._endpoints[key] = kept
+        return sets + deletes
+
+    def _put(
+        self,
+        sent: dict[str, bytes],
+        set_: int,
+        path: str,
+        info: msgspec.Struct | None,
+        sets: list[bytes],
+        deletes: list[bytes],
+    ) -> None:
+        if info is None:
+            if sent.pop(path, None) is not None:
+                deletes.append(codec.op_delete(set_, path))
+            return
+        payload = self._encode(info)
+        if sent.get(path) != payload:
+            sent[path] = payload
+            sets.append(codec.op_set(set_, path, payload))

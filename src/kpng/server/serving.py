@@ -1,0 +1,327 @@
+"""``to-api``: the localv1, globalv1 and batchv1 watch services over gRPC (TCP or unix sockets).
+
+Responses are written as pre-encoded bytes (the generic handlers have no response serializer),
+so a change set is framed once and the payloads inside it are shared by every stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+
+from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.errors import UsageError
+from kpng.model.messages import Endpoint, Service
+from kpng.resolver.resolving import NodeView
+from kpng.server.changesets import GlobalTracker, local_ops
+from kpng.server.hub import Hub, PayloadCache
+from kpng.store import Store
+
+log = logging.getLogger(__name__)
+
+# Batches are cut at about this size: well under gRPC's default 4 MiB receive limit.
+BATCH_BYTES = 1 << 20
+_JSON = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """``tcp://HOST:PORT`` or ``unix:///PATH``."""
+
+    url: str
+
+    @property
+    def unix_path(self) -> Path | None:
+        return Path(self.url.removeprefix("unix://")) if self.url.startswith("unix://") else None
+
+    @property
+    def grpc_target(self) -> str:
+        path = self.unix_path
+        return f"unix:{path}" if path is not None else self.url.removeprefix("tcp://")
+
+    @classmethod
+    def parse(cls, text: str) -> ListenAddress:
+        if text.startswith("unix://"):
+            if not text.removeprefix("unix://").startswith("/"):
+                raise UsageError(f"--listen {text}: a unix socket needs an absolute path")
+            return cls(text)
+        if text.startswith("tcp://"):
+            host, sep, port = text.removeprefix("tcp://").rpartition(":")
+            if sep and host and port.isdigit() and int(port) < 65536:
+                return cls(text)
+        raise UsageError(f"--listen {text}: expected tcp://HOST:PORT or unix:///PATH")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    ca: Path | None = None
+    """With a CA, clients must present a certificate it signed (mutual TLS)."""
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            require_client_auth=self.ca is not None,
+        )
+
+
+class Encoders:
+    """How one stream encodes payloads: protobuf (cached, it is costly) or canonical JSON."""
+
+    def __init__(self, encoding: int, protobuf_cache: _ProtobufPayloads) -> None:
+        self.service: Callable[[Service], bytes]
+        self.endpoint: Callable[[Endpoint], bytes]
+        self.info: Callable[[msgspec.Struct], bytes]
+        if encoding == batchv1_pb2.JSON:
+            self.service = self.endpoint = self.info = _JSON.encode
+        else:
+            self.service = protobuf_cache.service
+            self.endpoint = protobuf_cache.endpoint
+            self.info = _encode_info_protobuf
+
+
+class _ProtobufPayloads:
+    def __init__(self) -> None:
+        self.service = PayloadCache(codec.SERVICE.encode)
+        self.endpoint = PayloadCache(codec.ENDPOINT.encode)
+
+
+def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
+    return codec.GLOBAL_INFOS[type(info)].encode(info)
+
+
+def _batches(ops: list[bytes]) -> Iterator[bytes]:
+    chunk: list[bytes] = []
+    size = 0
+    for op in ops:
+        chunk.append(op)
+        size += len(op)
+        if size >= BATCH_BYTES:
+            yield codec.op_batch(chunk)
+            chunk, size = [], 0
+    if chunk:
+        yield codec.op_batch(chunk)
+
+
+class WatchServer:
+    """The three watch services over one Hub."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.hub = Hub(store)
+        self._protobuf = _ProtobufPayloads()
+
+    # --- node-local watches
+
+    async def _local_changesets(
+        self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders]
+    ) -> AsyncIterator[list[bytes]]:
+        view: NodeView | None = None
+        try:
+            async for request in requests:
+                first = view is None or view.node_name != request.NodeName
+                if first:
+                    if view is not None:
+                        view.close()
+                    view = self.hub.cluster.view(request.NodeName)
+                    enc = encoders(request)
+                assert view is not None
+                changes = await self.hub.next_changes(view, first=first)
+                ops = local_ops(
+                    updated=changes.updated,
+                    deleted=changes.deleted,
+                    previous=changes.previous,
+                    encode_service=enc.service,
+                    encode_endpoint=enc.endpoint,
+                )
+                if first:
+                    ops.insert(0, codec.OP_RESET)
+                ops.append(codec.OP_SYNC)
+                yield ops
+        finally:
+            if view is not None:
+                view.close()
+
+    async def watch_local(
+        self, requests: AsyncIterator[localv1_pb2.WatchReq], context: Any
+    ) -> AsyncIterator[bytes]:
+        def encoders(_: Any) -> Encoders:
+            return Encoders(batchv1_pb2.PROTOBUF, self._protobuf)
+
+        async for ops in self._local_changesets(requests, encoders):
+            for op in ops:
+                yield op
+
+    async def watch_local_batched(
+        self, requests: AsyncIterator[batchv1_pb2.WatchReq], context: Any
+    ) -> AsyncIterator[bytes]:
+        def encoders(request: Any) -> Encoders:
+            return Encoders(request.Encoding, self._protobuf)
+
+        async for ops in self._local_changesets(requests, encoders):
+            for batch in _batches(ops):
+                yield batch
+
+    # --- global watches
+
+    async def _global_changesets(
+        self, requests: AsyncIterator[Any], encoding: Callable[[Any], int]
+    ) -> AsyncIterator[list[bytes]]:
+        subscription = self.store.subscribe()
+        tracker: GlobalTracker | None = None
+        try:
+            async for request in requests:
+                first = tracker is None
+                if tracker is None:
+                    tracker = GlobalTracker(Encoders(encoding(request), self._protobuf).info)
+                while True:
+                    delta = await anext(subscription)
+                    ops = tracker.ops(
+                        services=self.store.services,
+                        slices=self.store.slices,
+                        nodes=self.store.nodes,
+                        changed_services=delta.services,
+                        changed_slices=delta.slices,
+                        changed_nodes=delta.nodes,
+                    )
+                    if ops or first:
+                        break
+                if first:
+                    ops.insert(0, codec.OP_RESET)
+                ops.append(codec.OP_SYNC)
+                yield ops
+        finally:
+            subscription.close()
+
+    async def watch_global(
+        self, requests: AsyncIterator[globalv1_pb2.GlobalWatchReq], context: Any
+    ) -> AsyncIterator[bytes]:
+        async for ops in self._global_changesets(requests, lambda _: batchv1_pb2.PROTOBUF):
+            for op in ops:
+                yield op
+
+    async def watch_global_batched(
+        self, requests: AsyncIterator[batchv1_pb2.GlobalWatchReq], context: Any
+    ) -> AsyncIterator[bytes]:
+        async for ops in self._global_changesets(requests, lambda r: int(r.Encoding)):
+            for batch in _batches(ops):
+                yield batch
+
+    def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
+        def stream(
+            handler: Callable[..., AsyncIterator[bytes]], request: Any
+        ) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.stream_stream_rpc_method_handler(
+                handler, request_deserializer=request.FromString, response_serializer=None
+            )
+
+        return [
+            grpc.method_handlers_generic_handler(
+                "localv1.Sets", {"Watch": stream(self.watch_local, localv1_pb2.WatchReq)}
+            ),
+            grpc.method_handlers_generic_handler(
+                "globalv1.Sets",
+                {"Watch": stream(self.watch_global, globalv1_pb2.GlobalWatchReq)},
+            ),
+            grpc.method_handlers_generic_handler(
+                "kpng.batchv1.Sets",
+                {
+                    "Watch": stream(self.watch_local_batched, batchv1_pb2.WatchReq),
+                    "WatchGlobal": stream(self.watch_global_batched, batchv1_pb2.GlobalWatchReq),
+                },
+            ),
+        ]
+
+
+async def serve(
+    store: Store,
+    *,
+    listen: list[ListenAddress],
+    tls: TlsFiles | None = None,
+    socket_mode: int = 0o600,
+    started: Callable[[list[str]], None] | None = None,
+) -> None:
+    """Serve the watches until cancelled. ``started`` gets the bound addresses (ports resolved)."""
+    watch = WatchServer(store)
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers(watch.handlers())
+    bound: list[str] = []
+    credentials = tls.credentials() if tls is not None else None
+    for address in listen:
+        path = address.unix_path
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()  # a stale socket from a previous run
+        target = address.grpc_target
+        try:
+            port = (
+                server.add_secure_port(target, credentials)
+                if credentials is not None
+                else server.add_insecure_port(target)
+            )
+        except RuntimeError as exc:
+            raise UsageError(f"--listen {address.url}: cannot listen: {exc}") from None
+        if path is not None:
+            bound.append(address.url)
+        else:
+            host = target.rpartition(":")[0]
+            bound.append(f"tcp://{host}:{port}")
+    previous_umask = os.umask(0o777 & ~socket_mode)  # sockets are born with the right mode
+    try:
+        await server.start()
+    finally:
+        os.umask(previous_umask)
+    for address in listen:
+        if address.unix_path is not None:
+            os.chmod(address.unix_path, socket_mode)
+    for url in bound:
+        log.info("serving the watch API on %s", url)
+    if started is not None:
+        started(bound)
+    hub_task = asyncio.ensure_future(watch.hub.run())
+    try:
+        await server.wait_for_termination()
+    finally:
+        hub_task.cancel()
+        await server.stop(grace=1)
+        await asyncio.gather(hub_task, return_exceptions=True)
+        for address in listen:
+            if address.unix_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    address.unix_path.unlink()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="tcp://HOST:PORT or unix:///PATH (repeatable)",
+    )
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="server key (PEM)")
+    parser.add_argument(
+        "--tls-ca", type=Path, metavar="FILE", help="require client certificates signed by this CA"
+    )
+    parser.add_argument(
+        "--socket-mode",
+        type=lambda s: int(s, 8),
+        default=0o600,
+        metavar="OCTAL",
+        help="permissions of unix sockets (default 0600: the owner only)",
+    )
