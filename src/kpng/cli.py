@@ -28,12 +28,15 @@ from kpng.sinks import api as api_sink
 from kpng.sinks import file as file_sink
 from kpng.sinks import local as local_sink
 from kpng.sources import Runner, SourceSpec
+from kpng.sources import api as api_source
 from kpng.sources import file as file_source
 from kpng.store import Store
 
 log = logging.getLogger("kpng")
 
-SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC,)}
+SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC, api_source.SPEC)}
+LOCAL = "local"
+LOCAL_HELP = "run a backend against a remote kpng's node-local state (kpng local --api URL ...)"
 SINKS: dict[str, SinkSpec] = {
     spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC, api_sink.SPEC)
 }
@@ -47,13 +50,15 @@ def _main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kpng",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]",
+        usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]\n"
+        "       kpng [--log-level LEVEL] local [flags] <backend> [flags]",
         description="kpng: a pluggable Kubernetes service proxy.",
         epilog="sources:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
+        + f"\n  {LOCAL:10} {LOCAL_HELP}"
         + "\nsinks:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
-        + f"\nbackends (after to-local):\n{backends}\n\n"
+        + f"\nbackends (after to-local, or local):\n{backends}\n\n"
         "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`.",
     )
     parser.add_argument(
@@ -86,10 +91,11 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
     head: list[str] = []
     segments: list[_Segment] = []
     for arg in argv:
+        local = bool(segments) and segments[0].name == LOCAL
         if (
-            (not segments and arg in SOURCES)
-            or (len(segments) == 1 and arg in SINKS)
-            or (len(segments) >= 2 and arg in backend_names)
+            (not segments and (arg in SOURCES or arg == LOCAL))
+            or (len(segments) == 1 and not local and arg in SINKS)
+            or ((len(segments) >= 2 or local) and arg in backend_names)
         ):
             segments.append(_Segment(arg, []))
         elif segments:
@@ -108,6 +114,8 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     if not segments:
         _main_parser().print_usage(sys.stderr)
         raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
+    if segments[0].name == LOCAL:
+        return options, _build_local(segments)
     source_spec = SOURCES[segments[0].name]
     source_args = _parser(
         f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
@@ -121,14 +129,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
 
     backend_factory: Callable[[], Backend] | None = None
     if sink_spec.takes_backend:
-        if len(segments) != 3:
-            names = ", ".join(f"to-{n}" for n in registry.names())
-            raise UsageError(f"{sink_spec.name} takes one backend ({names})")
-        spec = registry.lookup(segments[2].name.removeprefix("to-"))
-        backend_args = _parser(
-            f"kpng <source> {sink_spec.name} {segments[2].name}", spec.help, spec.add_arguments
-        ).parse_args(segments[2].args)
-        backend_factory = functools.partial(spec.create, backend_args)
+        backend_factory = _backend(segments[2:], f"kpng <source> {sink_spec.name}")
     elif len(segments) > 2:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
@@ -151,6 +152,25 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
             await asyncio.gather(source_task, sink_task, return_exceptions=True)
 
     return options, pipeline
+
+
+def _backend(segments: list[_Segment], prog: str) -> Callable[[], Backend]:
+    """The factory of the one backend these segments name."""
+    if len(segments) != 1:
+        names = ", ".join(f"to-{n}" for n in registry.names())
+        raise UsageError(f"{prog.split()[-1]} takes one backend ({names})")
+    spec = registry.lookup(segments[0].name.removeprefix("to-"))
+    backend_args = _parser(f"{prog} {segments[0].name}", spec.help, spec.add_arguments).parse_args(
+        segments[0].args
+    )
+    return functools.partial(spec.create, backend_args)
+
+
+def _build_local(segments: list[_Segment]) -> Runner:
+    args = _parser(f"kpng {LOCAL}", LOCAL_HELP, local_sink.add_remote_arguments).parse_args(
+        segments[0].args
+    )
+    return local_sink.create_remote(args, _backend(segments[1:], f"kpng {LOCAL}"))
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:

@@ -1,4 +1,4 @@
-"""The backend registry and the in-process backend interface of the ``to-local`` sink."""
+"""The backend registry. Backends implement ``kpng.client.Backend``, fed ``NodeState``s."""
 
 from __future__ import annotations
 
@@ -6,42 +6,15 @@ import argparse
 import importlib
 import importlib.metadata
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-import msgspec
-
+from kpng.client import Backend, NodeState
 from kpng.errors import UsageError
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
 
 ENTRY_POINT_GROUP = "kpng.backends"
 
-
-class NodeState(msgspec.Struct, frozen=True):
-    """One revision of a node's local state, handed to a backend.
-
-    ``services`` is the complete state (read-only; it changes after ``apply`` returns);
-    ``updated`` and ``deleted`` say which services changed since the previous call, so a backend
-    can do work proportional to the change. The first call names every service in ``updated``.
-    """
-
-    node: str
-    revision: int
-    services: Mapping[ServiceKey, ServiceEndpoints]
-    updated: frozenset[ServiceKey]
-    deleted: frozenset[ServiceKey]
-
-
-class Backend(Protocol):
-    async def apply(self, state: NodeState) -> bool:
-        """Program ``state``. Return True when the backend is done (e.g. ``--once``)."""
-        ...
-
-    async def close(self) -> None:
-        """Release what the backend holds; called once, also after a failure."""
-        ...
+__all__ = ["Backend", "BackendSpec", "NodeState", "lookup", "names", "register"]
 
 
 @dataclass(frozen=True)

@@ -106,11 +106,12 @@ def load(data: bytes) -> list[Service | Slice | Node]:
     for info in state.endpoints:
         grouped.setdefault((info.Namespace, info.SourceName), []).append(info)
     for (namespace, name), infos in grouped.items():
-        objects.append(_slice_of(namespace, name, infos))
+        objects.append(slice_from_infos(namespace, name, infos))
     return objects
 
 
-def _slice_of(namespace: str, name: str, infos: list[EndpointInfo]) -> Slice:
+def slice_from_infos(namespace: str, name: str, infos: list[EndpointInfo]) -> Slice:
+    """The slice whose endpoints these EndpointInfos are (the inverse of endpoint_infos)."""
     first = infos[0].Endpoint or Endpoint()
     endpoints = []
     v6 = False

@@ -1,4 +1,5 @@
-"""``to-local``: resolve the store for one node and feed a backend."""
+"""Feeding a backend one node's state: from the store (``to-local``) or from a remote kpng
+(``kpng local``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from kpng.backends.registry import Backend, NodeState
+from kpng.client import Api, add_arguments, api_from_args, watch_state
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.store import Delta, Store
@@ -56,7 +58,7 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
         subscription.close()
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-name", required=True, help="the node whose state to compute")
 
 
@@ -78,7 +80,28 @@ def _create(
 SPEC = SinkSpec(
     name="to-local",
     help="resolve the state of one node and feed a backend",
-    add_arguments=_add_arguments,
+    add_arguments=_add_local_arguments,
     create=_create,
     takes_backend=True,
 )
+
+
+# --- ``kpng local --api TARGET --node-name NAME <backend>``: the same feeding, from a remote brain
+
+
+async def run_remote(api: Api, *, node_name: str, backend: Backend) -> None:
+    """Feed ``backend`` the state of ``node_name`` from a kpng server until it is done."""
+    try:
+        await watch_state(backend.apply, api=api, node_name=node_name)
+    finally:
+        await backend.close()
+
+
+def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+    # --once belongs to the backend (e.g. to-json --once), as with to-local.
+    add_arguments(parser, once=False)
+
+
+def create_remote(args: argparse.Namespace, backend_factory: Callable[[], Backend]) -> Runner:
+    api = api_from_args(args)
+    return lambda: run_remote(api, node_name=args.node_name, backend=backend_factory())

@@ -1,0 +1,57 @@
+"""kpng's client library: everything a backend author needs, and nothing else.
+
+A backend receives the node-local state either whole (``run``/``watch_state`` with a handler, or
+a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental calls (a ``Sink`` for
+``watch``). The same types arrive in process and over the network. See docs/backend-tutorial.md.
+"""
+
+from kpng.client._diffstore import Diff, DiffStore
+from kpng.client._remote import Api, Backoff, ClientTls, watch
+from kpng.client._running import add_arguments, api_from_args, run, watch_state
+from kpng.client._sinks import FullState, Sink, SinkBackend
+from kpng.client._state import Backend, Handler, NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import (
+    ClientIPAffinity,
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPFilter,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+
+__all__ = [
+    "Api",
+    "Backend",
+    "Backoff",
+    "ClientIPAffinity",
+    "ClientTls",
+    "Diff",
+    "DiffStore",
+    "Endpoint",
+    "EndpointScopes",
+    "FullState",
+    "Handler",
+    "IPFamilies",
+    "IPFilter",
+    "IPSet",
+    "NodeState",
+    "PortMapping",
+    "PortName",
+    "Service",
+    "ServiceEndpoints",
+    "ServiceIPs",
+    "ServiceKey",
+    "Sink",
+    "SinkBackend",
+    "add_arguments",
+    "api_from_args",
+    "run",
+    "watch",
+    "watch_state",
+]

@@ -1,0 +1,261 @@
+"""Watching a kpng (or Go KPNG) server over gRPC, with reconnection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+
+from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.client._sinks import FilterReset, Sink, _maybe_await
+from kpng.errors import UsageError
+from kpng.model.messages import Endpoint, Service
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca: Path | None = None
+    """Verify the server with this CA (PEM); without it, the system's roots."""
+    cert: Path | None = None
+    key: Path | None = None
+    """A client certificate and key, for servers that require one (mutual TLS)."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+@dataclass(frozen=True)
+class Api:
+    """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``."""
+
+    url: str
+    tls: ClientTls | None = None
+
+    @property
+    def grpc_target(self) -> str:
+        if self.url.startswith("unix://"):
+            return f"unix:{self.url.removeprefix('unix://')}"
+        return self.url.removeprefix("tcp://")
+
+    def check(self) -> Api:
+        if self.url.startswith("unix://"):
+            if not self.url.removeprefix("unix://").startswith("/"):
+                raise UsageError(f"--api {self.url}: a unix socket needs an absolute path")
+            return self
+        _, sep, port = self.url.removeprefix("tcp://").rpartition(":")
+        if not (sep and port.isdigit()):
+            raise UsageError(f"--api {self.url}: expected tcp://HOST:PORT or unix:///PATH")
+        return self
+
+    def channel(self) -> grpc.aio.Channel:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if self.tls is not None:
+            return grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(), options)
+        return grpc.aio.insecure_channel(self.grpc_target, options)
+
+
+class Backoff:
+    """Jittered exponential backoff; ``sleep`` and ``random`` are injectable for tests."""
+
+    def __init__(
+        self,
+        *,
+        initial: float = 0.1,
+        maximum: float = 10.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        random: Callable[[], float] = random.random,
+    ) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._sleep = sleep
+        self._random = random
+        self._next = initial
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+    def delay(self) -> float:
+        """The next delay: doubling up to ``maximum``, each drawn from [50%, 100%] of it."""
+        delay = self._next * (0.5 + self._random() / 2)
+        self._next = min(self._next * 2, self.maximum)
+        return delay
+
+    async def wait(self) -> float:
+        delay = self.delay()
+        await self._sleep(delay)
+        return delay
+
+
+# What an op handler gets: (op kind, set, path, payload); returns True to stop watching.
+OpHandler = Callable[[str, int, str, bytes], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class _Rpc:
+    path: str
+    request: Any
+    response: Any
+    batched: bool
+
+
+async def _follow_once(channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler) -> bool:
+    """One stream, until it breaks (False) or the handler asks to stop (True)."""
+    call = channel.stream_stream(
+        rpc.path,
+        request_serializer=type(rpc.request).SerializeToString,
+        response_deserializer=rpc.response.FromString,
+    )()  # type: ignore[call-arg]  # aio: the call is written to, not given an iterator
+    try:
+        await call.write(rpc.request)
+        async for message in call:
+            for op in message.Ops if rpc.batched else (message,):
+                kind = op.WhichOneof("Op")
+                if kind == "Set":
+                    value = op.Set
+                    stop = await handle(kind, value.Ref.Set, value.Ref.Path, value.Bytes)
+                elif kind == "Delete":
+                    stop = await handle(kind, op.Delete.Set, op.Delete.Path, b"")
+                else:
+                    stop = await handle(kind or "", 0, "", b"")
+                if stop:
+                    return True
+                if kind == "Sync":
+                    await call.write(rpc.request)  # ask for the next change set
+        return False
+    finally:
+        call.cancel()
+
+
+async def follow(
+    api: Api,
+    *,
+    batched: _Rpc,
+    compatible: _Rpc,
+    handle: Callable[[bool], OpHandler],
+    backoff: Backoff | None = None,
+) -> None:
+    """Follow a watch RPC until the handler asks to stop, reconnecting with backoff.
+
+    The batched RPC is tried first; a server without it (Go KPNG) is spoken to with the
+    compatible one. ``handle(json)`` gives the op handler for payloads in JSON or protobuf. A
+    sync resets the backoff.
+    """
+    backoff = backoff or Backoff()
+    rpc = batched
+    while True:
+        try:
+            async with api.channel() as channel:
+                if await _follow_once(channel, rpc, _resetting(backoff, handle(rpc is batched))):
+                    return
+            log.warning("watch of %s ended; reconnecting", api.url)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and rpc is batched:
+                log.info("%s has no batched watch; using %s", api.url, compatible.path)
+                rpc = compatible
+                continue
+            log.warning("watch of %s failed: %s: %s", api.url, exc.code().name, exc.details())
+        delay = await backoff.wait()
+        log.debug("reconnecting to %s after %.2fs", api.url, delay)
+
+
+def _resetting(backoff: Backoff, handle: OpHandler) -> OpHandler:
+    """A sync proves the connection works: the next failure starts from a short delay again."""
+
+    async def handle_op(kind: str, set_: int, path: str, payload: bytes) -> bool:
+        if kind == "Sync":
+            backoff.reset()
+        return await handle(kind, set_, path, payload)
+
+    return handle_op
+
+
+_json_service = msgspec.json.Decoder(Service)
+_json_endpoint = msgspec.json.Decoder(Endpoint)
+
+
+def local_op_handler(sink: Sink, *, json: bool) -> OpHandler:
+    """Dispatch node-local ops to an incremental Sink."""
+    decode_service = _json_service.decode if json else codec.SERVICE.decode
+    decode_endpoint = _json_endpoint.decode if json else codec.ENDPOINT.decode
+
+    async def handle(kind: str, set_: int, path: str, payload: bytes) -> bool:
+        if kind == "Set":
+            if set_ == localv1_pb2.ServicesSet:
+                sink.set_service(decode_service(payload))
+            elif set_ == localv1_pb2.EndpointsSet:
+                namespace, name, key = path.split("/", 2)
+                sink.set_endpoint(namespace, name, key, decode_endpoint(payload))
+        elif kind == "Delete":
+            if set_ == localv1_pb2.ServicesSet:
+                namespace, _, name = path.partition("/")
+                sink.delete_service(namespace, name)
+            elif set_ == localv1_pb2.EndpointsSet:
+                namespace, name, key = path.split("/", 2)
+                sink.delete_endpoint(namespace, name, key)
+        elif kind == "Reset":
+            sink.reset()
+        elif kind == "Sync":
+            return bool(await _maybe_await(sink.sync()))
+        return False
+
+    return handle
+
+
+async def watch(
+    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
+) -> None:
+    """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled (or until
+    the sink's ``sync`` returns True).
+
+    Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
+    """
+    target = Api(api) if isinstance(api, str) else api
+    filtered = FilterReset(sink)
+    await follow(
+        target.check(),
+        batched=_Rpc(
+            "/kpng.batchv1.Sets/Watch",
+            batchv1_pb2.WatchReq(NodeName=node_name, Encoding=batchv1_pb2.JSON),
+            batchv1_pb2.OpBatch,
+            batched=True,
+        ),
+        compatible=_Rpc(
+            "/localv1.Sets/Watch",
+            localv1_pb2.WatchReq(NodeName=node_name),
+            localv1_pb2.OpItem,
+            batched=False,
+        ),
+        handle=lambda json: local_op_handler(filtered, json=json),
+        backoff=backoff,
+    )
+
+
+def global_rpcs() -> tuple[_Rpc, _Rpc]:
+    """The batched and compatible global watch RPCs."""
+    return (
+        _Rpc(
+            "/kpng.batchv1.Sets/WatchGlobal",
+            batchv1_pb2.GlobalWatchReq(Encoding=batchv1_pb2.JSON),
+            batchv1_pb2.OpBatch,
+            batched=True,
+        ),
+        _Rpc(
+            "/globalv1.Sets/Watch",
+            globalv1_pb2.GlobalWatchReq(),
+            localv1_pb2.OpItem,
+            batched=False,
+        ),
+    )

@@ -1,0 +1,86 @@
+"""Running a backend against a kpng server: flags, signals, the full-state loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kpng.client._remote import Api, Backoff, ClientTls, watch
+from kpng.client._sinks import FullState
+from kpng.client._state import Handler
+
+DEFAULT_API = "tcp://127.0.0.1:12090"
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None:
+    """The standard flags of a kpng client: --api, --node-name, TLS, and --once unless the
+    program has its own notion of done."""
+    parser.add_argument(
+        "--api",
+        default=DEFAULT_API,
+        metavar="URL",
+        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API})",
+    )
+    parser.add_argument("--node-name", required=True, help="the node whose state to receive")
+    if once:
+        parser.add_argument("--once", action="store_true", help="stop after the first state")
+    parser.add_argument(
+        "--tls-ca", type=Path, metavar="FILE", help="verify the server with this CA"
+    )
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="client key")
+
+
+def api_from_args(args: argparse.Namespace) -> Api:
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    return Api(args.api, tls=tls).check()
+
+
+async def watch_state(
+    handler: Handler,
+    *,
+    api: Api | str,
+    node_name: str,
+    once: bool = False,
+    backoff: Backoff | None = None,
+) -> None:
+    """Call ``handler`` with the complete state of ``node_name`` after every change, until
+    cancelled, until the handler returns True, or after the first state with ``once``."""
+
+    async def call(state: object) -> bool:
+        result = handler(state)  # type: ignore[arg-type]
+        if asyncio.iscoroutine(result):
+            result = await result
+        return once or bool(result)
+
+    await watch(FullState(call, node=node_name), api=api, node_name=node_name, backoff=backoff)
+
+
+def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str = "") -> None:
+    """A backend program's main: parse the standard flags from ``argv`` (default: the command
+    line), then call ``handler`` with the complete node state after every change until SIGINT
+    or SIGTERM (or the first state with ``--once``)."""
+    parser = argparse.ArgumentParser(description=description or None)
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    coro = watch_state(handler, api=api_from_args(args), node_name=args.node_name, once=args.once)
+    asyncio.run(_until_signalled(coro))
+
+
+async def _until_signalled(coro: object) -> None:
+    task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

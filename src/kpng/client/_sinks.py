@@ -1,0 +1,223 @@
+"""The incremental interface, and the pieces that convert between it and full states."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol
+
+from kpng.client._state import Handler, NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import Endpoint, Service, ServiceEndpoints
+from kpng.model.paths import endpoint_keys, endpoint_order
+
+
+class Sink(Protocol):
+    """An incremental backend: the watch API's ops, one call each.
+
+    Between two ``sync`` calls the state is in flux; at ``sync`` it is complete and consistent.
+    ``reset`` means: forget everything, the whole state follows. Endpoint keys are stable within
+    a service (see kpng.model.paths). ``sync`` may be a coroutine function; it is awaited.
+    """
+
+    def reset(self) -> None: ...
+
+    def set_service(self, service: Service) -> None: ...
+
+    def delete_service(self, namespace: str, name: str) -> None: ...
+
+    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Endpoint) -> None: ...
+
+    def delete_endpoint(self, namespace: str, service: str, key: str) -> None: ...
+
+    def sync(self) -> Any: ...
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+class FilterReset:
+    """A Sink wrapper that turns a reset (a reconnection) into the differences only.
+
+    After a reset, values equal to those already forwarded are dropped, and at the next sync
+    whatever was not sent again is deleted: the wrapped sink never sees a reset after its
+    first one, only what really changed while the connection was down.
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self._services: dict[ServiceKey, Service] = {}
+        self._endpoints: dict[tuple[str, str, str], Endpoint] = {}
+        self._resetting = False
+        self._started = False
+        self._seen_services: set[ServiceKey] = set()
+        self._seen_endpoints: set[tuple[str, str, str]] = set()
+
+    def reset(self) -> None:
+        if not self._started:
+            self._started = True
+            self._sink.reset()
+            return
+        self._resetting = True
+        self._seen_services.clear()
+        self._seen_endpoints.clear()
+
+    def set_service(self, service: Service) -> None:
+        key = (service.Namespace, service.Name)
+        if self._resetting:
+            self._seen_services.add(key)
+        if self._services.get(key) != service:
+            self._services[key] = service
+            self._sink.set_service(service)
+
+    def delete_service(self, namespace: str, name: str) -> None:
+        if self._services.pop((namespace, name), None) is not None:
+            self._sink.delete_service(namespace, name)
+
+    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Endpoint) -> None:
+        ek = (namespace, service, key)
+        if self._resetting:
+            self._seen_endpoints.add(ek)
+        if self._endpoints.get(ek) != endpoint:
+            self._endpoints[ek] = endpoint
+            self._sink.set_endpoint(namespace, service, key, endpoint)
+
+    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
+        if self._endpoints.pop((namespace, service, key), None) is not None:
+            self._sink.delete_endpoint(namespace, service, key)
+
+    def sync(self) -> Any:
+        if self._resetting:
+            self._resetting = False
+            for ek in [k for k in self._endpoints if k not in self._seen_endpoints]:
+                self.delete_endpoint(*ek)
+            for sk in [k for k in self._services if k not in self._seen_services]:
+                self.delete_service(*sk)
+        return self._sink.sync()
+
+
+class FullState:
+    """A Sink that assembles complete node states and hands each one to a handler at sync."""
+
+    def __init__(self, handler: Handler, *, node: str) -> None:
+        self._handler = handler
+        self._node = node
+        self._services: dict[ServiceKey, Service] = {}
+        self._endpoints: dict[ServiceKey, dict[str, Endpoint]] = {}
+        self._state: dict[ServiceKey, ServiceEndpoints] = {}
+        self._dirty: set[ServiceKey] = set()
+        self._revision = 0
+        self._first = True
+        self.done = False
+        """True once the handler asked to stop."""
+
+    def reset(self) -> None:
+        self._dirty.update(self._state)
+        self._services.clear()
+        self._endpoints.clear()
+
+    def set_service(self, service: Service) -> None:
+        key = (service.Namespace, service.Name)
+        self._services[key] = service
+        self._dirty.add(key)
+
+    def delete_service(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self._services.pop(key, None)
+        self._endpoints.pop(key, None)
+        self._dirty.add(key)
+
+    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Endpoint) -> None:
+        self._endpoints.setdefault((namespace, service), {})[key] = endpoint
+        self._dirty.add((namespace, service))
+
+    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
+        endpoints = self._endpoints.get((namespace, service))
+        if endpoints is not None and endpoints.pop(key, None) is not None:
+            self._dirty.add((namespace, service))
+
+    async def sync(self) -> bool:
+        """Hand the state to the handler if it changed; True once the handler asked to stop."""
+        updated: set[ServiceKey] = set()
+        deleted: set[ServiceKey] = set()
+        for key in self._dirty:
+            service = self._services.get(key)
+            if service is None:
+                if self._state.pop(key, None) is not None:
+                    deleted.add(key)
+                continue
+            eps = sorted(self._endpoints.get(key, {}).values(), key=endpoint_order)
+            value = ServiceEndpoints(service=service, endpoints=tuple(eps))
+            if self._state.get(key) != value:
+                self._state[key] = value
+                updated.add(key)
+        self._dirty.clear()
+        if not (updated or deleted or self._first):
+            return self.done
+        self._first = False
+        self._revision += 1
+        state = NodeState(
+            node=self._node,
+            revision=self._revision,
+            services=self._state,
+            updated=frozenset(updated),
+            deleted=frozenset(deleted),
+        )
+        if await _maybe_await(self._handler(state)):
+            self.done = True
+        return self.done
+
+
+class SinkBackend:
+    """A full-state Backend that drives an incremental Sink: in process, a Sink gets the same
+    calls it would get over the network."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self._started = False
+        self._sent: dict[ServiceKey, ServiceEndpoints] = {}
+
+    async def apply(self, state: NodeState) -> bool:
+        sink = self._sink
+        if not self._started:
+            self._started = True
+            sink.reset()
+        for key in sorted(state.updated):
+            new = state.services[key]
+            old = self._sent.get(key)
+            if old is None or old.service != new.service:
+                sink.set_service(new.service)
+            old_eps = endpoint_keys(old.endpoints) if old is not None else {}
+            new_eps = endpoint_keys(new.endpoints)
+            for ep_key, ep in new_eps.items():
+                if old_eps.get(ep_key) != ep:
+                    sink.set_endpoint(key[0], key[1], ep_key, ep)
+            for ep_key in old_eps.keys() - new_eps.keys():
+                sink.delete_endpoint(key[0], key[1], ep_key)
+            self._sent[key] = new
+        for key in sorted(state.deleted):
+            old = self._sent.pop(key, None)
+            if old is not None:
+                for ep_key in endpoint_keys(old.endpoints):
+                    sink.delete_endpoint(key[0], key[1], ep_key)
+            sink.delete_service(*key)
+        await _maybe_await(sink.sync())
+        return False
+
+    async def close(self) -> None:
+        return None
+
+
+class HandlerBackend:
+    """A full-state Backend around a handler function."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+
+    async def apply(self, state: NodeState) -> bool:
+        return bool(await _maybe_await(self._handler(state)))
+
+    async def close(self) -> None:
+        return None

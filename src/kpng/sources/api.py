@@ -1,0 +1,146 @@
+"""``kpng api --api TARGET``: the global state of another kpng, for relay tiers.
+
+One kpng watches the API server and serves ``to-api``; others take its global state from the
+global watch and serve their own nodes. Reconnects with backoff; while the upstream is away the
+last state keeps being served, and after a reconnection only real differences reach the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kpng.api import codec
+from kpng.api.localv1_pb2 import GlobalEndpointInfos, GlobalNodeInfos, GlobalServiceInfos
+from kpng.client._remote import Api, OpHandler, follow, global_rpcs
+from kpng.client._running import DEFAULT_API
+from kpng.model.cluster import ServiceKey, SliceKey
+from kpng.model.dumping import slice_from_infos
+from kpng.model.messages import EndpointInfo, NodeInfo, ServiceInfo
+from kpng.model.paths import split_service_path
+from kpng.sources import Runner, SourceSpec
+from kpng.store import SourceHandle, Store
+
+log = logging.getLogger(__name__)
+
+_json: dict[int, Callable[[bytes], Any]] = {
+    GlobalServiceInfos: msgspec.json.Decoder(ServiceInfo).decode,
+    GlobalEndpointInfos: msgspec.json.Decoder(EndpointInfo).decode,
+    GlobalNodeInfos: msgspec.json.Decoder(NodeInfo).decode,
+}
+_protobuf: dict[int, Callable[[bytes], Any]] = {
+    GlobalServiceInfos: codec.SERVICE_INFO.decode,
+    GlobalEndpointInfos: codec.ENDPOINT_INFO.decode,
+    GlobalNodeInfos: codec.NODE_INFO.decode,
+}
+
+
+class GlobalOps:
+    """Applies global watch ops to a store source; a change set is one store revision."""
+
+    def __init__(self, out: SourceHandle) -> None:
+        self._out = out
+        self._services: set[ServiceKey] = set()
+        self._nodes: set[str] = set()
+        self._endpoints: dict[SliceKey, dict[str, EndpointInfo]] = {}
+        self._dirty_slices: set[SliceKey] = set()
+        self._resetting = False
+        self._seen: set[tuple[int, str]] = set()
+
+    def handler(self, json: bool) -> OpHandler:
+        decoders: dict[int, Callable[[bytes], Any]] = _json if json else _protobuf
+
+        async def handle(kind: str, set_: int, path: str, payload: bytes) -> bool:
+            if kind == "Set" and set_ in decoders:
+                self._set(set_, path, decoders[set_](payload))
+            elif kind == "Delete":
+                self._delete(set_, path)
+            elif kind == "Reset":
+                self._resetting = True
+                self._seen.clear()
+            elif kind == "Sync":
+                self._sync()
+            return False
+
+        return handle
+
+    def _set(self, set_: int, path: str, info: Any) -> None:
+        self._seen.add((set_, path))
+        if set_ == GlobalServiceInfos and info.Service is not None:
+            key = split_service_path(path)
+            self._services.add(key)
+            self._out.set_service(key, info.Service)
+        elif set_ == GlobalNodeInfos and info.Node is not None:
+            self._nodes.add(path)
+            self._out.set_node(path, info.Node)
+        elif set_ == GlobalEndpointInfos:
+            key = (info.Namespace, info.SourceName)
+            self._endpoints.setdefault(key, {})[path] = info
+            self._dirty_slices.add(key)
+
+    def _delete(self, set_: int, path: str) -> None:
+        if set_ == GlobalServiceInfos:
+            key = split_service_path(path)
+            self._services.discard(key)
+            self._out.set_service(key, None)
+        elif set_ == GlobalNodeInfos:
+            self._nodes.discard(path)
+            self._out.set_node(path, None)
+        elif set_ == GlobalEndpointInfos:
+            namespace, _, slice_name, _ = path.split("/", 3)  # namespace/service/slice/address
+            key = (namespace, slice_name)
+            infos = self._endpoints.get(key)
+            if infos is not None and infos.pop(path, None) is not None:
+                self._dirty_slices.add(key)
+
+    def _sync(self) -> None:
+        if self._resetting:
+            # Whatever the new stream did not send again is gone upstream.
+            self._resetting = False
+            for key in list(self._services):
+                if (GlobalServiceInfos, f"{key[0]}/{key[1]}") not in self._seen:
+                    self._delete(GlobalServiceInfos, f"{key[0]}/{key[1]}")
+            for name in list(self._nodes):
+                if (GlobalNodeInfos, name) not in self._seen:
+                    self._delete(GlobalNodeInfos, name)
+            for sent in list(self._endpoints.values()):
+                for path in list(sent):
+                    if (GlobalEndpointInfos, path) not in self._seen:
+                        self._delete(GlobalEndpointInfos, path)
+        for key in self._dirty_slices:
+            current = self._endpoints.get(key)
+            if current:
+                self._out.set_slice(key, slice_from_infos(key[0], key[1], list(current.values())))
+            else:
+                self._endpoints.pop(key, None)
+                self._out.set_slice(key, None)
+        self._dirty_slices.clear()
+        if self._out.synced:
+            self._out.commit()
+        else:
+            self._out.mark_synced()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api", default=DEFAULT_API, metavar="URL", help="the upstream kpng's to-api address"
+    )
+
+
+def _create(args: argparse.Namespace, store: Store) -> Runner:
+    api = Api(args.api).check()
+    ops = GlobalOps(store.source("api"))
+    batched, compatible = global_rpcs()
+    return lambda: follow(api, batched=batched, compatible=compatible, handle=ops.handler)
+
+
+SPEC = SourceSpec(
+    name="api",
+    help="take the global state from another kpng's to-api (relay tiers)",
+    add_arguments=_add_arguments,
+    create=_create,
+)
