@@ -155,28 +155,49 @@ async def follow(
     """
     backoff = backoff or Backoff()
     rpc = batched
+    outage = _Outage(api.url)
     while True:
         try:
             async with api.channel() as channel:
-                if await _follow_once(channel, rpc, _resetting(backoff, handle(rpc is batched))):
+                handler = _resetting(backoff, outage, handle(rpc is batched))
+                if await _follow_once(channel, rpc, handler):
                     return
-            log.warning("watch of %s ended; reconnecting", api.url)
+            outage.failed("the stream ended")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and rpc is batched:
                 log.info("%s has no batched watch; using %s", api.url, compatible.path)
                 rpc = compatible
                 continue
-            log.warning("watch of %s failed: %s: %s", api.url, exc.code().name, exc.details())
+            outage.failed(f"{exc.code().name}: {exc.details()}")
         delay = await backoff.wait()
         log.debug("reconnecting to %s after %.2fs", api.url, delay)
 
 
-def _resetting(backoff: Backoff, handle: OpHandler) -> OpHandler:
+class _Outage:
+    """Logs the start and the end of an outage once each, not every failed retry."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.down = False
+
+    def failed(self, why: str) -> None:
+        level = logging.DEBUG if self.down else logging.WARNING
+        log.log(level, "watch of %s failed (%s); the last state stays in force", self.url, why)
+        self.down = True
+
+    def synced(self) -> None:
+        if self.down:
+            log.info("watch of %s is back", self.url)
+            self.down = False
+
+
+def _resetting(backoff: Backoff, outage: _Outage, handle: OpHandler) -> OpHandler:
     """A sync proves the connection works: the next failure starts from a short delay again."""
 
     async def handle_op(kind: str, set_: int, path: str, payload: bytes) -> bool:
         if kind == "Sync":
             backoff.reset()
+            outage.synced()
         return await handle(kind, set_, path, payload)
 
     return handle_op

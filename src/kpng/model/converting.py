@@ -292,6 +292,9 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
         converted = _slice_endpoint(ep, v6=v6, invalid=invalid, i=i)
         if converted is not None:
             endpoints.append(converted)
+    # Sorted, so a slice is one value whatever order its source listed endpoints in (a relay
+    # rebuilds slices from per-endpoint items).
+    endpoints.sort(key=_by_address)
     return Slice(
         namespace=namespace,
         name=name,
@@ -300,6 +303,10 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
         ports=_slice_ports(obj, invalid),
         endpoints=tuple(endpoints),
     )
+
+
+def _by_address(ep: SliceEndpoint) -> str:
+    return ep.ip
 
 
 def node_from_k8s(obj: k8s.Node) -> Node:

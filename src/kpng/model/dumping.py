@@ -147,5 +147,5 @@ def slice_from_infos(namespace: str, name: str, infos: list[EndpointInfo]) -> Sl
             SlicePort(name=p.Name, protocol=p.Protocol or "TCP", port=p.Port)
             for p in first.PortOverrides
         ),
-        endpoints=tuple(endpoints),
+        endpoints=tuple(sorted(endpoints, key=lambda ep: ep.ip)),
     )

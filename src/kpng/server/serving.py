@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import msgspec
+from google.protobuf.message import DecodeError
 
 from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.errors import UsageError
@@ -103,6 +104,21 @@ def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
     return codec.GLOBAL_INFOS[type(info)].encode(info)
 
 
+async def _parsed(requests: AsyncIterator[bytes], message: Any, context: Any) -> AsyncIterator[Any]:
+    """Requests parsed here rather than by gRPC, so a malformed one is answered with
+    INVALID_ARGUMENT and a clear message instead of a server-side traceback."""
+    async for data in requests:
+        try:
+            yield message.FromString(data)
+        except DecodeError as exc:
+            log.warning(
+                "malformed %s from %s: %s", message.DESCRIPTOR.full_name, context.peer(), exc
+            )
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.full_name}"
+            )
+
+
 def _batches(ops: list[bytes]) -> Iterator[bytes]:
     chunk: list[bytes] = []
     size = 0
@@ -156,22 +172,24 @@ class WatchServer:
                 view.close()
 
     async def watch_local(
-        self, requests: AsyncIterator[localv1_pb2.WatchReq], context: Any
+        self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         def encoders(_: Any) -> Encoders:
             return Encoders(batchv1_pb2.PROTOBUF, self._protobuf)
 
-        async for ops in self._local_changesets(requests, encoders):
+        parsed = _parsed(requests, localv1_pb2.WatchReq, context)
+        async for ops in self._local_changesets(parsed, encoders):
             for op in ops:
                 yield op
 
     async def watch_local_batched(
-        self, requests: AsyncIterator[batchv1_pb2.WatchReq], context: Any
+        self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         def encoders(request: Any) -> Encoders:
             return Encoders(request.Encoding, self._protobuf)
 
-        async for ops in self._local_changesets(requests, encoders):
+        parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
+        async for ops in self._local_changesets(parsed, encoders):
             for batch in _batches(ops):
                 yield batch
 
@@ -207,43 +225,47 @@ class WatchServer:
             subscription.close()
 
     async def watch_global(
-        self, requests: AsyncIterator[globalv1_pb2.GlobalWatchReq], context: Any
+        self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        async for ops in self._global_changesets(requests, lambda _: batchv1_pb2.PROTOBUF):
+        parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context)
+        async for ops in self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF):
             for op in ops:
                 yield op
 
     async def watch_global_batched(
-        self, requests: AsyncIterator[batchv1_pb2.GlobalWatchReq], context: Any
+        self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        async for ops in self._global_changesets(requests, lambda r: int(r.Encoding)):
+        parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context)
+        async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding)):
             for batch in _batches(ops):
                 yield batch
 
     def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
-        def stream(
-            handler: Callable[..., AsyncIterator[bytes]], request: Any
-        ) -> grpc.RpcMethodHandler[Any, Any]:
-            return grpc.stream_stream_rpc_method_handler(
-                handler, request_deserializer=request.FromString, response_serializer=None
-            )
+        def stream(handler: Callable[..., AsyncIterator[bytes]]) -> grpc.RpcMethodHandler[Any, Any]:
+            # Bytes in, bytes out: requests are parsed by _parsed, responses are pre-encoded.
+            return grpc.stream_stream_rpc_method_handler(handler)
 
         return [
             grpc.method_handlers_generic_handler(
-                "localv1.Sets", {"Watch": stream(self.watch_local, localv1_pb2.WatchReq)}
+                "localv1.Sets", {"Watch": stream(self.watch_local)}
             ),
             grpc.method_handlers_generic_handler(
-                "globalv1.Sets",
-                {"Watch": stream(self.watch_global, globalv1_pb2.GlobalWatchReq)},
+                "globalv1.Sets", {"Watch": stream(self.watch_global)}
             ),
             grpc.method_handlers_generic_handler(
                 "kpng.batchv1.Sets",
                 {
-                    "Watch": stream(self.watch_local_batched, batchv1_pb2.WatchReq),
-                    "WatchGlobal": stream(self.watch_global_batched, batchv1_pb2.GlobalWatchReq),
+                    "Watch": stream(self.watch_local_batched),
+                    "WatchGlobal": stream(self.watch_global_batched),
                 },
             ),
         ]
+
+
+@dataclass(frozen=True)
+class Serving:
+    addresses: list[str]
+    watch: WatchServer
 
 
 async def serve(
@@ -252,9 +274,10 @@ async def serve(
     listen: list[ListenAddress],
     tls: TlsFiles | None = None,
     socket_mode: int = 0o600,
-    started: Callable[[list[str]], None] | None = None,
+    started: Callable[[Serving], None] | None = None,
 ) -> None:
-    """Serve the watches until cancelled. ``started`` gets the bound addresses (ports resolved)."""
+    """Serve the watches until cancelled. ``started`` is called once listening, with the bound
+    addresses (ports resolved)."""
     watch = WatchServer(store)
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
     server.add_generic_rpc_handlers(watch.handlers())
@@ -291,13 +314,18 @@ async def serve(
     for url in bound:
         log.info("serving the watch API on %s", url)
     if started is not None:
-        started(bound)
+        started(Serving(addresses=bound, watch=watch))
     hub_task = asyncio.ensure_future(watch.hub.run())
     try:
-        await server.wait_for_termination()
+        await asyncio.get_running_loop().create_future()  # serve until cancelled
     finally:
         hub_task.cancel()
-        await server.stop(grace=1)
+        # Stopping must finish even though this task is being cancelled: streams left open
+        # would keep clients attached to a server that no longer answers.
+        stopping = asyncio.ensure_future(server.stop(grace=1))
+        while not stopping.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(stopping)
         await asyncio.gather(hub_task, return_exceptions=True)
         for address in listen:
             if address.unix_path is not None:

@@ -1,0 +1,466 @@
+"""The watch servers over real gRPC on unix sockets and TCP, against kpng's and independent
+clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import msgspec
+import pytest
+
+from kpng.api import localv1_pb2
+from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
+from kpng.client._remote import _follow_once, global_rpcs
+from kpng.model.cluster import Slice
+from kpng.model.messages import Node, Service
+from kpng.resolver.resolving import NodeResolver
+from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
+from kpng.sources.api import GlobalOps
+from kpng.sources.manifests import parse
+from kpng.store import SourceHandle, Store
+from tests import wire
+from tests.conftest import EXAMPLE
+from tests.tlscerts import make_pki
+
+T = TypeVar("T")
+WAIT_S = 20.0
+SERVICES_SET, ENDPOINTS_SET = 1, 2
+
+
+def _run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 60)
+
+    return asyncio.run(bounded())
+
+
+def _example_store(*, synced: bool = True) -> tuple[Store, SourceHandle]:
+    store = Store()
+    handle = store.source("test")
+    for (kind, namespace, name), obj in parse(EXAMPLE.read_bytes(), filename="x").objects.items():
+        if isinstance(obj, Service):
+            handle.set_service((namespace, name), obj)
+        elif isinstance(obj, Slice):
+            handle.set_slice((namespace, name), obj)
+        elif isinstance(obj, Node):
+            handle.set_node(name, obj)
+        else:
+            assert obj is None, kind
+    if synced:
+        handle.mark_synced()
+    return store, handle
+
+
+def _expected(store: Store, node: str) -> dict[Any, Any]:
+    resolver = NodeResolver(node)
+    for name, n in store.nodes.items():
+        if name == node:
+            resolver.set_node(n)
+    for key, svc in store.services.items():
+        resolver.set_service(key, svc)
+    for key, sl in store.slices.items():
+        resolver.set_slice(key, sl)
+    resolver.resolve()
+    return dict(resolver.state)
+
+
+@contextlib.asynccontextmanager
+async def _serving(store: Store, urls: list[str], **kwargs: Any) -> AsyncIterator[Serving]:
+    ready: asyncio.Future[Serving] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve(
+            store, listen=[ListenAddress.parse(u) for u in urls], started=ready.set_result, **kwargs
+        )
+    )
+    try:
+        yield await asyncio.wait_for(asyncio.shield(ready), WAIT_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _eventually(predicate: Callable[[], bool]) -> None:
+    """Wait for a condition other tasks make true, polling, bounded by WAIT_S."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+@contextlib.asynccontextmanager
+async def _connected(
+    store: Store, tmp_path: Path
+) -> AsyncIterator[tuple[Serving, grpc.aio.Channel]]:
+    """A server on a unix socket and a raw channel to it."""
+    async with (
+        _serving(store, _urls(tmp_path, "unix")) as serving,
+        grpc.aio.insecure_channel(_target(serving)) as channel,
+    ):
+        yield serving, channel
+
+
+def _urls(tmp_path: Path, transport: str) -> list[str]:
+    return [f"unix://{tmp_path}/kpng.sock"] if transport == "unix" else ["tcp://127.0.0.1:0"]
+
+
+def _target(serving: Serving) -> str:
+    url = serving.addresses[0]
+    return (
+        f"unix:{url.removeprefix('unix://')}"
+        if url.startswith("unix://")
+        else url.removeprefix("tcp://")
+    )
+
+
+class _RawWatch:
+    """localv1.Sets/Watch with raw bytes both ways: the ops are read by tests/wire.py."""
+
+    def __init__(self, channel: grpc.aio.Channel, method: str = "/localv1.Sets/Watch") -> None:
+        self.call = channel.stream_stream(
+            method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )()  # type: ignore[call-arg]
+
+    async def change_set(self, request: bytes) -> list[wire.Op]:
+        await self.call.write(request)
+        ops = []
+        while True:
+            data = await asyncio.wait_for(self.call.read(), WAIT_S)
+            assert isinstance(data, bytes), data  # not the end of the stream
+            ops.append(wire.op(data))
+            if ops[-1].kind == "Sync":
+                return ops
+
+
+async def _write_and_read(call: Any, request: bytes) -> object:
+    await call.write(request)
+    return await asyncio.wait_for(call.read(), WAIT_S)
+
+
+def _watch_req(node: str) -> bytes:
+    return localv1_pb2.WatchReq(NodeName=node).SerializeToString()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_compatible_watch_reads_with_go_kpng_field_numbers(tmp_path: Path, transport: str) -> None:
+    store, _ = _example_store()
+
+    async def scenario() -> list[wire.Op]:
+        async with (
+            _serving(store, _urls(tmp_path, transport)) as serving,
+            grpc.aio.insecure_channel(_target(serving)) as channel,
+        ):
+            return await _RawWatch(channel).change_set(_watch_req("node-2"))
+
+    ops = _run(scenario())
+    assert ops[0].kind == "Reset"
+    assert ops[-1].kind == "Sync"
+    services = {
+        o.path: wire.fields(o.payload) for o in ops if o.kind == "Set" and o.set == SERVICES_SET
+    }
+    endpoints = {
+        o.path: wire.fields(o.payload) for o in ops if o.kind == "Set" and o.set == ENDPOINTS_SET
+    }
+    assert sorted(services) == [
+        "edge/ingress",
+        "kube-system/dns-cache",
+        "monitoring/metrics",
+        "shop/api",
+        "shop/pending",
+        "shop/web",
+    ]
+    web = services["shop/web"]
+    assert wire.text(web, 1) == "shop"  # Namespace
+    assert wire.text(web, 2) == "web"  # Name
+    assert wire.text(web, 3) == "ClusterIP"  # Type
+    assert wire.strings(wire.sub(wire.sub(web, 4), 1), 1) == ["10.96.0.10"]  # IPs.ClusterIPs.V4
+    port = wire.sub(web, 6)  # Ports[0]
+    assert (wire.text(port, 1), wire.one(port, 2), wire.one(port, 3)) == ("http", 1, 80)
+    assert wire.text(port, 6) == "http"  # TargetPortName
+    assert wire.one(services["edge/ingress"], 7) == 1  # ExternalTrafficToLocal
+    assert wire.one(services["edge/ingress"], 13) == 32000  # HealthCheckNodePort
+    # Endpoint: IPs=2, PortOverrides=4 (PortName{Name=1; Port=2}), Scopes=5 {Internal=1; External=2}
+    assert sorted(p for p in endpoints if p.startswith("shop/web/")) == ["shop/web/10.244.1.11"]
+    ep = endpoints["shop/web/10.244.1.11"]
+    assert wire.strings(wire.sub(ep, 2), 1) == ["10.244.1.11"]
+    override = wire.sub(ep, 4)
+    assert (wire.text(override, 1), wire.one(override, 2)) == ("http", 8080)
+    assert wire.one(wire.sub(ep, 5), 1) == 1  # Internal
+    assert wire.one(wire.sub(ep, 5), 2, 0) == 0  # not External: a ClusterIP service
+
+
+def test_next_change_set_carries_only_the_difference(tmp_path: Path) -> None:
+    store, handle = _example_store()
+
+    async def scenario() -> list[wire.Op]:
+        async with _connected(store, tmp_path) as (_, channel):
+            watch_ = _RawWatch(channel)
+            await watch_.change_set(_watch_req("node-2"))
+            api = store.slices[("shop", "api-x7k2p")]
+            handle.set_slice(api.key, msgspec.structs.replace(api, endpoints=api.endpoints[:1]))
+            handle.commit()
+            return await watch_.change_set(_watch_req("node-2"))
+
+    ops = _run(scenario())
+    assert ops == [wire.Op("Delete", ENDPOINTS_SET, "shop/api/10.244.2.22"), wire.Op("Sync")]
+
+
+def test_nothing_is_served_before_the_sources_synced(tmp_path: Path) -> None:
+    store, handle = _example_store(synced=False)
+
+    async def scenario() -> list[wire.Op]:
+        async with _connected(store, tmp_path) as (_, channel):
+            watch_ = _RawWatch(channel)
+            pending = asyncio.ensure_future(watch_.change_set(_watch_req("node-1")))
+            await asyncio.sleep(0.3)
+            assert not pending.done()
+            handle.mark_synced()
+            return await pending
+
+    ops = _run(scenario())
+    assert ops[0].kind == "Reset"
+    assert len([o for o in ops if o.set == SERVICES_SET]) == 6
+
+
+@pytest.mark.parametrize("node", ["node-1", "node-3", "not-a-node"])
+def test_remote_state_equals_in_process_state(tmp_path: Path, node: str) -> None:
+    store, _ = _example_store()
+    got: list[NodeState] = []
+
+    async def scenario() -> None:
+        async with _serving(store, _urls(tmp_path, "unix")) as serving:
+            await watch_state(got.append, api=serving.addresses[0], node_name=node, once=True)
+
+    _run(scenario())
+    assert dict(got[0].services) == _expected(store, node)
+
+
+def test_many_watchers_of_different_nodes_at_once(tmp_path: Path) -> None:
+    store, handle = _example_store()
+    nodes = [f"node-{i % 4}" for i in range(40)]  # node-0 is unknown
+    states: dict[int, list[NodeState]] = {i: [] for i in range(len(nodes))}
+
+    async def scenario() -> None:
+        async with _serving(store, _urls(tmp_path, "tcp")) as serving:
+            watchers = [
+                asyncio.create_task(
+                    watch_state(states[i].append, api=serving.addresses[0], node_name=node)
+                )
+                for i, node in enumerate(nodes)
+            ]
+            await _eventually(lambda: all(states.values()))
+            # one change that concerns every node: the api service's port
+            api = store.services[("shop", "api")]
+            port = msgspec.structs.replace(api.Ports[0], Port=9001)
+            handle.set_service(("shop", "api"), msgspec.structs.replace(api, Ports=(port,)))
+            handle.commit()
+            await _eventually(lambda: all(len(s) == 2 for s in states.values()))
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    _run(scenario())
+    for i, node in enumerate(nodes):
+        _, second = states[i]
+        assert second.updated == {("shop", "api")}
+        assert dict(second.services) == _expected(store, node)
+
+
+def test_malformed_request_and_vanished_client_cost_the_server_nothing(tmp_path: Path) -> None:
+    store, _ = _example_store()
+
+    async def scenario() -> tuple[grpc.StatusCode, int, int]:
+        async with _connected(store, tmp_path) as (serving, channel):
+            bad = _RawWatch(channel)
+            await bad.call.write(b"\xff\xff\xff not a WatchReq")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await asyncio.wait_for(bad.call.read(), WAIT_S)
+            vanishing = _RawWatch(channel)
+            await vanishing.change_set(_watch_req("node-1"))
+            views_while_open = len(serving.watch.hub.cluster._views)
+            vanishing.call.cancel()
+            await _eventually(lambda: not serving.watch.hub.cluster._views)
+            # and the server still serves
+            ops = await _RawWatch(channel).change_set(_watch_req("node-1"))
+            return error.value.code(), views_while_open, len(ops)
+
+    code, views_while_open, ops = _run(scenario())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert views_while_open == 1
+    assert ops > 2
+
+
+class _Recorder:
+    """An incremental Sink that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.synced = asyncio.Event()
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+
+    def set_service(self, service: Service) -> None:
+        self.calls.append(("set_service", service.Namespace, service.Name))
+
+    def delete_service(self, namespace: str, name: str) -> None:
+        self.calls.append(("delete_service", namespace, name))
+
+    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Any) -> None:
+        self.calls.append(("set_endpoint", namespace, service, key))
+
+    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
+        self.calls.append(("delete_endpoint", namespace, service, key))
+
+    def sync(self) -> None:
+        self.calls.append(("sync",))
+        self.synced.set()
+
+    async def next_sync(self) -> list[tuple[Any, ...]]:
+        await asyncio.wait_for(self.synced.wait(), WAIT_S)
+        self.synced.clear()
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path: Path) -> None:
+    store, handle = _example_store()
+    urls = _urls(tmp_path, "unix")
+    sink = _Recorder()
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        client: asyncio.Task[None] | None = None
+        try:
+            async with _serving(store, urls) as serving:
+                backoff = Backoff(initial=0.05, maximum=0.2)
+                client = asyncio.create_task(
+                    watch(sink, api=serving.addresses[0], node_name="node-1", backoff=backoff)
+                )
+                first = await sink.next_sync()
+            # the server is gone; meanwhile one endpoint goes away
+            api = store.slices[("shop", "api-x7k2p")]
+            handle.set_slice(api.key, msgspec.structs.replace(api, endpoints=api.endpoints[1:]))
+            handle.commit()
+            async with _serving(store, urls):
+                after = await sink.next_sync()
+            return first, after
+        finally:
+            if client is not None:
+                client.cancel()
+                await asyncio.gather(client, return_exceptions=True)
+
+    first, after = _run(scenario())
+    assert first[0] == ("reset",)
+    assert len(first) > 10
+    assert after == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+
+
+def test_slow_client_gets_one_coalesced_change_set(tmp_path: Path) -> None:
+    store, handle = _example_store()
+
+    async def scenario() -> list[wire.Op]:
+        async with _connected(store, tmp_path) as (_, channel):
+            watch_ = _RawWatch(channel)
+            await watch_.change_set(_watch_req("node-1"))
+            api = store.services[("shop", "api")]
+            for port in range(9001, 9101):  # 100 revisions the client does not ask for
+                ports = (msgspec.structs.replace(api.Ports[0], Port=port),)
+                handle.set_service(("shop", "api"), msgspec.structs.replace(api, Ports=ports))
+                handle.commit()
+                await asyncio.sleep(0)
+            return await watch_.change_set(_watch_req("node-1"))
+
+    ops = _run(scenario())
+    assert [o.kind for o in ops] == ["Set", "Sync"]
+    port = wire.sub(wire.fields(ops[0].payload), 6)
+    assert wire.one(port, 3) == 9100
+
+
+def test_unix_socket_is_owner_only_unless_told_otherwise(tmp_path: Path) -> None:
+    store, _ = _example_store()
+
+    async def scenario(mode: int | None) -> int:
+        kwargs = {} if mode is None else {"socket_mode": mode}
+        async with _serving(store, [f"unix://{tmp_path}/s.sock"], **kwargs):
+            return stat.S_IMODE(os.stat(tmp_path / "s.sock").st_mode)
+
+    assert _run(scenario(None)) == 0o600
+    assert _run(scenario(0o660)) == 0o660
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    store, _ = _example_store()
+    pki = make_pki(tmp_path)
+    tls = TlsFiles(cert=pki.server_cert, key=pki.server_key, ca=pki.ca)
+    trusted = ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+
+    async def scenario() -> tuple[NodeState, grpc.StatusCode, grpc.StatusCode]:
+        async with _serving(store, ["tcp://127.0.0.1:0"], tls=tls) as serving:
+            port = serving.addresses[0].rpartition(":")[2]
+            url = f"tcp://localhost:{port}"
+            got: list[NodeState] = []
+            await watch_state(got.append, api=Api(url, tls=trusted), node_name="node-1", once=True)
+            codes = []
+            for client_tls in (
+                ClientTls(ca=pki.ca),  # no client certificate
+                ClientTls(ca=pki.other_ca, cert=pki.client_cert, key=pki.client_key),
+            ):
+                channel = Api(url, tls=client_tls).channel()
+                async with channel:
+                    call = channel.stream_stream(
+                        "/localv1.Sets/Watch",
+                        request_serializer=lambda b: b,
+                        response_deserializer=lambda b: b,
+                    )()  # type: ignore[call-arg]
+                    with pytest.raises(grpc.aio.AioRpcError) as error:
+                        await _write_and_read(call, _watch_req("node-1"))
+                    codes.append(error.value.code())
+            return got[0], codes[0], codes[1]
+
+    state, without_cert, wrong_ca = _run(scenario())
+    assert dict(state.services) == _expected(store, "node-1")
+    assert without_cert == grpc.StatusCode.UNAVAILABLE
+    assert wrong_ca == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "compatible"])
+def test_global_watch_relays_the_store(tmp_path: Path, batched: bool) -> None:
+    store, handle = _example_store()
+    relay = Store()
+    ops = GlobalOps(relay.source("api"))
+
+    async def follow_raw(serving: Serving) -> None:
+        rpc = global_rpcs()[0 if batched else 1]
+        async with grpc.aio.insecure_channel(_target(serving)) as channel:
+            await _follow_once(channel, rpc, ops.handler(batched))
+
+    async def scenario() -> None:
+        async with _serving(store, _urls(tmp_path, "unix")) as serving:
+            task = asyncio.create_task(follow_raw(serving))
+            try:
+                await _eventually(lambda: relay.synced)
+                assert dict(relay.services) == dict(store.services)
+                assert dict(relay.slices) == dict(store.slices)
+                assert dict(relay.nodes) == dict(store.nodes)
+                handle.set_slice(("shop", "web-abc12"), None)
+                handle.set_node("node-3", None)
+                handle.commit()
+                await _eventually(
+                    lambda: (
+                        ("shop", "web-abc12") not in relay.slices and "node-3" not in relay.nodes
+                    )
+                )
+                assert dict(relay.slices) == dict(store.slices)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    _run(scenario())
