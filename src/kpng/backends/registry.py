@@ -6,9 +6,9 @@ import argparse
 import importlib
 import importlib.metadata
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -51,6 +51,8 @@ class BackendSpec:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     create: Callable[[argparse.Namespace], Backend]
+    cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
+    """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
 
 
 _registry: dict[str, BackendSpec] = {}
