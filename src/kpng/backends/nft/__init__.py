@@ -74,7 +74,7 @@ class NftBackend:
             for problem in contribution.problems:
                 log.warning("service %s: %s (skipped)", object_name(*key), problem)
             self.store.update(key, contribution, touched)
-        for (container, ek), owners in self.store.conflicts():
+        for (container, ek), owners in self.store.conflicts(touched):
             log.warning(
                 "%s element %s wanted differently by %s; %s wins",
                 container,

@@ -103,7 +103,11 @@ class DiffStore:
 
     def desired_element(self, ek: ElementKey) -> tuple[str, ...] | None:
         owners = self._element_owners.get(ek)
-        return owners[min(owners)] if owners else None
+        if not owners:
+            return None
+        if len(owners) == 1:
+            return next(iter(owners.values()))
+        return owners[min(owners)]
 
     def desired_chain(self, name: str) -> ChainDef | None:
         owners = self._chain_owners.get(name)
@@ -113,13 +117,15 @@ class DiffStore:
         owners = self._map_owners.get(name)
         return owners[min(owners)] if owners else None
 
-    def conflicts(self) -> list[tuple[ElementKey, list[ServiceKey]]]:
-        """Elements that services want with different values (the first owner's value is used)."""
-        return [
-            (ek, sorted(owners))
-            for ek, owners in self._element_owners.items()
-            if len(set(owners.values())) > 1
-        ]
+    def conflicts(self, touched: Touched) -> list[tuple[ElementKey, list[ServiceKey]]]:
+        """Touched elements that services want with different values (the first owner's value
+        is used); only the touched ones, so that a change costs what it touched."""
+        out = []
+        for ek in sorted(touched.elements):
+            owners = self._element_owners.get(ek)
+            if owners is not None and len(owners) > 1 and len(set(owners.values())) > 1:
+                out.append((ek, sorted(owners)))
+        return out
 
     def incremental(self, touched: Touched) -> Plan:
         """The transaction bringing the applied table to the desired one for ``touched``."""

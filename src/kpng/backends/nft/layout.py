@@ -235,21 +235,32 @@ class Contribution:
 
 
 def _endpoints(
-    endpoints: Sequence[Endpoint], port: PortMapping, fam: Fam, scope: str
-) -> list[tuple[str, int]]:
-    found: set[tuple[str, int]] = set()
+    endpoints: Sequence[Endpoint], port: PortMapping, fam: Fam
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
+    """The (address, port) endpoints of ``port`` in ``fam``: Internal, External and Cluster
+    scope, each sorted (the order gives the numgen indexes)."""
+    internal: set[tuple[str, int]] = set()
+    external: set[tuple[str, int]] = set()
+    cluster: set[tuple[str, int]] = set()
+    v6 = fam == "v6"
     for ep in endpoints:
         scopes = ep.Scopes
-        if scopes is None or not getattr(scopes, scope) or ep.IPs is None:
+        if scopes is None or ep.IPs is None:
             continue
-        addrs = ep.IPs.family(fam == "v6")
+        addrs = ep.IPs.V6 if v6 else ep.IPs.V4
         if not addrs:
             continue
         for po in ep.PortOverrides:
             if po.Name == port.Name and po.Protocol == port.Protocol and po.Port:
-                found.update((a, po.Port) for a in addrs)
+                pairs = [(a, po.Port) for a in addrs]
+                if scopes.Internal:
+                    internal.update(pairs)
+                if scopes.External:
+                    external.update(pairs)
+                if scopes.Cluster:
+                    cluster.update(pairs)
                 break
-    return sorted(found)
+    return sorted(internal), sorted(external), sorted(cluster)
 
 
 def _verdict(
@@ -291,9 +302,7 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                 port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
             )
             p = str(port.Port)
-            internal = _endpoints(se.endpoints, port, fam, "Internal")
-            external = _endpoints(se.endpoints, port, fam, "External")
-            cluster_wide = _endpoints(se.endpoints, port, fam, "Cluster")
+            internal, external, cluster_wide = _endpoints(se.endpoints, port, fam)
             local_etp = service.ExternalTrafficToLocal
 
             def dispatch(kind: Kind, key: tuple[str, ...], eps: list[tuple[str, int]]) -> None:

@@ -24,6 +24,7 @@ Verb = Literal["add", "delete", "flush"]
 
 # nft identifiers: a letter, then letters, digits and a few punctuation marks (NFT_NAME_MAXLEN).
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,255}$")
+_BAD_FIELD = re.compile(r"[{},;\n]| \. ")
 _HOOKS = ("prerouting", "input", "forward", "output", "postrouting")
 _CHAIN_TYPES = ("filter", "nat", "route")
 # Where a batch of elements goes on one line: one `add element` of 1,000 elements loads 10k
@@ -176,9 +177,10 @@ class Element:
         _check_name("set", self.container)
         if not self.key:
             raise InvalidObject(f"element of {self.container}: empty key")
-        for part in (*self.key, *self.value):
-            if not part or any(c in part for c in "{},;\n") or " . " in part:
-                raise InvalidObject(f"element of {self.container}: invalid field {part!r}")
+        # One regex over the joined fields: a full sync validates some 100k elements.
+        fields = (*self.key, *self.value)
+        if "" in fields or _BAD_FIELD.search("\t".join(fields)):
+            raise InvalidObject(f"element of {self.container}: invalid field in {fields!r}")
 
     def render(self, *, with_value: bool = True) -> str:
         key = " . ".join(self.key)
