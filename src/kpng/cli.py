@@ -59,6 +59,7 @@ def _main_parser() -> argparse.ArgumentParser:
         + "\nsinks:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
         + f"\nbackends (after to-local, or local):\n{backends}\n\n"
+        "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
         "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`.",
     )
     parser.add_argument(
@@ -182,8 +183,28 @@ async def _run_until_signalled(pipeline: Runner) -> None:
         await task
 
 
+def cleanup(argv: Sequence[str]) -> int:
+    """``kpng cleanup [BACKEND...]``: remove what backends leave on the node (all by default)."""
+    parser = argparse.ArgumentParser(prog="kpng cleanup", description=cleanup.__doc__)
+    parser.add_argument("backends", nargs="*", metavar="BACKEND", help="e.g. nft or to-nft")
+    args = parser.parse_args(argv)
+    try:
+        wanted = [b.removeprefix("to-") for b in args.backends] or registry.names()
+        specs = [registry.lookup(name) for name in wanted]
+        for spec in specs:
+            if spec.cleanup is not None:
+                found = asyncio.run(spec.cleanup())
+                print(f"to-{spec.name}: {'removed' if found else 'nothing to remove'}")
+    except KpngError as exc:
+        print(f"kpng: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cleanup"]:
+        return cleanup(argv[1:])
     try:
         options, pipeline = build(argv)
     except KpngError as exc:

@@ -6,8 +6,9 @@ import argparse
 import importlib
 import importlib.metadata
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from kpng.client import Backend, NodeState
 from kpng.errors import UsageError
@@ -24,6 +25,8 @@ class BackendSpec:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     create: Callable[[argparse.Namespace], Backend]
+    cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
+    """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
 
 
 _registry: dict[str, BackendSpec] = {}

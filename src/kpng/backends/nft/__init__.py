@@ -1,0 +1,246 @@
+"""``to-nft``: the node-local state as nftables rules in kpng's own table (``inet kpng``).
+
+The first state (and any state after a refused transaction) replaces the whole table in one
+transaction, taking over what a previous kpng left without a gap; every later state changes
+only the elements, chains and maps of the services that changed, in one atomic transaction.
+The layout is described in ``layout.py``; ``nftables.py`` is the typed transaction,
+``fake.py`` the in-memory nft for tests, ``executing.py`` what runs ``nft`` and ``conntrack``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TextIO
+
+from kpng.backends.nft.diffing import DiffStore, Plan, Touched
+from kpng.backends.nft.executing import Conntrack, KernelNft
+from kpng.backends.nft.health import HealthServers
+from kpng.backends.nft.layout import TABLE, Options, contribute
+from kpng.backends.nft.nftables import Nft, NftError
+from kpng.backends.registry import Backend, BackendSpec, NodeState, register
+from kpng.errors import UsageError, object_name
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[None]]
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
+class NftBackend:
+    """Programs each state it is given; see the module docstring.
+
+    ``nft`` runs transactions (``KernelNft``, or ``FakeNft`` in tests); ``conntrack`` deletes
+    stale UDP entries (None: not at all); ``dry_run`` writes each transaction to ``output``
+    instead; ``once`` makes ``apply`` return True once the first complete state is applied.
+    """
+
+    def __init__(
+        self,
+        *,
+        nft: Nft,
+        options: Options,
+        conntrack: Conntrack | None = None,
+        health: HealthServers | None = None,
+        once: bool = False,
+        dry_run: bool = False,
+        output: TextIO | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._nft = nft
+        self._conntrack = conntrack
+        self._health = health
+        self._once = once
+        self._dry_run = dry_run
+        self._output = output or sys.stdout
+        self._sleep = sleep
+        self.store = DiffStore(options)
+        self._needs_full = True
+        self._lock = asyncio.Lock()
+        self._retry: asyncio.Task[None] | None = None
+
+    async def apply(self, state: NodeState) -> bool:
+        touched = Touched()
+        for key in state.deleted:
+            self.store.update(key, None, touched)
+        for key in state.updated:
+            se = state.services[key]
+            contribution = contribute(se)
+            for problem in contribution.problems:
+                log.warning("service %s: %s (skipped)", object_name(*key), problem)
+            self.store.update(key, contribution, touched)
+        for (container, ek), owners in self.store.conflicts(touched):
+            log.warning(
+                "%s element %s wanted differently by %s; %s wins",
+                container,
+                " . ".join(ek),
+                ", ".join(object_name(*o) for o in owners),
+                object_name(*owners[0]),
+            )
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._dry_run:
+            plan = self._plan(touched)
+            self._output.write(f"# revision {state.revision}\n{plan.tx.render()}")
+            self._output.flush()
+            self.store.commit(plan)
+            self._needs_full = False
+            return self._once
+        applied = await self._sync(touched)
+        while not applied and self._once:
+            applied = await self._sync(Touched(), backoff=True)
+        if not applied:
+            self._retry = asyncio.create_task(self._retry_until_applied(), name="nft-retry")
+        if self._health is not None:
+            await self._health.update(state.services)
+        return self._once and applied
+
+    def _plan(self, touched: Touched) -> Plan:
+        return self.store.full() if self._needs_full else self.store.incremental(touched)
+
+    async def _sync(self, touched: Touched, *, backoff: bool = False) -> bool:
+        """One attempt; False (logged, a full resync next) if nft refused it."""
+        async with self._lock:
+            if backoff:
+                await self._sleep(self._backoff)
+            plan = self._plan(touched)
+            try:
+                await self._nft.run(plan.tx)
+            except NftError as exc:
+                self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
+                self._backoff = min(self._backoff, MAX_BACKOFF_S)
+                self._needs_full = True
+                log.error(
+                    "nft refused the %s transaction (%d operations); the previous rules stay; "
+                    "a full resync follows in %.1f s: %s",
+                    "full" if plan.full else "incremental",
+                    len(plan.tx),
+                    self._backoff,
+                    exc,
+                )
+                return False
+            self.store.commit(plan)
+            self._needs_full = False
+            self._backoff = FIRST_BACKOFF_S
+            log.debug(
+                "applied a %s transaction of %d operations",
+                "full" if plan.full else "incremental",
+                len(plan.tx),
+            )
+        await self._clean_conntrack(touched)
+        return True
+
+    _backoff = FIRST_BACKOFF_S
+
+    async def _retry_until_applied(self) -> None:
+        while not await self._sync(Touched(), backoff=True):
+            pass
+
+    async def _clean_conntrack(self, touched: Touched) -> None:
+        """UDP has no connection end: entries NATed to a removed endpoint would keep sending
+        there, and entries made while a service had no endpoint would keep bypassing it."""
+        if self._conntrack is None:
+            return
+        for svc, port, ep in sorted(touched.udp_gone):
+            family = ["-f", "ipv6"] if ":" in ep else []
+            target = ["--orig-dst", svc] if svc else []
+            await self._conntrack.delete(
+                [*family, "-p", "udp", *target, "--orig-port-dst", port, "--dst-nat", ep]
+            )
+        for svc, port in sorted(touched.udp_new_services):
+            if svc:
+                family = ["-f", "ipv6"] if ":" in svc else []
+                await self._conntrack.delete(
+                    [*family, "-p", "udp", "--orig-dst", svc, "--orig-port-dst", port]
+                )
+
+    async def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._health is not None:
+            await self._health.close()
+
+
+async def cleanup(nft: Nft | None = None) -> bool:
+    """Remove kpng's table; True if there was one."""
+    return await (nft or KernelNft()).delete_table(TABLE)
+
+
+def _cidr_list(value: str) -> tuple[str, ...]:
+    cidrs = tuple(c.strip() for c in value.split(",") if c.strip())
+    for c in cidrs:
+        try:
+            ipaddress.ip_network(c, strict=False)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a CIDR: {c!r}") from exc
+    return cidrs
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cluster-cidr",
+        type=_cidr_list,
+        default=(),
+        metavar="CIDR[,CIDR]",
+        help="the pods' CIDRs (one per family): traffic from outside them to a ClusterIP is "
+        "masqueraded, and pods inside are short-circuited under externalTrafficPolicy Local",
+    )
+    parser.add_argument(
+        "--nodeport-addresses",
+        type=_cidr_list,
+        default=(),
+        metavar="CIDR[,CIDR]",
+        help="serve node ports only on node addresses in these CIDRs (default: every local "
+        "address but loopback)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print each transaction instead of applying it"
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="exit 0 once the first complete state is applied"
+    )
+    parser.add_argument(
+        "--no-conntrack", action="store_true", help="do not delete stale UDP conntrack entries"
+    )
+    parser.add_argument(
+        "--no-health-check", action="store_true", help="do not serve health check node ports"
+    )
+
+
+def _create(args: argparse.Namespace) -> Backend:
+    options = Options(cluster_cidrs=args.cluster_cidr, nodeport_addresses=args.nodeport_addresses)
+    if args.dry_run and args.once is False and sys.stdout.isatty():
+        log.info("dry run: transactions are printed, nothing is applied")
+    if not args.dry_run and not _has_nft():
+        raise UsageError("to-nft needs the nft command (Debian: apt-get install nftables)")
+    return NftBackend(
+        nft=KernelNft(),
+        options=options,
+        conntrack=None if args.no_conntrack or args.dry_run else Conntrack(),
+        health=None if args.no_health_check or args.dry_run else HealthServers(),
+        once=args.once,
+        dry_run=args.dry_run,
+    )
+
+
+def _has_nft() -> bool:
+    import shutil
+
+    return shutil.which("nft") is not None
+
+
+register(
+    BackendSpec(
+        name="nft",
+        help="program the node-local state as nftables rules in the inet kpng table",
+        add_arguments=_add_arguments,
+        create=_create,
+        cleanup=cleanup,
+    )
+)

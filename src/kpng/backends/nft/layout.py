@@ -1,0 +1,405 @@
+"""kpng's nftables layout: the fixed skeleton, and each service as elements of named maps (pure).
+
+One ``inet`` table, ``kpng``, holds both families: one transaction (and so one atomic switch) for
+a dual-stack node, one table to take over or clean up, and base chains registered once. Rules use
+``ip``/``ip6`` selectors, which match only their family, and per-family maps (``-v4``/``-v6``)
+because a map's key has one address type.
+
+Per-service data lives only in **elements** (ARCHITECTURE.md: 100k elements load in under a
+second where 10k chains take many): a service port is found by a verdict map keyed by
+``address . protocol . port`` (``proto . port`` for node ports), whose verdict is ``goto
+pick-<kind>-<family>-<N>``, one chain per *endpoint count* N shared by every service with N
+endpoints. That chain picks an index with ``numgen random mod N`` and DNATs through the endpoint
+map keyed by ``address . protocol . port . index``. No chain per service or per endpoint, except
+for ClientIP session affinity, which needs a per-service timeout and its own dynamic map.
+
+A service port with no endpoint for a kind of traffic has the verdict ``goto reject`` (ICMP port
+unreachable: the client sees "connection refused" at once) when its family has no usable
+endpoint anywhere, else ``drop``.
+
+Kinds of traffic, each a dispatch map ``<kind>-<f>`` and an endpoint map ``<kind>-eps-<f>``:
+
+==============  ====================  ============================================
+kind            key                   endpoints (``Endpoint.Scopes``)
+==============  ====================  ============================================
+``cluster``     ClusterIP . proto .   Internal
+                port
+``external``    externalIP or LB IP   External
+``nodeport``    proto . node port     External (to a local address, or
+                                      ``--nodeport-addresses``)
+``external-sc`` like ``external``     Cluster: eTP=Local short-circuit for local
+``nodeport-sc`` like ``nodeport``     pods (``--cluster-cidr``) and the node itself
+==============  ====================  ============================================
+
+Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
+traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
+services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
+``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
+from kpng.model.messages import Endpoint, PortMapping, Service, ServiceEndpoints
+
+TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
+MASQUERADE_MARK = 0x4000
+"""The packet mark bit asking for masquerade: the bit kube-proxy uses, so that CNI plugins that
+know it keep working."""
+DEFAULT_AFFINITY_TIMEOUT_S = 10800
+
+Fam = Literal["v4", "v6"]
+FAMILIES: tuple[Fam, ...] = ("v4", "v6")
+_IP = {"v4": "ip", "v6": "ip6"}
+_ADDR = {"v4": "ipv4_addr", "v6": "ipv6_addr"}
+_LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1"}
+_PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
+
+Kind = Literal["cluster", "external", "nodeport", "external-sc", "nodeport-sc"]
+KINDS: tuple[Kind, ...] = ("cluster", "external", "nodeport", "external-sc", "nodeport-sc")
+_PORT_ONLY: frozenset[Kind] = frozenset({"nodeport", "nodeport-sc"})
+
+ElementKey = tuple[str, tuple[str, ...]]
+"""(container, key fields): what identifies an element."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """The node's settings that shape the skeleton."""
+
+    cluster_cidrs: tuple[str, ...] = ()
+    """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
+    short-circuit); sources outside reaching a ClusterIP are masqueraded."""
+    nodeport_addresses: tuple[str, ...] = ()
+    """CIDRs of the node addresses that serve node ports; empty: every local address but
+    loopback."""
+
+    def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
+        want = 4 if fam == "v4" else 6
+        return [c for c in values if ipaddress.ip_network(c, strict=False).version == want]
+
+
+def _mark(expr: str) -> str:
+    return f"{expr} meta mark set meta mark | {MASQUERADE_MARK:#x}"
+
+
+def _tuple(fam: Fam) -> str:
+    return f"{_IP[fam]} daddr . meta l4proto . th dport"
+
+
+def _nodeport_match(options: Options, fam: Fam) -> str | None:
+    if options.nodeport_addresses:
+        if not options.cidrs(options.nodeport_addresses, fam):
+            return None  # no node port addresses of this family: no node ports in it
+        return f"{_IP[fam]} daddr @nodeport-addresses-{fam}"
+    return f"fib daddr type local {_IP[fam]} daddr != {_LOOPBACK[fam]}"
+
+
+def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], list[Element]]:
+    """The fixed objects (chains, sets, maps), their rules and the static elements."""
+    objects: list[Chain | Set | Map] = [
+        Chain("nat-prerouting", "nat", "prerouting", "dstnat"),
+        # nft knows "dstnat" by name only in prerouting; it is -100 in output too.
+        Chain("nat-output", "nat", "output", "-100"),
+        Chain("nat-postrouting", "nat", "postrouting", "srcnat"),
+        Chain("services"),
+        Chain("masquerading"),
+        Chain("service-reject"),
+    ]
+    rules = [
+        Rule("nat-prerouting", "jump services"),
+        Rule("nat-output", "jump services"),
+        Rule("nat-postrouting", "jump masquerading"),
+        Rule("service-reject", "reject"),
+    ]
+    elements: list[Element] = []
+    for fam in FAMILIES:
+        ip, addr, tup = _IP[fam], _ADDR[fam], _tuple(fam)
+        three = f"{addr} . inet_proto . inet_service"
+        for kind in KINDS:
+            port_only = kind in _PORT_ONLY
+            key = "inet_proto . inet_service" if port_only else three
+            lookup = "meta l4proto . th dport" if port_only else tup
+            objects.append(Map(f"{kind}-{fam}", "verdict", type=key))
+            objects.append(
+                Map(
+                    f"{kind}-eps-{fam}",
+                    f"{ip} daddr . th dport",
+                    typeof=f"{lookup} . numgen random mod 1",
+                )
+            )
+        objects += [
+            Map(f"affinity-{fam}", "verdict", type=three),
+            Map(f"affinity-update-{fam}", "verdict", type=three),
+            Set(f"external-masq-{fam}", type=three),
+            Set(f"nodeport-masq-{fam}", type="inet_proto . inet_service"),
+            Set(f"firewall-{fam}", type=three),
+            Set(f"firewall-allow-{fam}", type=f"{three} . {addr}", flags=("interval",)),
+            Set(f"hairpin-{fam}", type=f"{addr} . {addr}"),
+            Set(f"cluster-cidrs-{fam}", type=addr, flags=("interval",)),
+            Set(f"nodeport-addresses-{fam}", type=addr, flags=("interval",)),
+        ]
+        elements += [
+            Element(f"cluster-cidrs-{fam}", (c,)) for c in options.cidrs(options.cluster_cidrs, fam)
+        ]
+        elements += [
+            Element(f"nodeport-addresses-{fam}", (c,))
+            for c in options.cidrs(options.nodeport_addresses, fam)
+        ]
+
+        def svc(expr: str) -> None:
+            rules.append(Rule("services", expr))
+
+        np = _nodeport_match(options, fam)
+        has_cidr = bool(options.cidrs(options.cluster_cidrs, fam))
+        # Masquerade marks first: the DNAT below ends the chain.
+        if has_cidr:
+            svc(_mark(f"{ip} saddr != @cluster-cidrs-{fam} {tup} @cluster-{fam}"))
+        svc(_mark(f"{tup} @external-masq-{fam}"))
+        if np:
+            svc(_mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
+        # loadBalancerSourceRanges, on LB IPs only.
+        svc(f"{tup} @firewall-{fam} {tup} . {ip} saddr != @firewall-allow-{fam} drop")
+        # eTP=Local short-circuit: the node's own traffic is masqueraded, as kube-proxy does.
+        svc(_mark(f"fib saddr type local {tup} @external-sc-{fam}"))
+        if np:
+            svc(_mark(f"fib saddr type local {np} meta l4proto . th dport @nodeport-sc-{fam}"))
+        for source in ([f"{ip} saddr @cluster-cidrs-{fam}"] if has_cidr else []) + [
+            "fib saddr type local"
+        ]:
+            svc(f"{source} {tup} vmap @external-sc-{fam}")
+            if np:
+                svc(f"{source} {np} meta l4proto . th dport vmap @nodeport-sc-{fam}")
+        # ClientIP affinity: a remembered endpoint wins over a new pick.
+        svc(f"{tup} vmap @affinity-{fam}")
+        svc(f"{tup} vmap @cluster-{fam}")
+        svc(f"{tup} vmap @external-{fam}")
+        if np:
+            svc(f"{np} meta l4proto . th dport vmap @nodeport-{fam}")
+
+        # nft types `ct original proto-dst` only once the protocol is known, hence a rule each.
+        for proto in _PROTOCOLS.values():
+            rules.append(
+                Rule(
+                    "masquerading",
+                    f"meta l4proto {proto} ct status dnat ct original {ip} daddr . meta l4proto . "
+                    f"ct original proto-dst vmap @affinity-update-{fam}",
+                )
+            )
+        hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
+        rules.append(Rule("masquerading", hairpin))
+    rules.append(
+        Rule(
+            "masquerading",
+            f"meta mark & {MASQUERADE_MARK:#x} == {MASQUERADE_MARK:#x} "
+            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade",
+        )
+    )
+    return objects, rules, elements
+
+
+def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...]]:
+    """The chain choosing one of ``count`` endpoints for every service port of ``kind``."""
+    name = f"pick-{kind}-{fam}-{count}"
+    lookup = "meta l4proto . th dport" if kind in _PORT_ONLY else _tuple(fam)
+    ip = _IP[fam]
+    rule = Rule(
+        name,
+        f"dnat {ip} addr . port to {lookup} . numgen random mod {count} map @{kind}-eps-{fam}",
+    )
+    return Chain(name), (rule,)
+
+
+def service_id(service: Service) -> str:
+    """A short stable name for per-service objects (names are limited, namespaces are not)."""
+    return hashlib.sha1(f"{service.Namespace}/{service.Name}".encode()).hexdigest()[:12]
+
+
+@dataclass
+class Contribution:
+    """What one service puts into the table."""
+
+    elements: dict[ElementKey, tuple[str, ...]] = field(default_factory=dict)
+    chains: dict[str, tuple[Chain, tuple[Rule, ...]]] = field(default_factory=dict)
+    maps: dict[str, Map] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    udp_endpoints: set[tuple[str, str, str]] = field(default_factory=set)
+    """(service address, port, endpoint address) of UDP traffic: the conntrack entries to delete
+    when the pair goes away."""
+
+
+def _endpoints(
+    endpoints: Sequence[Endpoint], port: PortMapping, fam: Fam
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
+    """The (address, port) endpoints of ``port`` in ``fam``: Internal, External and Cluster
+    scope, each sorted (the order gives the numgen indexes)."""
+    internal: set[tuple[str, int]] = set()
+    external: set[tuple[str, int]] = set()
+    cluster: set[tuple[str, int]] = set()
+    v6 = fam == "v6"
+    for ep in endpoints:
+        scopes = ep.Scopes
+        if scopes is None or ep.IPs is None:
+            continue
+        addrs = ep.IPs.V6 if v6 else ep.IPs.V4
+        if not addrs:
+            continue
+        for po in ep.PortOverrides:
+            if po.Name == port.Name and po.Protocol == port.Protocol and po.Port:
+                pairs = [(a, po.Port) for a in addrs]
+                if scopes.Internal:
+                    internal.update(pairs)
+                if scopes.External:
+                    external.update(pairs)
+                if scopes.Cluster:
+                    cluster.update(pairs)
+                break
+    return sorted(internal), sorted(external), sorted(cluster)
+
+
+def _verdict(
+    out: Contribution, kind: Kind, fam: Fam, eps: list[tuple[str, int]], usable: bool
+) -> str:
+    if not eps:
+        return "drop" if usable else "goto service-reject"
+    chain, rules = pick_chain(kind, fam, len(eps))
+    out.chains[chain.name] = (chain, rules)
+    return f"goto {chain.name}"
+
+
+def contribute(se: ServiceEndpoints) -> Contribution:
+    """Every element, chain and map that ``se`` needs (pure; unsupported ports are reported in
+    ``problems`` and left out)."""
+    out = Contribution()
+    service = se.service
+    ips = service.IPs
+    if ips is None or ips.ClusterIPs is None:
+        return out
+    sid = service_id(service)
+    timeout = 0
+    if service.ClientIP is not None:
+        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    for fam in FAMILIES:
+        v6 = fam == "v6"
+        cluster_ips = ips.ClusterIPs.family(v6)
+        if not cluster_ips:
+            continue
+        external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
+        lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
+        affinity_tuples: list[tuple[str, ...]] = []
+        for port in service.Ports:
+            proto = _PROTOCOLS.get(port.Protocol)
+            if proto is None or not 0 < port.Port < 65536:
+                out.problems.append(f"port {port.Name or port.Port}: unsupported protocol or port")
+                continue
+            usable = port.UsableEndpoints is not None and bool(
+                port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
+            )
+            p = str(port.Port)
+            internal, external, cluster_wide = _endpoints(se.endpoints, port, fam)
+            local_etp = service.ExternalTrafficToLocal
+
+            def dispatch(kind: Kind, key: tuple[str, ...], eps: list[tuple[str, int]]) -> None:
+                _dispatch(out, kind, fam=fam, proto=proto, key=key, eps=eps, usable=usable)  # noqa: B023
+
+            for cip in cluster_ips:
+                dispatch("cluster", (cip, proto, p), internal)
+                affinity_tuples.append((cip, proto, p))
+            for eip in external_ips + lb_ips:
+                key = (eip, proto, p)
+                dispatch("external", key, external)
+                affinity_tuples.append(key)
+                if local_etp:
+                    dispatch("external-sc", key, cluster_wide)
+                else:
+                    out.elements[(f"external-masq-{fam}", key)] = ()
+            if port.NodePort:
+                np_key = (proto, str(port.NodePort))
+                dispatch("nodeport", np_key, external)
+                if local_etp:
+                    dispatch("nodeport-sc", np_key, cluster_wide)
+                else:
+                    out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
+            for ep_addr, _ in {*internal, *external, *cluster_wide}:
+                if _is_local(se.endpoints, ep_addr):
+                    out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
+            for flt in service.IPFilters:
+                targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
+                ranges = [r for r in flt.SourceRanges if (":" in r) == v6]
+                for target in targets:
+                    key = (target, proto, p)
+                    out.elements[(f"firewall-{fam}", key)] = ()
+                    for r in ranges:
+                        out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
+        if timeout and affinity_tuples:
+            _affinity(out, sid, fam, timeout, affinity_tuples)
+    return out
+
+
+def _dispatch(
+    out: Contribution,
+    kind: Kind,
+    *,
+    fam: Fam,
+    proto: str,
+    key: tuple[str, ...],
+    eps: list[tuple[str, int]],
+    usable: bool,
+) -> None:
+    out.elements[(f"{kind}-{fam}", key)] = (_verdict(out, kind, fam, eps, usable),)
+    for i, (addr, eport) in enumerate(eps):
+        out.elements[(f"{kind}-eps-{fam}", (*key, str(i)))] = (addr, str(eport))
+        if proto == "udp":
+            out.udp_endpoints.add((key[0] if len(key) == 3 else "", key[-1], addr))
+
+
+def _is_local(endpoints: Sequence[Endpoint], addr: str) -> bool:
+    return any(
+        ep.Local and ep.IPs is not None and addr in (*ep.IPs.V4, *ep.IPs.V6) for ep in endpoints
+    )
+
+
+def _affinity(
+    out: Contribution, sid: str, fam: Fam, timeout: int, tuples: list[tuple[str, ...]]
+) -> None:
+    ip, addr = _IP[fam], _ADDR[fam]
+    name = f"affinity-{sid}-{fam}"
+    out.maps[name] = Map(
+        name,
+        f"{addr} . inet_service",
+        type=f"{addr} . {addr} . inet_proto . inet_service",
+        flags=("dynamic", "timeout"),
+        timeout_s=timeout,
+    )
+    lookup = Chain(name)
+    out.chains[name] = (
+        lookup,
+        (Rule(name, f"dnat {ip} addr . port to {ip} saddr . {_tuple(fam)} map @{name}"),),
+    )
+    update = Chain(f"affinity-update-{sid}-{fam}")
+    out.chains[update.name] = (
+        update,
+        tuple(
+            Rule(
+                update.name,
+                f"meta l4proto {proto} update @{name} {{ {ip} saddr . ct original {ip} daddr . "
+                f"meta l4proto . ct original proto-dst timeout {timeout}s : "
+                f"{ip} daddr . th dport }}",
+            )
+            for proto in sorted({key[1] for key in tuples})
+        ),
+    )
+    for key in tuples:
+        out.elements[(f"affinity-{fam}", key)] = (f"jump {name}",)
+        out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update.name}",)
+
+
+def elements_of(items: Iterable[tuple[ElementKey, tuple[str, ...]]]) -> Iterator[Element]:
+    for (container, key), value in items:
+        yield Element(container, key, value)

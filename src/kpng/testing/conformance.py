@@ -1,0 +1,456 @@
+"""The backend conformance suite: real connections through a network-namespace cluster.
+
+Modelled on Kubernetes' sig-network Service e2e tests. Three nodes (``node-1``: pods ``a1``,
+``a2``; ``node-2``: ``b1``, ``b2``; ``node-3``: ``c1``) and an external client; kpng runs in each
+node namespace as ``kpng file --input DIR to-local --node-name N <backend>``, and each test
+writes its Services and EndpointSlices into DIR, then checks what answers.
+
+Run it against a backend (root, nft and iproute2 needed)::
+
+    KPNG_CONFORMANCE_BACKEND="to-nft --cluster-cidr {cluster_cidrs}" \\
+        pytest --pyargs kpng.testing.conformance
+
+``KPNG_CONFORMANCE_BACKEND`` is the backend part of the command line (default as above;
+``{cluster_cidrs}`` becomes the bed's pod CIDRs). ``tests/test_conformance.py`` runs it for
+``to-nft`` in ``make test``. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kpng.testing.netns import (
+    CLUSTER_CIDRS,
+    EXTERNAL_V4,
+    ClusterSpec,
+    TestBed,
+    available,
+    wait_until,
+)
+
+DEFAULT_BACKEND = "to-nft --cluster-cidr {cluster_cidrs}"
+SPEC = ClusterSpec.parse({"node-1": ["a1", "a2"], "node-2": ["b1", "b2"], "node-3": ["c1"]})
+SETTLE_S = 15.0
+"""How long a change may take to reach every node's rules."""
+
+Json = dict[str, Any]
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+@dataclass
+class Cluster:
+    bed: TestBed
+    manifests: Path
+    _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
+
+    def cluster_ip(self) -> str:
+        return f"10.96.0.{next(self._ips)}"
+
+    def vip(self) -> str:
+        return f"10.251.0.{next(self._ips)}"
+
+    def write(self, name: str, *objects: Json) -> None:
+        """Replace the manifest ``name`` (atomically: the source never sees half a file)."""
+        tmp = self.manifests / f".{name}.tmp"
+        tmp.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+        tmp.rename(self.manifests / f"{name}.json")
+
+    def remove(self, name: str) -> None:
+        (self.manifests / f"{name}.json").unlink(missing_ok=True)
+
+    def ns(self, who: str) -> str:
+        """The namespace of a pod, a node or "external"."""
+        if who == "external":
+            assert self.bed.external is not None
+            return self.bed.external.netns
+        if who in self.bed.nodes:
+            return self.bed.nodes[who].netns
+        return self.bed.pods[who].netns
+
+    def probe(self, who: str, proto: str, host: str, port: int, **kw: Any) -> list[str]:
+        return self.bed.probe(self.ns(who), proto, host, port, **kw)
+
+    def eventually(
+        self, who: str, proto: str, host: str, port: int, ok: Any, *, count: int = 1
+    ) -> list[str]:
+        """Probe until ``ok(results)`` holds (bounded by ``SETTLE_S``); the last results."""
+        last: list[str] = []
+
+        def check() -> bool:
+            nonlocal last
+            last = self.probe(who, proto, host, port, count=count, timeout=1.0)
+            return bool(ok(last))
+
+        assert wait_until(check, timeout=SETTLE_S, interval=0.2), f"last answers: {last}"
+        return last
+
+
+def _node_objects() -> list[Json]:
+    return [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": n.name, "labels": {}}}
+        for n in SPEC.nodes
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The three-node bed with the backend running on every node."""
+    backend = os.environ.get("KPNG_CONFORMANCE_BACKEND", DEFAULT_BACKEND).format(
+        cluster_cidrs=",".join(CLUSTER_CIDRS)
+    )
+    manifests = tmp_path_factory.mktemp("manifests")
+    with TestBed(SPEC) as bed:
+        c = Cluster(bed, manifests)
+        c.write("nodes", *_node_objects())
+        logs = tmp_path_factory.mktemp("logs")
+        for node in bed.nodes.values():
+            argv = [sys.executable, "-m", "kpng", "file", "--input", str(manifests)]
+            argv += ["to-local", "--node-name", node.name, *shlex.split(backend)]
+            with (logs / f"{node.name}.log").open("wb") as log:
+                bed.spawn(node.netns, argv, stderr=log)  # the child keeps its own copy
+        yield c
+
+
+# --- manifests
+
+
+def service(
+    name: str,
+    cluster_ip: str,
+    ports: Sequence[Json],
+    *,
+    type: str = "ClusterIP",
+    labels: Json | None = None,
+    **spec: Any,
+) -> Json:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "conformance", "labels": labels or {}},
+        "spec": {
+            "type": type,
+            "clusterIP": cluster_ip,
+            "clusterIPs": [cluster_ip],
+            "ports": list(ports),
+            **spec,
+        },
+    }
+
+
+def port(name: str, port: int, target: int | str = 8080, proto: str = "TCP", **kw: Any) -> Json:
+    return {"name": name, "port": port, "targetPort": target, "protocol": proto, **kw}
+
+
+def endpoint_slice(
+    cluster: Cluster,
+    service_name: str,
+    pods: Sequence[str],
+    *,
+    ports: Sequence[Json] = ({"name": "http", "port": 8080, "protocol": "TCP"},),
+    v6: bool = False,
+    conditions: Json | None = None,
+    suffix: str = "x",
+) -> Json:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service_name}-{suffix}",
+            "namespace": "conformance",
+            "labels": {"kubernetes.io/service-name": service_name},
+        },
+        "addressType": "IPv6" if v6 else "IPv4",
+        "ports": list(ports),
+        "endpoints": [
+            {
+                "addresses": [cluster.bed.pods[p].ip6 if v6 else cluster.bed.pods[p].ip4],
+                "nodeName": cluster.bed.pods[p].node.name,
+                "targetRef": {"kind": "Pod", "name": p},
+                "conditions": conditions or {"ready": True},
+            }
+            for p in pods
+        ],
+    }
+
+
+def names(results: Sequence[str]) -> set[str]:
+    return {r.split()[0] for r in results}
+
+
+def answered(results: Sequence[str]) -> bool:
+    return all(" " in r and not r.startswith("error") for r in results)
+
+
+# --- the tests
+
+
+def test_clusterip_reaches_every_endpoint_from_pods_on_every_node_and_from_nodes(
+    cluster: Cluster,
+) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "clusterip",
+        service("web", ip, [port("http", 80)]),
+        endpoint_slice(cluster, "web", ["a1", "b1"]),
+    )
+    for who in ("a2", "b2", "c1", "node-1", "node-2", "node-3"):
+        cluster.eventually(who, "tcp", ip, 80, lambda r: names(r) == {"a1", "b1"}, count=20)
+    cluster.remove("clusterip")
+
+
+def test_clusterip_ipv6(cluster: Cluster) -> None:
+    ip = "fd00:96::10"
+    svc = service("web6", ip, [port("http", 80)], ipFamilies=["IPv6"])
+    cluster.write("clusterip6", svc, endpoint_slice(cluster, "web6", ["b1"], v6=True))
+    results = cluster.eventually("a1", "tcp", ip, 80, answered)
+    assert results == [f"b1 {cluster.bed.pods['a1'].ip6}"], results
+    cluster.remove("clusterip6")
+
+
+def test_pod_source_ip_is_preserved_to_clusterip(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "source-ip", service("src", ip, [port("http", 80)]), endpoint_slice(cluster, "src", ["b1"])
+    )
+    results = cluster.eventually("c1", "tcp", ip, 80, answered)
+    assert results == [f"b1 {cluster.bed.pods['c1'].ip4}"]
+    cluster.remove("source-ip")
+
+
+def test_nodeport_from_external_client_via_every_node(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "nodeport",
+        service("np", ip, [port("http", 80, nodePort=30080)], type="NodePort"),
+        endpoint_slice(cluster, "np", ["a1", "b1"]),
+    )
+    for node in cluster.bed.nodes.values():
+        results = cluster.eventually("external", "tcp", node.ip4, 30080, answered, count=10)
+        # eTP=Cluster: masqueraded, so the endpoint saw a node, not the client.
+        assert all(not r.endswith(EXTERNAL_V4) for r in results)
+    cluster.remove("nodeport")
+
+
+def test_external_ip_from_external_client(cluster: Cluster) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    cluster.write(
+        "external-ip",
+        service("ext", ip, [port("http", 80)], externalIPs=[vip]),
+        endpoint_slice(cluster, "ext", ["b1"]),
+    )
+    assert names(cluster.eventually("external", "tcp", vip, 80, answered)) == {"b1"}
+    cluster.remove("external-ip")
+
+
+def test_load_balancer_ip_honours_source_ranges(cluster: Cluster) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+
+    def lb(ranges: list[str]) -> Json:
+        svc = service(
+            "lb",
+            ip,
+            [port("http", 80, nodePort=30081)],
+            type="LoadBalancer",
+            loadBalancerSourceRanges=ranges,
+        )
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}]}}
+        return svc
+
+    slice_ = endpoint_slice(cluster, "lb", ["a1"])
+    cluster.write("lb", lb([f"{EXTERNAL_V4}/32"]), slice_)
+    assert names(cluster.eventually("external", "tcp", vip, 80, answered)) == {"a1"}
+    cluster.write("lb", lb(["10.99.0.0/16"]), slice_)
+    cluster.eventually("external", "tcp", vip, 80, lambda r: r == ["timeout"])
+    # Source ranges apply to the LB IP only, not to the node port.
+    node1 = cluster.bed.nodes["node-1"].ip4
+    assert names(cluster.eventually("external", "tcp", node1, 30081, answered)) == {"a1"}
+    cluster.remove("lb")
+
+
+def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "affinity",
+        service(
+            "sticky",
+            ip,
+            [port("http", 80)],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky", ["a1", "a2", "b1"]),
+    )
+    results = cluster.eventually("c1", "tcp", ip, 80, answered, count=15)
+    assert len(names(results)) == 1, results
+    cluster.remove("affinity")
+
+
+def test_hairpin_pod_reaches_itself_through_its_service(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "hairpin",
+        service("self", ip, [port("http", 80)]),
+        endpoint_slice(cluster, "self", ["a2"]),
+    )
+    assert names(cluster.eventually("a2", "tcp", ip, 80, answered)) == {"a2"}
+    cluster.remove("hairpin")
+
+
+def test_external_traffic_policy_local(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "etp-local",
+        service(
+            "local",
+            ip,
+            [port("http", 80, nodePort=30082)],
+            type="NodePort",
+            externalTrafficPolicy="Local",
+        ),
+        endpoint_slice(cluster, "local", ["b1"]),
+    )
+    node2, node3 = cluster.bed.nodes["node-2"].ip4, cluster.bed.nodes["node-3"].ip4
+    # Only local endpoints, and the client's address is preserved.
+    results = cluster.eventually("external", "tcp", node2, 30082, answered, count=5)
+    assert set(results) == {f"b1 {EXTERNAL_V4}"}
+    # A node without a local endpoint drops (a timeout, not a refusal).
+    assert cluster.probe("external", "tcp", node3, 30082, timeout=1.0) == ["timeout"]
+    # Pods and the node itself are short-circuited to the cluster-wide endpoints.
+    assert names(cluster.eventually("c1", "tcp", node3, 30082, answered)) == {"b1"}
+    assert names(cluster.eventually("node-3", "tcp", node3, 30082, answered)) == {"b1"}
+    cluster.remove("etp-local")
+
+
+def test_internal_traffic_policy_local(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "itp-local",
+        service("itp", ip, [port("http", 80)], internalTrafficPolicy="Local"),
+        endpoint_slice(cluster, "itp", ["a1", "b1"]),
+    )
+    assert names(cluster.eventually("a2", "tcp", ip, 80, answered, count=10)) == {"a1"}
+    assert names(cluster.eventually("b2", "tcp", ip, 80, answered, count=10)) == {"b1"}
+    cluster.remove("itp-local")
+
+
+def test_service_without_endpoints_refuses_at_once(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write("empty", service("empty", ip, [port("http", 80)]))
+    cluster.eventually("a1", "tcp", ip, 80, lambda r: r == ["refused"])
+    started = time.monotonic()
+    assert cluster.probe("a1", "tcp", ip, 80, timeout=5.0) == ["refused"]
+    assert time.monotonic() - started < 2.0  # the process start included; no timeout waited
+    cluster.remove("empty")
+
+
+def test_terminating_endpoints_serve_when_none_is_ready(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "terminating",
+        service("term", ip, [port("http", 80)]),
+        endpoint_slice(
+            cluster,
+            "term",
+            ["b1"],
+            conditions={"ready": False, "serving": True, "terminating": True},
+        ),
+    )
+    assert names(cluster.eventually("a1", "tcp", ip, 80, answered)) == {"b1"}
+    cluster.remove("terminating")
+
+
+def test_udp_service_moves_to_the_new_endpoint_after_removal(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    udp_port = {"name": "dns", "port": 5353, "protocol": "UDP"}
+
+    def write(pod: str) -> None:
+        cluster.write(
+            "udp",
+            service("udp", ip, [port("dns", 53, 5353, "UDP")]),
+            endpoint_slice(cluster, "udp", [pod], ports=[udp_port]),
+        )
+
+    write("a1")
+    assert names(cluster.eventually("c1", "udp", ip, 53, answered)) == {"a1"}
+    write("b1")
+    # One socket, so one conntrack entry: it must move once the old endpoint is gone.
+    cluster.eventually("c1", "udp-same-source", ip, 53, lambda r: "b1" in r[-1], count=5)
+    cluster.remove("udp")
+
+
+def test_multiple_ports_and_named_target_ports(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "multiport",
+        service("multi", ip, [port("http", 80, "web"), port("admin", 81, "admin")]),
+        endpoint_slice(
+            cluster,
+            "multi",
+            ["b1"],
+            ports=[
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "admin", "port": 8081, "protocol": "TCP"},
+            ],
+        ),
+    )
+    assert names(cluster.eventually("a1", "tcp", ip, 80, answered)) == {"b1"}
+    assert names(cluster.eventually("a1", "tcp", ip, 81, answered)) == {"b1"}
+    cluster.remove("multiport")
+
+
+def test_services_of_another_proxy_are_ignored(cluster: Cluster) -> None:
+    ip, control = cluster.cluster_ip(), cluster.cluster_ip()
+    cluster.write(
+        "other-proxy",
+        service(
+            "other",
+            ip,
+            [port("http", 80)],
+            labels={"service.kubernetes.io/service-proxy-name": "someone-else"},
+        ),
+        endpoint_slice(cluster, "other", ["b1"]),
+        service("control", control, [port("http", 80)]),
+        endpoint_slice(cluster, "control", ["b1"]),
+    )
+    cluster.eventually("a1", "tcp", control, 80, answered)  # the file was read
+    assert not answered(cluster.probe("a1", "tcp", ip, 80, timeout=1.0))
+    cluster.remove("other-proxy")
+
+
+def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "established",
+        service("keep", ip, [port("http", 80)]),
+        endpoint_slice(cluster, "keep", ["a1"]),
+    )
+    cluster.eventually("c1", "tcp", ip, 80, answered)
+    argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "4"]
+    held = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.ns("c1"), *argv], stdout=subprocess.PIPE
+    )
+    time.sleep(1.0)
+    cluster.write(
+        "established",
+        service("keep", ip, [port("http", 80)]),
+        endpoint_slice(cluster, "keep", ["a1", "b1", "b2"]),
+    )
+    out, _ = held.communicate(timeout=20)
+    results = json.loads(out)["results"]
+    assert len(results) > 5
+    assert set(results) == {f"a1 {cluster.bed.pods['c1'].ip4}"}, collections.Counter(results)
+    cluster.remove("established")

@@ -1,0 +1,121 @@
+"""A client for test beds: connect N times, print what answered, as one JSON line.
+
+    python -m kpng.testing.probe tcp|udp HOST PORT [--count N] [--timeout S] [--hold S]
+
+Each attempt is a new connection (TCP) or a new socket (UDP) sending one line; its result is the
+answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
+one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
+a connection survives changes). Output: ``{"results": [...], "seconds": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def tcp_once(host: str, port: int, timeout: float) -> str:
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"hello\n")
+            return _read_line(sock)
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"error: {exc}"
+
+
+def _read_line(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip() or "closed"
+
+
+def udp_once(host: str, port: int, timeout: float) -> str:
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect((host, port))
+            sock.send(b"hello\n")
+            return sock.recv(4096).decode().strip()
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+        except OSError as exc:
+            return f"error: {exc}"
+
+
+def udp_same_source(host: str, port: int, count: int, timeout: float) -> list[str]:
+    """``count`` datagrams from one socket (one conntrack entry), 0.2 s apart."""
+    out = []
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        sock.bind(("::" if ":" in host else "0.0.0.0", 0))
+        for _ in range(count):
+            try:
+                sock.sendto(b"hello\n", (host, port))
+                out.append(sock.recv(4096).decode().strip())
+            except TimeoutError:
+                out.append("timeout")
+            except OSError as exc:
+                out.append(f"error: {exc}")
+            time.sleep(0.2)
+    return out
+
+
+def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
+    out = []
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                sock.sendall(b"hello\n")
+                out.append(_read_line(sock))
+                time.sleep(0.2)
+    except OSError as exc:
+        out.append(f"error: {exc}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="probe", description=__doc__)
+    parser.add_argument("proto", choices=["tcp", "udp", "udp-same-source"])
+    parser.add_argument("host")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--hold", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    results: list[str] = []
+    seconds: list[float] = []
+    if args.hold:
+        results = hold(args.host, args.port, args.hold, args.timeout)
+    elif args.proto == "udp-same-source":
+        results = udp_same_source(args.host, args.port, args.count, args.timeout)
+    else:
+        once = tcp_once if args.proto == "tcp" else udp_once
+        for _ in range(args.count):
+            start = time.monotonic()
+            results.append(once(args.host, args.port, args.timeout))
+            seconds.append(round(time.monotonic() - start, 4))
+    print(json.dumps({"results": results, "seconds": seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

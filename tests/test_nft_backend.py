@@ -1,0 +1,343 @@
+"""to-nft against the fake nft: what each kind of service becomes, and how changes are applied.
+
+Services are plain data (the node-local messages); the expected elements are tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.fake import FakeNft
+from kpng.backends.nft.layout import TABLE, Options, contribute
+from kpng.backends.nft.nftables import NftError, Transaction
+from kpng.backends.registry import NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import (
+    ClientIPAffinity,
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPFilter,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+
+ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
+
+
+def _service(
+    name: str = "web",
+    *,
+    cluster_ip: str = "10.96.0.10",
+    port: int = 80,
+    protocol: str = "TCP",
+    node_port: int = 0,
+    external_ips: tuple[str, ...] = (),
+    usable: bool = True,
+    etp_local: bool = False,
+    affinity: int = 0,
+    filters: tuple[IPFilter, ...] = (),
+) -> Service:
+    return Service(
+        Namespace="ns",
+        Name=name,
+        Type="NodePort" if node_port else "ClusterIP",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(cluster_ip,)), ExternalIPs=IPSet(V4=external_ips)),
+        Ports=(
+            PortMapping(
+                Name="p",
+                Protocol=protocol,
+                Port=port,
+                NodePort=node_port,
+                UsableEndpoints=IPFamilies(V4=usable),
+            ),
+        ),
+        ExternalTrafficToLocal=etp_local,
+        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
+        IPFilters=filters,
+    )
+
+
+def _ep(
+    addr: str, port: int = 8080, *, scopes: EndpointScopes = ALL, local: bool = False
+) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V4=(addr,)),
+        Local=local,
+        PortOverrides=(PortName(Name="p", Port=port, Protocol="TCP"),),
+        Scopes=scopes,
+        Ready=True,
+        Serving=True,
+    )
+
+
+def _elements(se: ServiceEndpoints) -> dict[str, str]:
+    return {f"{c}: {' . '.join(k)}": " . ".join(v) for (c, k), v in contribute(se).elements.items()}
+
+
+CASES = [
+    pytest.param(
+        ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.2.3", local=True))),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.244.1.2 . 8080",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.244.2.3 . 8080",
+            "hairpin-v4: 10.244.2.3 . 10.244.2.3": "",
+        },
+        id="clusterip-spreads-over-endpoints-and-hairpins-local-ones",
+    ),
+    pytest.param(
+        ServiceEndpoints(_service(usable=False), ()),
+        {"cluster-v4: 10.96.0.10 . tcp . 80": "goto service-reject"},
+        id="no-endpoint-anywhere-rejects",
+    ),
+    pytest.param(
+        ServiceEndpoints(_service(usable=True), ()),
+        {"cluster-v4: 10.96.0.10 . tcp . 80": "drop"},
+        id="no-endpoint-here-but-elsewhere-drops",
+    ),
+    pytest.param(
+        ServiceEndpoints(
+            _service(node_port=30080, external_ips=("192.0.2.1",)), (_ep("10.1.1.1"),)
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
+            "external-eps-v4: 192.0.2.1 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "external-masq-v4: 192.0.2.1 . tcp . 80": "",
+            "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
+            "nodeport-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
+            "nodeport-masq-v4: tcp . 30080": "",
+        },
+        id="external-traffic-policy-cluster-masquerades",
+    ),
+    pytest.param(
+        ServiceEndpoints(
+            _service(node_port=30080, etp_local=True),
+            (
+                _ep("10.1.1.1", scopes=EndpointScopes(Internal=True, Cluster=True)),
+                _ep("10.2.2.2", local=True),
+            ),
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.2.2.2 . 8080",
+            "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
+            "nodeport-eps-v4: tcp . 30080 . 0": "10.2.2.2 . 8080",
+            "nodeport-sc-v4: tcp . 30080": "goto pick-nodeport-sc-v4-2",
+            "nodeport-sc-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
+            "nodeport-sc-eps-v4: tcp . 30080 . 1": "10.2.2.2 . 8080",
+            "hairpin-v4: 10.2.2.2 . 10.2.2.2": "",
+        },
+        id="external-traffic-policy-local-short-circuits-to-cluster-endpoints",
+    ),
+    pytest.param(
+        ServiceEndpoints(
+            _service(
+                external_ips=("192.0.2.9",),
+                filters=(
+                    IPFilter(
+                        TargetIPs=IPSet(V4=("192.0.2.9",)),
+                        SourceRanges=("203.0.113.0/24", "2001:db8::/64"),
+                    ),
+                ),
+            ),
+            (),
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "drop",
+            "external-v4: 192.0.2.9 . tcp . 80": "drop",
+            "external-masq-v4: 192.0.2.9 . tcp . 80": "",
+            "firewall-v4: 192.0.2.9 . tcp . 80": "",
+            "firewall-allow-v4: 192.0.2.9 . tcp . 80 . 203.0.113.0/24": "",
+        },
+        id="load-balancer-source-ranges-only-on-their-target-ips",
+    ),
+    pytest.param(
+        ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
+            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-069bbdee541a-v4",
+            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-069bbdee541a-v4",
+        },
+        id="client-ip-affinity-remembers-per-service",
+    ),
+    pytest.param(
+        ServiceEndpoints(_service(protocol="ICMP"), (_ep("10.1.1.1"),)),
+        {},
+        id="unsupported-protocol-is-skipped",
+    ),
+]
+
+
+@pytest.mark.parametrize(("se", "expected"), CASES)
+def test_service_becomes_these_elements(se: ServiceEndpoints, expected: dict[str, str]) -> None:
+    assert _elements(se) == expected
+
+
+def test_unsupported_port_is_reported() -> None:
+    problems = contribute(ServiceEndpoints(_service(protocol="ICMP"), ())).problems
+    assert problems == ["port p: unsupported protocol or port"]
+
+
+def test_affinity_chains_use_the_service_timeout() -> None:
+    contribution = contribute(ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)))
+    (amap,) = contribution.maps.values()
+    assert amap.timeout_s == 60
+    rules = [r.expr for _, rules in contribution.chains.values() for r in rules]
+    assert any("timeout 60s" in r for r in rules)
+
+
+# --- the backend over the fake
+
+
+def _state(
+    revision: int,
+    services: dict[ServiceKey, ServiceEndpoints],
+    *,
+    updated: set[ServiceKey] | None = None,
+    deleted: set[ServiceKey] = frozenset(),  # type: ignore[assignment]
+) -> NodeState:
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=services,
+        updated=frozenset(services if updated is None else updated),
+        deleted=frozenset(deleted),
+    )
+
+
+async def _no_sleep(_: float) -> None:
+    return None
+
+
+class FlakyNft(FakeNft):
+    """Refuses the next ``failures`` transactions, as a kernel may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    async def run(self, tx: Transaction) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise NftError("Operation not supported", line_number=1, line="add table inet kpng")
+        await super().run(tx)
+
+
+WEB: ServiceKey = ("ns", "web")
+DB: ServiceKey = ("ns", "db")
+
+
+def test_first_state_replaces_the_table_then_changes_are_incremental() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options(cluster_cidrs=("10.244.0.0/16",)))
+        services = {
+            WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.1.3"))),
+            DB: ServiceEndpoints(_service("db", cluster_ip="10.96.0.20", port=5432), ()),
+        }
+        assert await backend.apply(_state(1, services)) is False
+        first = nft.transactions[0].render().splitlines()
+        assert first[:3] == [
+            'add table inet kpng { comment "rules for Kubernetes services, managed by kpng" ; }',
+            "delete table inet kpng",
+            'add table inet kpng { comment "rules for Kubernetes services, managed by kpng" ; }',
+        ]
+        # One endpoint goes: only that service's elements change, in one transaction.
+        services[WEB] = ServiceEndpoints(_service(), (_ep("10.244.1.3"),))
+        await backend.apply(_state(2, services, updated={WEB}))
+        assert nft.transactions[1].render().splitlines() == [
+            "add chain inet kpng pick-cluster-v4-1",
+            "add rule inet kpng pick-cluster-v4-1 dnat ip addr . port to ip daddr . meta l4proto "
+            ". th dport . numgen random mod 1 map @cluster-eps-v4",
+            "delete element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0, "
+            "10.96.0.10 . tcp . 80 . 1 }",
+            "delete element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 }",
+            "add element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0 : "
+            "10.244.1.3 . 8080 }",
+            "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }",
+            "flush chain inet kpng pick-cluster-v4-2",
+            "delete chain inet kpng pick-cluster-v4-2",
+        ]
+        # A deleted service leaves nothing behind.
+        del services[DB]
+        await backend.apply(_state(3, services, updated=set(), deleted={DB}))
+        assert "10.96.0.20" not in nft.dump()
+        assert nft.elements(TABLE, "cluster-v4") == {
+            ("10.96.0.10", "tcp", "80"): ("goto pick-cluster-v4-1",)
+        }
+
+    asyncio.run(scenario())
+
+
+def test_refused_transaction_keeps_rules_and_is_followed_by_a_full_resync(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        nft = FlakyNft()
+        backend = NftBackend(nft=nft, options=Options(), sleep=_no_sleep)
+        services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        before = nft.dump()
+        nft.failures = 1
+        services[DB] = ServiceEndpoints(_service("db", cluster_ip="10.96.0.20"), (_ep("10.9.9.9"),))
+        await backend.apply(_state(2, services, updated={DB}))
+        assert nft.dump() == before  # the kernel refused: the old rules stay
+        for _ in range(100):  # the background retry is immediate with _no_sleep
+            if len(nft.transactions) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert nft.transactions[-1].render().startswith("add table inet kpng")  # full resync
+        assert ("10.96.0.20", "tcp", "80") in nft.elements(TABLE, "cluster-v4")
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert "nft refused the incremental transaction" in caplog.text
+    assert "line 1: add table inet kpng" in caplog.text
+
+
+def test_once_returns_true_when_the_first_state_is_applied() -> None:
+    nft = FakeNft()
+    backend = NftBackend(nft=nft, options=Options(), once=True)
+    services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+    assert asyncio.run(backend.apply(_state(1, services))) is True
+    assert len(nft.transactions) == 1
+
+
+def test_dry_run_prints_transactions_and_touches_nothing() -> None:
+    nft = FakeNft()
+    out = io.StringIO()
+    backend = NftBackend(nft=nft, options=Options(), dry_run=True, output=out)
+    services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+    asyncio.run(backend.apply(_state(7, services)))
+    text = out.getvalue()
+    assert text.startswith("# revision 7\nadd table inet kpng")
+    assert (
+        "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }"
+        in text
+    )
+    assert nft.transactions == []
+
+
+def test_full_table_is_accepted_by_the_fake() -> None:
+    """Every reference of the skeleton and of each kind of service resolves."""
+    nft = FakeNft()
+    backend = NftBackend(
+        nft=nft,
+        options=Options(cluster_cidrs=("10.244.0.0/16",), nodeport_addresses=("10.0.0.0/8",)),
+    )
+    services = {(f"ns{i}", "s"): case.values[0] for i, case in enumerate(CASES)}
+    asyncio.run(backend.apply(_state(1, services)))  # type: ignore[arg-type]
+    assert len(nft.transactions) == 1
