@@ -8,7 +8,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import msgspec
@@ -99,8 +99,14 @@ class Backoff:
         return delay
 
 
-# What an op handler gets: (op kind, set, path, payload); returns True to stop watching.
-OpHandler = Callable[[str, int, str, bytes], Awaitable[bool]]
+class OpHandler(Protocol):
+    """Consumes a watch stream's ops. ``op`` takes Set, Delete and Reset (kind, set, path,
+    payload) and is synchronous, as ops come by the hundred thousand; ``sync`` closes a change
+    set and returns True to stop watching."""
+
+    def op(self, kind: str, set_: int, path: str, payload: bytes) -> None: ...
+
+    async def sync(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -120,20 +126,22 @@ async def _follow_once(channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler) 
     )()  # type: ignore[call-arg]  # aio: the call is written to, not given an iterator
     try:
         await call.write(rpc.request)
+        on_op = handle.op
         async for message in call:
             for op in message.Ops if rpc.batched else (message,):
                 kind = op.WhichOneof("Op")
                 if kind == "Set":
                     value = op.Set
-                    stop = await handle(kind, value.Ref.Set, value.Ref.Path, value.Bytes)
+                    ref = value.Ref
+                    on_op(kind, ref.Set, ref.Path, value.Bytes)
                 elif kind == "Delete":
-                    stop = await handle(kind, op.Delete.Set, op.Delete.Path, b"")
-                else:
-                    stop = await handle(kind or "", 0, "", b"")
-                if stop:
-                    return True
-                if kind == "Sync":
+                    on_op(kind, op.Delete.Set, op.Delete.Path, b"")
+                elif kind == "Sync":
+                    if await handle.sync():
+                        return True
                     await call.write(rpc.request)  # ask for the next change set
+                elif kind is not None:
+                    on_op(kind, 0, "", b"")
         return False
     finally:
         call.cancel()
@@ -159,7 +167,7 @@ async def follow(
     while True:
         try:
             async with api.channel() as channel:
-                handler = _resetting(backoff, outage, handle(rpc is batched))
+                handler = _Resetting(backoff, outage, handle(rpc is batched))
                 if await _follow_once(channel, rpc, handler):
                     return
             outage.failed("the stream ended")
@@ -191,48 +199,53 @@ class _Outage:
             self.down = False
 
 
-def _resetting(backoff: Backoff, outage: _Outage, handle: OpHandler) -> OpHandler:
+class _Resetting:
     """A sync proves the connection works: the next failure starts from a short delay again."""
 
-    async def handle_op(kind: str, set_: int, path: str, payload: bytes) -> bool:
-        if kind == "Sync":
-            backoff.reset()
-            outage.synced()
-        return await handle(kind, set_, path, payload)
+    def __init__(self, backoff: Backoff, outage: _Outage, handle: OpHandler) -> None:
+        self.op = handle.op
+        self._handle = handle
+        self._backoff = backoff
+        self._outage = outage
 
-    return handle_op
+    async def sync(self) -> bool:
+        self._backoff.reset()
+        self._outage.synced()
+        return await self._handle.sync()
 
 
 _json_service = msgspec.json.Decoder(Service)
 _json_endpoint = msgspec.json.Decoder(Endpoint)
 
 
-def local_op_handler(sink: Sink, *, json: bool) -> OpHandler:
-    """Dispatch node-local ops to an incremental Sink."""
-    decode_service = _json_service.decode if json else codec.SERVICE.decode
-    decode_endpoint = _json_endpoint.decode if json else codec.ENDPOINT.decode
+class LocalOps:
+    """Dispatches node-local ops to an incremental Sink."""
 
-    async def handle(kind: str, set_: int, path: str, payload: bytes) -> bool:
+    def __init__(self, sink: Sink, *, json: bool) -> None:
+        self._sink = sink
+        self._service = _json_service.decode if json else codec.SERVICE.decode
+        self._endpoint = _json_endpoint.decode if json else codec.ENDPOINT.decode
+
+    def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
+        sink = self._sink
         if kind == "Set":
-            if set_ == localv1_pb2.ServicesSet:
-                sink.set_service(decode_service(payload))
-            elif set_ == localv1_pb2.EndpointsSet:
+            if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = path.split("/", 2)
-                sink.set_endpoint(namespace, name, key, decode_endpoint(payload))
+                sink.set_endpoint(namespace, name, key, self._endpoint(payload))
+            elif set_ == localv1_pb2.ServicesSet:
+                sink.set_service(self._service(payload))
         elif kind == "Delete":
-            if set_ == localv1_pb2.ServicesSet:
-                namespace, _, name = path.partition("/")
-                sink.delete_service(namespace, name)
-            elif set_ == localv1_pb2.EndpointsSet:
+            if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = path.split("/", 2)
                 sink.delete_endpoint(namespace, name, key)
+            elif set_ == localv1_pb2.ServicesSet:
+                namespace, _, name = path.partition("/")
+                sink.delete_service(namespace, name)
         elif kind == "Reset":
             sink.reset()
-        elif kind == "Sync":
-            return bool(await _maybe_await(sink.sync()))
-        return False
 
-    return handle
+    async def sync(self) -> bool:
+        return bool(await _maybe_await(self._sink.sync()))
 
 
 async def watch(
@@ -243,8 +256,13 @@ async def watch(
 
     Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
     """
+    await _watch_local(FilterReset(sink), api=api, node_name=node_name, backoff=backoff)
+
+
+async def _watch_local(
+    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
+) -> None:
     target = Api(api) if isinstance(api, str) else api
-    filtered = FilterReset(sink)
     await follow(
         target.check(),
         batched=_Rpc(
@@ -259,7 +277,7 @@ async def watch(
             localv1_pb2.OpItem,
             batched=False,
         ),
-        handle=lambda json: local_op_handler(filtered, json=json),
+        handle=lambda json: LocalOps(sink, json=json),
         backoff=backoff,
     )
 

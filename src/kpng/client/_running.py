@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kpng.client._remote import Api, Backoff, ClientTls, watch
+from kpng.client._remote import Api, Backoff, ClientTls, _watch_local
 from kpng.client._sinks import FullState
 from kpng.client._state import Handler
 
@@ -61,7 +61,10 @@ async def watch_state(
             result = await result
         return once or bool(result)
 
-    await watch(FullState(call, node=node_name), api=api, node_name=node_name, backoff=backoff)
+    # No FilterReset: FullState compares each state with the previous one, so after a
+    # reconnection the handler hears only of the services that really changed.
+    full = FullState(call, node=node_name)
+    await _watch_local(full, api=api, node_name=node_name, backoff=backoff)
 
 
 def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str = "") -> None:

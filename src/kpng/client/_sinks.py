@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from kpng.client._state import Handler, NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import Endpoint, Service, ServiceEndpoints
-from kpng.model.paths import endpoint_keys, endpoint_order
+from kpng.model.paths import endpoint_keys
 
 
 class Sink(Protocol):
@@ -148,8 +148,11 @@ class FullState:
                 if self._state.pop(key, None) is not None:
                     deleted.add(key)
                 continue
-            eps = sorted(self._endpoints.get(key, {}).values(), key=endpoint_order)
-            value = ServiceEndpoints(service=service, endpoints=tuple(eps))
+            keyed = self._endpoints.get(key, {})
+            # by key: the canonical order (kpng.model.paths), as in process
+            value = ServiceEndpoints(
+                service=service, endpoints=tuple(keyed[k] for k in sorted(keyed))
+            )
             if self._state.get(key) != value:
                 self._state[key] = value
                 updated.add(key)

@@ -1,9 +1,10 @@
-"""Stable paths of the watch API's items (Go KPNG's format) and the order of endpoints.
+"""Stable paths of the watch API's items (Go KPNG's format), and the order of endpoints.
 
 Services are ``namespace/name``; endpoints ``namespace/name/key``, where the key is the endpoint's
-address, or, for an address that appears once per scope set (its scopes differ between ports),
-the address and its port names: ``10.0.0.1#http.TCP,metrics.TCP``. Keys never contain ``/``
-(Go KPNG's clients split paths on it).
+address, or, for an address that appears in several Endpoints (its scopes differ between ports,
+or slices give it different numbers for one port), the address and its ports:
+``10.0.0.1#http.TCP.8080,metrics.TCP.9090``. Keys never contain ``/`` (Go KPNG's clients split
+paths on it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kpng.model.cluster import ServiceKey
-from kpng.model.messages import Endpoint, ServiceEndpoints
+from kpng.model.messages import Endpoint
 
 
 def service_path(key: ServiceKey) -> str:
@@ -30,18 +31,8 @@ def endpoint_address(ep: Endpoint) -> str:
     return (ips.V4 or ips.V6 or ("",))[0]
 
 
-def endpoint_order(ep: Endpoint) -> tuple[bool, str, tuple[tuple[str, str], ...]]:
-    """The order of a service's endpoints everywhere kpng lists them: family, address, ports."""
-    ips = ep.IPs
-    return (
-        bool(ips is not None and ips.V6),
-        endpoint_address(ep),
-        tuple((p.Name, p.Protocol) for p in ep.PortOverrides),
-    )
-
-
 def endpoint_keys(endpoints: Iterable[Endpoint]) -> dict[str, Endpoint]:
-    """Each endpoint by its key (see the module docstring)."""
+    """Each endpoint by its key (see the module docstring), in the given order."""
     eps = list(endpoints)
     seen: dict[str, int] = {}
     for ep in eps:
@@ -53,10 +44,12 @@ def endpoint_keys(endpoints: Iterable[Endpoint]) -> dict[str, Endpoint]:
         if seen[address] == 1:
             keyed[address] = ep
         else:
-            ports = ",".join(f"{p.Name}.{p.Protocol}" for p in ep.PortOverrides)
+            ports = ",".join(f"{p.Name}.{p.Protocol}.{p.Port}" for p in ep.PortOverrides)
             keyed[f"{address}#{ports}"] = ep
     return keyed
 
 
-def service_endpoint_keys(state: ServiceEndpoints) -> dict[str, Endpoint]:
-    return endpoint_keys(state.endpoints)
+def in_key_order(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
+    """Endpoints in kpng's canonical order, everywhere it lists them: by key."""
+    keyed = endpoint_keys(endpoints)
+    return tuple(keyed[key] for key in sorted(keyed))

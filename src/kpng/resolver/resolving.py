@@ -24,7 +24,7 @@ from kpng.model.messages import (
     Service,
     ServiceEndpoints,
 )
-from kpng.model.paths import endpoint_order
+from kpng.model.paths import in_key_order
 from kpng.resolver.categorizing import categorize
 
 _SCOPES = {
@@ -127,7 +127,7 @@ def resolve_service(
                     entry = grouped[(id(ep), scopes)] = (ep, v6, [])
                 entry[2].append(PortName(Name=port.Name, Port=number, Protocol=port.Protocol))
 
-    endpoints = [
+    endpoints = in_key_order(
         Endpoint(
             Hostname=ep.hostname,
             IPs=IPSet(V6=(ep.ip,)) if v6 else IPSet(V4=(ep.ip,)),
@@ -139,14 +139,13 @@ def resolve_service(
             Terminating=ep.terminating,
         )
         for (_, scopes), (ep, v6, ports) in grouped.items()
-    ]
-    endpoints.sort(key=endpoint_order)
+    )
     ports = tuple(
         msgspec.structs.replace(port, UsableEndpoints=_FAMILIES[(v4, v6)])
         for port, (v4, v6) in zip(service.Ports, usable, strict=True)
     )
     return ServiceEndpoints(
-        service=msgspec.structs.replace(service, Ports=ports), endpoints=tuple(endpoints)
+        service=msgspec.structs.replace(service, Ports=ports), endpoints=endpoints
     )
 
 

@@ -50,23 +50,24 @@ class GlobalOps:
         self._dirty_slices: set[SliceKey] = set()
         self._resetting = False
         self._seen: set[tuple[int, str]] = set()
+        self._decoders = _json
 
     def handler(self, json: bool) -> OpHandler:
-        decoders: dict[int, Callable[[bytes], Any]] = _json if json else _protobuf
+        self._decoders = _json if json else _protobuf
+        return self
 
-        async def handle(kind: str, set_: int, path: str, payload: bytes) -> bool:
-            if kind == "Set" and set_ in decoders:
-                self._set(set_, path, decoders[set_](payload))
-            elif kind == "Delete":
-                self._delete(set_, path)
-            elif kind == "Reset":
-                self._resetting = True
-                self._seen.clear()
-            elif kind == "Sync":
-                self._sync()
-            return False
+    def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
+        if kind == "Set" and set_ in self._decoders:
+            self._set(set_, path, self._decoders[set_](payload))
+        elif kind == "Delete":
+            self._delete(set_, path)
+        elif kind == "Reset":
+            self._resetting = True
+            self._seen.clear()
 
-        return handle
+    async def sync(self) -> bool:
+        self._sync()
+        return False
 
     def _set(self, set_: int, path: str, info: Any) -> None:
         self._seen.add((set_, path))
