@@ -2,7 +2,7 @@
 
 Each line is ``{"node": NAME, "revision": N, "services": [{"service": <localv1.Service>,
 "endpoints": [<localv1.Endpoint>, ...]}, ...]}``, messages in protobuf's canonical JSON mapping,
-services by namespace and name, endpoints by family, address and ports. Each service's JSON is
+services by namespace and name, endpoints by key (kpng.model.paths). Each service's JSON is
 cached and re-encoded only when it changes, so a revision costs the change plus one join.
 """
 
