@@ -152,7 +152,10 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
     ("args", "message"),
     [
         (["file", "--input", "x"], "a sink is required"),
-        (["file", "--input", "x", "to-local", "--node-name", "n"], "to-local takes one backend"),
+        (
+            ["file", "--input", "x", "to-local", "--node-name", "n"],
+            "to-local takes one or more backends",
+        ),
         (["to-local"], "unknown source 'to-local' (sources: file, api)"),
         ([], "a source is required"),
         (

@@ -27,6 +27,7 @@ from kpng.sinks import SinkSpec
 from kpng.sinks import api as api_sink
 from kpng.sinks import file as file_sink
 from kpng.sinks import local as local_sink
+from kpng.sinks.feeding import Fanout
 from kpng.sources import Runner, SourceSpec
 from kpng.sources import api as api_source
 from kpng.sources import file as file_source
@@ -128,15 +129,15 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         f"kpng <source> {sink_spec.name}", sink_spec.help, sink_spec.add_arguments
     ).parse_args(segments[1].args)
 
-    backend_factory: Callable[[], Backend] | None = None
+    backends: Callable[[], Fanout] | None = None
     if sink_spec.takes_backend:
-        backend_factory = _backend(segments[2:], f"kpng <source> {sink_spec.name}")
+        backends = _backends(segments[2:], f"kpng <source> {sink_spec.name}")
     elif len(segments) > 2:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
     store = Store()
     source_run = source_spec.create(source_args, store)
-    sink_run = sink_spec.create(sink_args, store, backend_factory)
+    sink_run = sink_spec.create(sink_args, store, backends)
 
     async def pipeline() -> None:
         source_task = asyncio.create_task(source_run(), name="source")
@@ -155,23 +156,28 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     return options, pipeline
 
 
-def _backend(segments: list[_Segment], prog: str) -> Callable[[], Backend]:
-    """The factory of the one backend these segments name."""
-    if len(segments) != 1:
+def _backends(segments: list[_Segment], prog: str) -> Callable[[], Fanout]:
+    """What makes the backends these segments name (one or more), each parsed by its own parser."""
+    if not segments:
         names = ", ".join(f"to-{n}" for n in registry.names())
-        raise UsageError(f"{prog.split()[-1]} takes one backend ({names})")
-    spec = registry.lookup(segments[0].name.removeprefix("to-"))
-    backend_args = _parser(f"{prog} {segments[0].name}", spec.help, spec.add_arguments).parse_args(
-        segments[0].args
-    )
-    return functools.partial(spec.create, backend_args)
+        raise UsageError(f"{prog.split()[-1]} takes one or more backends ({names})")
+    factories: list[tuple[str, Callable[[], Backend]]] = []
+    for segment in segments:
+        spec = registry.lookup(segment.name.removeprefix("to-"))
+        args = _parser(f"{prog} {segment.name}", spec.help, spec.add_arguments).parse_args(
+            segment.args
+        )
+        taken = sum(1 for name, _ in factories if name.split("#")[0] == segment.name)
+        name = segment.name if not taken else f"{segment.name}#{taken + 1}"
+        factories.append((name, functools.partial(spec.create, args)))
+    return lambda: Fanout([(name, make()) for name, make in factories])
 
 
 def _build_local(segments: list[_Segment]) -> Runner:
     args = _parser(f"kpng {LOCAL}", LOCAL_HELP, local_sink.add_remote_arguments).parse_args(
         segments[0].args
     )
-    return local_sink.create_remote(args, _backend(segments[1:], f"kpng {LOCAL}"))
+    return local_sink.create_remote(args, _backends(segments[1:], f"kpng {LOCAL}"))
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:

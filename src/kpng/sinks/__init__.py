@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kpng.backends.registry import Backend
 from kpng.store import Store
+
+if TYPE_CHECKING:
+    from kpng.sinks.feeding import Fanout
 
 Runner = Callable[[], Coroutine[Any, Any, None]]
 
@@ -19,7 +21,7 @@ class SinkSpec:
     """The command word, e.g. ``to-local``."""
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace, Store, Callable[[], Backend] | None], Runner]
-    """Returns what runs the sink until it is done or cancelled; a sink that takes a backend gets
-    the factory of the one named on the command line."""
+    create: Callable[[argparse.Namespace, Store, Callable[[], Fanout] | None], Runner]
+    """Returns what runs the sink until it is done or cancelled; a sink that takes backends gets
+    what makes the ones named on the command line."""
     takes_backend: bool = False

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kpng.backends.registry import Backend
 from kpng.errors import UsageError
 from kpng.server import serving
 from kpng.sinks import Runner, SinkSpec
+from kpng.sinks.feeding import Fanout
 from kpng.store import Store
 
 
-def _create(args: argparse.Namespace, store: Store, _: Callable[[], Backend] | None) -> Runner:
+def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None) -> Runner:
     listen = [serving.ListenAddress.parse(url) for url in args.listen]
     tls = None
     if args.tls_cert or args.tls_key:

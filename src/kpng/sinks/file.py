@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kpng.backends.registry import Backend
 from kpng.model import dumping
 from kpng.sinks import Runner, SinkSpec
+from kpng.sinks.feeding import Fanout
 from kpng.store import Store
 
 
@@ -50,7 +50,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="exit 0 after the first dump")
 
 
-def _create(args: argparse.Namespace, store: Store, _: Callable[[], Backend] | None) -> Runner:
+def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None) -> Runner:
     return lambda: run_file(store, output=Path(args.output), once=args.once)
 
 

@@ -1,5 +1,5 @@
-"""Feeding a backend one node's state: from the store (``to-local``) or from a remote kpng
-(``kpng local``)."""
+"""Feeding backends one node's state: from the store (``to-local``) or from a remote kpng
+(``kpng local``). Several backends are fed independently (sinks/feeding.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kpng.backends.registry import Backend, NodeState
 from kpng.client import Api, add_arguments, api_from_args, watch_state
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
+from kpng.sinks.feeding import Fanout, until_done
 from kpng.store import Delta, Store
 
 log = logging.getLogger(__name__)
@@ -63,23 +64,23 @@ def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _create(
-    args: argparse.Namespace, store: Store, backend_factory: Callable[[], Backend] | None
+    args: argparse.Namespace, store: Store, backends: Callable[[], Fanout] | None
 ) -> Runner:
-    assert backend_factory is not None
+    assert backends is not None
 
     async def run() -> None:
-        backend = backend_factory()
+        fanout = backends()
         try:
-            await run_local(store, node_name=args.node_name, backend=backend)
+            await until_done(fanout, run_local(store, node_name=args.node_name, backend=fanout))
         finally:
-            await backend.close()
+            await fanout.close()
 
     return run
 
 
 SPEC = SinkSpec(
     name="to-local",
-    help="resolve the state of one node and feed a backend",
+    help="resolve the state of one node and feed one or more backends",
     add_arguments=_add_local_arguments,
     create=_create,
     takes_backend=True,
@@ -89,12 +90,12 @@ SPEC = SinkSpec(
 # --- ``kpng local --api TARGET --node-name NAME <backend>``: the same feeding, from a remote brain
 
 
-async def run_remote(api: Api, *, node_name: str, backend: Backend) -> None:
-    """Feed ``backend`` the state of ``node_name`` from a kpng server until it is done."""
+async def run_remote(api: Api, *, node_name: str, backends: Fanout) -> None:
+    """Feed ``backends`` the state of ``node_name`` from a kpng server until they are done."""
     try:
-        await watch_state(backend.apply, api=api, node_name=node_name)
+        await until_done(backends, watch_state(backends.apply, api=api, node_name=node_name))
     finally:
-        await backend.close()
+        await backends.close()
 
 
 def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +103,6 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, once=False)
 
 
-def create_remote(args: argparse.Namespace, backend_factory: Callable[[], Backend]) -> Runner:
+def create_remote(args: argparse.Namespace, backends: Callable[[], Fanout]) -> Runner:
     api = api_from_args(args)
-    return lambda: run_remote(api, node_name=args.node_name, backend=backend_factory())
+    return lambda: run_remote(api, node_name=args.node_name, backends=backends())

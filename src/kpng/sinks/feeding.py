@@ -1,0 +1,153 @@
+"""Feeding backends: each at its own pace, each failing on its own, none ever partial.
+
+A backend whose ``apply`` raises keeps what it last programmed (kpng does not touch it), is
+logged, and is retried with backoff with a full resync (every service in ``updated``) of the
+latest state. States that arrive meanwhile are coalesced: a slow or failing backend gets the
+newest state with the union of what changed, never a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+
+from kpng.backends.registry import Backend, NodeState
+from kpng.client import Backoff
+from kpng.model.cluster import ServiceKey
+
+log = logging.getLogger(__name__)
+
+
+class Feeder:
+    """One backend, fed the latest state offered to it."""
+
+    def __init__(self, name: str, backend: Backend, *, backoff: Backoff | None = None) -> None:
+        self.name = name
+        self.backend = backend
+        self.done = False
+        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        self._latest: NodeState | None = None
+        self._updated: set[ServiceKey] = set()
+        self._deleted: set[ServiceKey] = set()
+        self._resync = False
+        self._offered = asyncio.Event()
+
+    def offer(self, state: NodeState) -> None:
+        """Queue ``state``, merged with any state not yet applied."""
+        self._latest = state
+        self._updated.difference_update(state.deleted)
+        self._deleted.difference_update(state.updated)
+        self._updated.update(state.updated)
+        self._deleted.update(state.deleted)
+        self._offered.set()
+
+    def _take(self) -> NodeState:
+        latest = self._latest
+        assert latest is not None
+        updated = frozenset(latest.services) if self._resync else frozenset(self._updated)
+        state = NodeState(
+            node=latest.node,
+            revision=latest.revision,
+            services=latest.services,
+            updated=updated,
+            deleted=frozenset(self._deleted),
+        )
+        self._latest = None
+        self._updated.clear()
+        self._deleted.clear()
+        self._offered.clear()
+        return state
+
+    async def feed_pending(self) -> None:
+        """Apply what is queued, retrying with backoff until the backend takes a state."""
+        while self._latest is not None:
+            state = self._take()
+            try:
+                self.done = bool(await self.backend.apply(state))
+            except Exception:
+                log.exception(
+                    "%s failed to apply revision %d; it keeps its last state, retrying",
+                    self.name,
+                    state.revision,
+                )
+                if self._latest is None:
+                    self.offer(state)
+                self._resync = True
+                await self._backoff.wait()
+                continue
+            if self._resync:
+                log.info("%s is applying states again (revision %d)", self.name, state.revision)
+            self._resync = False
+            self._backoff.reset()
+
+    async def run(self) -> None:
+        """Feed offered states until the backend says it is done (or cancelled)."""
+        while not self.done:
+            await self._offered.wait()
+            await self.feed_pending()
+
+
+class Fanout:
+    """Several backends behind one: each gets its own Feeder, task and copy of each state.
+
+    With a single backend the state is applied inline, before the caller reads the next one:
+    there is nothing to isolate it from, and the caller's source then coalesces states upstream.
+    """
+
+    def __init__(self, backends: Sequence[tuple[str, Backend]]) -> None:
+        self.feeders = [Feeder(name, backend) for name, backend in backends]
+        self._tasks: list[asyncio.Task[None]] = []
+        self.all_done = asyncio.Event()
+
+    async def apply(self, state: NodeState) -> bool:
+        if len(self.feeders) == 1:
+            feeder = self.feeders[0]
+            feeder.offer(state)
+            await feeder.feed_pending()
+            if feeder.done:
+                self.all_done.set()
+            return feeder.done
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._run(f), name=f.name) for f in self.feeders]
+        # The caller's mapping changes with its next state; each backend keeps its own.
+        snapshot = NodeState(
+            node=state.node,
+            revision=state.revision,
+            services=dict(state.services),
+            updated=state.updated,
+            deleted=state.deleted,
+        )
+        for feeder in self.feeders:
+            if not feeder.done:
+                feeder.offer(snapshot)
+        return False
+
+    async def _run(self, feeder: Feeder) -> None:
+        await feeder.run()
+        if all(f.done for f in self.feeders):
+            self.all_done.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for feeder in self.feeders:
+            try:
+                await feeder.backend.close()
+            except Exception:
+                log.exception("%s failed to close", feeder.name)
+
+
+async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
+    """Run ``work`` until it returns or every backend of ``fanout`` is done."""
+    task = asyncio.ensure_future(work)
+    done_waiter = asyncio.ensure_future(fanout.all_done.wait())
+    try:
+        await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+    finally:
+        for pending in (task, done_waiter):
+            pending.cancel()
+        await asyncio.gather(task, done_waiter, return_exceptions=True)

@@ -1,0 +1,164 @@
+"""Several backends in one process: each fed the same revisions, each failing on its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kpng.client import Backoff, NodeState
+from kpng.model.messages import Service, ServiceEndpoints
+from kpng.sinks.feeding import Fanout, Feeder
+
+WAIT_S = 10.0
+
+
+def _state(
+    revision: int, names: list[str], *, updated: list[str], deleted: tuple[str, ...] = ()
+) -> NodeState:
+    services = {
+        ("ns", n): ServiceEndpoints(service=Service(Namespace="ns", Name=n), endpoints=())
+        for n in names
+    }
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=services,
+        updated=frozenset(("ns", n) for n in updated),
+        deleted=frozenset(("ns", n) for n in deleted),
+    )
+
+
+class _Backend:
+    def __init__(
+        self, *, fail_times: int = 0, once: bool = False, gate: asyncio.Event | None = None
+    ):
+        self.applied: list[NodeState] = []
+        self.fail_times = fail_times
+        self.once = once
+        self.gate = gate
+        self.closed = False
+
+    async def apply(self, state: NodeState) -> bool:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_times:
+            self.fail_times -= 1
+            raise RuntimeError("the kernel said no")
+        self.applied.append(state)
+        return self.once
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def _no_sleep(_: float) -> None:
+    await asyncio.sleep(0)
+
+
+def test_failing_backend_keeps_retrying_with_a_full_resync_and_others_go_on() -> None:
+    good, bad = _Backend(), _Backend(fail_times=2)
+
+    async def scenario() -> None:
+        fanout = Fanout([("to-good", good), ("to-bad", bad)])
+        for feeder in fanout.feeders:
+            feeder._backoff = Backoff(initial=0.01, sleep=_no_sleep)
+        await fanout.apply(_state(1, ["a", "b"], updated=["a", "b"]))
+        await asyncio.sleep(0.05)  # the good one takes it; the bad one fails twice
+        await fanout.apply(_state(2, ["a", "b"], updated=["b"]))
+        for _ in range(200):
+            if len(good.applied) == 2 and bad.applied:
+                break
+            await asyncio.sleep(0.01)
+        await fanout.close()
+
+    asyncio.run(scenario())
+    assert [s.revision for s in good.applied] == [1, 2]
+    assert good.applied[1].updated == {("ns", "b")}
+    # the failing one: after its failures, the state again as a full resync, then it keeps up
+    assert bad.fail_times == 0
+    assert [s.revision for s in bad.applied] == [1, 2]
+    assert bad.applied[0].updated == {("ns", "a"), ("ns", "b")}
+    assert good.closed
+    assert bad.closed
+
+
+def test_slow_backend_gets_the_latest_state_with_the_union_of_changes() -> None:
+    gate = asyncio.Event()
+    slow, fast = _Backend(gate=gate), _Backend()
+
+    async def scenario() -> None:
+        fanout = Fanout([("to-slow", slow), ("to-fast", fast)])
+        await fanout.apply(_state(1, ["a", "b", "c"], updated=["a", "b", "c"]))
+        await asyncio.sleep(0.01)  # slow is now stuck in its first apply
+        for state in (
+            _state(2, ["a", "b"], updated=["a"], deleted=("c",)),
+            _state(3, ["a", "b", "d"], updated=["d"]),
+            _state(4, ["a", "d"], updated=[], deleted=("b",)),
+        ):
+            await fanout.apply(state)
+            await asyncio.sleep(0.01)  # the fast one keeps up
+        for _ in range(100):
+            if len(fast.applied) == 4:
+                break
+            await asyncio.sleep(0.01)
+        gate.set()
+        for _ in range(100):
+            if len(slow.applied) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await fanout.close()
+
+    asyncio.run(scenario())
+    assert [s.revision for s in fast.applied] == [1, 2, 3, 4]
+    assert [s.revision for s in slow.applied] == [1, 4]
+    coalesced = slow.applied[1]
+    assert coalesced.updated == {("ns", "a"), ("ns", "d")}
+    assert coalesced.deleted == {("ns", "b"), ("ns", "c")}
+    assert set(coalesced.services) == {("ns", "a"), ("ns", "d")}
+
+
+def test_backends_get_a_snapshot_the_callers_next_state_cannot_change() -> None:
+    a, b = _Backend(), _Backend()
+    live = _state(1, ["x"], updated=["x"])
+
+    async def scenario() -> None:
+        fanout = Fanout([("to-a", a), ("to-b", b)])
+        await fanout.apply(live)
+        live.services.clear()  # type: ignore[attr-defined]  # the caller's next state
+        for _ in range(100):
+            if a.applied and b.applied:
+                break
+            await asyncio.sleep(0.01)
+        await fanout.close()
+
+    asyncio.run(scenario())
+    assert set(a.applied[0].services) == {("ns", "x")}
+    assert set(b.applied[0].services) == {("ns", "x")}
+
+
+def test_done_when_every_backend_is_done() -> None:
+    once, forever = _Backend(once=True), _Backend()
+
+    async def scenario() -> bool:
+        fanout = Fanout([("to-once", once), ("to-forever", forever)])
+        await fanout.apply(_state(1, ["a"], updated=["a"]))
+        await asyncio.sleep(0.05)
+        done_after_one = fanout.all_done.is_set()
+        await fanout.close()
+        solo = Fanout([("to-once", _Backend(once=True))])
+        assert await solo.apply(_state(1, ["a"], updated=["a"]))
+        assert solo.all_done.is_set()
+        return done_after_one
+
+    assert asyncio.run(scenario()) is False
+    assert len(once.applied) == 1
+
+
+def test_feeder_merges_offers_delete_then_readd() -> None:
+    feeder = Feeder("to-x", _Backend())
+    feeder.offer(_state(1, ["a"], updated=["a"]))
+    feeder.offer(_state(2, [], updated=[], deleted=("a",)))
+    feeder.offer(_state(3, ["a"], updated=["a"]))
+    state = feeder._take()
+    assert state.revision == 3
+    assert state.updated == {("ns", "a")}
+    assert state.deleted == frozenset()
