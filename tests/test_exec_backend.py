@@ -317,7 +317,7 @@ def test_close_ends_the_program_with_eof_first(tmp_path: Path) -> None:
 # --- in kpng, beside other backends
 
 
-def test_failing_exec_backends_leave_kpng_and_the_other_backends_working(
+def test_failing_exec_and_plugin_backends_leave_kpng_and_the_other_backends_working(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
     copied, json_out = tmp_path / "copied", tmp_path / "state.json"
@@ -326,6 +326,7 @@ def test_failing_exec_backends_leave_kpng_and_the_other_backends_working(
     argv += ["to-exec", "--command", shlex.join([sys.executable, "-c", "raise SystemExit(1)"])]
     copy = shlex.join([sys.executable, "-c", COPY, str(copied)])
     argv += ["to-exec", "--format", "ops", "--command", copy]
+    argv += ["to-plugin", "--plugin", f"gone=unix://{tmp_path / 'gone.sock'}"]
     argv += ["to-json", "--output", str(json_out)]
     log = tmp_path / "kpng.log"
     with log.open("wb") as stderr_file:
@@ -348,6 +349,7 @@ def test_failing_exec_backends_leave_kpng_and_the_other_backends_working(
     assert proc.returncode == 0, stderr
     assert f"cannot run {tmp_path / 'missing'}: No such file or directory" in stderr
     assert "exited with status 1 after" in stderr
+    assert f"to-plugin gone failed to apply revision 1: socket {tmp_path / 'gone.sock'}" in stderr
     ops = _lines(copied)
     assert ops[0] == {"op": "reset", "node": "node-2"}
     assert ops[-1]["op"] == "sync"

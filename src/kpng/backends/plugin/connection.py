@@ -73,12 +73,6 @@ class PluginBackend:
         self._session: _Session | None = None
         self._changes: ChangeSets | None = None
         self._busy = False
-        self.applied = 0
-        """Change sets the plugin acknowledged (for tests and benchmarks)."""
-
-    @property
-    def connected(self) -> bool:
-        return self._session is not None
 
     async def apply(self, state: NodeState) -> bool:
         self._busy = True
@@ -107,7 +101,6 @@ class PluginBackend:
                 for key in state.updated:
                     session.held[key] = state.services[key]
         session.fresh = False
-        self.applied += 1
 
     async def _open(self, node: str) -> _Session:
         spec = self.spec
