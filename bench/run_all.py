@@ -3,7 +3,10 @@
 1. the synthetic cluster: what the 10k-service file holds, its size, how long it takes to make;
 2. ``bench_file_to_json.py``: kpng's cold start on that file against ``json.load``, with the
    phases, garbage collection and cProfile of where the time goes;
-3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services.
+3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services;
+4. ``bench_api.py``: the watch API (``to-api``): a 10k-service initial state over the compatible
+   and the batched RPC, one change to a remote client at 1k, 10k and 30k services (through the
+   file, and in process), and the fan-out of one change to 1,000 node watchers.
 
 Each runs in its own interpreter, so one's memory and garbage does not weigh on the next. The exit
 status is non-zero only if a benchmark crashed; missed targets are reported, not failed.
@@ -23,7 +26,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 PYTHON = sys.executable
-TIMEOUT_S = 900  # per benchmark; the whole run takes about a minute on two cores
+TIMEOUT_S = 900  # per benchmark; the longest, bench_api.py, takes about 4 minutes on two cores
 
 
 def _step(title: str, argv: Sequence[str]) -> tuple[int, float]:
@@ -45,6 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     file_args = ["--runs", "1", "--no-profile"] if args.quick else []
     incremental_args = ["--sizes", "1000,10000"] if args.quick else []
+    api_args = (
+        ["--runs", "1", "--sizes", "1000,10000", "--changes", "30", "--file-budget", "20"]
+        if args.quick
+        else []
+    )
 
     with tempfile.TemporaryDirectory(prefix="kpng-bench-") as tmp:
         cluster = Path(tmp) / "cluster-10k.json"
@@ -60,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 "3. one EndpointSlice change, by cluster size",
                 [PYTHON, str(BENCH_DIR / "bench_incremental.py"), *incremental_args],
+            ),
+            (
+                "4. the watch API: initial state, one change, fan-out",
+                [PYTHON, str(BENCH_DIR / "bench_api.py"), *api_args],
             ),
         ]
         results = [(title, *_step(title, command)) for title, command in steps]
