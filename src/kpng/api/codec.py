@@ -135,13 +135,21 @@ NODE_INFO: Codec[messages.NodeInfo] = _CODECS["globalv1.NodeInfo"]
 # --- op framing (protobuf wire format, written by hand: see the module docstring)
 
 
-def _varint(n: int) -> bytes:
+def _slow_varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# Tags and the lengths of most payloads: framing a million ops looks these up instead.
+_SMALL_VARINTS = [_slow_varint(n) for n in range(1 << 14)]
+
+
+def _varint(n: int) -> bytes:
+    return _SMALL_VARINTS[n] if n < 16384 else _slow_varint(n)
 
 
 def _field(tag: int, payload: bytes) -> bytes:
