@@ -287,7 +287,15 @@ async def serve(
     """Serve the watches until cancelled. ``started`` is called once listening, with the bound
     addresses (ports resolved)."""
     watch = WatchServer(store)
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", 64 << 20),
+            # A thousand nodes may connect at once (a relay restart); gRPC cancels calls the
+            # server has not picked up within 30 s by default, which turns one busy minute into
+            # a reconnection storm.
+            ("grpc.server_max_unrequested_time_in_server", 600),
+        ]
+    )
     server.add_generic_rpc_handlers(watch.handlers())
     bound: list[str] = []
     credentials = tls.credentials() if tls is not None else None
