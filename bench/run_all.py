@@ -4,7 +4,10 @@
 2. ``bench_file_to_json.py``: kpng's cold start on that file against ``json.load``, with the
    phases, garbage collection and cProfile of where the time goes;
 3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services;
-4. ``bench_plugins.py``: to-exec and to-plugin from a change to the backend's acknowledgement at
+4. ``bench_api.py``: the watch API (``to-api``): a 10k-service initial state over the compatible
+   and the batched RPC, one change to a remote client at 1k, 10k and 30k services (through the
+   file, and in process), and the fan-out of one change to 1,000 node watchers;
+5. ``bench_plugins.py``: to-exec and to-plugin from a change to the backend's acknowledgement at
    10k services, and three to-json backends against one.
 
 Each runs in its own interpreter, so one's memory and garbage does not weigh on the next. The exit
@@ -25,7 +28,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 PYTHON = sys.executable
-TIMEOUT_S = 900  # per benchmark; the whole run takes a few minutes on two cores
+TIMEOUT_S = 900  # per benchmark; the longest, bench_api.py, takes about 4 minutes on two cores
 
 
 def _step(title: str, argv: Sequence[str]) -> tuple[int, float]:
@@ -47,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     file_args = ["--runs", "1", "--no-profile"] if args.quick else []
     incremental_args = ["--sizes", "1000,10000"] if args.quick else []
+    api_args = (
+        ["--runs", "1", "--sizes", "1000,10000", "--changes", "30", "--file-budget", "20"]
+        if args.quick
+        else []
+    )
     plugins_args = ["--changes", "10"] if args.quick else []
 
     with tempfile.TemporaryDirectory(prefix="kpng-bench-") as tmp:
@@ -65,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [PYTHON, str(BENCH_DIR / "bench_incremental.py"), *incremental_args],
             ),
             (
-                "4. backends out of process, and three backends against one",
+                "4. the watch API: initial state, one change, fan-out",
+                [PYTHON, str(BENCH_DIR / "bench_api.py"), *api_args],
+            ),
+            (
+                "5. backends out of process, and three backends against one",
                 [PYTHON, str(BENCH_DIR / "bench_plugins.py"), *plugins_args],
             ),
         ]

@@ -209,3 +209,31 @@ def test_directory_moved_in_and_out_of_a_watched_directory(tmp_path: Path) -> No
 
     store = _run(_follow(watched, move_out, lambda s: len(s.services) == 1))
     assert set(store.services) == {("ns", "a")}
+
+
+def test_other_files_beside_a_watched_file_are_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[set[Path]] = []
+    real = FileSource._files_behind
+
+    def counting(self: FileSource, paths: set[Path]) -> set[Path]:
+        batches.append(paths)
+        return real(self, paths)
+
+    monkeypatch.setattr(FileSource, "_files_behind", counting)
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"))
+    log_file = tmp_path / "kpng.log"
+
+    def change() -> None:
+        for i in range(20):  # a log growing next to the input
+            with log_file.open("a") as f:
+                f.write(f"line {i}\n")
+        _write(path, _svc("a"), _svc("b"))
+
+    store = _run(_follow(path, change, lambda s: ("ns", "b") in s.services))
+    assert store.revision == 2
+    # every batch of events that woke the source up was about the input, never the log
+    assert batches
+    assert all(paths == {path} for paths in batches)

@@ -11,27 +11,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from kpng.api import globalv1_pb2, localv1_pb2
+from kpng.api.codec import PAIRS
 from kpng.model import messages
-
-PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
-    (messages.IPSet, localv1_pb2.IPSet),
-    (messages.ServiceIPs, localv1_pb2.ServiceIPs),
-    (messages.IPFilter, localv1_pb2.IPFilter),
-    (messages.IPFamilies, localv1_pb2.IPFamilies),
-    (messages.PortMapping, localv1_pb2.PortMapping),
-    (messages.ClientIPAffinity, localv1_pb2.ClientIPAffinity),
-    (messages.Service, localv1_pb2.Service),
-    (messages.PortName, localv1_pb2.PortName),
-    (messages.EndpointScopes, localv1_pb2.EndpointScopes),
-    (messages.Endpoint, localv1_pb2.Endpoint),
-    (messages.TopologyInfo, globalv1_pb2.TopologyInfo),
-    (messages.TopologyHints, globalv1_pb2.TopologyHints),
-    (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
-    (messages.Node, globalv1_pb2.Node),
-    (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
-    (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
-    (messages.NodeInfo, globalv1_pb2.NodeInfo),
-]
 
 GO_KPNG_FIELDS = {
     "localv1.Service": {
@@ -213,3 +194,37 @@ def test_dump_infos_are_globalv1_json() -> None:
     message = json_format.ParseDict(encoded, globalv1_pb2.EndpointInfo())
     assert message.Hash == 2**64 - 1
     assert json_format.MessageToDict(message) == encoded
+
+
+def test_every_model_message_has_its_codec() -> None:
+    paired = {struct.__name__ for struct, _ in PAIRS}
+    for module in (localv1_pb2, globalv1_pb2):
+        for name in module.DESCRIPTOR.message_types_by_name:
+            if hasattr(messages, name) and isinstance(getattr(messages, name), type):
+                assert name in paired, name
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "value"),
+    [
+        ("SERVICE", FULL_SERVICE),
+        ("ENDPOINT", FULL_ENDPOINT),
+        ("SERVICE_INFO", messages.ServiceInfo(Hash="42", Service=FULL_SERVICE)),
+        (
+            "NODE_INFO",
+            messages.NodeInfo(
+                Hash="7",
+                Node=messages.Node(
+                    Name="n1",
+                    Labels={"a": "b"},
+                    Topology=messages.TopologyInfo(Node="n1", Zone="z"),
+                ),
+            ),
+        ),
+    ],
+)
+def test_codec_round_trips_through_protobuf_bytes(codec_name: str, value: msgspec.Struct) -> None:
+    from kpng.api import codec
+
+    c = getattr(codec, codec_name)
+    assert c.decode(c.encode(value)) == value

@@ -207,6 +207,16 @@ def cleanup(argv: Sequence[str]) -> int:
     return 0
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # watchfiles reports every batch of file events at INFO; kpng says what it reloads itself.
+    logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cleanup"]:
@@ -216,11 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KpngError as exc:
         print(f"kpng: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=options.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(options.log_level)
     try:
         asyncio.run(_run_until_signalled(pipeline))
     except KpngError as exc:

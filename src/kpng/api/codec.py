@@ -97,29 +97,32 @@ def _each(convert: Callable[[Any], Any]) -> Callable[[Iterable[Any]], tuple[Any,
     return lambda values: tuple(convert(v) for v in values)
 
 
+# Every model Struct with its proto message (tests/test_wire_model.py holds them to each other).
+PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
+    # leaves first: each codec needs the codecs of its fields' messages
+    (messages.IPSet, localv1_pb2.IPSet),
+    (messages.ServiceIPs, localv1_pb2.ServiceIPs),
+    (messages.IPFilter, localv1_pb2.IPFilter),
+    (messages.IPFamilies, localv1_pb2.IPFamilies),
+    (messages.PortMapping, localv1_pb2.PortMapping),
+    (messages.ClientIPAffinity, localv1_pb2.ClientIPAffinity),
+    (messages.Service, localv1_pb2.Service),
+    (messages.PortName, localv1_pb2.PortName),
+    (messages.EndpointScopes, localv1_pb2.EndpointScopes),
+    (messages.Endpoint, localv1_pb2.Endpoint),
+    (messages.TopologyInfo, globalv1_pb2.TopologyInfo),
+    (messages.TopologyHints, globalv1_pb2.TopologyHints),
+    (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
+    (messages.Node, globalv1_pb2.Node),
+    (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
+    (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
+    (messages.NodeInfo, globalv1_pb2.NodeInfo),
+]
+
+
 def _plan() -> dict[str, Codec[Any]]:
-    pairs: list[tuple[type[msgspec.Struct], type[Message]]] = [
-        # leaves first: each codec needs the codecs of its fields' messages
-        (messages.IPSet, localv1_pb2.IPSet),
-        (messages.ServiceIPs, localv1_pb2.ServiceIPs),
-        (messages.IPFilter, localv1_pb2.IPFilter),
-        (messages.IPFamilies, localv1_pb2.IPFamilies),
-        (messages.PortMapping, localv1_pb2.PortMapping),
-        (messages.ClientIPAffinity, localv1_pb2.ClientIPAffinity),
-        (messages.Service, localv1_pb2.Service),
-        (messages.PortName, localv1_pb2.PortName),
-        (messages.EndpointScopes, localv1_pb2.EndpointScopes),
-        (messages.Endpoint, localv1_pb2.Endpoint),
-        (messages.TopologyInfo, globalv1_pb2.TopologyInfo),
-        (messages.TopologyHints, globalv1_pb2.TopologyHints),
-        (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
-        (messages.Node, globalv1_pb2.Node),
-        (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
-        (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
-        (messages.NodeInfo, globalv1_pb2.NodeInfo),
-    ]
     codecs: dict[str, Codec[Any]] = {}
-    for struct, proto in pairs:
+    for struct, proto in PAIRS:
         codecs[proto.DESCRIPTOR.full_name] = Codec(struct, proto, codecs)
     return codecs
 
@@ -135,13 +138,21 @@ NODE_INFO: Codec[messages.NodeInfo] = _CODECS["globalv1.NodeInfo"]
 # --- op framing (protobuf wire format, written by hand: see the module docstring)
 
 
-def _varint(n: int) -> bytes:
+def _slow_varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# Tags and the lengths of most payloads: framing a million ops looks these up instead.
+_SMALL_VARINTS = [_slow_varint(n) for n in range(1 << 14)]
+
+
+def _varint(n: int) -> bytes:
+    return _SMALL_VARINTS[n] if n < 16384 else _slow_varint(n)
 
 
 def _field(tag: int, payload: bytes) -> bytes:

@@ -56,7 +56,7 @@ def lookup(name: str) -> BackendSpec:
         if name in names():
             ep = _entry_points().get(name)
             if ep is not None:
-                importlib.import_module(ep.value)
+                importlib.import_module(ep.module)  # `module` or `module:attr` both name it
             else:
                 importlib.import_module(f"kpng.backends.{name}")
         if name not in _registry:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -77,7 +78,12 @@ def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     coro = watch_state(handler, api=api_from_args(args), node_name=args.node_name, once=args.once)
-    asyncio.run(_until_signalled(coro))
+    try:
+        asyncio.run(_until_signalled(coro))
+    except BrokenPipeError:
+        # The reader went away (`... | head`): not the program's failure. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 async def _until_signalled(coro: object) -> None:

@@ -25,7 +25,7 @@ from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.errors import UsageError
 from kpng.model.messages import Endpoint, Service
 from kpng.resolver.resolving import NodeView
-from kpng.server.changesets import GlobalTracker, local_ops
+from kpng.server.changesets import FirstOps, GlobalTracker, local_ops
 from kpng.server.hub import Hub, PayloadCache
 from kpng.store import Store
 
@@ -79,25 +79,26 @@ class TlsFiles:
         )
 
 
+@dataclass(frozen=True)
 class Encoders:
-    """How one stream encodes payloads: protobuf (cached, it is costly) or canonical JSON."""
+    """How a stream encodes payloads (protobuf or canonical JSON), shared by every stream that
+    chose the same encoding, with the caches that go with it."""
 
-    def __init__(self, encoding: int, protobuf_cache: _ProtobufPayloads) -> None:
-        self.service: Callable[[Service], bytes]
-        self.endpoint: Callable[[Endpoint], bytes]
-        self.info: Callable[[msgspec.Struct], bytes]
-        if encoding == batchv1_pb2.JSON:
-            self.service = self.endpoint = self.info = _JSON.encode
-        else:
-            self.service = protobuf_cache.service
-            self.endpoint = protobuf_cache.endpoint
-            self.info = _encode_info_protobuf
+    service: Callable[[Service], bytes]
+    endpoint: Callable[[Endpoint], bytes]
+    info: Callable[[msgspec.Struct], bytes]
+    first_ops: FirstOps
 
+    @classmethod
+    def protobuf(cls) -> Encoders:
+        service = PayloadCache(codec.SERVICE.encode)  # protobuf encoding is costly: cached
+        endpoint = PayloadCache(codec.ENDPOINT.encode)
+        return cls(service, endpoint, _encode_info_protobuf, FirstOps(service, endpoint))
 
-class _ProtobufPayloads:
-    def __init__(self) -> None:
-        self.service = PayloadCache(codec.SERVICE.encode)
-        self.endpoint = PayloadCache(codec.ENDPOINT.encode)
+    @classmethod
+    def json(cls) -> Encoders:
+        encode = _JSON.encode
+        return cls(encode, encode, encode, FirstOps(encode, encode))
 
 
 def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
@@ -138,7 +139,10 @@ class WatchServer:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.hub = Hub(store)
-        self._protobuf = _ProtobufPayloads()
+        self._encoders: dict[int, Encoders] = {
+            batchv1_pb2.PROTOBUF: Encoders.protobuf(),
+            batchv1_pb2.JSON: Encoders.json(),
+        }
 
     # --- node-local watches
 
@@ -162,6 +166,7 @@ class WatchServer:
                     previous=changes.previous,
                     encode_service=enc.service,
                     encode_endpoint=enc.endpoint,
+                    first_ops=enc.first_ops,
                 )
                 if first:
                     ops.insert(0, codec.OP_RESET)
@@ -175,7 +180,7 @@ class WatchServer:
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         def encoders(_: Any) -> Encoders:
-            return Encoders(batchv1_pb2.PROTOBUF, self._protobuf)
+            return self._encoders[batchv1_pb2.PROTOBUF]
 
         parsed = _parsed(requests, localv1_pb2.WatchReq, context)
         async for ops in self._local_changesets(parsed, encoders):
@@ -186,7 +191,7 @@ class WatchServer:
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         def encoders(request: Any) -> Encoders:
-            return Encoders(request.Encoding, self._protobuf)
+            return self._encoders.get(int(request.Encoding), self._encoders[batchv1_pb2.PROTOBUF])
 
         parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
         async for ops in self._local_changesets(parsed, encoders):
@@ -204,7 +209,10 @@ class WatchServer:
             async for request in requests:
                 first = tracker is None
                 if tracker is None:
-                    tracker = GlobalTracker(Encoders(encoding(request), self._protobuf).info)
+                    encoders = self._encoders.get(
+                        encoding(request), self._encoders[batchv1_pb2.PROTOBUF]
+                    )
+                    tracker = GlobalTracker(encoders.info)
                 while True:
                     delta = await anext(subscription)
                     ops = tracker.ops(
@@ -279,7 +287,15 @@ async def serve(
     """Serve the watches until cancelled. ``started`` is called once listening, with the bound
     addresses (ports resolved)."""
     watch = WatchServer(store)
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", 64 << 20),
+            # A thousand nodes may connect at once (a relay restart); gRPC cancels calls the
+            # server has not picked up within 30 s by default, which turns one busy minute into
+            # a reconnection storm.
+            ("grpc.server_max_unrequested_time_in_server", 600),
+        ]
+    )
     server.add_generic_rpc_handlers(watch.handlers())
     bound: list[str] = []
     credentials = tls.credentials() if tls is not None else None

@@ -105,6 +105,24 @@ class FileSource:
                     sl.service,
                 )
 
+    def _may_matter(self, _: watchfiles.Change, path: str) -> bool:
+        """Which events to wake up for: our files, and directories that may hold them.
+        Everything else beside them (say, a log kpng writes next to its input) is ignored."""
+        candidate = Path(path)
+        if not self.path.is_dir():
+            return candidate == self.path
+        if self._wanted(candidate):
+            return True
+        try:
+            if any(p.startswith(".") for p in candidate.relative_to(self.path).parts):
+                return False
+        except ValueError:
+            return False
+        if candidate.is_dir():
+            return True
+        # gone: was it a directory holding files we read?
+        return any(p.is_relative_to(candidate) for p in self._parsed)
+
     def _files_behind(self, paths: set[Path]) -> set[Path]:
         """The manifest files that changed events may concern.
 
@@ -171,6 +189,7 @@ class FileSource:
             recursive=self.path.is_dir(),
             step=_WATCH_STEP_MS,
             debounce=_WATCH_DEBOUNCE_MS,
+            watch_filter=self._may_matter,
         ):
             changed = self._files_behind({Path(p) for _, p in batch})
             if changed:
