@@ -35,7 +35,8 @@ protos: $(BIN)/kpng
 	$(BIN)/python -m grpc_tools.protoc -I src \
 	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 	  --python_out=src --mypy_out=src --grpc_python_out=src --mypy_grpc_out=src \
-	  src/kpng/api/localv1.proto src/kpng/api/globalv1.proto src/kpng/api/batchv1.proto
+	  src/kpng/api/localv1.proto src/kpng/api/globalv1.proto src/kpng/api/batchv1.proto \
+	  src/kpng/api/pluginv1.proto
 
 bench: $(BIN)/kpng
 	$(BIN)/python bench/run_all.py

@@ -6,7 +6,9 @@
 3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services;
 4. ``bench_api.py``: the watch API (``to-api``): a 10k-service initial state over the compatible
    and the batched RPC, one change to a remote client at 1k, 10k and 30k services (through the
-   file, and in process), and the fan-out of one change to 1,000 node watchers.
+   file, and in process), and the fan-out of one change to 1,000 node watchers;
+5. ``bench_plugins.py``: to-exec and to-plugin from a change to the backend's acknowledgement at
+   10k services, and three to-json backends against one.
 
 Each runs in its own interpreter, so one's memory and garbage does not weigh on the next. The exit
 status is non-zero only if a benchmark crashed; missed targets are reported, not failed.
@@ -53,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.quick
         else []
     )
+    plugins_args = ["--changes", "10"] if args.quick else []
 
     with tempfile.TemporaryDirectory(prefix="kpng-bench-") as tmp:
         cluster = Path(tmp) / "cluster-10k.json"
@@ -72,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 "4. the watch API: initial state, one change, fan-out",
                 [PYTHON, str(BENCH_DIR / "bench_api.py"), *api_args],
+            ),
+            (
+                "5. backends out of process, and three backends against one",
+                [PYTHON, str(BENCH_DIR / "bench_plugins.py"), *plugins_args],
             ),
         ]
         results = [(title, *_step(title, command)) for title, command in steps]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kpng.client import Backoff, NodeState
+import pytest
+
+from kpng.client import Backoff, Fanout, Feeder, NodeState
+from kpng.errors import KpngError
 from kpng.model.messages import Service, ServiceEndpoints
-from kpng.sinks.feeding import Fanout, Feeder
 
 WAIT_S = 10.0
 
@@ -162,3 +164,39 @@ def test_feeder_merges_offers_delete_then_readd() -> None:
     assert state.revision == 3
     assert state.updated == {("ns", "a")}
     assert state.deleted == frozenset()
+
+
+class _Refusing:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def apply(self, state: NodeState) -> bool:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_failure_the_backend_explains_is_one_line_and_a_bug_has_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def feed(backend: _Refusing) -> None:
+        feeder = Feeder("to-x", backend, backoff=Backoff(initial=0.01, sleep=_no_sleep))
+        feeder.offer(_state(1, ["a"], updated=["a"]))
+        await feeder.feed_pending()
+
+    asyncio.run(feed(_Refusing(KpngError("the plugin said no"))))
+    explained = [r for r in caplog.records if "failed to apply" in r.getMessage()]
+    assert [r.getMessage() for r in explained] == [
+        "to-x failed to apply revision 1: the plugin said no; retrying with the whole state"
+    ]
+    assert explained[0].exc_info is None
+    caplog.clear()
+    asyncio.run(feed(_Refusing(ZeroDivisionError("oops"))))
+    bug = [r for r in caplog.records if "failed to apply" in r.getMessage()]
+    assert len(bug) == 1
+    assert bug[0].exc_info is not None

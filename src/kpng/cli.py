@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from kpng import __version__
 from kpng.backends import registry
 from kpng.backends.registry import Backend
+from kpng.client import Fanout
 from kpng.errors import KpngError, UsageError
 from kpng.sinks import SinkSpec
 from kpng.sinks import api as api_sink
 from kpng.sinks import file as file_sink
 from kpng.sinks import local as local_sink
-from kpng.sinks.feeding import Fanout
 from kpng.sources import Runner, SourceSpec
 from kpng.sources import api as api_source
 from kpng.sources import file as file_source

@@ -2,10 +2,13 @@
 
 A backend receives the node-local state either whole (``run``/``watch_state`` with a handler, or
 a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental calls (a ``Sink`` for
-``watch``). The same types arrive in process and over the network. See docs/backend-tutorial.md.
+``watch``). The same types arrive in process and over the network. ``Fanout`` and ``Feeder``
+feed several backends, each at its own pace and failing on its own. See
+docs/backend-tutorial.md.
 """
 
 from kpng.client._diffstore import Diff, DiffStore
+from kpng.client._feeding import Fanout, Feeder
 from kpng.client._remote import Api, Backoff, ClientTls, watch
 from kpng.client._running import add_arguments, api_from_args, run, watch_state
 from kpng.client._sinks import FullState, Sink, SinkBackend
@@ -35,6 +38,8 @@ __all__ = [
     "DiffStore",
     "Endpoint",
     "EndpointScopes",
+    "Fanout",
+    "Feeder",
     "FullState",
     "Handler",
     "IPFamilies",

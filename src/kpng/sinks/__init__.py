@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kpng.store import Store
 
 if TYPE_CHECKING:
-    from kpng.sinks.feeding import Fanout
+    from kpng.client import Fanout
 
 Runner = Callable[[], Coroutine[Any, Any, None]]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kpng.client import Fanout
 from kpng.errors import UsageError
 from kpng.server import serving
 from kpng.sinks import Runner, SinkSpec
-from kpng.sinks.feeding import Fanout
 from kpng.store import Store
 
 

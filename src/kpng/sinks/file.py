@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kpng.client import Fanout
 from kpng.model import dumping
 from kpng.sinks import Runner, SinkSpec
-from kpng.sinks.feeding import Fanout
 from kpng.store import Store
 
 

@@ -1,17 +1,17 @@
 """Feeding backends one node's state: from the store (``to-local``) or from a remote kpng
-(``kpng local``). Several backends are fed independently (sinks/feeding.py)."""
+(``kpng local``). Several backends are fed independently (kpng.client.Fanout)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kpng.backends.registry import Backend, NodeState
-from kpng.client import Api, add_arguments, api_from_args, watch_state
+from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
-from kpng.sinks.feeding import Fanout, until_done
 from kpng.store import Delta, Store
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,20 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
                 return
     finally:
         subscription.close()
+
+
+async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
+    """Run ``work`` until it returns or every backend of ``fanout`` is done."""
+    task = asyncio.ensure_future(work)
+    done_waiter = asyncio.ensure_future(fanout.all_done.wait())
+    try:
+        await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+    finally:
+        for pending in (task, done_waiter):
+            pending.cancel()
+        await asyncio.gather(task, done_waiter, return_exceptions=True)
 
 
 def _add_local_arguments(parser: argparse.ArgumentParser) -> None:

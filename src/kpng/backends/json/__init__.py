@@ -3,7 +3,8 @@
 Each line is ``{"node": NAME, "revision": N, "services": [{"service": <localv1.Service>,
 "endpoints": [<localv1.Endpoint>, ...]}, ...]}``, messages in protobuf's canonical JSON mapping,
 services by namespace and name, endpoints by key (kpng.model.paths). Each service's JSON is
-cached and re-encoded only when it changes, so a revision costs the change plus one join.
+cached and re-encoded only when it changes, so a revision costs the change plus one join
+(kpng.backends._jsonlines, which to-exec shares).
 """
 
 from __future__ import annotations
@@ -13,12 +14,8 @@ import contextlib
 import sys
 from typing import BinaryIO
 
-import msgspec
-
+from kpng.backends._jsonlines import StateLines
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
-from kpng.model.cluster import ServiceKey
-
-_encoder = msgspec.json.Encoder()
 
 
 class JsonBackend:
@@ -26,19 +23,10 @@ class JsonBackend:
         self._output = output
         self._once = once
         self._close_output = close_output
-        self._encoded: dict[ServiceKey, bytes] = {}
+        self._lines = StateLines()
 
     async def apply(self, state: NodeState) -> bool:
-        for key in state.deleted:
-            self._encoded.pop(key, None)
-        for key in state.updated:
-            self._encoded[key] = _encoder.encode(state.services[key])
-        services = b",".join(self._encoded[key] for key in sorted(self._encoded))
-        head = b'{"node":%s,"revision":%d,"services":[' % (
-            _encoder.encode(state.node),
-            state.revision,
-        )
-        self._output.write(head + services + b"]}\n")
+        self._output.write(self._lines.encode(state))
         self._output.flush()
         return self._once
 

@@ -4,23 +4,32 @@ A backend whose ``apply`` raises keeps what it last programmed (kpng does not to
 logged, and is retried with backoff with a full resync (every service in ``updated``) of the
 latest state. States that arrive meanwhile are coalesced: a slow or failing backend gets the
 newest state with the union of what changed, never a backlog.
+
+This lives in the client library because composite backends need it too: ``to-plugin`` feeds
+each of its plugins through its own ``Feeder``, exactly as ``to-local`` feeds its backends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
-from kpng.backends.registry import Backend, NodeState
-from kpng.client import Backoff
+from kpng.client._remote import Backoff
+from kpng.client._state import Backend, NodeState
+from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
 
 log = logging.getLogger(__name__)
 
 
 class Feeder:
-    """One backend, fed the latest state offered to it."""
+    """One backend, fed the latest state offered to it.
+
+    A failure the backend explains (a ``KpngError``: a plugin that refused a state, a kernel that
+    refused a transaction) is logged as one line with its message; anything else with its
+    traceback, as a bug.
+    """
 
     def __init__(self, name: str, backend: Backend, *, backoff: Backoff | None = None) -> None:
         self.name = name
@@ -65,12 +74,8 @@ class Feeder:
             state = self._take()
             try:
                 self.done = bool(await self.backend.apply(state))
-            except Exception:
-                log.exception(
-                    "%s failed to apply revision %d; it keeps its last state, retrying",
-                    self.name,
-                    state.revision,
-                )
+            except Exception as exc:
+                self._log_failure(state, exc)
                 if self._latest is None:
                     self.offer(state)
                 self._resync = True
@@ -80,6 +85,22 @@ class Feeder:
                 log.info("%s is applying states again (revision %d)", self.name, state.revision)
             self._resync = False
             self._backoff.reset()
+
+    def _log_failure(self, state: NodeState, exc: Exception) -> None:
+        if isinstance(exc, KpngError):
+            log.warning(
+                "%s failed to apply revision %d: %s; retrying with the whole state",
+                self.name,
+                state.revision,
+                exc,
+            )
+        else:
+            log.error(
+                "%s failed to apply revision %d; it keeps its last state, retrying",
+                self.name,
+                state.revision,
+                exc_info=exc,
+            )
 
     async def run(self) -> None:
         """Feed offered states until the backend says it is done (or cancelled)."""
@@ -137,17 +158,3 @@ class Fanout:
                 await feeder.backend.close()
             except Exception:
                 log.exception("%s failed to close", feeder.name)
-
-
-async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
-    """Run ``work`` until it returns or every backend of ``fanout`` is done."""
-    task = asyncio.ensure_future(work)
-    done_waiter = asyncio.ensure_future(fanout.all_done.wait())
-    try:
-        await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-    finally:
-        for pending in (task, done_waiter):
-            pending.cancel()
-        await asyncio.gather(task, done_waiter, return_exceptions=True)

@@ -1,0 +1,177 @@
+"""Every plugin of one ``to-plugin``: each fed through its own Feeder, watched between changes,
+and, for a plugin directory, found and forgotten as its sockets come and go.
+
+Why a Feeder per plugin inside the backend, rather than the CLI expanding ``to-plugin`` into one
+backend per plugin: the set of plugins is not known when the command line is read — a plugin
+directory gains and loses plugins while kpng runs, as a CSI driver's socket appears beside the
+kubelet's — and a plugin that comes back after a crash must be sent the whole state at once,
+without waiting for the next change. Both need the latest state and each plugin's Feeder in one
+place, which is here. Each plugin keeps what the Feeder gives any backend: its own pace,
+coalesced states, retries with backoff and a full resync after a failure, isolation from the
+others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kpng.backends.plugin.config import PluginSpec, plugins_in_directory
+from kpng.backends.plugin.connection import PluginBackend
+from kpng.client import Backoff, Feeder, NodeState
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 2.0
+"""How often each plugin is checked (connection, configuration, Health) between changes, and
+plugin directories are read again."""
+
+
+@dataclass
+class _Member:
+    spec: PluginSpec
+    backend: PluginBackend
+    feeder: Feeder
+    tasks: list[asyncio.Task[None]]
+    from_directory: bool
+
+
+class PluginsBackend:
+    """The ``to-plugin`` backend: the named plugins and those of a directory."""
+
+    def __init__(
+        self,
+        plugins: Sequence[PluginSpec],
+        *,
+        directory: Path | None = None,
+        timeout: float,
+        interval: float = WATCH_INTERVAL_S,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self._named = list(plugins)
+        self._directory = directory
+        self._timeout = timeout
+        self._interval = interval
+        self._backoff = backoff
+        self.members: dict[str, _Member] = {}
+        self._latest: NodeState | None = None
+        self._scanner: asyncio.Task[None] | None = None
+        self._directory_missing = False
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    async def apply(self, state: NodeState) -> bool:
+        # The caller's mapping changes with its next state; the plugins are fed later, at their
+        # own pace, and a plugin found later needs this one whole.
+        self._latest = NodeState(
+            node=state.node,
+            revision=state.revision,
+            services=dict(state.services),
+            updated=state.updated,
+            deleted=state.deleted,
+        )
+        if self._scanner is None:
+            for spec in self._named:
+                self._add(spec)
+            if self._directory is not None:
+                self._scan(self._directory)
+            self._scanner = asyncio.create_task(self._rescan(), name="to-plugin directory")
+            return False
+        for member in self.members.values():
+            member.feeder.offer(self._latest)
+        return False
+
+    def _add(self, spec: PluginSpec, *, from_directory: bool = False) -> None:
+        backend = PluginBackend(spec, timeout=self._timeout)
+        backoff = self._backoff or Backoff(initial=0.5, maximum=30.0)
+        feeder = Feeder(f"to-plugin {spec.name}", backend, backoff=backoff)
+        member = _Member(spec, backend, feeder, [], from_directory)
+        member.tasks = [
+            asyncio.create_task(feeder.run(), name=f"to-plugin {spec.name}"),
+            asyncio.create_task(self._watch(member), name=f"to-plugin {spec.name} watch"),
+        ]
+        self.members[spec.name] = member
+        if self._latest is not None:
+            self._resync(member)
+
+    def _resync(self, member: _Member) -> None:
+        """Offer the whole latest state: what a new or restarted plugin needs."""
+        latest = self._latest
+        if latest is not None:
+            member.feeder.offer(
+                NodeState(
+                    node=latest.node,
+                    revision=latest.revision,
+                    services=latest.services,
+                    updated=frozenset(latest.services),
+                    deleted=frozenset(),
+                )
+            )
+
+    async def _watch(self, member: _Member) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            why = await member.backend.check()
+            if why is not None:
+                log.warning(
+                    "plugin %s: %s; starting a new session with the whole state",
+                    member.spec.name,
+                    why,
+                )
+                self._resync(member)
+
+    async def _rescan(self) -> None:
+        directory = self._directory
+        if directory is None:
+            return
+        while True:
+            await asyncio.sleep(self._interval)
+            self._scan(directory)
+
+    def _scan(self, directory: Path) -> None:
+        try:
+            entries = os.listdir(directory)
+        except OSError as exc:
+            if not self._directory_missing:
+                log.warning("to-plugin: cannot read the plugin directory %s: %s", directory, exc)
+            self._directory_missing = True
+            entries = []
+        else:
+            if self._directory_missing:
+                log.info("to-plugin: the plugin directory %s is readable again", directory)
+            self._directory_missing = False
+        named = {spec.name for spec in self._named}
+        found = plugins_in_directory(directory, entries)
+        for name, spec in sorted(found.items()):
+            if name in named:
+                continue  # --plugin names it: that one is fed
+            if name not in self.members:
+                log.info("to-plugin: found plugin %s at %s", name, spec.url)
+                self._add(spec, from_directory=True)
+        for name in [n for n, m in self.members.items() if m.from_directory]:
+            if name not in found:
+                log.info("to-plugin: plugin %s left %s", name, directory)
+                member = self.members.pop(name)
+                task = asyncio.create_task(self._stop(member), name=f"to-plugin {name} stop")
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    async def _stop(self, member: _Member) -> None:
+        for task in member.tasks:
+            task.cancel()
+        await asyncio.gather(*member.tasks, return_exceptions=True)
+        await member.backend.close()
+
+    async def close(self) -> None:
+        if self._scanner is not None:
+            self._scanner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scanner
+        members, self.members = list(self.members.values()), {}
+        await asyncio.gather(
+            *(self._stop(m) for m in members), *self._stopping, return_exceptions=True
+        )
