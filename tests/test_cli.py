@@ -153,7 +153,7 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
     [
         (["file", "--input", "x"], "a sink is required"),
         (["file", "--input", "x", "to-local", "--node-name", "n"], "to-local takes one backend"),
-        (["to-local"], "unknown source 'to-local' (sources: file)"),
+        (["to-local"], "unknown source 'to-local' (sources: file"),
         ([], "a source is required"),
         (
             ["file", "--input", "x", "to-file", "--output", "-", "to-json"],

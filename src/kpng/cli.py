@@ -28,11 +28,12 @@ from kpng.sinks import file as file_sink
 from kpng.sinks import local as local_sink
 from kpng.sources import Runner, SourceSpec
 from kpng.sources import file as file_source
+from kpng.sources import kube as kube_source
 from kpng.store import Store
 
 log = logging.getLogger("kpng")
 
-SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC,)}
+SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC, kube_source.SPEC)}
 SINKS: dict[str, SinkSpec] = {spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC)}
 
 EXIT_USAGE = 2

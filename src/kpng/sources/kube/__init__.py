@@ -1,0 +1,234 @@
+"""``kpng kube``: Services, EndpointSlices and Nodes followed from a Kubernetes API server.
+
+Three reflectors (``reflector.py``) list and watch the three resources, each through its own store
+handle, marked synced after its first complete list: no revision reaches a sink before all three
+have listed. Filtering is done by the server, so filtered objects never cost kpng anything:
+
+- Services and EndpointSlices: the label selector ``!service.kubernetes.io/service-proxy-name,
+  !service.kubernetes.io/headless`` (with ``--service-proxy-name NAME``:
+  ``service.kubernetes.io/service-proxy-name=NAME,!service.kubernetes.io/headless``); kube-proxy
+  watches both through one selector, so the headless label hides a Service as well as a slice;
+- Services also: the field selector ``spec.clusterIP!=None``;
+- Nodes: all of them (``to-local`` needs its node's labels, the global state every node).
+
+Adding a label to a live object turns into a DELETED event, removing it into an ADDED one. The
+converters apply the same rules again, and an object they reject is logged by kind, namespace and
+name and skipped. While the API server is away the last state stays served; the reflectors
+reconnect on their own.
+
+Start-up: a configuration that cannot be used (a missing file, an unknown context, a failing
+credential plugin) ends kpng with an error. An API server that cannot be reached is retried with
+backoff, each attempt logged as an error: a proxy started before its API server (a node booting
+with the control plane) should come up when the server does. ``--initial-sync-timeout`` bounds
+that wait for callers that prefer to fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from kpng.errors import InvalidObject, KpngError
+from kpng.model import k8s
+from kpng.model.cluster import Slice
+from kpng.model.converting import (
+    LABEL_HEADLESS,
+    LABEL_SERVICE_PROXY_NAME,
+    node_from_k8s,
+    service_from_k8s,
+    slice_from_k8s,
+)
+from kpng.model.messages import Node, Service
+from kpng.sources import Runner, SourceSpec
+from kpng.sources.kube.client import ApiClient
+from kpng.sources.kube.config import Connection, load_connection
+from kpng.sources.kube.reflector import Key, KubeObject, Reflector, ReflectorSettings, Resource
+from kpng.store import SourceHandle, Store
+
+log = logging.getLogger(__name__)
+
+SERVICE_FIELD_SELECTOR = "spec.clusterIP!=None"
+
+T = TypeVar("T", bound=KubeObject)
+M = TypeVar("M")
+
+
+AnyReflector = Reflector[k8s.Service] | Reflector[k8s.EndpointSlice] | Reflector[k8s.Node]
+
+
+class KubeSourceError(KpngError):
+    """The API server could not be used (e.g. no complete initial list in time)."""
+
+
+def label_selector(proxy_name: str | None) -> str:
+    """The server-side label selector of Services and EndpointSlices."""
+    if proxy_name is None:
+        return f"!{LABEL_SERVICE_PROXY_NAME},!{LABEL_HEADLESS}"
+    return f"{LABEL_SERVICE_PROXY_NAME}={proxy_name},!{LABEL_HEADLESS}"
+
+
+def resources(
+    proxy_name: str | None,
+) -> tuple[Resource[k8s.Service], Resource[k8s.EndpointSlice], Resource[k8s.Node]]:
+    selector = label_selector(proxy_name)
+    return (
+        Resource("Service", "/api/v1/services", k8s.Service, selector, SERVICE_FIELD_SELECTOR),
+        Resource(
+            "EndpointSlice", "/apis/discovery.k8s.io/v1/endpointslices", k8s.EndpointSlice, selector
+        ),
+        Resource("Node", "/api/v1/nodes", k8s.Node),
+    )
+
+
+class _HandleSink(Generic[T, M]):
+    """Converts what a reflector reports into the global model and stages it in a handle."""
+
+    def __init__(
+        self,
+        handle: SourceHandle,
+        convert: Callable[[T], M | None],
+        put: Callable[[Key, M | None], None],
+    ) -> None:
+        self.handle = handle
+        self._convert = convert
+        self._put = put
+
+    def apply(self, key: Key, obj: T | None) -> None:
+        model = None
+        if obj is not None:
+            try:
+                model = self._convert(obj)
+            except InvalidObject as exc:
+                log.warning("%s; skipped", exc)
+        self._put(key, model)
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def mark_synced(self) -> None:
+        self.handle.mark_synced()
+
+
+@dataclass(frozen=True)
+class KubeOptions:
+    kubeconfig: Path | None = None
+    context: str | None = None
+    proxy_name: str | None = None
+    initial_sync_timeout: float = 0.0
+    """Seconds to wait for the first complete lists; 0 waits as long as it takes."""
+    settings: ReflectorSettings = field(default_factory=ReflectorSettings)
+
+
+class KubeSource:
+    def __init__(self, store: Store, options: KubeOptions) -> None:
+        self.options = options
+        proxy_name = options.proxy_name
+        services, slices, nodes = (
+            store.source(f"kube-{n}") for n in ("services", "slices", "nodes")
+        )
+        self._sinks = (
+            _HandleSink[k8s.Service, Service](
+                services, lambda o: service_from_k8s(o, proxy_name=proxy_name), services.set_service
+            ),
+            _HandleSink[k8s.EndpointSlice, Slice](
+                slices, lambda o: slice_from_k8s(o, proxy_name=proxy_name), slices.set_slice
+            ),
+            _HandleSink[k8s.Node, Node](
+                nodes, node_from_k8s, lambda key, node: nodes.set_node(key[1], node)
+            ),
+        )
+        self.reflectors: list[AnyReflector] = []
+        self.connection: Connection | None = None
+
+    async def run(self) -> None:
+        """Load the configuration, then list and watch until cancelled."""
+        options = self.options
+        self.connection = await load_connection(options.kubeconfig, options.context)
+        svc_res, slice_res, node_res = resources(options.proxy_name)
+        async with ApiClient(self.connection) as client:
+            self.reflectors = [
+                Reflector(client, svc_res, self._sinks[0], options.settings),
+                Reflector(client, slice_res, self._sinks[1], options.settings),
+                Reflector(client, node_res, self._sinks[2], options.settings),
+            ]
+            tasks = [
+                asyncio.create_task(r.run(), name=f"reflector {r.name}") for r in self.reflectors
+            ]
+            try:
+                await self._wait_synced()
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wait_synced(self) -> None:
+        waits = [r.synced.wait() for r in self.reflectors]
+        timeout = self.options.initial_sync_timeout or None
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            assert self.connection is not None
+            missing = [r for r in self.reflectors if not r.synced.is_set()]
+            errors = {r.last_error or "still listing" for r in missing}
+            reasons = (
+                errors.pop()
+                if len(errors) == 1
+                else "; ".join(f"{r.name}: {r.last_error or 'still listing'}" for r in missing)
+            )
+            raise KubeSourceError(
+                f"no complete list from {self.connection.server} within "
+                f"{self.options.initial_sync_timeout:g} s ({reasons})"
+            ) from None
+        log.info("synced with %s", self.connection.server if self.connection else "?")
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="PATH",
+        help="kubeconfig file (default: $KUBECONFIG, then the in-cluster service account, "
+        "then ~/.kube/config)",
+    )
+    parser.add_argument("--context", metavar="NAME", help="kubeconfig context to use")
+    parser.add_argument(
+        "--service-proxy-name",
+        metavar="NAME",
+        help="serve only objects labelled service.kubernetes.io/service-proxy-name=NAME "
+        "(default: only objects without that label)",
+    )
+    parser.add_argument(
+        "--initial-sync-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="exit with an error if the first complete lists take longer "
+        "(default: 0, retry until the API server answers)",
+    )
+
+
+def _create(args: argparse.Namespace, store: Store) -> Runner:
+    source = KubeSource(
+        store,
+        KubeOptions(
+            kubeconfig=args.kubeconfig,
+            context=args.context,
+            proxy_name=args.service_proxy_name,
+            initial_sync_timeout=args.initial_sync_timeout,
+        ),
+    )
+    return source.run
+
+
+SPEC = SourceSpec(
+    name="kube",
+    help="list and watch Services, EndpointSlices and Nodes on a Kubernetes API server",
+    add_arguments=_add_arguments,
+    create=_create,
+)
