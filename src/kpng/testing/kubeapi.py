@@ -51,6 +51,8 @@ class KubeApi:
         self._token = token
         self._context = context
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[http.client.HTTPSConnection] = []
 
     @classmethod
     def of(cls, plane: ControlPlane, port: int | None = None) -> KubeApi:
@@ -64,13 +66,22 @@ class KubeApi:
                 self._host, self._port, context=self._context, timeout=60
             )
             self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
         return conn
 
-    def close(self) -> None:
+    def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def close(self) -> None:
+        """Close every thread's connection."""
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
 
     def request(
         self, method: str, path: str, body: Obj | None = None, content_type: str = ""
@@ -88,7 +99,7 @@ class KubeApi:
             except (ConnectionError, http.client.HTTPException):
                 # A kept-alive connection the server closed (e.g. it was restarted): retry once
                 # on a new one.
-                self.close()
+                self._drop_connection()
                 if attempt == 2:
                     raise
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -110,7 +111,9 @@ class ApiClient:
         if isinstance(exc, aiohttp.ClientConnectorCertificateError):
             return f"TLS verification of {self.connection.server} failed: {exc.certificate_error}"
         if isinstance(exc, aiohttp.ClientConnectorError):
-            return f"cannot connect to {self.connection.server}: {exc.os_error.strerror or exc}"
+            error = exc.os_error
+            reason = os.strerror(error.errno) if error.errno else (error.strerror or str(exc))
+            return f"cannot connect to {self.connection.server}: {reason}"
         if isinstance(exc, asyncio.TimeoutError | TimeoutError):
             return f"{self.connection.server}: timed out"
         return f"{self.connection.server}: {exc.__class__.__name__}: {exc}".rstrip(": ")
