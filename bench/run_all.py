@@ -3,7 +3,8 @@
 1. the synthetic cluster: what the 10k-service file holds, its size, how long it takes to make;
 2. ``bench_file_to_json.py``: kpng's cold start on that file against ``json.load``, with the
    phases, garbage collection and cProfile of where the time goes;
-3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services.
+3. ``bench_incremental.py``: the cost of one EndpointSlice change at 1k, 10k and 30k services;
+4. ``bench_kube.py``: ``kpng kube`` against a real kube-apiserver holding 10,000 services.
 
 Each runs in its own interpreter, so one's memory and garbage does not weigh on the next. The exit
 status is non-zero only if a benchmark crashed; missed targets are reported, not failed.
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     file_args = ["--runs", "1", "--no-profile"] if args.quick else []
     incremental_args = ["--sizes", "1000,10000"] if args.quick else []
+    kube_args = ["--runs", "1", "--changes", "50", "--churn", "100"] if args.quick else []
 
     with tempfile.TemporaryDirectory(prefix="kpng-bench-") as tmp:
         cluster = Path(tmp) / "cluster-10k.json"
@@ -60,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 "3. one EndpointSlice change, by cluster size",
                 [PYTHON, str(BENCH_DIR / "bench_incremental.py"), *incremental_args],
+            ),
+            (
+                "4. kpng kube against a real kube-apiserver",
+                [PYTHON, str(BENCH_DIR / "bench_kube.py"), *kube_args],
             ),
         ]
         results = [(title, *_step(title, command)) for title, command in steps]

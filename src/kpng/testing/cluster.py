@@ -474,9 +474,12 @@ class ControlPlane:
         workdir: Path | None = None,
         watch_cache: bool = True,
         detach: bool = False,
+        apiserver_args: Sequence[str] = (),
     ) -> None:
         self.binaries = binaries
         self.watch_cache = watch_cache
+        self.apiserver_args = list(apiserver_args)
+        """Extra kube-apiserver flags (later flags win)."""
         self._detach = detach
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kpng-control-plane-"))
@@ -619,6 +622,7 @@ class ControlPlane:
             f"--watch-cache={'true' if self.watch_cache else 'false'}",
             "--profiling=false",
             "--v=0",
+            *self.apiserver_args,
         ]
         process = _Process(
             f"kube-apiserver:{port}",
