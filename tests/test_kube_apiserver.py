@@ -8,10 +8,13 @@ separate client. Each test has its own namespace in the session's control plane;
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -215,6 +218,9 @@ def test_objects_kpng_cannot_use_are_skipped(
 
     with caplog.at_level(logging.WARNING):
         run(scenario)
+    assert (
+        f"EndpointSlice {ns}/orphan: Service {ns}/missing is missing or not served" in caplog.text
+    )
 
 
 def test_a_slice_with_1000_endpoints(
@@ -392,6 +398,9 @@ def test_kpng_command_reports_an_unreachable_server_and_keeps_trying(
     """Started while its apiserver is down, kpng logs why and comes up when the server does."""
     plane = own_control_plane
     port = plane.apiserver_port
+    api = KubeApi.of(plane)
+    api.create(k.service("web", "default"))
+    api.close()
     plane.stop_apiserver()
     argv = [*kpng_command, "kube", "--kubeconfig", str(plane.kubeconfig)]
     argv += ["to-local", "--node-name", "n1", "to-json", "--output", "-"]
@@ -408,7 +417,7 @@ def test_kpng_command_reports_an_unreachable_server_and_keeps_trying(
             assert f"cannot connect to https://127.0.0.1:{port}" in line
             plane.start_apiserver(port)
             state = msgspec.json.decode(proc.stdout.readline())
-            assert [s["service"]["Name"] for s in state["services"]] == ["kubernetes"]
+            assert "web" in [s["service"]["Name"] for s in state["services"]]
         finally:
             proc.terminate()
             proc.wait(10)
@@ -427,3 +436,53 @@ def test_env_kubeconfig_is_used(
     )
     assert done.returncode == 0, done.stderr
     assert b'"Name":"kubernetes"' in done.stdout
+
+
+def test_exec_credential_plugin(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
+) -> None:
+    """A kubeconfig whose user is an exec plugin (client.authentication.k8s.io/v1) that prints
+    the token; the plugin's output is all kpng has to authenticate with."""
+    ns = kube_namespace
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"token": control_plane.token},
+    }
+    kubeconfig = tmp_path / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "exec",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": control_plane.server,
+                    "certificate-authority": str(control_plane.pki.ca_cert),
+                },
+            }
+        ],
+        "users": [
+            {
+                "name": "plugin",
+                "user": {
+                    "exec": {
+                        "apiVersion": "client.authentication.k8s.io/v1",
+                        "command": sys.executable,
+                        "args": ["-c", f"print({json.dumps(json.dumps(credential))})"],
+                        "interactiveMode": "Never",
+                    }
+                },
+            }
+        ],
+        "contexts": [{"name": "exec", "context": {"cluster": "c", "user": "plugin"}}],
+    }
+    kubeconfig.write_text(json.dumps(config))
+    kube_api.create(k.service("web", ns))
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+
+    run(scenario)

@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from kpng.model import k8s
-from kpng.sources.kube import SERVICE_FIELD_SELECTOR, label_selector, resources
+from kpng.model.cluster import Slice
+from kpng.model.messages import Service
+from kpng.sources.kube import SERVICE_FIELD_SELECTOR, label_selector, orphan_slices, resources
 from kpng.sources.kube.client import ApiClient, LineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
@@ -26,6 +28,7 @@ from kpng.sources.kube.reflector import (
     relist_diff,
     watch_timeout,
 )
+from kpng.store import Store
 
 
 @pytest.mark.parametrize(
@@ -244,3 +247,13 @@ def test_missing_configuration(
             is_file=lambda p: False,
             home=Path("/h"),
         )
+
+
+def test_orphan_slices_are_those_whose_service_is_not_served() -> None:
+    store = Store()
+    handle = store.source("t")
+    handle.set_service(("a", "web"), Service(Namespace="a", Name="web"))
+    for ns, name, service in (("a", "web-1", "web"), ("a", "db-1", "db"), ("b", "web-1", "web")):
+        handle.set_slice((ns, name), Slice(ns, name, service, False, (), ()))
+    handle.mark_synced()
+    assert orphan_slices(store) == [("a", "db-1"), ("b", "web-1")]

@@ -35,7 +35,7 @@ from typing import Generic, TypeVar
 
 from kpng.errors import InvalidObject, KpngError
 from kpng.model import k8s
-from kpng.model.cluster import Slice
+from kpng.model.cluster import Slice, SliceKey
 from kpng.model.converting import (
     LABEL_HEADLESS,
     LABEL_SERVICE_PROXY_NAME,
@@ -127,6 +127,7 @@ class KubeOptions:
 class KubeSource:
     def __init__(self, store: Store, options: KubeOptions) -> None:
         self.options = options
+        self._store = store
         proxy_name = options.proxy_name
         services, slices, nodes = (
             store.source(f"kube-{n}") for n in ("services", "slices", "nodes")
@@ -161,6 +162,7 @@ class KubeSource:
             ]
             try:
                 await self._wait_synced()
+                self._report_orphans()
                 await asyncio.gather(*tasks)
             finally:
                 for task in tasks:
@@ -186,6 +188,31 @@ class KubeSource:
                 f"{self.options.initial_sync_timeout:g} s ({reasons})"
             ) from None
         log.info("synced with %s", self.connection.server if self.connection else "?")
+
+    def _report_orphans(self) -> None:
+        """Slices of Services kpng does not serve, once after the first lists. Later ones are
+        not reported: a Service and its slice arrive on separate watches, in either order."""
+        orphans = orphan_slices(self._store)
+        for namespace, name in orphans[:_ORPHANS_LISTED]:
+            service = self._store.slices[(namespace, name)].service
+            log.warning(
+                "EndpointSlice %s/%s: Service %s/%s is missing or not served; its endpoints are "
+                "unused until it is",
+                namespace,
+                name,
+                namespace,
+                service,
+            )
+        if len(orphans) > _ORPHANS_LISTED:
+            log.warning("... and %d more such EndpointSlices", len(orphans) - _ORPHANS_LISTED)
+
+
+_ORPHANS_LISTED = 20
+
+
+def orphan_slices(store: Store) -> list[SliceKey]:
+    """Slices whose Service kpng does not serve (missing, or ignored), sorted."""
+    return sorted(k for k, sl in store.slices.items() if sl.service_key not in store.services)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

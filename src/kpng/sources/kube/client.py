@@ -97,6 +97,10 @@ class ApiClient:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
+            # Abort rather than shut TLS down politely: the polite close waits for the server's
+            # reply, and an event loop that stops first leaks the sockets.
+            if self._session.connector is not None:
+                await self._session.connector.close(abort_ssl=True)
             await self._session.close()
             self._session = None
 

@@ -5,7 +5,9 @@ kubernetes_asyncio's configuration loaders read the configuration (kubeconfig me
 token files, exec credential plugins of any ``client.authentication.k8s.io`` version, including
 plugins that return client certificates and expiring tokens, custom CAs, ``tls-server-name``,
 the in-cluster service account with its rotated token). kpng uses them for that alone: the HTTP
-requests, lists and watches are kpng's own (``client.py``, ``reflector.py``).
+requests, lists and watches are kpng's own (``client.py``, ``reflector.py``). Tokens are
+refreshed as they expire; client certificates (from files, data or an exec plugin) are loaded once,
+when kpng starts.
 
 lightkube's loader was the other candidate; it accepts exec plugins of ``v1alpha1`` and
 ``v1beta1`` only (not the GA ``v1``) and no plugin that returns a client certificate.
@@ -13,6 +15,7 @@ lightkube's loader was the other candidate; it accepts exec plugins of ``v1alpha
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import ssl
@@ -53,22 +56,30 @@ class Connection:
     _configuration: Configuration
     _loader: KubeConfigLoader | None
 
+    _exec_rejected: bool = False
+
     async def authorization(self) -> str | None:
-        """The Authorization header value, refreshed when it expires (exec plugins, rotated
-        in-cluster tokens)."""
+        """The Authorization header value. An exec plugin runs again only when its token has
+        expired or the server rejected it; an in-cluster token file is re-read as it rotates."""
         if self._loader is not None and self._has_exec_plugin():
-            # Runs the plugin again only once its last token has expired.
-            await self._loader.load_from_exec_plugin()
+            if self._exec_rejected or self._exec_expired():
+                self._loader.__dict__.pop("exec_plugin_expiry", None)
+                await self._loader.load_from_exec_plugin()
+                self._exec_rejected = False
             token: str | None = getattr(self._loader, "token", None)
             return token
         value: str | None = await self._configuration.get_api_key_with_prefix("BearerToken")
         return value
 
     def credentials_rejected(self) -> None:
-        """The server answered 401: the next request gets a fresh token from an exec plugin
-        even if the plugin said the last one had not expired yet."""
-        if self._loader is not None and self._has_exec_plugin():
-            self._loader.__dict__.pop("exec_plugin_expiry", None)
+        """The server answered 401: the next request gets a fresh token from an exec plugin."""
+        self._exec_rejected = True
+
+    def _exec_expired(self) -> bool:
+        expiry = getattr(self._loader, "exec_plugin_expiry", None)
+        return isinstance(expiry, datetime.datetime) and expiry <= datetime.datetime.now(
+            datetime.UTC
+        )
 
     def _has_exec_plugin(self) -> bool:
         user = getattr(self._loader, "_user", None)

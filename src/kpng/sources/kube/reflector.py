@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -228,6 +229,7 @@ class Reflector(Generic[T]):
         self.synced = asyncio.Event()
         self.stats = ReflectorStats()
         self.last_error = ""
+        self._listed_at = -math.inf
 
     @property
     def name(self) -> str:
@@ -255,7 +257,10 @@ class Reflector(Generic[T]):
                 log.info("%s: %s; listing again", self.name, exc)
                 self.resource_version = ""
                 self.stats.relists_gone += 1
-                continue
+                if time.monotonic() - self._listed_at >= self.settings.healthy_watch_s:
+                    continue
+                # Gone right after a list: relisting at once could spin; pace it.
+                failure = str(exc)
             except (TransportError, ApiStatusError, WatchFailed, msgspec.DecodeError) as exc:
                 failure = str(exc)
             self.stats.failures += 1
@@ -303,6 +308,7 @@ class Reflector(Generic[T]):
             self.sink.apply(key, None)
         self.known = listed
         self.resource_version = resource_version
+        self._listed_at = time.monotonic()
         self.stats.lists += 1
         if self.synced.is_set():
             log.info(
