@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -21,6 +22,13 @@ from kpng.sources.kube.config import Connection
 log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
+# Before CPython 3.12.8 and in 3.13.0, asyncio can leak the socket of a TLS connection that is
+# lost while it closes (fixed by python/cpython pull request 118960): each API server outage would
+# cost file descriptors. aiohttp aborts such transports itself when asked (and warns if asked on a
+# fixed version).
+_ASYNCIO_LEAKS_SSL_TRANSPORTS = sys.version_info < (3, 12, 8) or (
+    (3, 13, 0) <= sys.version_info < (3, 13, 1)
+)
 _REQUEST_TIMEOUT_S = 60.0
 
 
@@ -89,7 +97,8 @@ class ApiClient:
 
     async def __aenter__(self) -> ApiClient:
         connector = aiohttp.TCPConnector(
-            ssl=self.connection.ssl_context if self.connection.ssl_context is not None else False
+            ssl=self.connection.ssl_context if self.connection.ssl_context is not None else False,
+            enable_cleanup_closed=_ASYNCIO_LEAKS_SSL_TRANSPORTS,
         )
         # raise_for_status off: error bodies are Status objects worth reading.
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
