@@ -142,6 +142,19 @@ class FileSource:
             self._owner[key] = owner
             _stage(out, key, self._parsed[owner].objects[key])
 
+    def _changed_files(self, names: Iterable[str]) -> set[Path]:
+        """The manifest files a batch of file events concerns."""
+        changed: set[Path] = set()
+        for name in names:
+            path = Path(name)
+            if self._wanted(path):
+                changed.add(path)
+            elif path.is_dir() and self.path.is_dir():
+                # A new directory: files written into it before inotify watched it raise no event
+                # of their own, so read whatever it holds now.
+                changed.update(f for f in path.rglob("*") if self._wanted(f) and f.is_file())
+        return changed
+
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
         self.load(out)
@@ -156,7 +169,7 @@ class FileSource:
             step=_WATCH_STEP_MS,
             debounce=_WATCH_DEBOUNCE_MS,
         ):
-            changed = {Path(p) for _, p in batch if self._wanted(Path(p))}
+            changed = self._changed_files(name for _, name in batch)
             if changed:
                 self.reload(sorted(changed), out)
                 if out.commit():
