@@ -1,21 +1,25 @@
 """The kube source's pure logic with plain data: backoff, relist diff, line splitting, watch
-events, selectors and the choice of configuration. No network."""
+events, selectors and the choice of configuration. No API server: the one test that connects
+dials a loopback port where nothing listens."""
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
 import msgspec
 import pytest
+from kubernetes_asyncio.client import Configuration
 
 from kpng.model import k8s
 from kpng.model.cluster import Slice
 from kpng.model.messages import Service
 from kpng.sources.kube import SERVICE_FIELD_SELECTOR, label_selector, orphan_slices, resources
 from kpng.sources.kube.client import ApiClient, LineSplitter
-from kpng.sources.kube.config import IN_CLUSTER, KubeConfigError, choose_config
+from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
     Backoff,
     BackoffPolicy,
@@ -29,6 +33,7 @@ from kpng.sources.kube.reflector import (
     watch_timeout,
 )
 from kpng.store import Store
+from kpng.testing.cluster import free_port
 
 
 @pytest.mark.parametrize(
@@ -257,3 +262,42 @@ def test_orphan_slices_are_those_whose_service_is_not_served() -> None:
         handle.set_slice((ns, name), Slice(ns, name, service, False, (), ()))
     handle.mark_synced()
     assert orphan_slices(store) == [("a", "db-1"), ("b", "web-1")]
+
+
+def test_the_reflector_retries_an_unreachable_server_with_backoff() -> None:
+    """The run loop against a loopback port where nothing listens: each failure is followed by
+    the policy's next delay, through the injected sleep (so no time passes)."""
+    delays: list[float] = []
+
+    async def scenario() -> Reflector[k8s.Service]:
+        enough = asyncio.Event()
+
+        async def sleep(delay: float) -> None:
+            delays.append(delay)
+            if len(delays) == 5:
+                enough.set()
+                await asyncio.Event().wait()  # park until cancelled
+
+        connection = Connection(
+            server=f"https://127.0.0.1:{free_port()}",
+            ssl_context=ssl.create_default_context(),
+            tls_server_name=None,
+            proxy=None,
+            source="test",
+            _configuration=Configuration(),
+            _loader=None,
+        )
+        async with ApiClient(connection) as client:
+            resource = Resource("Service", "/api/v1/services", k8s.Service)
+            reflector = Reflector(client, resource, RecordingSink(), sleep=sleep, rand=lambda: 0.5)
+            task = asyncio.create_task(reflector.run())
+            await asyncio.wait_for(enough.wait(), 10)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return reflector
+
+    reflector = asyncio.run(scenario())
+    assert delays == pytest.approx([1.2, 2.4, 4.8, 9.6, 19.2])
+    assert reflector.stats.failures == 5
+    assert "Connection refused" in reflector.last_error
+    assert not reflector.synced.is_set()
