@@ -16,8 +16,15 @@ from kubernetes_asyncio.client import Configuration
 
 from kpng.model import k8s
 from kpng.model.cluster import Slice
+from kpng.model.converting import service_from_k8s
 from kpng.model.messages import Service
-from kpng.sources.kube import SERVICE_FIELD_SELECTOR, label_selector, orphan_slices, resources
+from kpng.sources.kube import (
+    SERVICE_FIELD_SELECTOR,
+    _HandleSink,
+    label_selector,
+    orphan_slices,
+    resources,
+)
 from kpng.sources.kube.client import ApiClient, LineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
@@ -301,3 +308,24 @@ def test_the_reflector_retries_an_unreachable_server_with_backoff() -> None:
     assert reflector.stats.failures == 5
     assert "Connection refused" in reflector.last_error
     assert not reflector.synced.is_set()
+
+
+def test_objects_the_converters_reject_are_logged_and_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Store()
+    handle = store.source("t")
+    sink = _HandleSink[k8s.Service, Service](
+        handle, lambda o: service_from_k8s(o, proxy_name=None), handle.set_service
+    )
+    good = msgspec.json.decode(msgspec.json.encode(_svc("a", "1")), type=k8s.Service)
+    sink.apply(("ns", "a"), good)
+    assert ("ns", "a") in store.services
+    # The API would not accept this protocol; kpng must survive an API server that does.
+    bad = msgspec.json.decode(
+        msgspec.json.encode(_svc("a", "2", ports=[{"port": 80, "protocol": "QUIC"}])),
+        type=k8s.Service,
+    )
+    sink.apply(("ns", "a"), bad)
+    assert ("ns", "a") not in store.services
+    assert "Service ns/a: spec.ports[0]: unknown protocol 'QUIC'; skipped" in caplog.text
