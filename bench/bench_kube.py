@@ -47,7 +47,7 @@ import synthetic
 
 from kpng.backends.registry import NodeState
 from kpng.sinks.local import run_local
-from kpng.sources.kube import KubeOptions, KubeSource, resources
+from kpng.sources.kube.source import KubeOptions, KubeSource, resources
 from kpng.store import Store
 from kpng.testing.cluster import ControlPlane, ensure_binaries
 from kpng.testing.kubeapi import KubeApi

@@ -18,13 +18,6 @@ from kpng.model import k8s
 from kpng.model.cluster import Slice
 from kpng.model.converting import service_from_k8s
 from kpng.model.messages import Service
-from kpng.sources.kube import (
-    SERVICE_FIELD_SELECTOR,
-    _HandleSink,
-    label_selector,
-    orphan_slices,
-    resources,
-)
 from kpng.sources.kube.client import ApiClient, LineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
@@ -38,6 +31,13 @@ from kpng.sources.kube.reflector import (
     WatchFailed,
     relist_diff,
     watch_timeout,
+)
+from kpng.sources.kube.source import (
+    SERVICE_FIELD_SELECTOR,
+    _HandleSink,
+    label_selector,
+    orphan_slices,
+    resources,
 )
 from kpng.store import Store
 from kpng.testing.cluster import free_port

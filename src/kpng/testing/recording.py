@@ -20,8 +20,8 @@ from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.sinks.local import run_local
-from kpng.sources.kube import KubeOptions, KubeSource
 from kpng.sources.kube.reflector import ReflectorSettings
+from kpng.sources.kube.source import KubeOptions, KubeSource
 from kpng.store import Store
 
 View = dict[str, tuple[str, ...]]
