@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint typecheck unit protos bench clean
+.PHONY: example test lint typecheck unit control-plane protos bench clean
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ lint: $(BIN)/kpng
 typecheck: $(BIN)/kpng
 	$(BIN)/mypy
 
-unit: $(BIN)/kpng
+unit: $(BIN)/kpng control-plane
 	$(BIN)/pytest
+
+# The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
+# minutes), then found in ~/.cache/kpng/control-plane in a moment.
+control-plane: $(BIN)/kpng
+	$(BIN)/python -m kpng.testing.cluster build
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
 protos: $(BIN)/kpng

@@ -8,7 +8,8 @@
    and the batched RPC, one change to a remote client at 1k, 10k and 30k services (through the
    file, and in process), and the fan-out of one change to 1,000 node watchers;
 5. ``bench_plugins.py``: to-exec and to-plugin from a change to the backend's acknowledgement at
-   10k services, and three to-json backends against one.
+   10k services, and three to-json backends against one;
+6. ``bench_kube.py``: ``kpng kube`` against a real kube-apiserver holding 10,000 services.
 
 Each runs in its own interpreter, so one's memory and garbage does not weigh on the next. The exit
 status is non-zero only if a benchmark crashed; missed targets are reported, not failed.
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else []
     )
     plugins_args = ["--changes", "10"] if args.quick else []
+    kube_args = ["--runs", "1", "--changes", "50", "--churn", "100"] if args.quick else []
 
     with tempfile.TemporaryDirectory(prefix="kpng-bench-") as tmp:
         cluster = Path(tmp) / "cluster-10k.json"
@@ -79,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 "5. backends out of process, and three backends against one",
                 [PYTHON, str(BENCH_DIR / "bench_plugins.py"), *plugins_args],
+            ),
+            (
+                "6. kpng kube against a real kube-apiserver",
+                [PYTHON, str(BENCH_DIR / "bench_kube.py"), *kube_args],
             ),
         ]
         results = [(title, *_step(title, command)) for title, command in steps]

@@ -19,3 +19,6 @@ def kpng_command() -> list[str]:
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+pytest_plugins = ["kpng.testing.fixtures"]

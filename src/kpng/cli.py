@@ -31,13 +31,16 @@ from kpng.sinks import local as local_sink
 from kpng.sources import Runner, SourceSpec
 from kpng.sources import api as api_source
 from kpng.sources import file as file_source
+from kpng.sources import kube as kube_source
 from kpng.store import Store
 
 log = logging.getLogger("kpng")
 
-SOURCES: dict[str, SourceSpec] = {spec.name: spec for spec in (file_source.SPEC, api_source.SPEC)}
+SOURCES: dict[str, SourceSpec] = {
+    spec.name: spec for spec in (file_source.SPEC, kube_source.SPEC, api_source.SPEC)
+}
 LOCAL = "local"
-LOCAL_HELP = "run a backend against a remote kpng's node-local state (kpng local --api URL ...)"
+LOCAL_HELP = "run backends against a remote kpng's node-local state (kpng local --api URL ...)"
 SINKS: dict[str, SinkSpec] = {
     spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC, api_sink.SPEC)
 }

@@ -1,0 +1,202 @@
+"""kpng's HTTP client of the API server: one GET, and one streamed GET read line by line.
+
+aiohttp's own ``readline`` refuses lines longer than its buffer limit (128 KiB by default); an
+EndpointSlice with 1,000 endpoints is a single watch line of about that size, so lines are split
+here from the raw chunks, with no cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+import msgspec
+
+from kpng.sources.kube.config import Connection
+
+log = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 10.0
+# Before CPython 3.12.8 and in 3.13.0, asyncio can leak the socket of a TLS connection that is
+# lost while it closes (fixed by python/cpython pull request 118960): each API server outage would
+# cost file descriptors. aiohttp aborts such transports itself when asked (and warns if asked on a
+# fixed version).
+_ASYNCIO_LEAKS_SSL_TRANSPORTS = sys.version_info < (3, 12, 8) or (
+    (3, 13, 0) <= sys.version_info < (3, 13, 1)
+)
+_REQUEST_TIMEOUT_S = 60.0
+
+
+class Status(msgspec.Struct, tag_field="kind", tag="Status"):
+    """The API's error object (metav1.Status)."""
+
+    code: int = 0
+    reason: str = ""
+    message: str = ""
+
+
+_status_decoder = msgspec.json.Decoder(Status)
+
+
+class TransportError(Exception):
+    """The API server could not be reached or the connection broke."""
+
+
+class ApiStatusError(Exception):
+    """The API server answered with an error status."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"HTTP {status} {reason}: {message}".rstrip(": "))
+
+
+def _status_error(status: int, body: bytes) -> ApiStatusError:
+    try:
+        decoded = _status_decoder.decode(body)
+        return ApiStatusError(status, decoded.reason, decoded.message)
+    except msgspec.DecodeError:
+        return ApiStatusError(status, "", body[:200].decode(errors="replace").strip())
+
+
+class LineSplitter:
+    """Splits a byte stream into lines. Linear in the stream's size: a chunk without a newline
+    is only appended, so a long line is not rescanned as it grows."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The complete, non-blank lines that ``chunk`` completes."""
+        if b"\n" not in chunk:
+            self._buffer += chunk
+            return []
+        self._buffer += chunk
+        *lines, rest = self._buffer.split(b"\n")
+        self._buffer = rest
+        return [bytes(line) for line in lines if line.strip()]
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete last line."""
+        return len(self._buffer)
+
+
+class ApiClient:
+    """Requests to one API server; use as an async context manager."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> ApiClient:
+        connector = aiohttp.TCPConnector(
+            ssl=self.connection.ssl_context if self.connection.ssl_context is not None else False,
+            enable_cleanup_closed=_ASYNCIO_LEAKS_SSL_TRANSPORTS,
+        )
+        # raise_for_status off: error bodies are Status objects worth reading.
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            # Abort rather than shut TLS down politely: the polite close waits for the server's
+            # reply, and an event loop that stops first leaks the sockets.
+            if self._session.connector is not None:
+                await self._session.connector.close(abort_ssl=True)
+            await self._session.close()
+            self._session = None
+
+    async def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "kpng"}
+        authorization = await self.connection.authorization()
+        if authorization:
+            headers["Authorization"] = authorization
+        return headers
+
+    def _describe(self, exc: BaseException) -> str:
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+            return f"TLS verification of {self.connection.server} failed: {exc.certificate_error}"
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            error = exc.os_error
+            reason = os.strerror(error.errno) if error.errno else (error.strerror or str(exc))
+            return f"cannot connect to {self.connection.server}: {reason}"
+        if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+            return f"{self.connection.server}: timed out"
+        return f"{self.connection.server}: {exc.__class__.__name__}: {exc}".rstrip(": ")
+
+    async def get(self, path: str, params: Mapping[str, str]) -> bytes:
+        """The body of a successful GET; raises ApiStatusError or TransportError."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
+        try:
+            async with self._session.get(
+                self.connection.server + path,
+                params=dict(params),
+                headers=await self._headers(),
+                timeout=timeout,
+                proxy=self.connection.proxy,
+                server_hostname=self.connection.tls_server_name,
+            ) as response:
+                body = await response.read()
+                if response.status != 200:
+                    self._note_status(response.status)
+                    raise _status_error(response.status, body)
+                return body
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise TransportError(self._describe(exc)) from exc
+
+    def _note_status(self, status: int) -> None:
+        if status == 401:
+            self.connection.credentials_rejected()
+
+    @contextlib.asynccontextmanager
+    async def stream_lines(
+        self, path: str, params: Mapping[str, str], *, idle_timeout: float
+    ) -> AsyncIterator[AsyncIterator[list[bytes]]]:
+        """A streamed GET whose body is yielded as the lists of complete lines each network read
+        completes. ``idle_timeout``: the stream is considered dead after so long without data."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=_CONNECT_TIMEOUT_S, sock_read=idle_timeout
+        )
+        try:
+            response = await self._session.get(
+                self.connection.server + path,
+                params=dict(params),
+                headers=await self._headers(),
+                timeout=timeout,
+                proxy=self.connection.proxy,
+                server_hostname=self.connection.tls_server_name,
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise TransportError(self._describe(exc)) from exc
+        try:
+            if response.status != 200:
+                self._note_status(response.status)
+                try:
+                    body = await response.read()
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    raise TransportError(self._describe(exc)) from exc
+                raise _status_error(response.status, body)
+            yield self._lines(response)
+        finally:
+            response.release()
+
+    async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+        splitter = LineSplitter()
+        try:
+            async for chunk in response.content.iter_any():
+                lines = splitter.feed(chunk)
+                if lines:
+                    yield lines
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise TransportError(self._describe(exc)) from exc
+        if splitter.pending:
+            log.debug("stream ended inside a line (%d bytes dropped)", splitter.pending)

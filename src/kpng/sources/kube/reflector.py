@@ -1,0 +1,411 @@
+"""kpng's reflector: one Kubernetes resource kept in step with the API server by list and watch.
+
+- **List** in pages (``limit``/``continue``); an expired ``continue`` token (410) restarts the list.
+- **Watch** from the list's resourceVersion with ``allowWatchBookmarks``; the resourceVersion is
+  taken from every event, bookmarks included, so a re-watch resumes where the stream stopped.
+- A watch that ends cleanly (the server's ``timeoutSeconds``, a closed connection) is resumed at
+  once; a failure is retried after a jittered exponential backoff.
+- **410 Gone** (as the HTTP status of a watch or as an ERROR event) means the resourceVersion is
+  older than the server's history: list again and diff against what was known, so that objects
+  deleted meanwhile become deletes.
+- Each object is decoded on its own with msgspec straight into ``kpng.model.k8s`` types; one that
+  does not decode is reported by kind, namespace and name and treated as absent, never fatal.
+
+The backoff, the relist diff and the watch timeouts are pure functions below, tested with plain
+data; the clock (``sleep``) and the randomness are injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import msgspec
+
+from kpng.model import k8s
+from kpng.sources.kube.client import ApiClient, ApiStatusError, Status, TransportError
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+"""(namespace, name); namespace is "" for cluster-scoped objects."""
+
+
+class KubeObject(Protocol):
+    metadata: k8s.ObjectMeta
+
+
+T = TypeVar("T", bound=KubeObject)
+T_contra = TypeVar("T_contra", contravariant=True)
+
+
+# --- pure logic
+
+
+@dataclass(frozen=True)
+class BackoffPolicy:
+    """client-go's reflector backoff: 0.8 s doubling to 30 s, each delay stretched by up to
+    ``jitter`` times itself so that many proxies do not retry in step after an outage."""
+
+    initial: float = 0.8
+    factor: float = 2.0
+    maximum: float = 30.0
+    jitter: float = 1.0
+
+
+class Backoff:
+    def __init__(self, policy: BackoffPolicy, rand: Callable[[], float] = random.random) -> None:
+        self.policy = policy
+        self._rand = rand
+        self.failures = 0
+
+    def next(self) -> float:
+        """The delay before the next attempt, after one more failure."""
+        p = self.policy
+        base = min(p.initial * p.factor**self.failures, p.maximum)
+        self.failures += 1
+        return base * (1.0 + p.jitter * self._rand())
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass(frozen=True)
+class RelistDiff:
+    added: frozenset[Key]
+    changed: frozenset[Key]
+    deleted: frozenset[Key]
+    unchanged: int
+
+
+def relist_diff(known: Mapping[Key, str], listed: Mapping[Key, str]) -> RelistDiff:
+    """What a relist found, from the resourceVersions of the objects known before it and of the
+    objects it listed. An object's resourceVersion changes with every write of it, so an equal
+    one means an equal object."""
+    added = listed.keys() - known.keys()
+    deleted = known.keys() - listed.keys()
+    changed = {k for k in listed.keys() & known.keys() if listed[k] != known[k]}
+    return RelistDiff(
+        added=frozenset(added),
+        changed=frozenset(changed),
+        deleted=frozenset(deleted),
+        unchanged=len(listed) - len(added) - len(changed),
+    )
+
+
+def watch_timeout(base: float, rand: Callable[[], float] = random.random) -> int:
+    """The server-side timeout of one watch: in [base, 2 base), as client-go spreads them, so
+    that the watches of many clients do not all end and restart together."""
+    return max(1, int(base * (1.0 + rand())))
+
+
+# --- wire types
+
+
+class ListMeta(msgspec.Struct, rename="camel"):
+    resource_version: str = ""
+    continue_: str = msgspec.field(name="continue", default="")
+
+
+class ListPage(msgspec.Struct):
+    """One page of a list: items kept raw, to decode one by one."""
+
+    metadata: ListMeta = msgspec.field(default_factory=ListMeta)
+    items: list[msgspec.Raw] | None = None
+
+
+class WatchEvent(msgspec.Struct):
+    type: str
+    object: msgspec.Raw
+
+
+class _MetaOnly(msgspec.Struct):
+    metadata: k8s.ObjectMeta = msgspec.field(default_factory=k8s.ObjectMeta)
+
+
+_list_decoder = msgspec.json.Decoder(ListPage)
+_event_decoder = msgspec.json.Decoder(WatchEvent)
+_meta_decoder = msgspec.json.Decoder(_MetaOnly)
+_status_decoder = msgspec.json.Decoder(Status)
+
+
+# --- the reflector
+
+
+@dataclass(frozen=True)
+class Resource(Generic[T]):
+    kind: str
+    path: str
+    """The collection, e.g. ``/api/v1/services`` (all namespaces)."""
+    type: type[T]
+    label_selector: str = ""
+    field_selector: str = ""
+
+    def selectors(self) -> dict[str, str]:
+        params = {}
+        if self.label_selector:
+            params["labelSelector"] = self.label_selector
+        if self.field_selector:
+            params["fieldSelector"] = self.field_selector
+        return params
+
+
+class Sink(Protocol[T_contra]):
+    """Where a reflector puts what it learns. Writes are staged until ``commit``."""
+
+    def apply(self, key: Key, obj: T_contra | None) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def mark_synced(self) -> None:
+        """The first complete list has been applied."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReflectorSettings:
+    page_size: int = 500
+    watch_timeout_s: float = 300.0
+    """Base of the server-side timeout of a watch (spread to up to twice that)."""
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    healthy_watch_s: float = 1.0
+    """A watch that ends sooner without an event counts as a failure (backoff), so that a server
+    that closes every watch at once is not hammered."""
+
+
+@dataclass
+class ReflectorStats:
+    lists: int = 0
+    """Complete lists, the initial one included."""
+    relists_gone: int = 0
+    """Lists caused by 410 Gone."""
+    watches: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    failures: int = 0
+    undecodable: int = 0
+
+
+class Gone(Exception):
+    """The resourceVersion is too old for the server (410): list again."""
+
+
+class WatchFailed(Exception):
+    """An ERROR event other than 410."""
+
+
+def _key(meta: k8s.ObjectMeta) -> Key:
+    return (meta.namespace, meta.name)
+
+
+class Reflector(Generic[T]):
+    def __init__(
+        self,
+        client: ApiClient,
+        resource: Resource[T],
+        sink: Sink[T],
+        settings: ReflectorSettings | None = None,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.client = client
+        self.resource: Resource[T] = resource
+        self.sink: Sink[T] = sink
+        self.settings = settings or ReflectorSettings()
+        self._sleep = sleep
+        self._rand = rand
+        self._decoder: msgspec.json.Decoder[T] = msgspec.json.Decoder(resource.type)
+        self.resource_version = ""
+        """Where the next watch starts; "" when a list is needed."""
+        self.known: dict[Key, str] = {}
+        """resourceVersion of every object the server has and this reflector has seen."""
+        self.synced = asyncio.Event()
+        self.stats = ReflectorStats()
+        self.last_error = ""
+        self._listed_at = -math.inf
+
+    @property
+    def name(self) -> str:
+        kind: str = self.resource.kind
+        return kind
+
+    async def run(self) -> None:
+        """List, then watch, until cancelled."""
+        backoff = Backoff(self.settings.backoff, self._rand)
+        while True:
+            try:
+                if not self.resource_version:
+                    await self._list()
+                    backoff.reset()
+                started, events = time.monotonic(), self.stats.events
+                await self._watch()
+                if (
+                    self.stats.events > events
+                    or time.monotonic() - started >= self.settings.healthy_watch_s
+                ):
+                    backoff.reset()
+                    continue  # a clean end: resume at once
+                failure = "the watch ended at once"
+            except Gone as exc:
+                log.info("%s: %s; listing again", self.name, exc)
+                self.resource_version = ""
+                self.stats.relists_gone += 1
+                if time.monotonic() - self._listed_at >= self.settings.healthy_watch_s:
+                    continue
+                # Gone right after a list: relisting at once could spin; pace it.
+                failure = str(exc)
+            except (TransportError, ApiStatusError, WatchFailed, msgspec.DecodeError) as exc:
+                failure = str(exc)
+            self.stats.failures += 1
+            self.last_error = failure
+            delay = backoff.next()
+            doing = "watch" if self.resource_version else "list"
+            if self.synced.is_set():
+                log.warning(
+                    "%s: cannot %s: %s; serving the last state, retrying in %.1f s",
+                    self.name,
+                    doing,
+                    failure,
+                    delay,
+                )
+            else:
+                log.error("%s: cannot %s: %s; retrying in %.1f s", self.name, doing, failure, delay)
+            await self._sleep(delay)
+
+    # Listing.
+
+    async def _list(self) -> None:
+        params = {"limit": str(self.settings.page_size), **self.resource.selectors()}
+        listed: dict[Key, str] = {}
+        resource_version = ""
+        while True:
+            try:
+                body = await self.client.get(self.resource.path, params)
+            except ApiStatusError as exc:
+                if exc.status == 410 and "continue" in params:
+                    # The list took longer than the server keeps snapshots: start over.
+                    log.info("%s: list continuation expired; listing from the start", self.name)
+                    del params["continue"]
+                    listed.clear()
+                    continue
+                raise
+            page = _list_decoder.decode(body)
+            for raw in page.items or ():
+                self._apply_listed(raw, listed)
+            resource_version = page.metadata.resource_version
+            if not page.metadata.continue_:
+                break
+            params["continue"] = page.metadata.continue_
+        diff = relist_diff(self.known, listed)
+        for key in diff.deleted:
+            self.sink.apply(key, None)
+        self.known = listed
+        self.resource_version = resource_version
+        self._listed_at = time.monotonic()
+        self.stats.lists += 1
+        if self.synced.is_set():
+            log.info(
+                "%s: listed %d at resourceVersion %s: %d added, %d changed, %d deleted",
+                self.name,
+                len(listed),
+                resource_version,
+                len(diff.added),
+                len(diff.changed),
+                len(diff.deleted),
+            )
+            self.sink.commit()
+        else:
+            log.info(
+                "%s: listed %d at resourceVersion %s", self.name, len(listed), resource_version
+            )
+            self.sink.mark_synced()
+            self.synced.set()
+
+    def _apply_listed(self, raw: msgspec.Raw, listed: dict[Key, str]) -> None:
+        obj = self._decode(raw)
+        if obj is None:
+            return
+        meta = obj.metadata if not isinstance(obj, k8s.ObjectMeta) else obj
+        key = _key(meta)
+        listed[key] = meta.resource_version
+        if self.known.get(key) != meta.resource_version or not meta.resource_version:
+            self.sink.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
+
+    def _decode(self, raw: msgspec.Raw) -> T | k8s.ObjectMeta | None:
+        """The object; only its metadata if the rest does not decode (it is then reported, and
+        treated as absent); None if not even that decodes."""
+        try:
+            return self._decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            self.stats.undecodable += 1
+            try:
+                meta = _meta_decoder.decode(raw).metadata
+            except msgspec.DecodeError:
+                log.error("%s: an object that does not decode (%s); skipped", self.name, exc)
+                return None
+            where = f"{meta.namespace}/{meta.name}" if meta.namespace else meta.name
+            log.error("%s %s: %s; skipped", self.name, where, exc)
+            return meta
+
+    # Watching.
+
+    async def _watch(self) -> None:
+        timeout = watch_timeout(self.settings.watch_timeout_s, self._rand)
+        params = {
+            "watch": "1",
+            "resourceVersion": self.resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout),
+            **self.resource.selectors(),
+        }
+        try:
+            # The server ends the watch after `timeout`; silence well past it is a dead peer.
+            async with self.client.stream_lines(
+                self.resource.path, params, idle_timeout=timeout + 30
+            ) as batches:
+                self.stats.watches += 1
+                async for lines in batches:
+                    try:
+                        for line in lines:
+                            self._event(line)
+                    finally:
+                        self.sink.commit()
+        except ApiStatusError as exc:
+            if exc.status == 410:
+                raise Gone(f"resourceVersion {self.resource_version}: {exc}") from None
+            raise
+
+    def _event(self, line: bytes) -> None:
+        event = _event_decoder.decode(line)
+        kind = event.type
+        if kind == "ERROR":
+            status = _status_decoder.decode(event.object)
+            if status.code == 410:
+                raise Gone(f"resourceVersion {self.resource_version}: {status.message}")
+            raise WatchFailed(f"watch error {status.code} {status.reason}: {status.message}")
+        obj = self._decode(event.object)
+        if obj is None:
+            return
+        meta = obj if isinstance(obj, k8s.ObjectMeta) else obj.metadata
+        if meta.resource_version:
+            self.resource_version = meta.resource_version
+        if kind == "BOOKMARK":
+            self.stats.bookmarks += 1
+            return
+        self.stats.events += 1
+        key = _key(meta)
+        if kind == "DELETED":
+            self.known.pop(key, None)
+            self.sink.apply(key, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self.known[key] = meta.resource_version
+            self.sink.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
+        else:
+            log.warning("%s: unknown watch event type %r; ignored", self.name, kind)

@@ -1,0 +1,192 @@
+"""The kube source itself: three reflectors feeding three store handles (see the package's
+documentation for the behaviour). Kept apart from the package's ``SPEC`` so that ``kpng`` commands
+that do not use it do not import aiohttp and kubernetes_asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from kpng.errors import InvalidObject, KpngError
+from kpng.model import k8s
+from kpng.model.cluster import Slice, SliceKey
+from kpng.model.converting import (
+    LABEL_HEADLESS,
+    LABEL_SERVICE_PROXY_NAME,
+    node_from_k8s,
+    service_from_k8s,
+    slice_from_k8s,
+)
+from kpng.model.messages import Node, Service
+from kpng.sources.kube.client import ApiClient
+from kpng.sources.kube.config import Connection, load_connection
+from kpng.sources.kube.reflector import Key, KubeObject, Reflector, ReflectorSettings, Resource
+from kpng.store import SourceHandle, Store
+
+log = logging.getLogger(__name__)
+
+SERVICE_FIELD_SELECTOR = "spec.clusterIP!=None"
+
+T = TypeVar("T", bound=KubeObject)
+M = TypeVar("M")
+
+
+AnyReflector = Reflector[k8s.Service] | Reflector[k8s.EndpointSlice] | Reflector[k8s.Node]
+
+
+class KubeSourceError(KpngError):
+    """The API server could not be used (e.g. no complete initial list in time)."""
+
+
+def label_selector(proxy_name: str | None) -> str:
+    """The server-side label selector of Services and EndpointSlices."""
+    if proxy_name is None:
+        return f"!{LABEL_SERVICE_PROXY_NAME},!{LABEL_HEADLESS}"
+    return f"{LABEL_SERVICE_PROXY_NAME}={proxy_name},!{LABEL_HEADLESS}"
+
+
+def resources(
+    proxy_name: str | None,
+) -> tuple[Resource[k8s.Service], Resource[k8s.EndpointSlice], Resource[k8s.Node]]:
+    selector = label_selector(proxy_name)
+    return (
+        Resource("Service", "/api/v1/services", k8s.Service, selector, SERVICE_FIELD_SELECTOR),
+        Resource(
+            "EndpointSlice", "/apis/discovery.k8s.io/v1/endpointslices", k8s.EndpointSlice, selector
+        ),
+        Resource("Node", "/api/v1/nodes", k8s.Node),
+    )
+
+
+class _HandleSink(Generic[T, M]):
+    """Converts what a reflector reports into the global model and stages it in a handle."""
+
+    def __init__(
+        self,
+        handle: SourceHandle,
+        convert: Callable[[T], M | None],
+        put: Callable[[Key, M | None], None],
+    ) -> None:
+        self.handle = handle
+        self._convert = convert
+        self._put = put
+
+    def apply(self, key: Key, obj: T | None) -> None:
+        model = None
+        if obj is not None:
+            try:
+                model = self._convert(obj)
+            except InvalidObject as exc:
+                log.warning("%s; skipped", exc)
+        self._put(key, model)
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def mark_synced(self) -> None:
+        self.handle.mark_synced()
+
+
+@dataclass(frozen=True)
+class KubeOptions:
+    kubeconfig: Path | None = None
+    context: str | None = None
+    proxy_name: str | None = None
+    initial_sync_timeout: float = 0.0
+    """Seconds to wait for the first complete lists; 0 waits as long as it takes."""
+    settings: ReflectorSettings = field(default_factory=ReflectorSettings)
+
+
+class KubeSource:
+    def __init__(self, store: Store, options: KubeOptions) -> None:
+        self.options = options
+        self._store = store
+        proxy_name = options.proxy_name
+        services, slices, nodes = (
+            store.source(f"kube-{n}") for n in ("services", "slices", "nodes")
+        )
+        self._sinks = (
+            _HandleSink[k8s.Service, Service](
+                services, lambda o: service_from_k8s(o, proxy_name=proxy_name), services.set_service
+            ),
+            _HandleSink[k8s.EndpointSlice, Slice](
+                slices, lambda o: slice_from_k8s(o, proxy_name=proxy_name), slices.set_slice
+            ),
+            _HandleSink[k8s.Node, Node](
+                nodes, node_from_k8s, lambda key, node: nodes.set_node(key[1], node)
+            ),
+        )
+        self.reflectors: list[AnyReflector] = []
+        self.connection: Connection | None = None
+
+    async def run(self) -> None:
+        """Load the configuration, then list and watch until cancelled."""
+        options = self.options
+        self.connection = await load_connection(options.kubeconfig, options.context)
+        svc_res, slice_res, node_res = resources(options.proxy_name)
+        async with ApiClient(self.connection) as client:
+            self.reflectors = [
+                Reflector(client, svc_res, self._sinks[0], options.settings),
+                Reflector(client, slice_res, self._sinks[1], options.settings),
+                Reflector(client, node_res, self._sinks[2], options.settings),
+            ]
+            tasks = [
+                asyncio.create_task(r.run(), name=f"reflector {r.name}") for r in self.reflectors
+            ]
+            try:
+                await self._wait_synced()
+                self._report_orphans()
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wait_synced(self) -> None:
+        waits = [r.synced.wait() for r in self.reflectors]
+        timeout = self.options.initial_sync_timeout or None
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            assert self.connection is not None
+            missing = [r for r in self.reflectors if not r.synced.is_set()]
+            errors = {r.last_error or "still listing" for r in missing}
+            reasons = (
+                errors.pop()
+                if len(errors) == 1
+                else "; ".join(f"{r.name}: {r.last_error or 'still listing'}" for r in missing)
+            )
+            raise KubeSourceError(
+                f"no complete list from {self.connection.server} within "
+                f"{self.options.initial_sync_timeout:g} s ({reasons})"
+            ) from None
+        log.info("synced with %s", self.connection.server if self.connection else "?")
+
+    def _report_orphans(self) -> None:
+        """Slices of Services kpng does not serve, once after the first lists. Later ones are
+        not reported: a Service and its slice arrive on separate watches, in either order."""
+        orphans = orphan_slices(self._store)
+        for namespace, name in orphans[:_ORPHANS_LISTED]:
+            service = self._store.slices[(namespace, name)].service
+            log.warning(
+                "EndpointSlice %s/%s: Service %s/%s is missing or not served; its endpoints are "
+                "unused until it is",
+                namespace,
+                name,
+                namespace,
+                service,
+            )
+        if len(orphans) > _ORPHANS_LISTED:
+            log.warning("... and %d more such EndpointSlices", len(orphans) - _ORPHANS_LISTED)
+
+
+_ORPHANS_LISTED = 20
+
+
+def orphan_slices(store: Store) -> list[SliceKey]:
+    """Slices whose Service kpng does not serve (missing, or ignored), sorted."""
+    return sorted(k for k, sl in store.slices.items() if sl.service_key not in store.services)

@@ -1,0 +1,210 @@
+"""A small synchronous client to write objects into a test control plane, and object builders.
+
+Tests and benchmarks create, change and delete objects with it; it is not kpng's client (the kube
+source has its own) so that a fault in one cannot hide a fault in the other. One keep-alive
+connection per thread: the benchmarks create objects from a few threads.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+from kpng.testing.cluster import ControlPlane
+
+Obj = dict[str, Any]
+
+_COLLECTIONS = {
+    "Service": ("/api/v1", "services", True),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
+    "Node": ("/api/v1", "nodes", False),
+    "Namespace": ("/api/v1", "namespaces", False),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        super().__init__(f"HTTP {status}: {body[:500].decode(errors='replace')}")
+
+
+def collection_path(kind: str, namespace: str = "") -> str:
+    prefix, resource, namespaced = _COLLECTIONS[kind]
+    if namespaced:
+        return f"{prefix}/namespaces/{namespace or 'default'}/{resource}"
+    return f"{prefix}/{resource}"
+
+
+def object_path(kind: str, namespace: str, name: str) -> str:
+    return f"{collection_path(kind, namespace)}/{name}"
+
+
+class KubeApi:
+    def __init__(self, server: str, token: str, context: ssl.SSLContext) -> None:
+        url = urlsplit(server)
+        self._host = url.hostname or "127.0.0.1"
+        self._port = url.port or 443
+        self._token = token
+        self._context = context
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[http.client.HTTPSConnection] = []
+
+    @classmethod
+    def of(cls, plane: ControlPlane, port: int | None = None) -> KubeApi:
+        """A client of ``plane``'s apiserver (or of the one it started on ``port``)."""
+        return cls(plane.server_at(port or plane.apiserver_port), plane.token, plane.ssl_context())
+
+    def _connection(self) -> http.client.HTTPSConnection:
+        conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, context=self._context, timeout=60
+            )
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        """Close every thread's connection."""
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
+
+    def request(
+        self, method: str, path: str, body: Obj | None = None, content_type: str = ""
+    ) -> Obj:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        for attempt in (1, 2):
+            conn = self._connection()
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                response = conn.getresponse()
+                payload = response.read()
+            except (ConnectionError, http.client.HTTPException):
+                # A kept-alive connection the server closed (e.g. it was restarted): retry once
+                # on a new one.
+                self._drop_connection()
+                if attempt == 2:
+                    raise
+                continue
+            if response.status >= 300:
+                raise ApiError(response.status, payload)
+            result: Obj = json.loads(payload) if payload else {}
+            return result
+        raise AssertionError("unreachable")
+
+    def create(self, obj: Obj) -> Obj:
+        meta = obj.get("metadata", {})
+        return self.request("POST", collection_path(obj["kind"], meta.get("namespace", "")), obj)
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj:
+        return self.request("GET", object_path(kind, namespace, name))
+
+    def list(self, kind: str, namespace: str = "", **params: str) -> Obj:
+        path = collection_path(kind, namespace) if namespace else _cluster_path(kind)
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        return self.request("GET", f"{path}?{query}" if query else path)
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Obj) -> Obj:
+        """A JSON merge patch (``null`` removes a key, e.g. a label)."""
+        return self.request(
+            "PATCH", object_path(kind, namespace, name), patch, "application/merge-patch+json"
+        )
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.request("DELETE", object_path(kind, namespace, name))
+
+    def ensure_namespace(self, name: str) -> None:
+        try:
+            self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+
+
+def _cluster_path(kind: str) -> str:
+    prefix, resource, _ = _COLLECTIONS[kind]
+    return f"{prefix}/{resource}"
+
+
+# --- builders
+
+
+def service(
+    name: str,
+    namespace: str,
+    *,
+    ports: list[Obj] | None = None,
+    labels: dict[str, str] | None = None,
+    cluster_ip: str | None = None,
+    type: str = "ClusterIP",
+    **spec: Any,
+) -> Obj:
+    body: Obj = {"type": type, "ports": ports or [{"name": "http", "port": 80, "protocol": "TCP"}]}
+    if cluster_ip is not None:
+        body["clusterIP"] = cluster_ip
+    body.update(spec)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
+        "spec": body,
+    }
+
+
+def endpoint(
+    address: str, *, node: str | None = None, ready: bool = True, zone: str | None = None
+) -> Obj:
+    ep: Obj = {"addresses": [address], "conditions": {"ready": ready}}
+    if node is not None:
+        ep["nodeName"] = node
+    if zone is not None:
+        ep["zone"] = zone
+    return ep
+
+
+def endpoint_slice(
+    name: str,
+    namespace: str,
+    service_name: str,
+    endpoints: list[Obj],
+    *,
+    ports: list[Obj] | None = None,
+    labels: dict[str, str] | None = None,
+    address_type: str = "IPv4",
+) -> Obj:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service_name, **(labels or {})},
+        },
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": ports
+        if ports is not None
+        else [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }
+
+
+def node(name: str, *, zone: str | None = None) -> Obj:
+    labels = {"topology.kubernetes.io/zone": zone} if zone else {}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}

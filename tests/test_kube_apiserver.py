@@ -1,0 +1,488 @@
+"""The kube source against a real kube-apiserver: kpng's node-local state follows the cluster.
+
+kpng runs in process (KubeSource + run_local + a recording backend); objects are written with a
+separate client. Each test has its own namespace in the session's control plane; the fault tests
+(apiserver killed, 410 Gone) start a control plane of their own, as they stop its apiserver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+
+from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
+from kpng.testing import kubeapi as k
+from kpng.testing.cluster import ControlPlane, ensure_binaries
+from kpng.testing.kubeapi import KubeApi
+from kpng.testing.recording import KpngUnderTest, View
+
+pytestmark = pytest.mark.apiserver
+
+R = TypeVar("R")
+# Fault tests reconnect within a second or two instead of client-go's 0.8-30 s.
+FAST = ReflectorSettings(backoff=BackoffPolicy(initial=0.1, maximum=1.0, jitter=0.5))
+PROXY_LABEL = "service.kubernetes.io/service-proxy-name"
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+
+
+async def call(fn: Callable[..., R], *args: Any) -> R:
+    """A blocking API call off the event loop, so kpng keeps reading its watches meanwhile."""
+    return await asyncio.to_thread(fn, *args)
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 100))
+
+
+def has(view: View, name: str, ips: tuple[str, ...] | None = None) -> bool:
+    return name in view and (ips is None or view[name] == ips)
+
+
+def test_services_and_slices_created_updated_deleted(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {})
+            await call(kube_api.create, k.service("web", ns))
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+            eps = [k.endpoint("10.1.0.1", node="n1"), k.endpoint("10.1.0.2", node="n2")]
+            await call(kube_api.create, k.endpoint_slice("web-a", ns, "web", eps))
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.1.0.1", "10.1.0.2")})
+            # A second slice of the same service, then an update of the first.
+            await call(
+                kube_api.create, k.endpoint_slice("web-b", ns, "web", [k.endpoint("10.1.0.3")])
+            )
+            await kpng.wait_for(lambda v: v[f"{ns}/web"] == ("10.1.0.1", "10.1.0.2", "10.1.0.3"))
+            await call(
+                kube_api.patch,
+                "EndpointSlice",
+                ns,
+                "web-a",
+                {"endpoints": [k.endpoint("10.1.0.9", node="n1")]},
+            )
+            await kpng.wait_for(lambda v: v[f"{ns}/web"] == ("10.1.0.3", "10.1.0.9"))
+            # A Service update that changes the node's state: a new port.
+            ports = [{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]
+            await call(kube_api.patch, "Service", ns, "web", {"spec": {"ports": ports}})
+            await kpng.wait_for(
+                lambda _: any(
+                    len(e.service.Ports) == 2
+                    for key, e in kpng.backend.states[-1].services.items()
+                    if key == (ns, "web")
+                )
+            )
+            await call(kube_api.delete, "EndpointSlice", ns, "web-a")
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.1.0.3",)})
+            await call(kube_api.delete, "Service", ns, "web")
+            await kpng.wait_for(lambda v: v == {})
+
+    run(scenario)
+
+
+def test_service_label_flips_both_ways(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("web", ns))
+        await call(kube_api.create, k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.2.0.1")]))
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.2.0.1",)})
+            for label in (PROXY_LABEL, HEADLESS_LABEL):
+                await call(
+                    kube_api.patch, "Service", ns, "web", {"metadata": {"labels": {label: "x"}}}
+                )
+                await kpng.wait_for(lambda v: v == {})
+                await call(
+                    kube_api.patch, "Service", ns, "web", {"metadata": {"labels": {label: None}}}
+                )
+                await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.2.0.1",)})
+
+    run(scenario)
+
+
+def test_slice_label_flips_both_ways(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("web", ns))
+        await call(kube_api.create, k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.3.0.1")]))
+        await call(kube_api.create, k.endpoint_slice("web-b", ns, "web", [k.endpoint("10.3.0.2")]))
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            both = {f"{ns}/web": ("10.3.0.1", "10.3.0.2")}
+            await kpng.wait_for(lambda v: v == both)
+            for label in (PROXY_LABEL, HEADLESS_LABEL):
+                patch: k.Obj = {"metadata": {"labels": {label: "x"}}}
+                await call(kube_api.patch, "EndpointSlice", ns, "web-a", patch)
+                await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.3.0.2",)})
+                patch = {"metadata": {"labels": {label: None}}}
+                await call(kube_api.patch, "EndpointSlice", ns, "web-a", patch)
+                await kpng.wait_for(lambda v: v == both)
+
+    run(scenario)
+
+
+def test_headless_and_foreign_objects_never_reach_kpng(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("web", ns))
+        await call(kube_api.create, k.service("none", ns, cluster_ip="None"))
+        await call(kube_api.create, k.service("theirs", ns, labels={PROXY_LABEL: "other"}))
+        await call(kube_api.create, k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.4.0.1")]))
+        headless = k.endpoint_slice(
+            "web-h", ns, "web", [k.endpoint("10.4.0.2")], labels={HEADLESS_LABEL: ""}
+        )
+        await call(kube_api.create, headless)
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.4.0.1",)})
+            # Filtered by the server: the reflectors never even saw them.
+            known = {
+                r.name: {key for key in r.known if key[0] == ns} for r in kpng.source.reflectors
+            }
+            assert known["Service"] == {(ns, "web")}
+            assert known["EndpointSlice"] == {(ns, "web-a")}
+
+    run(scenario)
+
+
+def test_service_proxy_name_selects_exactly_its_objects(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+    mine = {PROXY_LABEL: "mine"}
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("ours", ns, labels=mine))
+        await call(kube_api.create, k.service("default", ns))
+        await call(kube_api.create, k.service("theirs", ns, labels={PROXY_LABEL: "theirs"}))
+        ours_slice = k.endpoint_slice("ours-a", ns, "ours", [k.endpoint("10.5.0.1")], labels=mine)
+        await call(kube_api.create, ours_slice)
+        # A slice of our Service without our label is not ours.
+        await call(
+            kube_api.create, k.endpoint_slice("ours-b", ns, "ours", [k.endpoint("10.5.0.2")])
+        )
+        async with KpngUnderTest.start(
+            control_plane.kubeconfig, namespace=ns, proxy_name="mine"
+        ) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/ours": ("10.5.0.1",)})
+            await call(kube_api.patch, "Service", ns, "default", {"metadata": {"labels": mine}})
+            await kpng.wait_for(lambda v: set(v) == {f"{ns}/ours", f"{ns}/default"})
+
+    run(scenario)
+
+
+def test_objects_kpng_cannot_use_are_skipped(
+    control_plane: ControlPlane,
+    kube_api: KubeApi,
+    kube_namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Objects the API accepts but that give kpng nothing to serve: a slice for a Service that
+    does not exist, a slice port without a number. The rest is served, kpng keeps running."""
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("web", ns))
+        await call(
+            kube_api.create, k.endpoint_slice("orphan", ns, "missing", [k.endpoint("10.6.0.9")])
+        )
+        no_port = k.endpoint_slice(
+            "web-a", ns, "web", [k.endpoint("10.6.0.1")], ports=[{"name": "http"}]
+        )
+        await call(kube_api.create, no_port)
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+            await call(
+                kube_api.create, k.endpoint_slice("web-b", ns, "web", [k.endpoint("10.6.0.2")])
+            )
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.6.0.2",)})
+
+    with caplog.at_level(logging.WARNING):
+        run(scenario)
+    assert (
+        f"EndpointSlice {ns}/orphan: Service {ns}/missing is missing or not served" in caplog.text
+    )
+
+
+def test_a_slice_with_1000_endpoints(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+    ips = [f"10.7.{i // 250}.{i % 250 + 1}" for i in range(1000)]
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.service("big", ns))
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/big": ()})
+            # Created while watched: one watch event of about 200 KB on one line.
+            endpoints = [k.endpoint(ip, node=f"n{i % 3}") for i, ip in enumerate(ips)]
+            await call(kube_api.create, k.endpoint_slice("big-a", ns, "big", endpoints))
+            await kpng.wait_for(lambda v: len(v[f"{ns}/big"]) == 1000)
+            assert kpng.view[f"{ns}/big"] == tuple(sorted(ips))
+            # And listed: a restarted kpng reads it from a list page.
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: len(v.get(f"{ns}/big", ())) == 1000)
+
+    run(scenario)
+
+
+def test_kpng_command_follows_the_cluster(
+    control_plane: ControlPlane,
+    kube_api: KubeApi,
+    kube_namespace: str,
+    kpng_command: list[str],
+    subprocess_env: dict[str, str],
+) -> None:
+    ns = kube_namespace
+    kube_api.create(k.service("web", ns))
+    kube_api.create(k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.8.0.1", node="n1")]))
+    argv = [
+        *kpng_command,
+        "--log-level",
+        "warning",
+        "kube",
+        "--kubeconfig",
+        str(control_plane.kubeconfig),
+        "to-local",
+        "--node-name",
+        "n1",
+        "to-json",
+        "--output",
+        "-",
+    ]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+
+            def next_state() -> dict[str, list[str]]:
+                line = proc.stdout.readline() if proc.stdout else b""
+                assert line, "kpng ended"
+                state = msgspec.json.decode(line)
+                return {
+                    s["service"]["Name"]: sorted(
+                        ip for e in s["endpoints"] for ip in e["IPs"]["V4"]
+                    )
+                    for s in state["services"]
+                    if s["service"]["Namespace"] == ns
+                }
+
+            assert next_state() == {"web": ["10.8.0.1"]}
+            kube_api.create(
+                k.endpoint_slice("web-b", ns, "web", [k.endpoint("10.8.0.2", node="n2")])
+            )
+            assert next_state() == {"web": ["10.8.0.1", "10.8.0.2"]}
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    assert proc.returncode == 0
+
+
+# --- faults: each with a control plane of its own
+
+
+@pytest.fixture
+def own_control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    watch_cache = getattr(request, "param", True)
+    with ControlPlane(ensure_binaries(), watch_cache=watch_cache) as plane:
+        yield plane
+
+
+async def _change_behind_kpngs_back(plane: ControlPlane, ns: str, *, compact: bool) -> None:
+    """With kpng's apiserver down: change the cluster through a second apiserver on the same
+    etcd, optionally compact etcd's history, stop the second one, restart the first."""
+    port = plane.apiserver_port
+    await call(plane.stop_apiserver)
+    other = await call(plane.start_apiserver)
+    api = KubeApi.of(plane, other)
+    try:
+        await call(api.delete, "Service", ns, "gone")
+        await call(api.delete, "EndpointSlice", ns, "gone-a")
+        await call(api.create, k.service("new", ns))
+        await call(api.create, k.endpoint_slice("new-a", ns, "new", [k.endpoint("10.9.0.3")]))
+        await call(
+            api.patch, "EndpointSlice", ns, "kept-a", {"endpoints": [k.endpoint("10.9.0.11")]}
+        )
+        if compact:
+            await call(plane.compact_etcd)
+    finally:
+        api.close()
+        await call(plane.stop_apiserver, other)
+    await call(plane.start_apiserver, port)
+
+
+async def _populate(plane: ControlPlane, ns: str) -> None:
+    api = KubeApi.of(plane)
+    try:
+        await call(api.ensure_namespace, ns)
+        for name, ip in (("gone", "10.9.0.1"), ("kept", "10.9.0.2")):
+            await call(api.create, k.service(name, ns))
+            await call(api.create, k.endpoint_slice(f"{name}-a", ns, name, [k.endpoint(ip)]))
+    finally:
+        api.close()
+
+
+BEFORE = {"f/gone": ("10.9.0.1",), "f/kept": ("10.9.0.2",)}
+AFTER = {"f/kept": ("10.9.0.11",), "f/new": ("10.9.0.3",)}
+
+
+def test_apiserver_killed_and_restarted_with_changes_meanwhile(
+    own_control_plane: ControlPlane,
+) -> None:
+    plane = own_control_plane
+
+    async def scenario() -> None:
+        await _populate(plane, "f")
+        async with KpngUnderTest.start(plane.kubeconfig, namespace="f", settings=FAST) as kpng:
+            await kpng.wait_for(lambda v: v == BEFORE)
+            states = len(kpng.backend.states)
+            await call(plane.stop_apiserver)  # SIGKILL mid-watch
+            await asyncio.sleep(1.5)
+            # The outage changes nothing: the last state keeps being served.
+            assert len(kpng.backend.states) == states
+            assert kpng.view == BEFORE
+            await _change_behind_kpngs_back(plane, "f", compact=False)
+            await kpng.wait_for(lambda v: v == AFTER)
+            # And stays so: no phantom object comes back later.
+            await asyncio.sleep(1.0)
+            assert kpng.view == AFTER
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("own_control_plane", [False], indirect=True, ids=["no-watch-cache"])
+def test_410_gone_after_compaction_relists_and_deletes_what_was_missed(
+    own_control_plane: ControlPlane,
+) -> None:
+    plane = own_control_plane
+
+    async def scenario() -> None:
+        await _populate(plane, "f")
+        async with KpngUnderTest.start(plane.kubeconfig, namespace="f", settings=FAST) as kpng:
+            await kpng.wait_for(lambda v: v == BEFORE)
+            reflectors = {r.name: r for r in kpng.source.reflectors}
+            await _change_behind_kpngs_back(plane, "f", compact=True)
+            await kpng.wait_for(lambda v: v == AFTER)
+            # The watches resumed from compacted resourceVersions: 410, then a relist.
+            assert reflectors["Service"].stats.relists_gone >= 1
+            assert reflectors["EndpointSlice"].stats.relists_gone >= 1
+            await asyncio.sleep(1.0)
+            assert kpng.view == AFTER
+
+    run(scenario)
+
+
+def test_kpng_command_reports_an_unreachable_server_and_keeps_trying(
+    own_control_plane: ControlPlane, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    """Started while its apiserver is down, kpng logs why and comes up when the server does."""
+    plane = own_control_plane
+    port = plane.apiserver_port
+    api = KubeApi.of(plane)
+    api.create(k.service("web", "default"))
+    api.close()
+    plane.stop_apiserver()
+    argv = [*kpng_command, "kube", "--kubeconfig", str(plane.kubeconfig)]
+    argv += ["to-local", "--node-name", "n1", "to-json", "--output", "-"]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            assert proc.stdout is not None
+            line = proc.stderr.readline().decode()
+            while "cannot list" not in line:
+                assert line, "kpng ended"
+                line = proc.stderr.readline().decode()
+            assert f"cannot connect to https://127.0.0.1:{port}" in line
+            plane.start_apiserver(port)
+            state = msgspec.json.decode(proc.stdout.readline())
+            assert "web" in [s["service"]["Name"] for s in state["services"]]
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_env_kubeconfig_is_used(
+    control_plane: ControlPlane, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    env = {**subprocess_env, "KUBECONFIG": f"/nonexistent{os.pathsep}{control_plane.kubeconfig}"}
+    done = subprocess.run(
+        [*kpng_command, "kube", "--context", "kpng-cert", "to-file", "--output", "-", "--once"],
+        capture_output=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert b'"Name":"kubernetes"' in done.stdout
+
+
+def test_exec_credential_plugin(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
+) -> None:
+    """A kubeconfig whose user is an exec plugin (client.authentication.k8s.io/v1) that prints
+    the token; the plugin's output is all kpng has to authenticate with."""
+    ns = kube_namespace
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"token": control_plane.token},
+    }
+    kubeconfig = tmp_path / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "exec",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": control_plane.server,
+                    "certificate-authority": str(control_plane.pki.ca_cert),
+                },
+            }
+        ],
+        "users": [
+            {
+                "name": "plugin",
+                "user": {
+                    "exec": {
+                        "apiVersion": "client.authentication.k8s.io/v1",
+                        "command": sys.executable,
+                        "args": ["-c", f"print({json.dumps(json.dumps(credential))})"],
+                        "interactiveMode": "Never",
+                    }
+                },
+            }
+        ],
+        "contexts": [{"name": "exec", "context": {"cluster": "c", "user": "plugin"}}],
+    }
+    kubeconfig.write_text(json.dumps(config))
+    kube_api.create(k.service("web", ns))
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+
+    run(scenario)

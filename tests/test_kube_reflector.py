@@ -1,0 +1,331 @@
+"""The kube source's pure logic with plain data: backoff, relist diff, line splitting, watch
+events, selectors and the choice of configuration. No API server: the one test that connects
+dials a loopback port where nothing listens."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Mapping
+from pathlib import Path
+from typing import cast
+
+import msgspec
+import pytest
+from kubernetes_asyncio.client import Configuration
+
+from kpng.model import k8s
+from kpng.model.cluster import Slice
+from kpng.model.converting import service_from_k8s
+from kpng.model.messages import Service
+from kpng.sources.kube.client import ApiClient, LineSplitter
+from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
+from kpng.sources.kube.reflector import (
+    Backoff,
+    BackoffPolicy,
+    Gone,
+    Key,
+    Reflector,
+    RelistDiff,
+    Resource,
+    WatchFailed,
+    relist_diff,
+    watch_timeout,
+)
+from kpng.sources.kube.source import (
+    SERVICE_FIELD_SELECTOR,
+    _HandleSink,
+    label_selector,
+    orphan_slices,
+    resources,
+)
+from kpng.store import Store
+from kpng.testing.cluster import free_port
+
+
+@pytest.mark.parametrize(
+    ("rand", "expected"),
+    [
+        (0.0, [0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 30.0, 30.0]),
+        (1.0, [1.6, 3.2, 6.4, 12.8, 25.6, 51.2, 60.0, 60.0]),
+        (0.5, [1.2, 2.4, 4.8, 9.6, 19.2, 38.4, 45.0, 45.0]),
+    ],
+)
+def test_backoff_doubles_to_the_cap_with_jitter(rand: float, expected: list[float]) -> None:
+    backoff = Backoff(BackoffPolicy(), lambda: rand)
+    assert [round(backoff.next(), 6) for _ in expected] == expected
+    backoff.reset()
+    assert backoff.next() == pytest.approx(expected[0])
+
+
+def test_backoff_without_jitter_is_exact() -> None:
+    backoff = Backoff(BackoffPolicy(initial=1, factor=3, maximum=10, jitter=0), lambda: 0.99)
+    assert [backoff.next() for _ in range(4)] == [1, 3, 9, 10]
+
+
+@pytest.mark.parametrize(
+    ("known", "listed", "expected"),
+    [
+        ({}, {}, RelistDiff(frozenset(), frozenset(), frozenset(), 0)),
+        (
+            {},
+            {("a", "x"): "1"},
+            RelistDiff(frozenset({("a", "x")}), frozenset(), frozenset(), 0),
+        ),
+        (
+            {("a", "x"): "1", ("a", "y"): "2", ("b", "z"): "3"},
+            {("a", "x"): "1", ("a", "y"): "7", ("c", "w"): "8"},
+            RelistDiff(
+                added=frozenset({("c", "w")}),
+                changed=frozenset({("a", "y")}),
+                deleted=frozenset({("b", "z")}),
+                unchanged=1,
+            ),
+        ),
+        (
+            {("a", "x"): "1"},
+            {},
+            RelistDiff(frozenset(), frozenset(), frozenset({("a", "x")}), 0),
+        ),
+    ],
+    ids=["empty", "added", "mixed", "all-deleted"],
+)
+def test_relist_diff(known: dict[Key, str], listed: dict[Key, str], expected: RelistDiff) -> None:
+    assert relist_diff(known, listed) == expected
+
+
+@pytest.mark.parametrize(("rand", "expected"), [(0.0, 300), (0.5, 450), (0.999, 599)])
+def test_watch_timeouts_spread_between_one_and_two_bases(rand: float, expected: int) -> None:
+    assert watch_timeout(300, lambda: rand) == expected
+
+
+@pytest.mark.parametrize(
+    ("chunks", "expected"),
+    [
+        ([b'{"a":1}\n'], [[b'{"a":1}']]),
+        ([b'{"a"', b":1}\n{", b'"b":2}\n'], [[], [b'{"a":1}'], [b'{"b":2}']]),
+        ([b"x\ny\nz"], [[b"x", b"y"]]),
+        ([b"\n\n  \nx\n"], [[b"x"]]),
+        ([b"x" * 100_000] * 5 + [b"\n"], [[]] * 5 + [[b"x" * 500_000]]),
+    ],
+    ids=["one", "split", "partial-tail", "blank-lines", "long-line"],
+)
+def test_line_splitter(chunks: list[bytes], expected: list[list[bytes]]) -> None:
+    splitter = LineSplitter()
+    assert [splitter.feed(c) for c in chunks] == expected
+
+
+def test_selectors_are_kube_proxys() -> None:
+    assert label_selector(None) == (
+        "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+    )
+    assert label_selector("mine") == (
+        "service.kubernetes.io/service-proxy-name=mine,!service.kubernetes.io/headless"
+    )
+    services, slices, nodes = resources(None)
+    assert services.selectors() == {
+        "labelSelector": label_selector(None),
+        "fieldSelector": SERVICE_FIELD_SELECTOR,
+    }
+    assert slices.selectors() == {"labelSelector": label_selector(None)}
+    assert nodes.selectors() == {}
+
+
+# --- watch events through a reflector, with a sink that records
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.applied: list[tuple[Key, str | None]] = []
+        self.commits = 0
+
+    def apply(self, key: Key, obj: k8s.Service | None) -> None:
+        self.applied.append((key, None if obj is None else obj.spec.cluster_ip))
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def mark_synced(self) -> None:
+        pass
+
+
+def _reflector() -> tuple[Reflector[k8s.Service], RecordingSink]:
+    sink = RecordingSink()
+    resource = Resource("Service", "/api/v1/services", k8s.Service)
+    # No request is made: only the event handling is exercised.
+    return Reflector(cast(ApiClient, None), resource, sink), sink
+
+
+def _event(kind: str, obj: Mapping[str, object]) -> bytes:
+    return msgspec.json.encode({"type": kind, "object": obj})
+
+
+def _svc(name: str, rv: str, ip: str = "10.0.0.1", **spec: object) -> dict[str, object]:
+    return {
+        "kind": "Service",
+        "apiVersion": "v1",
+        "metadata": {"name": name, "namespace": "ns", "resourceVersion": rv},
+        "spec": {"clusterIP": ip, **spec},
+    }
+
+
+def test_events_update_the_cache_and_the_resource_version() -> None:
+    reflector, sink = _reflector()
+    reflector._event(_event("ADDED", _svc("a", "10")))
+    reflector._event(_event("MODIFIED", _svc("a", "11", "10.0.0.2")))
+    reflector._event(_event("ADDED", _svc("b", "12")))
+    reflector._event(_event("DELETED", _svc("b", "13")))
+    bookmark = {"kind": "Service", "apiVersion": "v1", "metadata": {"resourceVersion": "20"}}
+    reflector._event(_event("BOOKMARK", bookmark))
+    assert sink.applied == [
+        (("ns", "a"), "10.0.0.1"),
+        (("ns", "a"), "10.0.0.2"),
+        (("ns", "b"), "10.0.0.1"),
+        (("ns", "b"), None),
+    ]
+    assert reflector.known == {("ns", "a"): "11"}
+    assert reflector.resource_version == "20"
+    assert (reflector.stats.events, reflector.stats.bookmarks) == (4, 1)
+
+
+def test_an_undecodable_object_is_reported_and_treated_as_absent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reflector, sink = _reflector()
+    reflector._event(_event("ADDED", _svc("a", "10")))
+    reflector._event(_event("MODIFIED", _svc("a", "11", ports=[{"port": "eighty"}])))
+    assert sink.applied[-1] == (("ns", "a"), None)
+    assert reflector.resource_version == "11"
+    assert "Service ns/a: Expected `int | null`, got `str`" in caplog.text
+
+
+def test_error_events() -> None:
+    reflector, _ = _reflector()
+    expired = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+    with pytest.raises(Gone, match="too old"):
+        reflector._event(_event("ERROR", expired))
+    failed = {"kind": "Status", "code": 500, "reason": "InternalError", "message": "boom"}
+    with pytest.raises(WatchFailed, match="500 InternalError: boom"):
+        reflector._event(_event("ERROR", failed))
+
+
+# --- which configuration
+
+
+@pytest.mark.parametrize(
+    ("kubeconfig", "environ", "existing", "expected"),
+    [
+        ("/k", {"KUBECONFIG": "/e"}, ["/k", "/e"], "/k"),
+        (None, {"KUBECONFIG": "/e"}, ["/e", "/h/.kube/config"], "/e"),
+        (None, {"KUBECONFIG": "/x:/e:/f"}, ["/e", "/f"], "/e:/f"),
+        (
+            None,
+            {"KUBERNETES_SERVICE_HOST": "10.96.0.1"},
+            ["/var/run/secrets/kubernetes.io/serviceaccount/token", "/h/.kube/config"],
+            IN_CLUSTER,
+        ),
+        (None, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, ["/h/.kube/config"], "/h/.kube/config"),
+        (None, {}, ["/h/.kube/config"], "/h/.kube/config"),
+    ],
+    ids=["flag", "env", "env-list", "in-cluster", "no-token-file", "home"],
+)
+def test_configuration_order(
+    kubeconfig: str | None, environ: dict[str, str], existing: list[str], expected: str
+) -> None:
+    chosen = choose_config(
+        Path(kubeconfig) if kubeconfig else None,
+        environ,
+        is_file=lambda p: str(p) in existing,
+        home=Path("/h"),
+    )
+    assert chosen == expected
+
+
+@pytest.mark.parametrize(
+    ("kubeconfig", "environ", "message"),
+    [
+        ("/k", {}, "kubeconfig /k: no such file"),
+        (None, {"KUBECONFIG": "/e"}, r"\$KUBECONFIG=/e: no such file"),
+        (None, {}, "no configuration: pass --kubeconfig"),
+    ],
+)
+def test_missing_configuration(
+    kubeconfig: str | None, environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(KubeConfigError, match=message):
+        choose_config(
+            Path(kubeconfig) if kubeconfig else None,
+            environ,
+            is_file=lambda p: False,
+            home=Path("/h"),
+        )
+
+
+def test_orphan_slices_are_those_whose_service_is_not_served() -> None:
+    store = Store()
+    handle = store.source("t")
+    handle.set_service(("a", "web"), Service(Namespace="a", Name="web"))
+    for ns, name, service in (("a", "web-1", "web"), ("a", "db-1", "db"), ("b", "web-1", "web")):
+        handle.set_slice((ns, name), Slice(ns, name, service, False, (), ()))
+    handle.mark_synced()
+    assert orphan_slices(store) == [("a", "db-1"), ("b", "web-1")]
+
+
+def test_the_reflector_retries_an_unreachable_server_with_backoff() -> None:
+    """The run loop against a loopback port where nothing listens: each failure is followed by
+    the policy's next delay, through the injected sleep (so no time passes)."""
+    delays: list[float] = []
+
+    async def scenario() -> Reflector[k8s.Service]:
+        enough = asyncio.Event()
+
+        async def sleep(delay: float) -> None:
+            delays.append(delay)
+            if len(delays) == 5:
+                enough.set()
+                await asyncio.Event().wait()  # park until cancelled
+
+        connection = Connection(
+            server=f"https://127.0.0.1:{free_port()}",
+            ssl_context=ssl.create_default_context(),
+            tls_server_name=None,
+            proxy=None,
+            source="test",
+            _configuration=Configuration(),
+            _loader=None,
+        )
+        async with ApiClient(connection) as client:
+            resource = Resource("Service", "/api/v1/services", k8s.Service)
+            reflector = Reflector(client, resource, RecordingSink(), sleep=sleep, rand=lambda: 0.5)
+            task = asyncio.create_task(reflector.run())
+            await asyncio.wait_for(enough.wait(), 10)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return reflector
+
+    reflector = asyncio.run(scenario())
+    assert delays == pytest.approx([1.2, 2.4, 4.8, 9.6, 19.2])
+    assert reflector.stats.failures == 5
+    assert "Connection refused" in reflector.last_error
+    assert not reflector.synced.is_set()
+
+
+def test_objects_the_converters_reject_are_logged_and_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Store()
+    handle = store.source("t")
+    sink = _HandleSink[k8s.Service, Service](
+        handle, lambda o: service_from_k8s(o, proxy_name=None), handle.set_service
+    )
+    good = msgspec.json.decode(msgspec.json.encode(_svc("a", "1")), type=k8s.Service)
+    sink.apply(("ns", "a"), good)
+    assert ("ns", "a") in store.services
+    # The API would not accept this protocol; kpng must survive an API server that does.
+    bad = msgspec.json.decode(
+        msgspec.json.encode(_svc("a", "2", ports=[{"port": 80, "protocol": "QUIC"}])),
+        type=k8s.Service,
+    )
+    sink.apply(("ns", "a"), bad)
+    assert ("ns", "a") not in store.services
+    assert "Service ns/a: spec.ports[0]: unknown protocol 'QUIC'; skipped" in caplog.text
