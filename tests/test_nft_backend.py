@@ -308,6 +308,37 @@ def test_refused_transaction_keeps_rules_and_is_followed_by_a_full_resync(
     assert "line 1: add table inet kpng" in caplog.text
 
 
+def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options())
+        services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
+        await backend.apply(_state(2, services, updated={WEB}))
+        assert len(nft.transactions) == 2  # the change was not refused
+        assert nft.transactions[1].render().splitlines() == [
+            "add map inet kpng affinity-069bbdee541a-v4-30s { type ipv4_addr . ipv4_addr . "
+            "inet_proto . inet_service : ipv4_addr . inet_service ; flags dynamic,timeout ; "
+            "timeout 30s ; }",
+            "add chain inet kpng affinity-069bbdee541a-v4",
+            "flush chain inet kpng affinity-069bbdee541a-v4",
+            "add rule inet kpng affinity-069bbdee541a-v4 dnat ip addr . port to ip saddr . "
+            "ip daddr . meta l4proto . th dport map @affinity-069bbdee541a-v4-30s",
+            "add chain inet kpng affinity-update-069bbdee541a-v4",
+            "flush chain inet kpng affinity-update-069bbdee541a-v4",
+            "add rule inet kpng affinity-update-069bbdee541a-v4 meta l4proto tcp update "
+            "@affinity-069bbdee541a-v4-30s { ip saddr . ct original ip daddr . meta l4proto . "
+            "ct original proto-dst timeout 30s : ip daddr . th dport }",
+            "delete map inet kpng affinity-069bbdee541a-v4-60s",
+        ]
+        fresh = FakeNft()
+        await NftBackend(nft=fresh, options=Options()).apply(_state(1, services))
+        assert nft.dump() == fresh.dump()
+
+    asyncio.run(scenario())
+
+
 def test_once_returns_true_when_the_first_state_is_applied() -> None:
     nft = FakeNft()
     backend = NftBackend(nft=nft, options=Options(), once=True)

@@ -370,8 +370,12 @@ def _affinity(
 ) -> None:
     ip, addr = _IP[fam], _ADDR[fam]
     name = f"affinity-{sid}-{fam}"
-    out.maps[name] = Map(
-        name,
+    # The map's name carries its timeout: a new timeout is a new map, which the chains switch
+    # to in the same transaction, because nft can neither change a map's timeout nor delete a
+    # map that a rule refers to.
+    map_name = f"{name}-{timeout}s"
+    out.maps[map_name] = Map(
+        map_name,
         f"{addr} . inet_service",
         type=f"{addr} . {addr} . inet_proto . inet_service",
         flags=("dynamic", "timeout"),
@@ -380,7 +384,7 @@ def _affinity(
     lookup = Chain(name)
     out.chains[name] = (
         lookup,
-        (Rule(name, f"dnat {ip} addr . port to {ip} saddr . {_tuple(fam)} map @{name}"),),
+        (Rule(name, f"dnat {ip} addr . port to {ip} saddr . {_tuple(fam)} map @{map_name}"),),
     )
     update = Chain(f"affinity-update-{sid}-{fam}")
     out.chains[update.name] = (
@@ -388,7 +392,7 @@ def _affinity(
         tuple(
             Rule(
                 update.name,
-                f"meta l4proto {proto} update @{name} {{ {ip} saddr . ct original {ip} daddr . "
+                f"meta l4proto {proto} update @{map_name} {{ {ip} saddr . ct original {ip} daddr . "
                 f"meta l4proto . ct original proto-dst timeout {timeout}s : "
                 f"{ip} daddr . th dport }}",
             )

@@ -1,0 +1,121 @@
+"""to-nft against the kernel, each test in a network namespace of its own (root and nft needed).
+
+What the fake cannot prove: that the kernel accepts the transactions kpng writes, in the order
+it writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.executing import KernelNft
+from kpng.backends.nft.layout import Options
+from kpng.backends.registry import NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import (
+    ClientIPAffinity,
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+from kpng.testing.netns import available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
+WEB: ServiceKey = ("ns", "web")
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A new, empty network namespace, deleted afterwards whatever happens."""
+    name = f"kpng-kt-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def _nft(netns: str) -> KernelNft:
+    return KernelNft(("ip", "netns", "exec", netns, "nft"))
+
+
+def _ruleset(netns: str) -> str:
+    return subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "list", "table", "inet", "kpng"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def _service(*, affinity: int = 0, node_port: int = 0) -> Service:
+    return Service(
+        Namespace="ns",
+        Name="web",
+        Type="NodePort" if node_port else "ClusterIP",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=("10.96.0.10",))),
+        Ports=(
+            PortMapping(
+                Name="p",
+                Protocol="TCP",
+                Port=80,
+                NodePort=node_port,
+                UsableEndpoints=IPFamilies(V4=True),
+            ),
+        ),
+        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
+    )
+
+
+def _ep(addr: str) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V4=(addr,)),
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=ALL,
+        Ready=True,
+        Serving=True,
+    )
+
+
+def _state(
+    revision: int,
+    services: dict[ServiceKey, ServiceEndpoints],
+    *,
+    updated: set[ServiceKey] | None = None,
+) -> NodeState:
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=dict(services),
+        updated=frozenset(services if updated is None else updated),
+        deleted=frozenset(),
+    )
+
+
+def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
+    async def scenario() -> None:
+        backend = NftBackend(nft=_nft(netns), options=Options())
+        services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
+        await backend.apply(_state(2, services, updated={WEB}))
+        await backend.close()
+
+    asyncio.run(scenario())
+    ruleset = _ruleset(netns)
+    assert "timeout 30s" in ruleset
+    assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
