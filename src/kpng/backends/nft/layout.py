@@ -39,9 +39,10 @@ services; node-originated short-circuited traffic; hairpin (a pod reaching itsel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -204,8 +205,10 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
     return objects, rules, elements
 
 
+@functools.cache
 def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...]]:
-    """The chain choosing one of ``count`` endpoints for every service port of ``kind``."""
+    """The chain choosing one of ``count`` endpoints for every service port of ``kind``
+    (cached: thousands of services share a handful of these)."""
     name = f"pick-{kind}-{fam}-{count}"
     lookup = "meta l4proto . th dport" if kind in _PORT_ONLY else _tuple(fam)
     ip = _IP[fam]
@@ -234,43 +237,51 @@ class Contribution:
     when the pair goes away."""
 
 
+EndpointValue = tuple[str, str]
+"""(address, port): the value of an endpoint map element."""
+
+
 def _endpoints(
-    endpoints: Sequence[Endpoint], port: PortMapping, fam: Fam
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
-    """The (address, port) endpoints of ``port`` in ``fam``: Internal, External and Cluster
-    scope, each sorted (the order gives the numgen indexes)."""
-    internal: set[tuple[str, int]] = set()
-    external: set[tuple[str, int]] = set()
-    cluster: set[tuple[str, int]] = set()
-    v6 = fam == "v6"
+    endpoints: Sequence[Endpoint], port: PortMapping, v6: bool
+) -> tuple[list[EndpointValue], list[EndpointValue], list[EndpointValue]]:
+    """The endpoints of ``port`` in one family: Internal, External and Cluster scope, each
+    ordered by address and port number (the order gives the numgen indexes)."""
+    internal: dict[tuple[str, int], EndpointValue] = {}
+    external: dict[tuple[str, int], EndpointValue] = {}
+    cluster: dict[tuple[str, int], EndpointValue] = {}
+    name, protocol = port.Name, port.Protocol
     for ep in endpoints:
-        scopes = ep.Scopes
-        if scopes is None or ep.IPs is None:
+        scopes, ips = ep.Scopes, ep.IPs
+        if scopes is None or ips is None:
             continue
-        addrs = ep.IPs.V6 if v6 else ep.IPs.V4
+        addrs = ips.V6 if v6 else ips.V4
         if not addrs:
             continue
         for po in ep.PortOverrides:
-            if po.Name == port.Name and po.Protocol == port.Protocol and po.Port:
-                pairs = [(a, po.Port) for a in addrs]
-                if scopes.Internal:
-                    internal.update(pairs)
-                if scopes.External:
-                    external.update(pairs)
-                if scopes.Cluster:
-                    cluster.update(pairs)
+            if po.Name == name and po.Protocol == protocol and po.Port:
+                number, text = po.Port, str(po.Port)
+                for a in addrs:
+                    # One value tuple per endpoint, shared by every map it appears in; an
+                    # address that comes twice (two slices, two scope sets) counts once.
+                    key, value = (a, number), (a, text)
+                    if scopes.Internal:
+                        internal[key] = value
+                    if scopes.External:
+                        external[key] = value
+                    if scopes.Cluster:
+                        cluster[key] = value
                 break
-    return sorted(internal), sorted(external), sorted(cluster)
+    return _ordered(internal), _ordered(external), _ordered(cluster)
 
 
-def _verdict(
-    out: Contribution, kind: Kind, fam: Fam, eps: list[tuple[str, int]], usable: bool
-) -> str:
-    if not eps:
-        return "drop" if usable else "goto service-reject"
-    chain, rules = pick_chain(kind, fam, len(eps))
-    out.chains[chain.name] = (chain, rules)
-    return f"goto {chain.name}"
+def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointValue]:
+    return [endpoints[k] for k in sorted(endpoints)]
+
+
+def _local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
+    return frozenset(
+        a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
+    )
 
 
 def contribute(se: ServiceEndpoints) -> Contribution:
@@ -281,10 +292,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
     ips = service.IPs
     if ips is None or ips.ClusterIPs is None:
         return out
-    sid = service_id(service)
     timeout = 0
     if service.ClientIP is not None:
         timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    local = _local_addresses(se.endpoints)
     for fam in FAMILIES:
         v6 = fam == "v6"
         cluster_ips = ips.ClusterIPs.family(v6)
@@ -302,10 +313,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                 port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
             )
             p = str(port.Port)
-            internal, external, cluster_wide = _endpoints(se.endpoints, port, fam)
+            internal, external, cluster_wide = _endpoints(se.endpoints, port, v6)
             local_etp = service.ExternalTrafficToLocal
 
-            def dispatch(kind: Kind, key: tuple[str, ...], eps: list[tuple[str, int]]) -> None:
+            def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
                 _dispatch(out, kind, fam=fam, proto=proto, key=key, eps=eps, usable=usable)  # noqa: B023
 
             for cip in cluster_ips:
@@ -326,9 +337,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
                     out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
-            for ep_addr, _ in {*internal, *external, *cluster_wide}:
-                if _is_local(se.endpoints, ep_addr):
-                    out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
+            if local:
+                for ep_addr, _ in {*internal, *external, *cluster_wide}:
+                    if ep_addr in local:
+                        out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
                 targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
                 ranges = [r for r in flt.SourceRanges if (":" in r) == v6]
@@ -338,8 +350,11 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     for r in ranges:
                         out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
         if timeout and affinity_tuples:
-            _affinity(out, sid, fam, timeout, affinity_tuples)
+            _affinity(out, service_id(service), fam, timeout, affinity_tuples)
     return out
+
+
+_INDEXES = tuple(str(i) for i in range(256))
 
 
 def _dispatch(
@@ -349,20 +364,23 @@ def _dispatch(
     fam: Fam,
     proto: str,
     key: tuple[str, ...],
-    eps: list[tuple[str, int]],
+    eps: list[EndpointValue],
     usable: bool,
 ) -> None:
-    out.elements[(f"{kind}-{fam}", key)] = (_verdict(out, kind, fam, eps, usable),)
-    for i, (addr, eport) in enumerate(eps):
-        out.elements[(f"{kind}-eps-{fam}", (*key, str(i)))] = (addr, str(eport))
-        if proto == "udp":
-            out.udp_endpoints.add((key[0] if len(key) == 3 else "", key[-1], addr))
-
-
-def _is_local(endpoints: Sequence[Endpoint], addr: str) -> bool:
-    return any(
-        ep.Local and ep.IPs is not None and addr in (*ep.IPs.V4, *ep.IPs.V6) for ep in endpoints
-    )
+    elements = out.elements
+    if eps:
+        chain, rules = pick_chain(kind, fam, len(eps))
+        out.chains[chain.name] = (chain, rules)
+        elements[(f"{kind}-{fam}", key)] = (f"goto {chain.name}",)
+    else:
+        elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
+    container = f"{kind}-eps-{fam}"
+    for i, value in enumerate(eps):
+        index = _INDEXES[i] if i < 256 else str(i)
+        elements[(container, (*key, index))] = value
+    if proto == "udp":
+        address = key[0] if len(key) == 3 else ""
+        out.udp_endpoints.update((address, key[-1], addr) for addr, _ in eps)
 
 
 def _affinity(
@@ -402,8 +420,3 @@ def _affinity(
     for key in tuples:
         out.elements[(f"affinity-{fam}", key)] = (f"jump {name}",)
         out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update.name}",)
-
-
-def elements_of(items: Iterable[tuple[ElementKey, tuple[str, ...]]]) -> Iterator[Element]:
-    for (container, key), value in items:
-        yield Element(container, key, value)
