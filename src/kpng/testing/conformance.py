@@ -299,6 +299,76 @@ def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
     cluster.remove("affinity")
 
 
+def test_session_affinity_client_ip_sticks_through_node_ports_and_external_ips(
+    cluster: Cluster,
+) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    cluster.write(
+        "affinity-external",
+        service(
+            "sticky-ext",
+            ip,
+            [port("http", 80, nodePort=30084)],
+            type="NodePort",
+            externalIPs=[vip],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky-ext", ["a1", "b1", "c1"]),
+    )
+    for node in cluster.bed.nodes.values():
+        results = cluster.eventually("external", "tcp", node.ip4, 30084, answered, count=15)
+        assert len(names(results)) == 1, (node.name, results)
+    results = cluster.eventually("external", "tcp", vip, 80, answered, count=15)
+    assert len(names(results)) == 1, results
+    cluster.remove("affinity-external")
+
+
+AFFINITY_TIMEOUT_S = 2
+
+
+def test_session_affinity_is_released_after_its_timeout(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "affinity-timeout",
+        service(
+            "brief",
+            ip,
+            [port("http", 80, nodePort=30085)],
+            type="NodePort",
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": AFFINITY_TIMEOUT_S}},
+        ),
+        endpoint_slice(cluster, "brief", ["a1", "b1", "c1"]),
+    )
+    # Ten client hosts: addresses added to the external client on the underlay.
+    ext = cluster.ns("external")
+    sources = [f"10.250.0.{210 + i}" for i in range(10)]
+    for source in sources:
+        cluster.bed.exec(ext, ["ip", "addr", "add", f"{source}/24", "dev", "eth0"])
+    try:
+        node = cluster.bed.nodes["node-2"].ip4
+        cluster.eventually("external", "tcp", node, 30085, answered)
+        first = {}
+        for source in sources:
+            results = cluster.probe("external", "tcp", node, 30085, count=3, source=source)
+            assert answered(results), (source, results)
+            assert len(names(results)) == 1, (source, results)
+            first[source] = names(results)
+        time.sleep(AFFINITY_TIMEOUT_S + 1.5)
+        after = {
+            source: names(cluster.probe("external", "tcp", node, 30085, source=source))
+            for source in sources
+        }
+        # Released, each client's next connection is a new pick among three endpoints: all ten
+        # would keep their endpoint with a probability of (1/3)^10.
+        assert any(after[source] != first[source] for source in sources), (first, after)
+    finally:
+        for source in sources:
+            cluster.bed.exec(ext, ["ip", "addr", "del", f"{source}/24", "dev", "eth0"], check=False)
+        cluster.remove("affinity-timeout")
+
+
 def test_hairpin_pod_reaches_itself_through_its_service(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

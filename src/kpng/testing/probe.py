@@ -1,8 +1,10 @@
 """A client for test beds: connect N times, print what answered, as one JSON line.
 
     python -m kpng.testing.probe tcp|udp HOST PORT [--count N] [--timeout S] [--hold S]
+        [--source ADDRESS]
 
-Each attempt is a new connection (TCP) or a new socket (UDP) sending one line; its result is the
+Each attempt is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
+if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
 a connection survives changes). Output: ``{"results": [...], "seconds": [...]}``.
@@ -22,9 +24,11 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def tcp_once(host: str, port: int, timeout: float) -> str:
+def tcp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with socket.create_connection(
+            (host, port), timeout=timeout, source_address=(source, 0) if source else None
+        ) as sock:
             sock.sendall(b"hello\n")
             return _read_line(sock)
     except ConnectionRefusedError:
@@ -45,10 +49,12 @@ def _read_line(sock: socket.socket) -> str:
     return data.decode().strip() or "closed"
 
 
-def udp_once(host: str, port: int, timeout: float) -> str:
+def udp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
     with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
         sock.settimeout(timeout)
         try:
+            if source:
+                sock.bind((source, 0))
             sock.connect((host, port))
             sock.send(b"hello\n")
             return sock.recv(4096).decode().strip()
@@ -100,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--source", default=None)
     args = parser.parse_args(argv)
     results: list[str] = []
     seconds: list[float] = []
@@ -111,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         once = tcp_once if args.proto == "tcp" else udp_once
         for _ in range(args.count):
             start = time.monotonic()
-            results.append(once(args.host, args.port, args.timeout))
+            results.append(once(args.host, args.port, args.timeout, args.source))
             seconds.append(round(time.monotonic() - start, 4))
     print(json.dumps({"results": results, "seconds": seconds}))
     return 0

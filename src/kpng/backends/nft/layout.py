@@ -31,6 +31,17 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ``nodeport-sc`` like ``nodeport``     pods (``--cluster-cidr``) and the node itself
 ==============  ====================  ============================================
 
+ClientIP session affinity, on every kind of traffic but the eTP=Local short-circuit (as
+kube-proxy): ``affinity-<f>`` (``address . proto . port``) and ``affinity-nodeport-<f>``
+(``proto . port``, to a node port address) jump to the service's ``affinity-<id>-<f>`` chain,
+which DNATs to the endpoint remembered for ``client . address . proto . port`` in the service's
+dynamic map, if there is one; otherwise the dispatch maps pick one. ``masquerading`` records
+each new connection's pick there (``affinity-update-<f>``, ``affinity-update-nodeport-<f>``,
+matched on the connection's original destination), with the service's ``timeoutSeconds``: an
+entry lasts that long after the client's last new connection. Matching node ports by port
+alone, the update map may also record a connection DNATed to the same port number of another
+address; such an entry is never looked up (its key holds that address) and expires.
+
 Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
@@ -138,6 +149,8 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         objects += [
             Map(f"affinity-{fam}", "verdict", type=three),
             Map(f"affinity-update-{fam}", "verdict", type=three),
+            Map(f"affinity-nodeport-{fam}", "verdict", type="inet_proto . inet_service"),
+            Map(f"affinity-update-nodeport-{fam}", "verdict", type="inet_proto . inet_service"),
             Set(f"external-masq-{fam}", type=three),
             Set(f"nodeport-masq-{fam}", type="inet_proto . inet_service"),
             Set(f"firewall-{fam}", type=three),
@@ -179,6 +192,8 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
                 svc(f"{source} {np} meta l4proto . th dport vmap @nodeport-sc-{fam}")
         # ClientIP affinity: a remembered endpoint wins over a new pick.
         svc(f"{tup} vmap @affinity-{fam}")
+        if np:
+            svc(f"{np} meta l4proto . th dport vmap @affinity-nodeport-{fam}")
         svc(f"{tup} vmap @cluster-{fam}")
         svc(f"{tup} vmap @external-{fam}")
         if np:
@@ -193,6 +208,14 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
                     f"ct original proto-dst vmap @affinity-update-{fam}",
                 )
             )
+            if np:
+                rules.append(
+                    Rule(
+                        "masquerading",
+                        f"meta l4proto {proto} ct status dnat meta l4proto . "
+                        f"ct original proto-dst vmap @affinity-update-nodeport-{fam}",
+                    )
+                )
         hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
         rules.append(Rule("masquerading", hairpin))
     rules.append(
@@ -304,6 +327,7 @@ def contribute(se: ServiceEndpoints) -> Contribution:
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
         affinity_tuples: list[tuple[str, ...]] = []
+        affinity_nodeports: list[tuple[str, str]] = []
         for port in service.Ports:
             proto = _PROTOCOLS.get(port.Protocol)
             if proto is None or not 0 < port.Port < 65536:
@@ -333,6 +357,7 @@ def contribute(se: ServiceEndpoints) -> Contribution:
             if port.NodePort:
                 np_key = (proto, str(port.NodePort))
                 dispatch("nodeport", np_key, external)
+                affinity_nodeports.append(np_key)
                 if local_etp:
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
@@ -349,8 +374,15 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     out.elements[(f"firewall-{fam}", key)] = ()
                     for r in ranges:
                         out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
-        if timeout and affinity_tuples:
-            _affinity(out, service_id(service), fam, timeout, affinity_tuples)
+        if timeout and (affinity_tuples or affinity_nodeports):
+            _affinity(
+                out,
+                service_id(service),
+                fam,
+                timeout=timeout,
+                addressed=affinity_tuples,
+                nodeports=affinity_nodeports,
+            )
     return out
 
 
@@ -384,8 +416,16 @@ def _dispatch(
 
 
 def _affinity(
-    out: Contribution, sid: str, fam: Fam, timeout: int, tuples: list[tuple[str, ...]]
+    out: Contribution,
+    sid: str,
+    fam: Fam,
+    *,
+    timeout: int,
+    addressed: list[tuple[str, ...]],
+    nodeports: list[tuple[str, str]],
 ) -> None:
+    """The service's affinity chains and map, and the elements leading its traffic there:
+    ``addressed`` (address, proto, port) keys and ``nodeports`` (proto, port) keys."""
     ip, addr = _IP[fam], _ADDR[fam]
     name = f"affinity-{sid}-{fam}"
     # The map's name carries its timeout: a new timeout is a new map, which the chains switch
@@ -414,9 +454,12 @@ def _affinity(
                 f"meta l4proto . ct original proto-dst timeout {timeout}s : "
                 f"{ip} daddr . th dport }}",
             )
-            for proto in sorted({key[1] for key in tuples})
+            for proto in sorted({key[1] for key in addressed} | {key[0] for key in nodeports})
         ),
     )
-    for key in tuples:
+    for key in addressed:
         out.elements[(f"affinity-{fam}", key)] = (f"jump {name}",)
         out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update.name}",)
+    for np_key in nodeports:
+        out.elements[(f"affinity-nodeport-{fam}", np_key)] = (f"jump {name}",)
+        out.elements[(f"affinity-update-nodeport-{fam}", np_key)] = (f"jump {update.name}",)
