@@ -7,8 +7,10 @@ it writes them.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -44,6 +46,7 @@ def netns() -> Iterator[str]:
     name = f"kpng-kt-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
@@ -119,3 +122,38 @@ def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     ruleset = _ruleset(netns)
     assert "timeout 30s" in ruleset
     assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
+
+
+_HEALTH_CLIENT = """
+import asyncio, json
+from kpng.backends.nft.health import HealthServers
+from kpng.model.messages import Endpoint, IPSet, Service, ServiceEndpoints
+
+async def get(host):
+    reader, writer = await asyncio.open_connection(host, 32000)
+    writer.write(b"GET /healthz HTTP/1.1\\r\\nHost: n\\r\\n\\r\\n")
+    data = await asyncio.wait_for(reader.read(), timeout=5)
+    writer.close()
+    return data.split(b"\\r\\n")[0].decode() + " " + data.partition(b"\\r\\n\\r\\n")[2].decode()
+
+async def main():
+    health = HealthServers()
+    ep = Endpoint(IPs=IPSet(V4=("10.1.0.2",)), Local=True, Ready=True)
+    await health.update({("ns", "lb"): ServiceEndpoints(Service(HealthCheckNodePort=32000), (ep,))})
+    print(json.dumps([await get("127.0.0.1"), await get("::1")]))
+    await health.close()
+
+asyncio.run(main())
+"""
+
+
+def test_health_check_node_port_serves_both_families_on_every_address(netns: str) -> None:
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", _HEALTH_CLIENT],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    expected = 'HTTP/1.1 200 OK {"localEndpoints": 1}'
+    assert json.loads(out) == [expected, expected]

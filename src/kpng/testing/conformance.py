@@ -405,6 +405,35 @@ def test_external_traffic_policy_local(cluster: Cluster) -> None:
     cluster.remove("etp-local")
 
 
+def test_health_check_node_port_reports_local_ready_endpoints(cluster: Cluster) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+
+    def write(pods: list[str]) -> None:
+        svc = service(
+            "health",
+            ip,
+            [port("http", 80, nodePort=30086)],
+            type="LoadBalancer",
+            externalTrafficPolicy="Local",
+            healthCheckNodePort=32086,
+        )
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}]}}
+        cluster.write("health", svc, endpoint_slice(cluster, "health", pods))
+
+    def answers(node: str, expected: str) -> None:
+        host = cluster.bed.nodes[node].ip4
+        cluster.eventually("external", "http", host, 32086, lambda r: r == [expected])
+
+    write(["b1"])
+    answers("node-2", '200 {"localEndpoints": 1}')
+    answers("node-1", '503 {"localEndpoints": 0}')
+    write(["b1", "b2", "a1"])  # the count follows the endpoints
+    answers("node-2", '200 {"localEndpoints": 2}')
+    answers("node-1", '200 {"localEndpoints": 1}')
+    cluster.remove("health")
+    answers("node-2", "refused")
+
+
 def test_internal_traffic_policy_local(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(
