@@ -13,7 +13,7 @@ import pytest
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute
-from kpng.backends.nft.nftables import NftError, Transaction
+from kpng.backends.nft.nftables import Map, NftError, Transaction
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -88,8 +88,8 @@ CASES = [
         ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.2.3", local=True))),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.244.1.2 . 8080",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.244.2.3 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.244.1.2 . 8080",
+            "cluster-eps-v4-1: 10.96.0.10 . tcp . 80": "10.244.2.3 . 8080",
             "hairpin-v4: 10.244.2.3 . 10.244.2.3": "",
         },
         id="clusterip-spreads-over-endpoints-and-hairpins-local-ones",
@@ -110,12 +110,12 @@ CASES = [
         ),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
             "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
-            "external-eps-v4: 192.0.2.1 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "external-eps-v4-0: 192.0.2.1 . tcp . 80": "10.1.1.1 . 8080",
             "external-masq-v4: 192.0.2.1 . tcp . 80": "",
             "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
+            "nodeport-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
             "nodeport-masq-v4: tcp . 30080": "",
         },
         id="external-traffic-policy-cluster-masquerades",
@@ -130,13 +130,13 @@ CASES = [
         ),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.2.2.2 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
+            "cluster-eps-v4-1: 10.96.0.10 . tcp . 80": "10.2.2.2 . 8080",
             "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4: tcp . 30080 . 0": "10.2.2.2 . 8080",
+            "nodeport-eps-v4-0: tcp . 30080": "10.2.2.2 . 8080",
             "nodeport-sc-v4: tcp . 30080": "goto pick-nodeport-sc-v4-2",
-            "nodeport-sc-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
-            "nodeport-sc-eps-v4: tcp . 30080 . 1": "10.2.2.2 . 8080",
+            "nodeport-sc-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
+            "nodeport-sc-eps-v4-1: tcp . 30080": "10.2.2.2 . 8080",
             "hairpin-v4: 10.2.2.2 . 10.2.2.2": "",
         },
         id="external-traffic-policy-local-short-circuits-to-cluster-endpoints",
@@ -167,11 +167,12 @@ CASES = [
         ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
-            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-069bbdee541a-v4",
-            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-069bbdee541a-v4",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
+            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
+            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
+            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
         },
-        id="client-ip-affinity-remembers-per-service",
+        id="client-ip-affinity-remembers-per-service-port",
     ),
     pytest.param(
         ServiceEndpoints(
@@ -180,19 +181,24 @@ CASES = [
         ),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
             "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
-            "external-eps-v4: 192.0.2.1 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "external-eps-v4-0: 192.0.2.1 . tcp . 80": "10.1.1.1 . 8080",
             "external-masq-v4: 192.0.2.1 . tcp . 80": "",
             "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
+            "nodeport-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
             "nodeport-masq-v4: tcp . 30080": "",
-            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-069bbdee541a-v4",
-            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-069bbdee541a-v4",
-            "affinity-v4: 192.0.2.1 . tcp . 80": "jump affinity-069bbdee541a-v4",
-            "affinity-update-v4: 192.0.2.1 . tcp . 80": "jump affinity-update-069bbdee541a-v4",
-            "affinity-nodeport-v4: tcp . 30080": "jump affinity-069bbdee541a-v4",
-            "affinity-update-nodeport-v4: tcp . 30080": "jump affinity-update-069bbdee541a-v4",
+            # Cluster IPs and the external traffic (external IP, node port) use different
+            # endpoints (Internal, External scope), so each group remembers its own.
+            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
+            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
+            "affinity-v4: 192.0.2.1 . tcp . 80": "jump affinity-cf9ca481ccc1-v4",
+            "affinity-update-v4: 192.0.2.1 . tcp . 80": "jump affinity-update-cf9ca481ccc1-v4",
+            "affinity-nodeport-v4: tcp . 30080": "jump affinity-cf9ca481ccc1-v4",
+            "affinity-update-nodeport-v4: tcp . 30080": "jump affinity-update-cf9ca481ccc1-v4",
+            # What a group may remember: its own endpoints.
+            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
+            "affinity-cf9ca481ccc1-v4-endpoints: 10.1.1.1 . 8080": "",
         },
         id="client-ip-affinity-covers-external-ips-and-node-ports",
     ),
@@ -214,12 +220,23 @@ def test_unsupported_port_is_reported() -> None:
     assert problems == ["port p: unsupported protocol or port"]
 
 
-def test_affinity_chains_use_the_service_timeout() -> None:
+def test_affinity_remembers_address_and_port_per_client_for_the_service_timeout() -> None:
     contribution = contribute(ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)))
-    (amap,) = contribution.maps.values()
-    assert amap.timeout_s == 60
-    rules = [r.expr for _, rules in contribution.chains.values() for r in rules]
-    assert any("timeout 60s" in r for r in rules)
+    dynamic = [m for m in contribution.maps.values() if isinstance(m, Map) and m.timeout_s]
+    assert {(m.name, m.type, m.value, m.timeout_s) for m in dynamic} == {
+        ("affinity-c5b1ca89aef5-v4-60s-addr", "ipv4_addr", "ipv4_addr", 60),
+        ("affinity-c5b1ca89aef5-v4-60s-port", "ipv4_addr", "inet_service", 60),
+    }
+    rules = {r.chain: r.expr for _, rules in contribution.chains.values() for r in rules}
+    assert rules["affinity-c5b1ca89aef5-v4"] == (
+        "meta l4proto tcp dnat ip to ip saddr map @affinity-c5b1ca89aef5-v4-60s-addr : "
+        "ip saddr map @affinity-c5b1ca89aef5-v4-60s-port"
+    )
+    assert rules["affinity-update-c5b1ca89aef5-v4"] == (
+        "meta l4proto tcp ip daddr . th dport @affinity-c5b1ca89aef5-v4-endpoints "
+        "update @affinity-c5b1ca89aef5-v4-60s-addr { ip saddr timeout 60s : ip daddr } "
+        "update @affinity-c5b1ca89aef5-v4-60s-port { ip saddr timeout 60s : th dport }"
+    )
 
 
 # --- the backend over the fake
@@ -284,15 +301,15 @@ def test_first_state_replaces_the_table_then_changes_are_incremental() -> None:
         assert nft.transactions[1].render().splitlines() == [
             "add chain inet kpng pick-cluster-v4-1",
             "add rule inet kpng pick-cluster-v4-1 dnat ip addr . port to ip daddr . meta l4proto "
-            ". th dport . numgen random mod 1 map @cluster-eps-v4",
-            "delete element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0, "
-            "10.96.0.10 . tcp . 80 . 1 }",
+            ". th dport map @cluster-eps-v4-0",
+            "delete element inet kpng cluster-eps-v4-0 { 10.96.0.10 . tcp . 80 }",
+            "delete element inet kpng cluster-eps-v4-1 { 10.96.0.10 . tcp . 80 }",
             "delete element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 }",
-            "add element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0 : "
-            "10.244.1.3 . 8080 }",
+            "add element inet kpng cluster-eps-v4-0 { 10.96.0.10 . tcp . 80 : 10.244.1.3 . 8080 }",
             "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }",
             "flush chain inet kpng pick-cluster-v4-2",
             "delete chain inet kpng pick-cluster-v4-2",
+            "delete map inet kpng cluster-eps-v4-1",  # no service has a second endpoint now
         ]
         # A deleted service leaves nothing behind.
         del services[DB]
@@ -341,19 +358,22 @@ def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> Non
         await backend.apply(_state(2, services, updated={WEB}))
         assert len(nft.transactions) == 2  # the change was not refused
         assert nft.transactions[1].render().splitlines() == [
-            "add map inet kpng affinity-069bbdee541a-v4-30s { type ipv4_addr . ipv4_addr . "
-            "inet_proto . inet_service : ipv4_addr . inet_service ; flags dynamic,timeout ; "
-            "timeout 30s ; }",
-            "add chain inet kpng affinity-069bbdee541a-v4",
-            "flush chain inet kpng affinity-069bbdee541a-v4",
-            "add rule inet kpng affinity-069bbdee541a-v4 dnat ip addr . port to ip saddr . "
-            "ip daddr . meta l4proto . th dport map @affinity-069bbdee541a-v4-30s",
-            "add chain inet kpng affinity-update-069bbdee541a-v4",
-            "flush chain inet kpng affinity-update-069bbdee541a-v4",
-            "add rule inet kpng affinity-update-069bbdee541a-v4 meta l4proto tcp update "
-            "@affinity-069bbdee541a-v4-30s { ip saddr . ct original ip daddr . meta l4proto . "
-            "ct original proto-dst timeout 30s : ip daddr . th dport }",
-            "delete map inet kpng affinity-069bbdee541a-v4-60s",
+            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-addr { type ipv4_addr : ipv4_addr ; "
+            "flags dynamic,timeout ; timeout 30s ; }",
+            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-port { type ipv4_addr : inet_service "
+            "; flags dynamic,timeout ; timeout 30s ; }",
+            "add chain inet kpng affinity-c5b1ca89aef5-v4",
+            "flush chain inet kpng affinity-c5b1ca89aef5-v4",
+            "add rule inet kpng affinity-c5b1ca89aef5-v4 meta l4proto tcp dnat ip to ip saddr map "
+            "@affinity-c5b1ca89aef5-v4-30s-addr : ip saddr map @affinity-c5b1ca89aef5-v4-30s-port",
+            "add chain inet kpng affinity-update-c5b1ca89aef5-v4",
+            "flush chain inet kpng affinity-update-c5b1ca89aef5-v4",
+            "add rule inet kpng affinity-update-c5b1ca89aef5-v4 meta l4proto tcp ip daddr . "
+            "th dport @affinity-c5b1ca89aef5-v4-endpoints update @affinity-c5b1ca89aef5-v4-30s-addr"
+            " { ip saddr timeout 30s : ip daddr } update @affinity-c5b1ca89aef5-v4-30s-port "
+            "{ ip saddr timeout 30s : th dport }",
+            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-addr",
+            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-port",
         ]
         fresh = FakeNft()
         await NftBackend(nft=fresh, options=Options()).apply(_state(1, services))

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import Options
+from kpng.backends.nft.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -33,6 +35,7 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing.netns import available
+from tests.nft_services import generate
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -41,19 +44,71 @@ WEB: ServiceKey = ("ns", "web")
 
 
 @pytest.fixture
-def netns() -> Iterator[str]:
-    """A new, empty network namespace, deleted afterwards whatever happens."""
-    name = f"kpng-kt-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
+def namespaces() -> Iterator[Callable[[], str]]:
+    """Makes new, empty network namespaces (loopback up), all deleted afterwards whatever
+    happens."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"kpng-kt-{secrets.token_hex(3)}"
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        made.append(name)
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        yield name
+        return name
+
+    try:
+        yield make
     finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def netns(namespaces: Callable[[], str]) -> str:
+    return namespaces()
 
 
 def _nft(netns: str) -> KernelNft:
     return KernelNft(("ip", "netns", "exec", netns, "nft"))
+
+
+class RecordingNft(KernelNft):
+    """The kernel's nft, remembering every transaction and whether the kernel refused it."""
+
+    def __init__(self, netns: str) -> None:
+        super().__init__(("ip", "netns", "exec", netns, "nft"))
+        self.runs: list[tuple[Transaction, NftError | None]] = []
+
+    async def run(self, tx: Transaction) -> None:
+        try:
+            await super().run(tx)
+        except NftError as exc:
+            self.runs.append((tx, exc))
+            raise
+        self.runs.append((tx, None))
+
+
+def _table(netns: str) -> dict[str, object]:
+    """kpng's table from the kernel, in an order that depends only on its contents."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-j", "list", "table", "inet", "kpng"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    table: dict[str, object] = {}
+    for item in json.loads(out)["nftables"]:
+        for kind in ("set", "map", "chain"):
+            if kind in item:
+                obj = {k: v for k, v in item[kind].items() if k != "handle"}
+                obj["elem"] = sorted(json.dumps(e, sort_keys=True) for e in obj.get("elem", []))
+                table[f"{kind} {obj['name']}"] = obj
+        if "rule" in item:
+            rule = item["rule"]
+            rules = table.setdefault(f"rules {rule['chain']}", [])
+            assert isinstance(rules, list)
+            rules.append(json.dumps(rule["expr"], sort_keys=True))
+    return table
 
 
 def _ruleset(netns: str) -> str:
@@ -99,13 +154,14 @@ def _state(
     services: dict[ServiceKey, ServiceEndpoints],
     *,
     updated: set[ServiceKey] | None = None,
+    deleted: set[ServiceKey] | None = None,
 ) -> NodeState:
     return NodeState(
         node="n1",
         revision=revision,
         services=dict(services),
         updated=frozenset(services if updated is None else updated),
-        deleted=frozenset(),
+        deleted=frozenset(deleted or ()),
     )
 
 
@@ -157,3 +213,41 @@ def test_health_check_node_port_serves_both_families_on_every_address(netns: str
     ).stdout
     expected = 'HTTP/1.1 200 OK {"localEndpoints": 1}'
     assert json.loads(out) == [expected, expected]
+
+
+def test_kernel_takes_every_incremental_transaction_and_ends_as_a_full_sync(
+    namespaces: Callable[[], str],
+) -> None:
+    """Random changes to generated services of every shape: the kernel refuses none of the
+    incremental transactions, and the table ends as one full sync of the last state writes it."""
+    rng = random.Random(4)
+    pool, variants = generate(300, seed=4), generate(300, seed=104)
+    keys = sorted(pool)
+    options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+    changed, fresh = namespaces(), namespaces()
+
+    async def scenario() -> dict[ServiceKey, ServiceEndpoints]:
+        nft = RecordingNft(changed)
+        backend = NftBackend(nft=nft, options=options)
+        services: dict[ServiceKey, ServiceEndpoints] = {}
+        await backend.apply(_state(1, services))
+        for revision in range(2, 22):
+            updated, deleted = set(), set()
+            for key in rng.sample(keys, 25):
+                if key in services and rng.random() < 0.3:
+                    del services[key]
+                    deleted.add(key)
+                    updated.discard(key)
+                else:
+                    services[key] = rng.choice([pool, variants])[key]
+                    updated.add(key)
+            await backend.apply(_state(revision, services, updated=updated, deleted=deleted))
+        await backend.close()
+        refused = [(tx.render()[:200], str(err)) for tx, err in nft.runs if err is not None]
+        assert refused == []
+        assert len(nft.runs) == 21
+        return services
+
+    services = asyncio.run(scenario())
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, services)))
+    assert _table(changed) == _table(fresh)

@@ -55,6 +55,8 @@ pytestmark = pytest.mark.skipif(available() is not None, reason=str(available())
 class Cluster:
     bed: TestBed
     manifests: Path
+    logs: Path
+    """Where each node's backend writes its stderr (``<node>.log``)."""
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
 
     def cluster_ip(self) -> str:
@@ -114,9 +116,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     manifests = tmp_path_factory.mktemp("manifests")
     with TestBed(SPEC) as bed:
-        c = Cluster(bed, manifests)
-        c.write("nodes", *_node_objects())
         logs = tmp_path_factory.mktemp("logs")
+        c = Cluster(bed, manifests, logs)
+        c.write("nodes", *_node_objects())
         for node in bed.nodes.values():
             argv = [sys.executable, "-m", "kpng", "file", "--input", str(manifests)]
             argv += ["to-local", "--node-name", node.name, *shlex.split(backend)]
@@ -322,6 +324,25 @@ def test_session_affinity_client_ip_sticks_through_node_ports_and_external_ips(
     results = cluster.eventually("external", "tcp", vip, 80, answered, count=15)
     assert len(names(results)) == 1, results
     cluster.remove("affinity-external")
+
+
+def test_session_affinity_client_ip_is_sticky_over_ipv6(cluster: Cluster) -> None:
+    ip = "fd00:96::20"
+    cluster.write(
+        "affinity6",
+        service(
+            "sticky6",
+            ip,
+            [port("http", 80)],
+            ipFamilies=["IPv6"],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky6", ["a1", "b1", "c1"], v6=True),
+    )
+    results = cluster.eventually("b2", "tcp", ip, 80, answered, count=15)
+    assert len(names(results)) == 1, results
+    cluster.remove("affinity6")
 
 
 AFFINITY_TIMEOUT_S = 2

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kpng.backends.nft.layout import TABLE, Contribution, ElementKey, Options, skeleton
-from kpng.backends.nft.nftables import Chain, Element, Elements, Map, Rule, Transaction
+from kpng.backends.nft.nftables import Chain, Element, Elements, Map, Rule, Set, Transaction
 from kpng.model.cluster import ServiceKey
 
 ChainDef = tuple[Chain, tuple[Rule, ...]]
@@ -52,7 +52,7 @@ class Plan:
     tx: Transaction
     elements: Mapping[ElementKey, tuple[str, ...] | None]
     chains: dict[str, ChainDef | None]
-    maps: dict[str, Map | None]
+    maps: dict[str, Map | Set | None]
     table: dict[ElementKey, tuple[str, ...]] | None = None
     """For a full plan, every element of the table (None: an incremental plan)."""
 
@@ -71,10 +71,10 @@ class DiffStore:
         self.contributions: dict[ServiceKey, Contribution] = {}
         self._element_owners: dict[ElementKey, Owners] = {}
         self._chain_owners: dict[str, dict[ServiceKey, ChainDef]] = {}
-        self._map_owners: dict[str, dict[ServiceKey, Map]] = {}
+        self._map_owners: dict[str, dict[ServiceKey, Map | Set]] = {}
         self.applied_elements: dict[ElementKey, tuple[str, ...]] = {}
         self.applied_chains: dict[str, ChainDef] = {}
-        self.applied_maps: dict[str, Map] = {}
+        self.applied_maps: dict[str, Map | Set] = {}
 
     def update(self, key: ServiceKey, new: Contribution | None, touched: Touched) -> None:
         """Record service ``key``'s contribution (None: deleted), adding what changed to
@@ -95,10 +95,15 @@ class DiffStore:
                     touched.elements.add(ek)
                     self._own(ek, key, value, touched)
         else:
-            # A full sync passes here for every element of every service.
+            # A full sync passes here for every element of every service: the common case
+            # (no other owner) inline.
             touched.elements.update(new_elements)
+            index = self._element_owners
             for ek, value in new_elements.items():
-                self._own(ek, key, value, touched)
+                if ek in index:
+                    self._own(ek, key, value, touched)
+                else:
+                    index[ek] = key
         if old.chains or new.chains:
             for name in old.chains.keys() - new.chains.keys():
                 _disown(self._chain_owners, name, key)
@@ -116,8 +121,9 @@ class DiffStore:
                     self._map_owners.setdefault(name, {})[key] = m
                     touched.maps.add(name)
             # A remembered (affinity) endpoint must not outlive the endpoint: when one of the
-            # service's endpoint elements goes or changes, its affinity maps are emptied.
-            kept = old.maps.keys() & new.maps.keys()
+            # service's endpoint elements goes or changes, its affinity maps (the dynamic ones,
+            # which the packet path fills) are emptied.
+            kept = {n for n in old.maps.keys() & new.maps.keys() if "dynamic" in new.maps[n].flags}
             if kept and any(
                 "-eps-" in ek[0] and new_elements.get(ek) != value
                 for ek, value in old_elements.items()
@@ -167,12 +173,10 @@ class DiffStore:
         return self.contributions[owners].elements[ek]
 
     def desired_chain(self, name: str) -> ChainDef | None:
-        owners = self._chain_owners.get(name)
-        return owners[min(owners)] if owners else None
+        return _first_owners(self._chain_owners.get(name))
 
-    def desired_map(self, name: str) -> Map | None:
-        owners = self._map_owners.get(name)
-        return owners[min(owners)] if owners else None
+    def desired_map(self, name: str) -> Map | Set | None:
+        return _first_owners(self._map_owners.get(name))
 
     def conflicts(self, touched: Touched) -> list[tuple[ElementKey, list[ServiceKey]]]:
         """Touched elements that services want with different values (the first owner's value
@@ -286,6 +290,18 @@ class DiffStore:
             _record(self.applied_chains, name, chain)
         for name, m in plan.maps.items():
             _record(self.applied_maps, name, m)
+
+
+def _first_owners(owners: dict[ServiceKey, V] | None) -> V | None:
+    """The value of the first owner in sorted order. Thousands of services own each pick chain
+    and endpoint map, all with the one cached definition: then any owner's will do."""
+    if not owners:
+        return None
+    values = iter(owners.values())
+    first = next(values)
+    if all(value is first for value in values):
+        return first
+    return owners[min(owners)]
 
 
 def _disown(owners: dict[K, dict[ServiceKey, V]], key: K, service: ServiceKey) -> None:

@@ -9,15 +9,22 @@ Per-service data lives only in **elements** (ARCHITECTURE.md: 100k elements load
 second where 10k chains take many): a service port is found by a verdict map keyed by
 ``address . protocol . port`` (``proto . port`` for node ports), whose verdict is ``goto
 pick-<kind>-<family>-<N>``, one chain per *endpoint count* N shared by every service with N
-endpoints. That chain picks an index with ``numgen random mod N`` and DNATs through the endpoint
-map keyed by ``address . protocol . port . index``. No chain per service or per endpoint, except
-for ClientIP session affinity, which needs a per-service timeout and its own dynamic map.
+endpoints. That chain picks an index i uniformly (rule i, for i < N - 1, takes it with
+``numgen random mod (N - i) 0``: probability 1/(N - i) of what is left) and DNATs through
+endpoint map ``<kind>-eps-<family>-<i>``, keyed like the verdict map. No chain per service or
+per endpoint, except for ClientIP session affinity (below).
+
+One endpoint map per index, with named types, rather than one map with the index in its key:
+that key needs ``typeof ... th dport . numgen random mod 1``, which nft 1.0.6 cannot read back
+from the kernel ("conflicting protocols specified: ip vs. th"), so every later transaction
+adding a rule that used the map was refused (``udp dport`` in its place makes nft add a
+``meta l4proto udp`` match to those rules).
 
 A service port with no endpoint for a kind of traffic has the verdict ``goto reject`` (ICMP port
 unreachable: the client sees "connection refused" at once) when its family has no usable
 endpoint anywhere, else ``drop``.
 
-Kinds of traffic, each a dispatch map ``<kind>-<f>`` and an endpoint map ``<kind>-eps-<f>``:
+Kinds of traffic, each a dispatch map ``<kind>-<f>`` and endpoint maps ``<kind>-eps-<f>-<i>``:
 
 ==============  ====================  ============================================
 kind            key                   endpoints (``Endpoint.Scopes``)
@@ -32,15 +39,20 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ==============  ====================  ============================================
 
 ClientIP session affinity, on every kind of traffic but the eTP=Local short-circuit (as
-kube-proxy): ``affinity-<f>`` (``address . proto . port``) and ``affinity-nodeport-<f>``
-(``proto . port``, to a node port address) jump to the service's ``affinity-<id>-<f>`` chain,
-which DNATs to the endpoint remembered for ``client . address . proto . port`` in the service's
-dynamic map, if there is one; otherwise the dispatch maps pick one. ``masquerading`` records
-each new connection's pick there (``affinity-update-<f>``, ``affinity-update-nodeport-<f>``,
-matched on the connection's original destination), with the service's ``timeoutSeconds``: an
-entry lasts that long after the client's last new connection. Matching node ports by port
-alone, the update map may also record a connection DNATed to the same port number of another
-address; such an entry is never looked up (its key holds that address) and expires.
+kube-proxy), remembers the endpoint each client was sent to, per service port and set of
+endpoints: ``cluster`` (the cluster IPs) and ``external`` (external IPs, LB IPs and the node
+port, which share the External endpoints). ``affinity-<f>`` (``address . proto . port``) and
+``affinity-nodeport-<f>`` (``proto . port``, to a node port address) jump to that group's
+``affinity-<id>-<f>`` chain, which DNATs a client found in its two dynamic maps (client ->
+endpoint address, client -> endpoint port) there; otherwise the dispatch maps pick. The
+``masquerading`` chain records each new connection's pick in those maps
+(``affinity-update-<f>``, ``affinity-update-nodeport-<f>``, matched on the connection's
+original destination) with the service's ``timeoutSeconds``: an entry lasts that long after the
+client's last new connection. Only a pick among the group's endpoints is recorded (set
+``affinity-<id>-<f>-endpoints``): a node port is matched by protocol and port alone, and a
+connection to another address on that port number must not be remembered.
+Two maps keyed by the client alone, because nft 1.0.6 aborts on a packet-path update with a
+concatenated IPv6 key or value (``netlink_gen_expr: dreg < ctx->reg_low``).
 
 Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
@@ -58,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
-from kpng.model.messages import Endpoint, PortMapping, Service, ServiceEndpoints
+from kpng.model.messages import Endpoint, PortMapping, ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
 MASQUERADE_MARK = 0x4000
@@ -137,15 +149,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         for kind in KINDS:
             port_only = kind in _PORT_ONLY
             key = "inet_proto . inet_service" if port_only else three
-            lookup = "meta l4proto . th dport" if port_only else tup
             objects.append(Map(f"{kind}-{fam}", "verdict", type=key))
-            objects.append(
-                Map(
-                    f"{kind}-eps-{fam}",
-                    f"{ip} daddr . th dport",
-                    typeof=f"{lookup} . numgen random mod 1",
-                )
-            )
         objects += [
             Map(f"affinity-{fam}", "verdict", type=three),
             Map(f"affinity-update-{fam}", "verdict", type=three),
@@ -200,20 +204,20 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             svc(f"{np} meta l4proto . th dport vmap @nodeport-{fam}")
 
         # nft types `ct original proto-dst` only once the protocol is known, hence a rule each.
+        original = f"ct original {ip} daddr . meta l4proto . ct original proto-dst"
         for proto in _PROTOCOLS.values():
             rules.append(
                 Rule(
                     "masquerading",
-                    f"meta l4proto {proto} ct status dnat ct original {ip} daddr . meta l4proto . "
-                    f"ct original proto-dst vmap @affinity-update-{fam}",
+                    f"meta l4proto {proto} ct status dnat {original} vmap @affinity-update-{fam}",
                 )
             )
             if np:
                 rules.append(
                     Rule(
                         "masquerading",
-                        f"meta l4proto {proto} ct status dnat meta l4proto . "
-                        f"ct original proto-dst vmap @affinity-update-nodeport-{fam}",
+                        f"meta l4proto {proto} ct status dnat meta l4proto . ct original proto-dst "
+                        f"vmap @affinity-update-nodeport-{fam}",
                     )
                 )
         hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
@@ -229,22 +233,34 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
 
 
 @functools.cache
-def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...]]:
-    """The chain choosing one of ``count`` endpoints for every service port of ``kind``
-    (cached: thousands of services share a handful of these)."""
+def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...], tuple[Map, ...]]:
+    """The chain choosing one of ``count`` endpoints for every service port of ``kind``, and the
+    endpoint maps it reads (cached: thousands of services share a handful of these)."""
     name = f"pick-{kind}-{fam}-{count}"
-    lookup = "meta l4proto . th dport" if kind in _PORT_ONLY else _tuple(fam)
+    port_only = kind in _PORT_ONLY
+    lookup = "meta l4proto . th dport" if port_only else _tuple(fam)
+    key = "inet_proto . inet_service" if port_only else f"{_ADDR[fam]} . inet_proto . inet_service"
     ip = _IP[fam]
-    rule = Rule(
-        name,
-        f"dnat {ip} addr . port to {lookup} . numgen random mod {count} map @{kind}-eps-{fam}",
+    maps = tuple(
+        Map(endpoint_map(kind, fam, i), f"{_ADDR[fam]} . inet_service", type=key)
+        for i in range(count)
     )
-    return Chain(name), (rule,)
+    rules = tuple(
+        Rule(
+            name,
+            f"numgen random mod {count - i} 0 dnat {ip} addr . port to {lookup} map @{m.name}"
+            if i < count - 1
+            else f"dnat {ip} addr . port to {lookup} map @{m.name}",
+        )
+        for i, m in enumerate(maps)
+    )
+    return Chain(name), rules, maps
 
 
-def service_id(service: Service) -> str:
-    """A short stable name for per-service objects (names are limited, namespaces are not)."""
-    return hashlib.sha1(f"{service.Namespace}/{service.Name}".encode()).hexdigest()[:12]
+@functools.cache
+def endpoint_map(kind: Kind, fam: Fam, index: int) -> str:
+    """The map holding endpoint ``index`` of every service port of ``kind`` with more."""
+    return f"{kind}-eps-{fam}-{index}"
 
 
 @dataclass
@@ -253,7 +269,8 @@ class Contribution:
 
     elements: dict[ElementKey, tuple[str, ...]] = field(default_factory=dict)
     chains: dict[str, tuple[Chain, tuple[Rule, ...]]] = field(default_factory=dict)
-    maps: dict[str, Map] = field(default_factory=dict)
+    maps: dict[str, Map | Set] = field(default_factory=dict)
+    """Named sets and maps, by name."""
     problems: list[str] = field(default_factory=list)
     udp_endpoints: set[tuple[str, str, str]] = field(default_factory=set)
     """(service address, port, endpoint address) of UDP traffic: the conntrack entries to delete
@@ -326,8 +343,6 @@ def contribute(se: ServiceEndpoints) -> Contribution:
             continue
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
-        affinity_tuples: list[tuple[str, ...]] = []
-        affinity_nodeports: list[tuple[str, str]] = []
         for port in service.Ports:
             proto = _PROTOCOLS.get(port.Protocol)
             if proto is None or not 0 < port.Port < 65536:
@@ -345,11 +360,9 @@ def contribute(se: ServiceEndpoints) -> Contribution:
 
             for cip in cluster_ips:
                 dispatch("cluster", (cip, proto, p), internal)
-                affinity_tuples.append((cip, proto, p))
             for eip in external_ips + lb_ips:
                 key = (eip, proto, p)
                 dispatch("external", key, external)
-                affinity_tuples.append(key)
                 if local_etp:
                     dispatch("external-sc", key, cluster_wide)
                 else:
@@ -357,7 +370,6 @@ def contribute(se: ServiceEndpoints) -> Contribution:
             if port.NodePort:
                 np_key = (proto, str(port.NodePort))
                 dispatch("nodeport", np_key, external)
-                affinity_nodeports.append(np_key)
                 if local_etp:
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
@@ -374,19 +386,29 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     out.elements[(f"firewall-{fam}", key)] = ()
                     for r in ranges:
                         out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
-        if timeout and (affinity_tuples or affinity_nodeports):
-            _affinity(
-                out,
-                service_id(service),
-                fam,
-                timeout=timeout,
-                addressed=affinity_tuples,
-                nodeports=affinity_nodeports,
-            )
+            if timeout:
+                group = f"{service.Namespace}/{service.Name}/{proto}/{p}"
+                _affinity(
+                    out,
+                    f"{group}/cluster",
+                    fam,
+                    proto=proto,
+                    timeout=timeout,
+                    endpoints=internal,
+                    addressed=[(cip, proto, p) for cip in cluster_ips],
+                )
+                if external_ips or lb_ips or port.NodePort:
+                    _affinity(
+                        out,
+                        f"{group}/external",
+                        fam,
+                        proto=proto,
+                        timeout=timeout,
+                        endpoints=external,
+                        addressed=[(eip, proto, p) for eip in external_ips + lb_ips],
+                        nodeports=[(proto, str(port.NodePort))] if port.NodePort else [],
+                    )
     return out
-
-
-_INDEXES = tuple(str(i) for i in range(256))
 
 
 def _dispatch(
@@ -401,15 +423,14 @@ def _dispatch(
 ) -> None:
     elements = out.elements
     if eps:
-        chain, rules = pick_chain(kind, fam, len(eps))
+        chain, rules, maps = pick_chain(kind, fam, len(eps))
         out.chains[chain.name] = (chain, rules)
         elements[(f"{kind}-{fam}", key)] = (f"goto {chain.name}",)
+        for m, value in zip(maps, eps, strict=True):
+            out.maps[m.name] = m
+            elements[(m.name, key)] = value
     else:
         elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
-    container = f"{kind}-eps-{fam}"
-    for i, value in enumerate(eps):
-        index = _INDEXES[i] if i < 256 else str(i)
-        elements[(container, (*key, index))] = value
     if proto == "udp":
         address = key[0] if len(key) == 3 else ""
         out.udp_endpoints.update((address, key[-1], addr) for addr, _ in eps)
@@ -417,49 +438,58 @@ def _dispatch(
 
 def _affinity(
     out: Contribution,
-    sid: str,
+    group: str,
     fam: Fam,
     *,
+    proto: str,
     timeout: int,
+    endpoints: list[EndpointValue],
     addressed: list[tuple[str, ...]],
-    nodeports: list[tuple[str, str]],
+    nodeports: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """The service's affinity chains and map, and the elements leading its traffic there:
-    ``addressed`` (address, proto, port) keys and ``nodeports`` (proto, port) keys."""
+    """The affinity chains, maps and set of one service port's ``group`` of traffic sharing
+    ``endpoints``, and the elements leading there: ``addressed`` (address, proto, port) keys and
+    ``nodeports`` (proto, port) keys."""
     ip, addr = _IP[fam], _ADDR[fam]
-    name = f"affinity-{sid}-{fam}"
-    # The map's name carries its timeout: a new timeout is a new map, which the chains switch
-    # to in the same transaction, because nft can neither change a map's timeout nor delete a
-    # map that a rule refers to.
-    map_name = f"{name}-{timeout}s"
-    out.maps[map_name] = Map(
-        map_name,
-        f"{addr} . inet_service",
-        type=f"{addr} . {addr} . inet_proto . inet_service",
-        flags=("dynamic", "timeout"),
-        timeout_s=timeout,
-    )
-    lookup = Chain(name)
+    gid = hashlib.sha1(group.encode()).hexdigest()[:12]
+    name = f"affinity-{gid}-{fam}"
+    # The maps' names carry the timeout: a new timeout is new maps, which the chains switch to
+    # in the same transaction, because nft can neither change a map's timeout nor delete a map
+    # that a rule refers to.
+    addresses, ports = f"{name}-{timeout}s-addr", f"{name}-{timeout}s-port"
+    for map_name, value in ((addresses, addr), (ports, "inet_service")):
+        out.maps[map_name] = Map(
+            map_name, value, type=addr, flags=("dynamic", "timeout"), timeout_s=timeout
+        )
     out.chains[name] = (
-        lookup,
-        (Rule(name, f"dnat {ip} addr . port to {ip} saddr . {_tuple(fam)} map @{map_name}"),),
-    )
-    update = Chain(f"affinity-update-{sid}-{fam}")
-    out.chains[update.name] = (
-        update,
-        tuple(
+        Chain(name),
+        (
             Rule(
-                update.name,
-                f"meta l4proto {proto} update @{map_name} {{ {ip} saddr . ct original {ip} daddr . "
-                f"meta l4proto . ct original proto-dst timeout {timeout}s : "
-                f"{ip} daddr . th dport }}",
-            )
-            for proto in sorted({key[1] for key in addressed} | {key[0] for key in nodeports})
+                name,
+                f"meta l4proto {proto} dnat {ip} to {ip} saddr map @{addresses} : "
+                f"{ip} saddr map @{ports}",
+            ),
+        ),
+    )
+    picked = f"{name}-endpoints"
+    out.maps[picked] = Set(picked, type=f"{addr} . inet_service")
+    for endpoint in endpoints:
+        out.elements[(picked, endpoint)] = ()
+    update = f"affinity-update-{gid}-{fam}"
+    out.chains[update] = (
+        Chain(update),
+        (
+            Rule(
+                update,
+                f"meta l4proto {proto} {ip} daddr . th dport @{picked} "
+                f"update @{addresses} {{ {ip} saddr timeout {timeout}s : {ip} daddr }} "
+                f"update @{ports} {{ {ip} saddr timeout {timeout}s : th dport }}",
+            ),
         ),
     )
     for key in addressed:
         out.elements[(f"affinity-{fam}", key)] = (f"jump {name}",)
-        out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update.name}",)
+        out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update}",)
     for np_key in nodeports:
         out.elements[(f"affinity-nodeport-{fam}", np_key)] = (f"jump {name}",)
-        out.elements[(f"affinity-update-nodeport-{fam}", np_key)] = (f"jump {update.name}",)
+        out.elements[(f"affinity-update-nodeport-{fam}", np_key)] = (f"jump {update}",)
