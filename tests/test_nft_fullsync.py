@@ -72,9 +72,11 @@ def test_full_sync_renders_exactly_what_the_typed_transaction_renders() -> None:
 def test_full_sync_orders_elements_by_container_then_key() -> None:
     plan = _store(generate(500, seed=3)).full()
     elements = [
-        (op.obj.container, key) for op in plan.tx.operations if isinstance(op.obj, Elements)
-        for key, _ in op.obj.items
-    ]  # fmt: skip
+        (element.container, element.key)
+        for op in plan.tx.operations
+        if isinstance(op.obj, Elements)
+        for element in op.obj.expand()
+    ]
     assert elements == sorted(elements)
     assert set(elements) == {(c, k) for c, k in plan.elements}
 

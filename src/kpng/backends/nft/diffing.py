@@ -256,10 +256,12 @@ class DiffStore:
                     tx.add(rule)
         for element in static:
             tx.add(element)
-        # The bulk of a full sync: every element, rendered in batches per container (see
-        # ``Elements``), in the order of ``sorted(element keys)``.
+        # The bulk of a full sync: every element rendered straight to text, in batches per
+        # container (see ``Elements``), in the order of ``sorted(element keys)``. Sorting the
+        # rendered keys gives that order (fields hold no space, which sorts before anything
+        # they hold) at a fraction of the cost of sorting tuples.
         table: dict[ElementKey, tuple[str, ...]] = {}
-        by_container: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
+        by_container: dict[str, list[tuple[str, str]]] = {}
         contributions = self.contributions
         for ek, owners in self._element_owners.items():
             if isinstance(owners, dict):
@@ -270,11 +272,12 @@ class DiffStore:
             items = by_container.get(ek[0])
             if items is None:
                 items = by_container[ek[0]] = []
-            items.append((ek[1], value))
+            key = " . ".join(ek[1])
+            items.append((key, f"{key} : {' . '.join(value)}" if value else key))
         for container in sorted(by_container):
             items = by_container[container]
-            items.sort()  # keys are unique within a container: values never decide the order
-            tx.add(Elements(container, items))
+            items.sort()  # keys are unique within a container: the texts never decide
+            tx.add(Elements(container, [text for _, text in items]))
         return Plan(tx, table, chains, maps, table=table)
 
     def commit(self, plan: Plan) -> None:

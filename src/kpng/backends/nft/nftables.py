@@ -189,34 +189,35 @@ class Element:
 
 @dataclass(frozen=True)
 class Elements:
-    """Many elements of set or map ``container`` added at once: (key fields, value fields) each.
+    """Many elements of set or map ``container`` added at once, each already rendered as
+    ``Element.render`` writes it (``key`` or ``key : value``).
 
     What a full sync uses instead of one ``Element`` per element: 100k ``Element``s cost more
     to make, validate and render than nft takes to load them. ``items`` are not validated one by
     one; they come from kpng's layout, which writes only addresses, protocols and numbers that
-    the model parsed. ``expand()`` gives the same elements as validated ``Element``s, and a
-    transaction renders the same text either way (tests hold the two to each other).
+    the model parsed (a malformed one makes nft refuse the transaction). ``expand()`` gives the
+    same elements as validated ``Element``s, and a transaction renders the same text either way
+    (tests hold the two to each other).
     """
 
     container: str
-    items: Sequence[tuple[tuple[str, ...], tuple[str, ...]]]
+    items: Sequence[str]
 
     def __post_init__(self) -> None:
         _check_name("set", self.container)
 
     def expand(self) -> list[Element]:
         """The items as ``Element``s (``InvalidObject`` for the first invalid one)."""
-        return [Element(self.container, key, value) for key, value in self.items]
+        out = []
+        for item in self.items:
+            key, colon, value = item.partition(" : ")
+            fields = tuple(value.split(" . ")) if colon else ()
+            out.append(Element(self.container, tuple(key.split(" . ")), fields))
+        return out
 
     def render(self) -> str:
-        """The items as the body of an ``add element`` command, as ``Element.render`` writes
-        each."""
-        return ", ".join(
-            [
-                f"{' . '.join(key)} : {' . '.join(value)}" if value else " . ".join(key)
-                for key, value in self.items
-            ]
-        )
+        """The items as the body of an ``add element`` command."""
+        return ", ".join(self.items)
 
 
 Object = Table | Chain | Rule | Set | Map | Element | Elements
