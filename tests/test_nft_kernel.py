@@ -12,14 +12,16 @@ import random
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import Options
-from kpng.backends.nft.nftables import NftError, Transaction
+from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -34,7 +36,7 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
-from kpng.testing.netns import available
+from kpng.testing.netns import ClusterSpec, TestBed, available, wait_until
 from tests.nft_services import generate
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -120,12 +122,14 @@ def _ruleset(netns: str) -> str:
     ).stdout
 
 
-def _service(*, affinity: int = 0, node_port: int = 0) -> Service:
+def _service(
+    *, affinity: int = 0, node_port: int = 0, cluster_ip: str = "10.96.0.10", name: str = "web"
+) -> Service:
     return Service(
         Namespace="ns",
-        Name="web",
+        Name=name,
         Type="NodePort" if node_port else "ClusterIP",
-        IPs=ServiceIPs(ClusterIPs=IPSet(V4=("10.96.0.10",))),
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(cluster_ip,))),
         Ports=(
             PortMapping(
                 Name="p",
@@ -251,3 +255,136 @@ def test_kernel_takes_every_incremental_transaction_and_ends_as_a_full_sync(
     services = asyncio.run(scenario())
     asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, services)))
     assert _table(changed) == _table(fresh)
+
+
+def _manifest(bed: TestBed, cluster_ip: str) -> str:
+    pod = bed.pod("p1")
+    objects = [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {
+                "clusterIP": cluster_ip,
+                "clusterIPs": [cluster_ip],
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "web-x",
+                "namespace": "ns",
+                "labels": {"kubernetes.io/service-name": "web"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [pod.ip4], "nodeName": "node-1", "conditions": {"ready": True}}
+            ],
+        },
+    ]
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+
+
+def _start_kpng(bed: TestBed, manifests: Path, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "kpng", "--log-level", "debug", "file", "--input"]
+    argv += [str(manifests), "to-local", "--node-name", "node-1", "to-nft"]
+    with log.open("wb") as stderr:
+        return bed.spawn(bed.nodes["node-1"].netns, argv, stderr=stderr)
+
+
+def _synced(log: Path) -> bool:
+    return "applied a full transaction" in log.read_text()
+
+
+def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path) -> None:
+    """kpng is stopped (its rules stay) and started again while the node keeps opening
+    connections to a service: not one fails."""
+    cluster_ip = "10.96.0.10"
+    with TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed:
+        node = bed.nodes["node-1"].netns
+        manifests = tmp_path / "manifests"
+        manifests.mkdir()
+        (manifests / "cluster.json").write_text(_manifest(bed, cluster_ip))
+        first = _start_kpng(bed, manifests, tmp_path / "first.log")
+        assert wait_until(lambda: _synced(tmp_path / "first.log"), timeout=20)
+        assert bed.probe(node, "tcp", cluster_ip, 80) == [f"p1 {bed.nodes['node-1'].ip4}"]
+
+        # Connections one after the other for 6 s, the restart in their midst.
+        argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", cluster_ip, "80"]
+        client = bed.spawn(node, [*argv, "--for", "6", "--timeout", "1"], stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        first.terminate()
+        assert first.wait(timeout=10) == 0
+        assert "chain pick-cluster-v4-1" in bed.exec(node, ["nft", "list", "table", "inet", "kpng"])
+        second = _start_kpng(bed, manifests, tmp_path / "second.log")
+        assert wait_until(lambda: _synced(tmp_path / "second.log"), timeout=20)
+        assert client.poll() is None, "the client stopped before the takeover: nothing proven"
+        out, _ = client.communicate(timeout=120)
+        results = json.loads(out)["results"]
+        assert len(results) > 100
+        failed = [r for r in results if not r.startswith("p1 ")]
+        assert failed == []
+        assert second.poll() is None
+
+
+class FailingOnceNft(RecordingNft):
+    """The kernel's nft; with ``fail_next`` set, the next transaction gets an element the
+    kernel refuses (its set does not exist) as its last line."""
+
+    fail_next = False
+
+    async def run(self, tx: Transaction) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            bad = Operation("add", Element("no-such-set", ("10.0.0.1",)))
+            tx = Transaction(tx.table, [*tx.operations, bad])
+        await super().run(tx)
+
+
+def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_resync(
+    netns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    db: ServiceKey = ("ns", "db")
+
+    async def scenario() -> None:
+        nft = FailingOnceNft(netns)
+        gate = asyncio.Event()
+
+        async def backoff(_: float) -> None:
+            await gate.wait()  # the retry waits for the test, not for a clock
+
+        backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
+        services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        before = _table(netns)
+        nft.fail_next = True
+        services[db] = ServiceEndpoints(
+            _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
+        )
+        assert await backend.apply(_state(2, services, updated={db})) is False
+        assert nft.runs[-1][1] is not None  # refused...
+        assert _table(netns) == before  # ...and nothing of it applied
+        gate.set()
+        assert await _eventually(lambda: len(nft.runs) == 3)
+        retried, error = nft.runs[2]
+        assert error is None
+        assert retried.render().startswith("add table inet kpng")  # a full resync
+        assert "10.96.0.20" in _ruleset(netns)
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert "nft refused the incremental transaction" in caplog.text
+    assert "add element inet kpng no-such-set { 10.0.0.1 }" in caplog.text  # the failing line
+
+
+async def _eventually(condition: Callable[[], bool]) -> bool:
+    """Await until ``condition`` holds (checked every 10 ms), for 10 s at most."""
+    for _ in range(1000):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return condition()

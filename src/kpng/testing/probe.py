@@ -1,9 +1,10 @@
 """A client for test beds: connect N times, print what answered, as one JSON line.
 
     python -m kpng.testing.probe tcp|udp|http HOST PORT [--count N] [--timeout S] [--hold S]
-        [--source ADDRESS]
+        [--source ADDRESS] [--for S]
 
-Each attempt is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
+Each attempt (``--count`` of them, or as many as fit in ``--for`` seconds, one after the other)
+is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
 if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--source", default=None)
+    parser.add_argument("--for", dest="duration", type=float, default=0.0)
     args = parser.parse_args(argv)
     results: list[str] = []
     seconds: list[float] = []
@@ -137,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = udp_same_source(args.host, args.port, args.count, args.timeout)
     else:
         once = {"tcp": tcp_once, "udp": udp_once, "http": http_once}[args.proto]
-        for _ in range(args.count):
+        deadline = time.monotonic() + args.duration
+        while len(results) < args.count if not args.duration else time.monotonic() < deadline:
             start = time.monotonic()
             results.append(once(args.host, args.port, args.timeout, args.source))
             seconds.append(round(time.monotonic() - start, 4))
