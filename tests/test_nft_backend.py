@@ -13,7 +13,7 @@ import pytest
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute
-from kpng.backends.nft.nftables import Map, NftError, Transaction
+from kpng.backends.nft.nftables import Map, NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -380,6 +380,62 @@ def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> Non
         assert nft.dump() == fresh.dump()
 
     asyncio.run(scenario())
+
+
+class SctpLessNft(FakeNft):
+    """A fake kernel without SCTP: it refuses any transaction with an SCTP element, naming the
+    first line that has one."""
+
+    async def run(self, tx: Transaction) -> None:
+        for n, (line, _) in enumerate(tx.lines(), start=1):
+            if " . sctp . " in line:
+                raise error_for_line(tx, line_number=n, message="Operation not supported")
+        await super().run(tx)
+
+
+SCTP: ServiceKey = ("ns", "sctp")
+
+
+def test_service_the_kernel_refuses_is_left_out_and_named_and_the_rest_programmed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        nft = SctpLessNft()
+        backend = NftBackend(nft=nft, options=Options(), sleep=_no_sleep)
+        services = {
+            WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),)),
+            DB: ServiceEndpoints(_service("db", cluster_ip="10.96.0.20"), (_ep("10.244.1.3"),)),
+            SCTP: ServiceEndpoints(
+                _service("sctp", cluster_ip="10.96.0.30", protocol="SCTP"), (_ep("10.244.1.4"),)
+            ),
+        }
+        await backend.apply(_state(1, services))
+        assert set(nft.elements(TABLE, "cluster-v4")) == {
+            ("10.96.0.10", "tcp", "80"),
+            ("10.96.0.20", "tcp", "80"),
+        }
+        assert "10.96.0.30" not in nft.dump()
+        # Sent again unchanged, it stays out without another refusal.
+        applied = len(nft.transactions)
+        await backend.apply(_state(2, services))
+        assert len(nft.transactions) == applied + 1
+        # Changed into something the kernel takes, it is programmed.
+        services[SCTP] = ServiceEndpoints(
+            _service("sctp", cluster_ip="10.96.0.30"), (_ep("10.244.1.4"),)
+        )
+        await backend.apply(_state(3, services, updated={SCTP}))
+        assert ("10.96.0.30", "tcp", "80") in nft.elements(TABLE, "cluster-v4")
+        assert not nft.transactions[-1].render().startswith("add table")  # incremental
+        await backend.close()
+
+    asyncio.run(scenario())
+    refusals = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(refusals) == 1
+    assert refusals[0].startswith(
+        "service ns/sctp: the kernel refuses its rules; it is left out until it changes: "
+        "nft: Operation not supported at line "
+    )
+    assert "10.96.0.30 . sctp . 80" in refusals[0]  # the failing line
 
 
 def test_once_returns_true_when_the_first_state_is_applied() -> None:

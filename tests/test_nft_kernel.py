@@ -21,7 +21,7 @@ import pytest
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import Options
-from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction
+from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -388,3 +388,42 @@ async def _eventually(condition: Callable[[], bool]) -> bool:
             return True
         await asyncio.sleep(0.01)
     return condition()
+
+
+class SctpLessKernelNft(RecordingNft):
+    """The kernel's nft, as if the kernel lacked SCTP: a transaction with an SCTP element is
+    refused, naming its first such line."""
+
+    async def run(self, tx: Transaction) -> None:
+        for n, (line, _) in enumerate(tx.lines(), start=1):
+            if " . sctp . " in line:
+                raise error_for_line(tx, line_number=n, message="Operation not supported")
+        await super().run(tx)
+
+
+def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_programmed(
+    namespaces: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    services = generate(150, seed=8)
+    sctp = {
+        key for key, se in services.items() if any(p.Protocol == "SCTP" for p in se.service.Ports)
+    }
+    assert 0 < len(sctp) < len(services)
+    options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+    refusing, fresh = namespaces(), namespaces()
+
+    async def scenario() -> None:
+        backend = NftBackend(nft=SctpLessKernelNft(refusing), options=options)
+        await backend.apply(_state(1, services))
+        await backend.close()
+
+    asyncio.run(scenario())
+    rest = {key: se for key, se in services.items() if key not in sctp}
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, rest)))
+    assert _table(refusing) == _table(fresh)
+    left_out = {
+        r.getMessage().split(":")[0].removeprefix("service ")
+        for r in caplog.records
+        if "left out until it changes" in r.getMessage()
+    }
+    assert left_out == {f"{ns}/{name}" for ns, name in sctp}

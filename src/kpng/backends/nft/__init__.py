@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
-from kpng.backends.nft.diffing import DiffStore, Plan, Touched
+from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft
 from kpng.backends.nft.health import HealthServers
 from kpng.backends.nft.layout import TABLE, Options, contribute
@@ -128,9 +128,12 @@ class NftBackend:
                 await self._sleep(self._backoff)
             with _collector_paused():
                 plan = self._plan(touched)
-            try:
-                await self._nft.run(plan.tx)
-            except NftError as exc:
+            error = await self._run(plan)
+            if error is not None and plan.full and await self._leave_out_refused_services():
+                with _collector_paused():
+                    plan = self._plan(touched)
+                error = await self._run(plan)
+            if error is not None:
                 self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
                 self._backoff = min(self._backoff, MAX_BACKOFF_S)
                 self._needs_full = True
@@ -140,7 +143,7 @@ class NftBackend:
                     "full" if plan.full else "incremental",
                     len(plan.tx),
                     self._backoff,
-                    exc,
+                    error,
                 )
                 return False
             self.store.commit(plan)
@@ -155,6 +158,60 @@ class NftBackend:
         return True
 
     _backoff = FIRST_BACKOFF_S
+
+    async def _run(self, plan: Plan) -> NftError | None:
+        try:
+            await self._nft.run(plan.tx)
+        except NftError as exc:
+            return exc
+        return None
+
+    async def _leave_out_refused_services(self) -> bool:
+        """After a refused full sync: find the services whose rules the kernel refuses on
+        their own, log each, and leave it out of the table until it changes. True if any."""
+        refused = await self._refused_services()
+        for key, error in sorted(refused.items()):
+            log.error(
+                "service %s: the kernel refuses its rules; it is left out until it changes: %s",
+                object_name(*key),
+                error,
+            )
+            # Its ServiceEndpoints stays recorded: sent again unchanged, it stays out.
+            self.store.update(key, None, Touched())
+        return bool(refused)
+
+    async def _refused_services(self) -> dict[ServiceKey, NftError]:
+        """Bisection over the services with ``check_transaction`` (nothing is kept, no packet
+        sees it): at most two checks per service, far fewer for a few bad ones. Empty if the
+        refusal does not show there, or shows with no service at all."""
+        contributions = self.store.contributions
+        options = self.store.options
+
+        async def check(keys: list[ServiceKey]) -> NftError | None:
+            with _collector_paused():
+                tx = check_transaction(options, ((key, contributions[key]) for key in keys))
+            try:
+                await self._nft.run(tx)
+            except NftError as exc:
+                return exc
+            return None
+
+        keys = sorted(contributions)
+        error = await check(keys)
+        if error is None or await check([]) is not None:
+            return {}
+        refused: dict[ServiceKey, NftError] = {}
+        suspects = [(keys, error)]  # each refused as a whole
+        while suspects:
+            part, error = suspects.pop()
+            if len(part) == 1:
+                refused[part[0]] = error
+                continue
+            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+                half_error = await check(half)
+                if half_error is not None:
+                    suspects.append((half, half_error))
+        return refused
 
     async def _retry_until_applied(self) -> None:
         while not await self._sync(Touched(), backoff=True):

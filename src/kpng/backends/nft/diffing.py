@@ -12,16 +12,34 @@ of 100k elements then makes no per-element objects here.
 ``incremental`` turns the touched objects into a transaction against the applied state, and
 ``commit`` records that the kernel took it. ``full`` is the whole desired table, replacing
 whatever the table holds in one transaction (start-up, takeover, recovery).
+``check_transaction`` asks the kernel about some services alone, leaving nothing behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kpng.backends.nft.layout import TABLE, Contribution, ElementKey, Options, skeleton
-from kpng.backends.nft.nftables import Chain, Element, Elements, Map, Rule, Set, Transaction
+from kpng.backends.nft.layout import (
+    CHECK_TABLE,
+    TABLE,
+    Contribution,
+    ElementKey,
+    Options,
+    skeleton,
+)
+from kpng.backends.nft.nftables import (
+    Chain,
+    Element,
+    Elements,
+    Map,
+    Operation,
+    Rule,
+    Set,
+    Table,
+    Transaction,
+)
 from kpng.model.cluster import ServiceKey
 
 ChainDef = tuple[Chain, tuple[Rule, ...]]
@@ -293,6 +311,28 @@ class DiffStore:
             _record(self.applied_chains, name, chain)
         for name, m in plan.maps.items():
             _record(self.applied_maps, name, m)
+
+
+def check_transaction(
+    options: Options, contributions: Iterable[tuple[ServiceKey, Contribution]]
+) -> Transaction:
+    """What a full sync of ``contributions`` alone writes, in ``CHECK_TABLE`` with its base
+    chains made plain (no packet sees them), and that table deleted at the end: the kernel
+    checks every object and element and keeps nothing, whether it takes the transaction or
+    not. Refusals that depend on a hook do not show here."""
+    store = DiffStore(options)
+    touched = Touched()
+    for key, contribution in contributions:
+        store.update(key, contribution, touched)
+    tx = Transaction(CHECK_TABLE)
+    for op in store.full().tx.operations:
+        obj = op.obj
+        if isinstance(obj, Table):
+            obj = CHECK_TABLE
+        elif isinstance(obj, Chain) and obj.is_base:
+            obj = Chain(obj.name)
+        tx.operations.append(Operation(op.verb, obj))
+    return tx.delete(CHECK_TABLE)
 
 
 def _first_owners(owners: dict[ServiceKey, V] | None) -> V | None:

@@ -73,6 +73,9 @@ from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
 from kpng.model.messages import Endpoint, PortMapping, ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
+CHECK_TABLE = Table("inet", "kpng-check")
+"""Where kpng asks the kernel whether it takes some services' rules: made and deleted in the
+same transaction, without hooks."""
 MASQUERADE_MARK = 0x4000
 """The packet mark bit asking for masquerade: the bit kube-proxy uses, so that CNI plugins that
 know it keep working."""
