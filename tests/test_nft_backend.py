@@ -164,6 +164,29 @@ CASES = [
         id="load-balancer-source-ranges-only-on-their-target-ips",
     ),
     pytest.param(
+        ServiceEndpoints(
+            _service(
+                external_ips=("192.0.2.9",),
+                filters=(
+                    IPFilter(
+                        TargetIPs=IPSet(V4=("192.0.2.9",)),
+                        SourceRanges=("10.0.0.0/8", "10.1.0.0/16", "10.2.3.4/32", "11.0.0.0/8"),
+                    ),
+                ),
+            ),
+            (),
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "drop",
+            "external-v4: 192.0.2.9 . tcp . 80": "drop",
+            "external-masq-v4: 192.0.2.9 . tcp . 80": "",
+            "firewall-v4: 192.0.2.9 . tcp . 80": "",
+            # Merged: overlapping intervals in one set make the kernel refuse them.
+            "firewall-allow-v4: 192.0.2.9 . tcp . 80 . 10.0.0.0/7": "",
+        },
+        id="overlapping-source-ranges-are-merged",
+    ),
+    pytest.param(
         ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",

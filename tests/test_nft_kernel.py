@@ -29,6 +29,7 @@ from kpng.model.messages import (
     Endpoint,
     EndpointScopes,
     IPFamilies,
+    IPFilter,
     IPSet,
     PortMapping,
     PortName,
@@ -427,3 +428,30 @@ def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_program
         if "left out until it changes" in r.getMessage()
     }
     assert left_out == {f"{ns}/{name}" for ns, name in sctp}
+
+
+def test_kernel_takes_overlapping_source_ranges(netns: str) -> None:
+    lb = Service(
+        Namespace="ns",
+        Name="lb",
+        Type="LoadBalancer",
+        IPs=ServiceIPs(
+            ClusterIPs=IPSet(V4=("10.96.0.10",)), LoadBalancerIPs=IPSet(V4=("192.0.2.9",))
+        ),
+        Ports=(
+            PortMapping(Name="p", Protocol="TCP", Port=80, UsableEndpoints=IPFamilies(V4=True)),
+        ),
+        IPFilters=(
+            IPFilter(
+                TargetIPs=IPSet(V4=("192.0.2.9",)),
+                SourceRanges=("10.0.0.0/8", "10.1.0.0/16", "192.168.1.0/24", "192.168.0.0/23"),
+            ),
+        ),
+    )
+    nft = RecordingNft(netns)
+    services = {("ns", "lb"): ServiceEndpoints(lb, (_ep("10.244.1.2"),))}
+    asyncio.run(NftBackend(nft=nft, options=Options()).apply(_state(1, services)))
+    assert [error for _, error in nft.runs] == [None]
+    allowed = _ruleset(netns).split("set firewall-allow-v4")[1].split("}")[0]
+    assert "10.0.0.0/8" in allowed
+    assert "192.168.0.0/23" in allowed

@@ -321,6 +321,21 @@ def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointVa
     return [endpoints[k] for k in sorted(endpoints)]
 
 
+@functools.cache
+def _allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
+    """The source ranges of one family, merged: overlapping ranges in one interval set make
+    the kernel refuse the transaction ("File exists"), and their union is what is allowed."""
+    if v6:
+        merged6 = ipaddress.collapse_addresses(
+            ipaddress.IPv6Network(r, strict=False) for r in ranges if ":" in r
+        )
+        return tuple(str(n) for n in merged6)
+    merged4 = ipaddress.collapse_addresses(
+        ipaddress.IPv4Network(r, strict=False) for r in ranges if ":" not in r
+    )
+    return tuple(str(n) for n in merged4)
+
+
 def _local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
     return frozenset(
         a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
@@ -383,7 +398,7 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                         out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
                 targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
-                ranges = [r for r in flt.SourceRanges if (":" in r) == v6]
+                ranges = _allowed_ranges(flt.SourceRanges, v6)
                 for target in targets:
                     key = (target, proto, p)
                     out.elements[(f"firewall-{fam}", key)] = ()
