@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         while len(results) < args.count if not args.duration else time.monotonic() < deadline:
             start = time.monotonic()
             results.append(once(args.host, args.port, args.timeout, args.source))
-            seconds.append(round(time.monotonic() - start, 4))
+            seconds.append(round(time.monotonic() - start, 6))
     print(json.dumps({"results": results, "seconds": seconds}))
     return 0
 
