@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Sequence
 
 import pytest
 
 from kpng.backends.nft import NftBackend
+from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute
 from kpng.backends.nft.nftables import Map, NftError, Transaction, error_for_line
@@ -403,6 +405,49 @@ def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> Non
         assert nft.dump() == fresh.dump()
 
     asyncio.run(scenario())
+
+
+class RecordingConntrack(Conntrack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[list[str]] = []
+
+    async def delete(self, filters: Sequence[str]) -> None:
+        self.deleted.append(list(filters))
+
+
+def test_udp_entries_of_a_refused_change_are_cleaned_once_a_sync_gets_through() -> None:
+    async def scenario() -> None:
+        nft, conntrack = FlakyNft(), RecordingConntrack()
+        backend = NftBackend(nft=nft, options=Options(), conntrack=conntrack, sleep=_no_sleep)
+        dns = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.2"),))
+        await backend.apply(_state(1, {WEB: dns}))
+        conntrack.deleted.clear()
+        nft.failures = 1  # the change that removes the endpoint is refused
+        moved = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.3"),))
+        await backend.apply(_state(2, {WEB: moved}))
+        assert conntrack.deleted == []
+        for _ in range(100):  # the background full resync (no backoff with _no_sleep)
+            if conntrack.deleted:
+                break
+            await asyncio.sleep(0.01)
+        assert [
+            "-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
+            "--dst-nat", "10.244.1.2",
+        ] in conntrack.deleted  # fmt: skip
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def _udp_ep(addr: str) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V4=(addr,)),
+        PortOverrides=(PortName(Name="p", Port=5353, Protocol="UDP"),),
+        Scopes=ALL,
+        Ready=True,
+        Serving=True,
+    )
 
 
 class SctpLessNft(FakeNft):

@@ -65,6 +65,8 @@ class NftBackend:
         self._sleep = sleep
         self.store = DiffStore(options)
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
+        self._unclean = Touched()
+        """UDP conntrack cleanup owed by changes whose transaction was refused."""
         self._needs_full = True
         self._lock = asyncio.Lock()
         self._retry: asyncio.Task[None] | None = None
@@ -134,6 +136,9 @@ class NftBackend:
                     plan = self._plan(touched)
                 error = await self._run(plan)
             if error is not None:
+                # The UDP entries this change makes stale are cleaned once a sync gets through.
+                self._unclean.udp_gone |= touched.udp_gone
+                self._unclean.udp_new_services |= touched.udp_new_services
                 self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
                 self._backoff = min(self._backoff, MAX_BACKOFF_S)
                 self._needs_full = True
@@ -154,7 +159,10 @@ class NftBackend:
                 "full" if plan.full else "incremental",
                 len(plan.tx),
             )
-        await self._clean_conntrack(touched)
+            unclean, self._unclean = self._unclean, Touched()
+        unclean.udp_gone |= touched.udp_gone
+        unclean.udp_new_services |= touched.udp_new_services
+        await self._clean_conntrack(unclean)
         return True
 
     _backoff = FIRST_BACKOFF_S
