@@ -1,13 +1,19 @@
-"""to-nft against kube-proxy's nftables layout, in a network namespace of its own (root).
+"""to-nft on this machine, the issue's figures, in network namespaces of their own (root).
 
 1. full sync of N services x 10 endpoints with to-nft (``NftBackend.apply`` to the kernel,
-   rendering included; target <= 1.5 s at 10,000);
+   rendering included; target <= 1.5 s at 10,000): the median of ``--repeat`` runs, split into
+   Python and ``nft -f``;
 2. the same services in kube-proxy's layout (a chain per service with an anonymous
    ``numgen random mod 10 vmap``, a chain per endpoint, a verdict map to the service chains),
-   generated here and loaded with ``nft -f`` (``--baseline-services``: it takes minutes at 10k);
-3. one endpoint change at N services: the time until the kernel has it.
+   generated here and loaded with ``nft -f`` (``--baseline-services``), and the ratio;
+3. one endpoint change at each of ``--change-sizes`` services: the time until the kernel has
+   it, median of ``--changes`` changes (target <= 30 ms, flat);
+4. connection latency through a service with 100 and with 10,000 services programmed
+   (``--latency-sizes``): a test bed node whose pod opens connections to a service served by
+   another pod, rounds alternating the sizes, median per size (target: ratio <= 1.2).
 
-    python bench/bench_nft.py [--services 10000] [--baseline-services 10000]
+    python bench/bench_nft.py [--services 10000] [--baseline-services 10000] [--repeat 5]
+        [--change-sizes 1000,10000,30000] [--latency-sizes 100,10000] [--no-latency]
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from kpng.backends.nft.nftables import Table, Transaction
 
 ENDPOINTS = 10
 
@@ -62,7 +72,16 @@ def kube_proxy_layout(services: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def _state(services: int, revision: int, changed: int | None = None) -> object:
+TARGET_IP = "10.96.0.10"
+"""The cluster IP of the service the latency figure connects to (outside 10.0/16, where the
+generated services are)."""
+
+
+def _state(
+    services: int, revision: int, changed: int | None = None, target: str | None = None
+) -> object:
+    """``services`` generated services (all updated, or only the one ``changed``, whose first
+    endpoint moves), and with ``target`` a service at ``TARGET_IP`` served by that address."""
     from kpng.backends.registry import NodeState
     from kpng.model.messages import (
         Endpoint,
@@ -104,6 +123,23 @@ def _state(services: int, revision: int, changed: int | None = None) -> object:
             for e in range(ENDPOINTS)
         )
         state[("ns", f"web-{s}")] = ServiceEndpoints(svc, eps)
+    if target is not None:
+        svc = Service(
+            Namespace="ns",
+            Name="target",
+            Type="ClusterIP",
+            IPs=ServiceIPs(ClusterIPs=IPSet(V4=(TARGET_IP,))),
+            Ports=(port,),
+        )
+        endpoint = Endpoint(
+            IPs=IPSet(V4=(target,)),
+            Local=True,
+            PortOverrides=(PortName(Name="http", Port=8080, Protocol="TCP"),),
+            Scopes=scopes,
+            Ready=True,
+            Serving=True,
+        )
+        state[("ns", "target")] = ServiceEndpoints(svc, (endpoint,))
     updated = set(state) if changed is None else {("ns", f"web-{changed}")}
     return NodeState(
         node="n1",
@@ -114,35 +150,86 @@ def _state(services: int, revision: int, changed: int | None = None) -> object:
     )
 
 
-async def _to_nft(services: int) -> tuple[float, float, int]:
+class TimedNft:
+    """The kernel's nft, timing each transaction (its rendering included)."""
+
+    def __init__(self) -> None:
+        from kpng.backends.nft.executing import KernelNft
+
+        self._nft = KernelNft()
+        self.seconds = 0.0
+
+    async def run(self, tx: Transaction) -> None:
+        start = time.perf_counter()
+        try:
+            await self._nft.run(tx)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    async def delete_table(self, table: Table) -> bool:
+        return await self._nft.delete_table(table)
+
+
+class FullSync(NamedTuple):
+    seconds: float
+    nft_seconds: float
+    elements: int
+
+
+async def _full_sync(services: int) -> FullSync:
+    """One full sync of ``services`` into an empty table."""
+    from kpng.backends.nft import NftBackend
+    from kpng.backends.nft.layout import Options
+
+    nft = TimedNft()
+    backend = NftBackend(nft=nft, options=Options(cluster_cidrs=("10.128.0.0/9",)))
+    first = _state(services, 1)
+    start = time.perf_counter()
+    await backend.apply(first)  # type: ignore[arg-type]
+    full = FullSync(time.perf_counter() - start, nft.seconds, len(backend.store.applied_elements))
+    await backend.close()
+    return full
+
+
+async def _changes(services: int, count: int) -> list[float]:
+    """Seconds each of ``count`` endpoint changes (one service each) takes, at ``services``."""
     from kpng.backends.nft import NftBackend
     from kpng.backends.nft.executing import KernelNft
     from kpng.backends.nft.layout import Options
 
     backend = NftBackend(nft=KernelNft(), options=Options(cluster_cidrs=("10.128.0.0/9",)))
-    first = _state(services, 1)
-    start = time.perf_counter()
-    await backend.apply(first)  # type: ignore[arg-type]
-    full = time.perf_counter() - start
-    changed = _state(services, 2, changed=services // 2)
-    start = time.perf_counter()
-    await backend.apply(changed)  # type: ignore[arg-type]
-    one = time.perf_counter() - start
-    elements = len(backend.store.applied_elements)
+    await backend.apply(_state(services, 1))  # type: ignore[arg-type]
+    seconds = []
+    for i in range(count):
+        changed = _state(services, 2 + i, changed=(services // 2 + 97 * i) % services)
+        start = time.perf_counter()
+        await backend.apply(changed)  # type: ignore[arg-type]
+        seconds.append(time.perf_counter() - start)
     await backend.close()
-    return full, one, elements
+    return seconds
+
+
+def _delete_table() -> None:
+    subprocess.run(["nft", "delete", "table", "inet", "kpng"], check=True)
+
+
+def _median(values: Sequence[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def inside(args: argparse.Namespace) -> int:
-    full, one, elements = asyncio.run(_to_nft(args.services))
-    subprocess.run(["nft", "delete", "table", "inet", "kpng"], check=True)
+    print(f"load average before: {os.getloadavg()[0]:.2f} (2 cores; other work skews timings)")
+    fulls = []
+    for _ in range(args.repeat):
+        fulls.append(asyncio.run(_full_sync(args.services)))
+        _delete_table()
+    fulls.sort(key=lambda f: f.seconds)
+    median = fulls[len(fulls) // 2]
     print(
-        f"to-nft full sync, {args.services} services x {ENDPOINTS} endpoints "
-        f"({elements} elements): {full:.3f} s (target <= 1.5 s)"
-    )
-    print(
-        f"to-nft one endpoint change at {args.services} services: {one * 1000:.1f} ms "
-        "(target <= 30 ms)"
+        f"1. to-nft full sync, {args.services} services x {ENDPOINTS} endpoints "
+        f"({median.elements} elements), {args.repeat} runs: median {median.seconds:.3f} s "
+        f"(Python {median.seconds - median.nft_seconds:.3f} s, nft -f with rendering "
+        f"{median.nft_seconds:.3f} s), best {fulls[0].seconds:.3f} s (target <= 1.5 s)"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".nft") as f:
         f.write(kube_proxy_layout(args.baseline_services))
@@ -150,26 +237,83 @@ def inside(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         subprocess.run(["nft", "-f", f.name], check=True)
         baseline = time.perf_counter() - start
+    subprocess.run(["nft", "delete", "table", "ip", "kube-proxy"], check=True)
     print(
-        f"kube-proxy layout, {args.baseline_services} services x {ENDPOINTS} endpoints, "
+        f"2. kube-proxy layout, {args.baseline_services} services x {ENDPOINTS} endpoints, "
         f"nft -f: {baseline:.3f} s"
     )
     if args.baseline_services == args.services:
-        print(f"ratio kube-proxy / to-nft at {args.services} services: {baseline / full:.1f}x")
+        ratio = baseline / median.seconds
+        print(f"   ratio kube-proxy / to-nft at {args.services} services: {ratio:.1f}x")
     else:
-        small = asyncio.run(_to_nft(args.baseline_services))[0]
-        subprocess.run(["nft", "delete", "table", "inet", "kpng"], check=True)
+        small = asyncio.run(_full_sync(args.baseline_services)).seconds
+        _delete_table()
         print(
-            f"to-nft full sync at {args.baseline_services} services: {small:.3f} s; "
+            f"   to-nft full sync at {args.baseline_services} services: {small:.3f} s; "
             f"ratio kube-proxy / to-nft there: {baseline / small:.1f}x"
         )
+    medians = []
+    for size in args.change_sizes:
+        seconds = asyncio.run(_changes(size, args.changes))
+        _delete_table()
+        medians.append(_median(seconds))
+        print(
+            f"3. one endpoint change at {size} services: median {medians[-1] * 1000:.1f} ms, "
+            f"worst {max(seconds) * 1000:.1f} ms of {args.changes} (target <= 30 ms)"
+        )
+    print(f"   largest / smallest median: {max(medians) / min(medians):.2f} (flat: about 1)")
     return 0
+
+
+def latency(args: argparse.Namespace) -> None:
+    """Figure 4, in a test bed of its own: rounds alternate the sizes, so that what else the
+    machine does weighs on each alike."""
+    import json
+
+    from kpng.backends.nft import NftBackend
+    from kpng.backends.nft.executing import KernelNft
+    from kpng.backends.nft.layout import Options
+    from kpng.testing.netns import ClusterSpec, TestBed
+
+    rounds = 3
+    seconds: dict[int, list[float]] = {size: [] for size in args.latency_sizes}
+    with TestBed(ClusterSpec.parse({"node-1": ["server", "client"]})) as bed:
+        nft = KernelNft(("ip", "netns", "exec", bed.nodes["node-1"].netns, "nft"))
+        probe = [sys.executable, "-m", "kpng.testing.probe", "tcp", TARGET_IP, "80"]
+        probe += ["--count", str(args.connections), "--timeout", "1"]
+        for _ in range(rounds):
+            for size in args.latency_sizes:
+                state = _state(size, 1, target=bed.pod("server").ip4)
+                asyncio.run(NftBackend(nft=nft, options=Options()).apply(state))  # type: ignore[arg-type]
+                out = json.loads(bed.exec(bed.pod("client").netns, probe))
+                failed = [r for r in out["results"] if not r.startswith("server ")]
+                if failed:
+                    raise SystemExit(f"connections failed at {size} services: {failed[:5]}")
+                seconds[size] += out["seconds"]
+    medians = {size: _median(values) for size, values in seconds.items()}
+    for size, value in medians.items():
+        p90 = sorted(seconds[size])[len(seconds[size]) * 9 // 10]
+        print(
+            f"4. connection latency with {size} services: median {value * 1e6:.0f} us, "
+            f"p90 {p90 * 1e6:.0f} us ({len(seconds[size])} connections)"
+        )
+    small, large = min(medians), max(medians)
+    print(
+        f"   ratio {large} / {small} services: {medians[large] / medians[small]:.2f} "
+        "(target <= 1.2)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--services", type=int, default=10000)
     parser.add_argument("--baseline-services", type=int, default=10000)
+    parser.add_argument("--repeat", type=int, default=5, help="full syncs to take the median of")
+    parser.add_argument("--change-sizes", type=_sizes, default=[1000, 10000, 30000])
+    parser.add_argument("--changes", type=int, default=15, help="endpoint changes per size")
+    parser.add_argument("--latency-sizes", type=_sizes, default=[100, 10000])
+    parser.add_argument("--connections", type=int, default=1000, help="per size and round")
+    parser.add_argument("--no-latency", action="store_true", help="skip figure 4")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inside:
@@ -178,10 +322,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     subprocess.run(["ip", "netns", "add", netns], check=True)
     try:
         cmd = [sys.executable, __file__, "--inside", "--services", str(args.services)]
-        cmd += ["--baseline-services", str(args.baseline_services)]
-        return subprocess.run(["ip", "netns", "exec", netns, *cmd], check=False).returncode
+        cmd += ["--baseline-services", str(args.baseline_services), "--repeat", str(args.repeat)]
+        cmd += ["--change-sizes", ",".join(map(str, args.change_sizes))]
+        cmd += ["--changes", str(args.changes)]
+        rc = subprocess.run(["ip", "netns", "exec", netns, *cmd], check=False).returncode
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)
+    if rc == 0 and not args.no_latency:
+        latency(args)
+    return rc
+
+
+def _sizes(value: str) -> list[int]:
+    return [int(v) for v in value.split(",")]
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Sequence
 
 import pytest
 
 from kpng.backends.nft import NftBackend
+from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute
-from kpng.backends.nft.nftables import NftError, Transaction
+from kpng.backends.nft.nftables import Map, NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -88,8 +90,8 @@ CASES = [
         ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.2.3", local=True))),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.244.1.2 . 8080",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.244.2.3 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.244.1.2 . 8080",
+            "cluster-eps-v4-1: 10.96.0.10 . tcp . 80": "10.244.2.3 . 8080",
             "hairpin-v4: 10.244.2.3 . 10.244.2.3": "",
         },
         id="clusterip-spreads-over-endpoints-and-hairpins-local-ones",
@@ -110,12 +112,12 @@ CASES = [
         ),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
             "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
-            "external-eps-v4: 192.0.2.1 . tcp . 80 . 0": "10.1.1.1 . 8080",
+            "external-eps-v4-0: 192.0.2.1 . tcp . 80": "10.1.1.1 . 8080",
             "external-masq-v4: 192.0.2.1 . tcp . 80": "",
             "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
+            "nodeport-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
             "nodeport-masq-v4: tcp . 30080": "",
         },
         id="external-traffic-policy-cluster-masquerades",
@@ -130,13 +132,13 @@ CASES = [
         ),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-2",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 1": "10.2.2.2 . 8080",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
+            "cluster-eps-v4-1: 10.96.0.10 . tcp . 80": "10.2.2.2 . 8080",
             "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4: tcp . 30080 . 0": "10.2.2.2 . 8080",
+            "nodeport-eps-v4-0: tcp . 30080": "10.2.2.2 . 8080",
             "nodeport-sc-v4: tcp . 30080": "goto pick-nodeport-sc-v4-2",
-            "nodeport-sc-eps-v4: tcp . 30080 . 0": "10.1.1.1 . 8080",
-            "nodeport-sc-eps-v4: tcp . 30080 . 1": "10.2.2.2 . 8080",
+            "nodeport-sc-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
+            "nodeport-sc-eps-v4-1: tcp . 30080": "10.2.2.2 . 8080",
             "hairpin-v4: 10.2.2.2 . 10.2.2.2": "",
         },
         id="external-traffic-policy-local-short-circuits-to-cluster-endpoints",
@@ -164,14 +166,66 @@ CASES = [
         id="load-balancer-source-ranges-only-on-their-target-ips",
     ),
     pytest.param(
+        ServiceEndpoints(
+            _service(
+                external_ips=("192.0.2.9",),
+                filters=(
+                    IPFilter(
+                        TargetIPs=IPSet(V4=("192.0.2.9",)),
+                        SourceRanges=("10.0.0.0/8", "10.1.0.0/16", "10.2.3.4/32", "11.0.0.0/8"),
+                    ),
+                ),
+            ),
+            (),
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "drop",
+            "external-v4: 192.0.2.9 . tcp . 80": "drop",
+            "external-masq-v4: 192.0.2.9 . tcp . 80": "",
+            "firewall-v4: 192.0.2.9 . tcp . 80": "",
+            # Merged: overlapping intervals in one set make the kernel refuse them.
+            "firewall-allow-v4: 192.0.2.9 . tcp . 80 . 10.0.0.0/7": "",
+        },
+        id="overlapping-source-ranges-are-merged",
+    ),
+    pytest.param(
         ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)),
         {
             "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4: 10.96.0.10 . tcp . 80 . 0": "10.1.1.1 . 8080",
-            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-069bbdee541a-v4",
-            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-069bbdee541a-v4",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
+            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
+            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
+            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
         },
-        id="client-ip-affinity-remembers-per-service",
+        id="client-ip-affinity-remembers-per-service-port",
+    ),
+    pytest.param(
+        ServiceEndpoints(
+            _service(affinity=60, node_port=30080, external_ips=("192.0.2.1",)),
+            (_ep("10.1.1.1"),),
+        ),
+        {
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
+            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
+            "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
+            "external-eps-v4-0: 192.0.2.1 . tcp . 80": "10.1.1.1 . 8080",
+            "external-masq-v4: 192.0.2.1 . tcp . 80": "",
+            "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
+            "nodeport-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
+            "nodeport-masq-v4: tcp . 30080": "",
+            # Cluster IPs and the external traffic (external IP, node port) use different
+            # endpoints (Internal, External scope), so each group remembers its own.
+            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
+            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
+            "affinity-v4: 192.0.2.1 . tcp . 80": "jump affinity-cf9ca481ccc1-v4",
+            "affinity-update-v4: 192.0.2.1 . tcp . 80": "jump affinity-update-cf9ca481ccc1-v4",
+            "affinity-nodeport-v4: tcp . 30080": "jump affinity-cf9ca481ccc1-v4",
+            "affinity-update-nodeport-v4: tcp . 30080": "jump affinity-update-cf9ca481ccc1-v4",
+            # What a group may remember: its own endpoints.
+            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
+            "affinity-cf9ca481ccc1-v4-endpoints: 10.1.1.1 . 8080": "",
+        },
+        id="client-ip-affinity-covers-external-ips-and-node-ports",
     ),
     pytest.param(
         ServiceEndpoints(_service(protocol="ICMP"), (_ep("10.1.1.1"),)),
@@ -191,12 +245,23 @@ def test_unsupported_port_is_reported() -> None:
     assert problems == ["port p: unsupported protocol or port"]
 
 
-def test_affinity_chains_use_the_service_timeout() -> None:
+def test_affinity_remembers_address_and_port_per_client_for_the_service_timeout() -> None:
     contribution = contribute(ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)))
-    (amap,) = contribution.maps.values()
-    assert amap.timeout_s == 60
-    rules = [r.expr for _, rules in contribution.chains.values() for r in rules]
-    assert any("timeout 60s" in r for r in rules)
+    dynamic = [m for m in contribution.maps.values() if isinstance(m, Map) and m.timeout_s]
+    assert {(m.name, m.type, m.value, m.timeout_s) for m in dynamic} == {
+        ("affinity-c5b1ca89aef5-v4-60s-addr", "ipv4_addr", "ipv4_addr", 60),
+        ("affinity-c5b1ca89aef5-v4-60s-port", "ipv4_addr", "inet_service", 60),
+    }
+    rules = {r.chain: r.expr for _, rules in contribution.chains.values() for r in rules}
+    assert rules["affinity-c5b1ca89aef5-v4"] == (
+        "meta l4proto tcp dnat ip to ip saddr map @affinity-c5b1ca89aef5-v4-60s-addr : "
+        "ip saddr map @affinity-c5b1ca89aef5-v4-60s-port"
+    )
+    assert rules["affinity-update-c5b1ca89aef5-v4"] == (
+        "meta l4proto tcp ip daddr . th dport @affinity-c5b1ca89aef5-v4-endpoints "
+        "update @affinity-c5b1ca89aef5-v4-60s-addr { ip saddr timeout 60s : ip daddr } "
+        "update @affinity-c5b1ca89aef5-v4-60s-port { ip saddr timeout 60s : th dport }"
+    )
 
 
 # --- the backend over the fake
@@ -261,15 +326,15 @@ def test_first_state_replaces_the_table_then_changes_are_incremental() -> None:
         assert nft.transactions[1].render().splitlines() == [
             "add chain inet kpng pick-cluster-v4-1",
             "add rule inet kpng pick-cluster-v4-1 dnat ip addr . port to ip daddr . meta l4proto "
-            ". th dport . numgen random mod 1 map @cluster-eps-v4",
-            "delete element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0, "
-            "10.96.0.10 . tcp . 80 . 1 }",
+            ". th dport map @cluster-eps-v4-0",
+            "delete element inet kpng cluster-eps-v4-0 { 10.96.0.10 . tcp . 80 }",
+            "delete element inet kpng cluster-eps-v4-1 { 10.96.0.10 . tcp . 80 }",
             "delete element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 }",
-            "add element inet kpng cluster-eps-v4 { 10.96.0.10 . tcp . 80 . 0 : "
-            "10.244.1.3 . 8080 }",
+            "add element inet kpng cluster-eps-v4-0 { 10.96.0.10 . tcp . 80 : 10.244.1.3 . 8080 }",
             "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }",
             "flush chain inet kpng pick-cluster-v4-2",
             "delete chain inet kpng pick-cluster-v4-2",
+            "delete map inet kpng cluster-eps-v4-1",  # no service has a second endpoint now
         ]
         # A deleted service leaves nothing behind.
         del services[DB]
@@ -306,6 +371,139 @@ def test_refused_transaction_keeps_rules_and_is_followed_by_a_full_resync(
     asyncio.run(scenario())
     assert "nft refused the incremental transaction" in caplog.text
     assert "line 1: add table inet kpng" in caplog.text
+
+
+def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options())
+        services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
+        await backend.apply(_state(2, services, updated={WEB}))
+        assert len(nft.transactions) == 2  # the change was not refused
+        assert nft.transactions[1].render().splitlines() == [
+            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-addr { type ipv4_addr : ipv4_addr ; "
+            "flags dynamic,timeout ; timeout 30s ; }",
+            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-port { type ipv4_addr : inet_service "
+            "; flags dynamic,timeout ; timeout 30s ; }",
+            "add chain inet kpng affinity-c5b1ca89aef5-v4",
+            "flush chain inet kpng affinity-c5b1ca89aef5-v4",
+            "add rule inet kpng affinity-c5b1ca89aef5-v4 meta l4proto tcp dnat ip to ip saddr map "
+            "@affinity-c5b1ca89aef5-v4-30s-addr : ip saddr map @affinity-c5b1ca89aef5-v4-30s-port",
+            "add chain inet kpng affinity-update-c5b1ca89aef5-v4",
+            "flush chain inet kpng affinity-update-c5b1ca89aef5-v4",
+            "add rule inet kpng affinity-update-c5b1ca89aef5-v4 meta l4proto tcp ip daddr . "
+            "th dport @affinity-c5b1ca89aef5-v4-endpoints update @affinity-c5b1ca89aef5-v4-30s-addr"
+            " { ip saddr timeout 30s : ip daddr } update @affinity-c5b1ca89aef5-v4-30s-port "
+            "{ ip saddr timeout 30s : th dport }",
+            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-addr",
+            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-port",
+        ]
+        fresh = FakeNft()
+        await NftBackend(nft=fresh, options=Options()).apply(_state(1, services))
+        assert nft.dump() == fresh.dump()
+
+    asyncio.run(scenario())
+
+
+class RecordingConntrack(Conntrack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[list[str]] = []
+
+    async def delete(self, filters: Sequence[str]) -> None:
+        self.deleted.append(list(filters))
+
+
+def test_udp_entries_of_a_refused_change_are_cleaned_once_a_sync_gets_through() -> None:
+    async def scenario() -> None:
+        nft, conntrack = FlakyNft(), RecordingConntrack()
+        backend = NftBackend(nft=nft, options=Options(), conntrack=conntrack, sleep=_no_sleep)
+        dns = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.2"),))
+        await backend.apply(_state(1, {WEB: dns}))
+        conntrack.deleted.clear()
+        nft.failures = 1  # the change that removes the endpoint is refused
+        moved = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.3"),))
+        await backend.apply(_state(2, {WEB: moved}))
+        assert conntrack.deleted == []
+        for _ in range(100):  # the background full resync (no backoff with _no_sleep)
+            if conntrack.deleted:
+                break
+            await asyncio.sleep(0.01)
+        assert [
+            "-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
+            "--dst-nat", "10.244.1.2",
+        ] in conntrack.deleted  # fmt: skip
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def _udp_ep(addr: str) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V4=(addr,)),
+        PortOverrides=(PortName(Name="p", Port=5353, Protocol="UDP"),),
+        Scopes=ALL,
+        Ready=True,
+        Serving=True,
+    )
+
+
+class SctpLessNft(FakeNft):
+    """A fake kernel without SCTP: it refuses any transaction with an SCTP element, naming the
+    first line that has one."""
+
+    async def run(self, tx: Transaction) -> None:
+        for n, (line, _) in enumerate(tx.lines(), start=1):
+            if " . sctp . " in line:
+                raise error_for_line(tx, line_number=n, message="Operation not supported")
+        await super().run(tx)
+
+
+SCTP: ServiceKey = ("ns", "sctp")
+
+
+def test_service_the_kernel_refuses_is_left_out_and_named_and_the_rest_programmed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        nft = SctpLessNft()
+        backend = NftBackend(nft=nft, options=Options(), sleep=_no_sleep)
+        services = {
+            WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),)),
+            DB: ServiceEndpoints(_service("db", cluster_ip="10.96.0.20"), (_ep("10.244.1.3"),)),
+            SCTP: ServiceEndpoints(
+                _service("sctp", cluster_ip="10.96.0.30", protocol="SCTP"), (_ep("10.244.1.4"),)
+            ),
+        }
+        await backend.apply(_state(1, services))
+        assert set(nft.elements(TABLE, "cluster-v4")) == {
+            ("10.96.0.10", "tcp", "80"),
+            ("10.96.0.20", "tcp", "80"),
+        }
+        assert "10.96.0.30" not in nft.dump()
+        # Sent again unchanged, it stays out without another refusal.
+        applied = len(nft.transactions)
+        await backend.apply(_state(2, services))
+        assert len(nft.transactions) == applied + 1
+        # Changed into something the kernel takes, it is programmed.
+        services[SCTP] = ServiceEndpoints(
+            _service("sctp", cluster_ip="10.96.0.30"), (_ep("10.244.1.4"),)
+        )
+        await backend.apply(_state(3, services, updated={SCTP}))
+        assert ("10.96.0.30", "tcp", "80") in nft.elements(TABLE, "cluster-v4")
+        assert not nft.transactions[-1].render().startswith("add table")  # incremental
+        await backend.close()
+
+    asyncio.run(scenario())
+    refusals = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(refusals) == 1
+    assert refusals[0].startswith(
+        "service ns/sctp: the kernel refuses its rules; it is left out until it changes: "
+        "nft: Operation not supported at line "
+    )
+    assert "10.96.0.30 . sctp . 80" in refusals[0]  # the failing line
 
 
 def test_once_returns_true_when_the_first_state_is_applied() -> None:

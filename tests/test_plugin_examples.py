@@ -265,7 +265,9 @@ def guarded(tmp_path: Path) -> Iterator[tuple[TestBed, Cluster, Path]]:
     with TestBed(GUARD_SPEC) as bed:
         assert bed.external is not None
         bed.exec(bed.external.netns, ["ip", "addr", "add", f"{OTHER_CLIENT}/24", "dev", "eth0"])
-        yield bed, Cluster(bed, manifests), manifests
+        logs = tmp_path / "node-logs"
+        logs.mkdir()
+        yield bed, Cluster(bed, manifests, logs), manifests
 
 
 def test_the_guard_drops_blocked_sources_to_node_ports(

@@ -55,6 +55,8 @@ pytestmark = pytest.mark.skipif(available() is not None, reason=str(available())
 class Cluster:
     bed: TestBed
     manifests: Path
+    logs: Path
+    """Where each node's backend writes its stderr (``<node>.log``)."""
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
 
     def cluster_ip(self) -> str:
@@ -114,9 +116,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     manifests = tmp_path_factory.mktemp("manifests")
     with TestBed(SPEC) as bed:
-        c = Cluster(bed, manifests)
-        c.write("nodes", *_node_objects())
         logs = tmp_path_factory.mktemp("logs")
+        c = Cluster(bed, manifests, logs)
+        c.write("nodes", *_node_objects())
         for node in bed.nodes.values():
             argv = [sys.executable, "-m", "kpng", "file", "--input", str(manifests)]
             argv += ["to-local", "--node-name", node.name, *shlex.split(backend)]
@@ -299,6 +301,95 @@ def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
     cluster.remove("affinity")
 
 
+def test_session_affinity_client_ip_sticks_through_node_ports_and_external_ips(
+    cluster: Cluster,
+) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    cluster.write(
+        "affinity-external",
+        service(
+            "sticky-ext",
+            ip,
+            [port("http", 80, nodePort=30084)],
+            type="NodePort",
+            externalIPs=[vip],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky-ext", ["a1", "b1", "c1"]),
+    )
+    for node in cluster.bed.nodes.values():
+        results = cluster.eventually("external", "tcp", node.ip4, 30084, answered, count=15)
+        assert len(names(results)) == 1, (node.name, results)
+    results = cluster.eventually("external", "tcp", vip, 80, answered, count=15)
+    assert len(names(results)) == 1, results
+    cluster.remove("affinity-external")
+
+
+def test_session_affinity_client_ip_is_sticky_over_ipv6(cluster: Cluster) -> None:
+    ip = "fd00:96::20"
+    cluster.write(
+        "affinity6",
+        service(
+            "sticky6",
+            ip,
+            [port("http", 80)],
+            ipFamilies=["IPv6"],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky6", ["a1", "b1", "c1"], v6=True),
+    )
+    results = cluster.eventually("b2", "tcp", ip, 80, answered, count=15)
+    assert len(names(results)) == 1, results
+    cluster.remove("affinity6")
+
+
+AFFINITY_TIMEOUT_S = 2
+
+
+def test_session_affinity_is_released_after_its_timeout(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "affinity-timeout",
+        service(
+            "brief",
+            ip,
+            [port("http", 80, nodePort=30085)],
+            type="NodePort",
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": AFFINITY_TIMEOUT_S}},
+        ),
+        endpoint_slice(cluster, "brief", ["a1", "b1", "c1"]),
+    )
+    # Ten client hosts: addresses added to the external client on the underlay.
+    ext = cluster.ns("external")
+    sources = [f"10.250.0.{210 + i}" for i in range(10)]
+    for source in sources:
+        cluster.bed.exec(ext, ["ip", "addr", "add", f"{source}/24", "dev", "eth0"])
+    try:
+        node = cluster.bed.nodes["node-2"].ip4
+        cluster.eventually("external", "tcp", node, 30085, answered)
+        first = {}
+        for source in sources:
+            results = cluster.probe("external", "tcp", node, 30085, count=3, source=source)
+            assert answered(results), (source, results)
+            assert len(names(results)) == 1, (source, results)
+            first[source] = names(results)
+        time.sleep(AFFINITY_TIMEOUT_S + 1.5)
+        after = {
+            source: names(cluster.probe("external", "tcp", node, 30085, source=source))
+            for source in sources
+        }
+        # Released, each client's next connection is a new pick among three endpoints: all ten
+        # would keep their endpoint with a probability of (1/3)^10.
+        assert any(after[source] != first[source] for source in sources), (first, after)
+    finally:
+        for source in sources:
+            cluster.bed.exec(ext, ["ip", "addr", "del", f"{source}/24", "dev", "eth0"], check=False)
+        cluster.remove("affinity-timeout")
+
+
 def test_hairpin_pod_reaches_itself_through_its_service(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(
@@ -333,6 +424,35 @@ def test_external_traffic_policy_local(cluster: Cluster) -> None:
     assert names(cluster.eventually("c1", "tcp", node3, 30082, answered)) == {"b1"}
     assert names(cluster.eventually("node-3", "tcp", node3, 30082, answered)) == {"b1"}
     cluster.remove("etp-local")
+
+
+def test_health_check_node_port_reports_local_ready_endpoints(cluster: Cluster) -> None:
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+
+    def write(pods: list[str]) -> None:
+        svc = service(
+            "health",
+            ip,
+            [port("http", 80, nodePort=30086)],
+            type="LoadBalancer",
+            externalTrafficPolicy="Local",
+            healthCheckNodePort=32086,
+        )
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}]}}
+        cluster.write("health", svc, endpoint_slice(cluster, "health", pods))
+
+    def answers(node: str, expected: str) -> None:
+        host = cluster.bed.nodes[node].ip4
+        cluster.eventually("external", "http", host, 32086, lambda r: r == [expected])
+
+    write(["b1"])
+    answers("node-2", '200 {"localEndpoints": 1}')
+    answers("node-1", '503 {"localEndpoints": 0}')
+    write(["b1", "b2", "a1"])  # the count follows the endpoints
+    answers("node-2", '200 {"localEndpoints": 2}')
+    answers("node-1", '200 {"localEndpoints": 1}')
+    cluster.remove("health")
+    answers("node-2", "refused")
 
 
 def test_internal_traffic_policy_local(cluster: Cluster) -> None:

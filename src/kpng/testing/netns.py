@@ -264,10 +264,14 @@ class TestBed:
         count: int = 1,
         timeout: float = 2.0,
         hold: float = 0.0,
+        source: str | None = None,
     ) -> list[str]:
-        """Answers of ``count`` connections from ``netns`` (see ``kpng.testing.probe``)."""
+        """Answers of ``count`` connections from ``netns``, from its address ``source`` if given
+        (see ``kpng.testing.probe``)."""
         argv = [sys.executable, "-m", "kpng.testing.probe", proto, host, str(port)]
         argv += ["--count", str(count), "--timeout", str(timeout), "--hold", str(hold)]
+        if source:
+            argv += ["--source", source]
         result: list[str] = json.loads(self.exec(netns, argv))["results"]
         return result
 

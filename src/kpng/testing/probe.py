@@ -1,11 +1,15 @@
 """A client for test beds: connect N times, print what answered, as one JSON line.
 
-    python -m kpng.testing.probe tcp|udp HOST PORT [--count N] [--timeout S] [--hold S]
+    python -m kpng.testing.probe tcp|udp|http HOST PORT [--count N] [--timeout S] [--hold S]
+        [--source ADDRESS] [--for S]
 
-Each attempt is a new connection (TCP) or a new socket (UDP) sending one line; its result is the
+Each attempt (``--count`` of them, or as many as fit in ``--for`` seconds, one after the other)
+is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
+if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
-a connection survives changes). Output: ``{"results": [...], "seconds": [...]}``.
+a connection survives changes). ``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
+Output: ``{"results": [...], "seconds": [...]}``.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def tcp_once(host: str, port: int, timeout: float) -> str:
+def tcp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with socket.create_connection(
+            (host, port), timeout=timeout, source_address=(source, 0) if source else None
+        ) as sock:
             sock.sendall(b"hello\n")
             return _read_line(sock)
     except ConnectionRefusedError:
@@ -33,6 +39,26 @@ def tcp_once(host: str, port: int, timeout: float) -> str:
         return "timeout"
     except OSError as exc:
         return f"error: {exc}"
+
+
+def http_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
+    try:
+        with socket.create_connection(
+            (host, port), timeout=timeout, source_address=(source, 0) if source else None
+        ) as sock:
+            sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"error: {exc}"
+    head, _, body = data.decode(errors="replace").partition("\r\n\r\n")
+    status = head.split(" ", 2)[1] if head.startswith("HTTP/") else "malformed"
+    return f"{status} {body}"
 
 
 def _read_line(sock: socket.socket) -> str:
@@ -45,10 +71,12 @@ def _read_line(sock: socket.socket) -> str:
     return data.decode().strip() or "closed"
 
 
-def udp_once(host: str, port: int, timeout: float) -> str:
+def udp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
     with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
         sock.settimeout(timeout)
         try:
+            if source:
+                sock.bind((source, 0))
             sock.connect((host, port))
             sock.send(b"hello\n")
             return sock.recv(4096).decode().strip()
@@ -94,12 +122,14 @@ def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probe", description=__doc__)
-    parser.add_argument("proto", choices=["tcp", "udp", "udp-same-source"])
+    parser.add_argument("proto", choices=["tcp", "udp", "udp-same-source", "http"])
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--source", default=None)
+    parser.add_argument("--for", dest="duration", type=float, default=0.0)
     args = parser.parse_args(argv)
     results: list[str] = []
     seconds: list[float] = []
@@ -108,11 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.proto == "udp-same-source":
         results = udp_same_source(args.host, args.port, args.count, args.timeout)
     else:
-        once = tcp_once if args.proto == "tcp" else udp_once
-        for _ in range(args.count):
+        once = {"tcp": tcp_once, "udp": udp_once, "http": http_once}[args.proto]
+        deadline = time.monotonic() + args.duration
+        while len(results) < args.count if not args.duration else time.monotonic() < deadline:
             start = time.monotonic()
-            results.append(once(args.host, args.port, args.timeout))
-            seconds.append(round(time.monotonic() - start, 4))
+            results.append(once(args.host, args.port, args.timeout, args.source))
+            seconds.append(round(time.monotonic() - start, 6))
     print(json.dumps({"results": results, "seconds": seconds}))
     return 0
 

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import ipaddress
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
-from kpng.backends.nft.diffing import DiffStore, Plan, Touched
+from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft
 from kpng.backends.nft.health import HealthServers
 from kpng.backends.nft.layout import TABLE, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
 from kpng.errors import UsageError, object_name
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +64,16 @@ class NftBackend:
         self._output = output or sys.stdout
         self._sleep = sleep
         self.store = DiffStore(options)
+        self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
+        self._unclean = Touched()
+        """UDP conntrack cleanup owed by changes whose transaction was refused."""
         self._needs_full = True
         self._lock = asyncio.Lock()
         self._retry: asyncio.Task[None] | None = None
 
     async def apply(self, state: NodeState) -> bool:
-        touched = Touched()
-        for key in state.deleted:
-            self.store.update(key, None, touched)
-        for key in state.updated:
-            se = state.services[key]
-            contribution = contribute(se)
-            for problem in contribution.problems:
-                log.warning("service %s: %s (skipped)", object_name(*key), problem)
-            self.store.update(key, contribution, touched)
-        for (container, ek), owners in self.store.conflicts(touched):
-            log.warning(
-                "%s element %s wanted differently by %s; %s wins",
-                container,
-                " . ".join(ek),
-                ", ".join(object_name(*o) for o in owners),
-                object_name(*owners[0]),
-            )
+        with _collector_paused():
+            touched = self._record(state)
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -101,6 +93,33 @@ class NftBackend:
             await self._health.update(state.services)
         return self._once and applied
 
+    def _record(self, state: NodeState) -> Touched:
+        """Record the services of ``state`` that changed in the store; what they touched."""
+        touched = Touched()
+        for key in state.deleted:
+            self._recorded.pop(key, None)
+            self.store.update(key, None, touched)
+        for key in state.updated:
+            se = state.services[key]
+            # A service sent again unchanged (a client's reconnection resends every one) costs
+            # a comparison, not a new contribution.
+            if self._recorded.get(key) == se:
+                continue
+            self._recorded[key] = se
+            contribution = contribute(se)
+            for problem in contribution.problems:
+                log.warning("service %s: %s (skipped)", object_name(*key), problem)
+            self.store.update(key, contribution, touched)
+        for (container, ek), owners in self.store.conflicts(touched):
+            log.warning(
+                "%s element %s wanted differently by %s; %s wins",
+                container,
+                " . ".join(ek),
+                ", ".join(object_name(*o) for o in owners),
+                object_name(*owners[0]),
+            )
+        return touched
+
     def _plan(self, touched: Touched) -> Plan:
         return self.store.full() if self._needs_full else self.store.incremental(touched)
 
@@ -109,10 +128,17 @@ class NftBackend:
         async with self._lock:
             if backoff:
                 await self._sleep(self._backoff)
-            plan = self._plan(touched)
-            try:
-                await self._nft.run(plan.tx)
-            except NftError as exc:
+            with _collector_paused():
+                plan = self._plan(touched)
+            error = await self._run(plan)
+            if error is not None and plan.full and await self._leave_out_refused_services():
+                with _collector_paused():
+                    plan = self._plan(touched)
+                error = await self._run(plan)
+            if error is not None:
+                # The UDP entries this change makes stale are cleaned once a sync gets through.
+                self._unclean.udp_gone |= touched.udp_gone
+                self._unclean.udp_new_services |= touched.udp_new_services
                 self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
                 self._backoff = min(self._backoff, MAX_BACKOFF_S)
                 self._needs_full = True
@@ -122,7 +148,7 @@ class NftBackend:
                     "full" if plan.full else "incremental",
                     len(plan.tx),
                     self._backoff,
-                    exc,
+                    error,
                 )
                 return False
             self.store.commit(plan)
@@ -133,10 +159,67 @@ class NftBackend:
                 "full" if plan.full else "incremental",
                 len(plan.tx),
             )
-        await self._clean_conntrack(touched)
+            unclean, self._unclean = self._unclean, Touched()
+        unclean.udp_gone |= touched.udp_gone
+        unclean.udp_new_services |= touched.udp_new_services
+        await self._clean_conntrack(unclean)
         return True
 
     _backoff = FIRST_BACKOFF_S
+
+    async def _run(self, plan: Plan) -> NftError | None:
+        try:
+            await self._nft.run(plan.tx)
+        except NftError as exc:
+            return exc
+        return None
+
+    async def _leave_out_refused_services(self) -> bool:
+        """After a refused full sync: find the services whose rules the kernel refuses on
+        their own, log each, and leave it out of the table until it changes. True if any."""
+        refused = await self._refused_services()
+        for key, error in sorted(refused.items()):
+            log.error(
+                "service %s: the kernel refuses its rules; it is left out until it changes: %s",
+                object_name(*key),
+                error,
+            )
+            # Its ServiceEndpoints stays recorded: sent again unchanged, it stays out.
+            self.store.update(key, None, Touched())
+        return bool(refused)
+
+    async def _refused_services(self) -> dict[ServiceKey, NftError]:
+        """Bisection over the services with ``check_transaction`` (nothing is kept, no packet
+        sees it): at most two checks per service, far fewer for a few bad ones. Empty if the
+        refusal does not show there, or shows with no service at all."""
+        contributions = self.store.contributions
+        options = self.store.options
+
+        async def check(keys: list[ServiceKey]) -> NftError | None:
+            with _collector_paused():
+                tx = check_transaction(options, ((key, contributions[key]) for key in keys))
+            try:
+                await self._nft.run(tx)
+            except NftError as exc:
+                return exc
+            return None
+
+        keys = sorted(contributions)
+        error = await check(keys)
+        if error is None or await check([]) is not None:
+            return {}
+        refused: dict[ServiceKey, NftError] = {}
+        suspects = [(keys, error)]  # each refused as a whole
+        while suspects:
+            part, error = suspects.pop()
+            if len(part) == 1:
+                refused[part[0]] = error
+                continue
+            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+                half_error = await check(half)
+                if half_error is not None:
+                    suspects.append((half, half_error))
+        return refused
 
     async def _retry_until_applied(self) -> None:
         while not await self._sync(Touched(), backoff=True):
@@ -165,6 +248,25 @@ class NftBackend:
             self._retry.cancel()
         if self._health is not None:
             await self._health.close()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a step that allocates without awaiting.
+
+    A full sync makes about a million small objects (tuples, dicts) that cannot form cycles;
+    the collector's passes over the growing heap took a quarter of its time. Reference counting
+    still frees everything, and the collector's next pass untracks most of what stays (tuples
+    and dicts of strings).
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 async def cleanup(nft: Nft | None = None) -> bool:

@@ -4,21 +4,42 @@ Services may share objects (the pick chain of every service with N endpoints, a 
 of an address serving two services), so every element, chain and map has a set of owners; it is
 desired while it has one. When two services want different values for one element (two
 services claiming the same external IP and port), the first owner in sorted order wins, so the
-result does not depend on the order of updates.
+result does not depend on the order of updates. An element with one owner (nearly all of them)
+is recorded as that owner's key alone, its value read from the owner's contribution: a full sync
+of 100k elements then makes no per-element objects here.
 
 ``update`` records a service's new contribution and returns what it touched;
 ``incremental`` turns the touched objects into a transaction against the applied state, and
 ``commit`` records that the kernel took it. ``full`` is the whole desired table, replacing
 whatever the table holds in one transaction (start-up, takeover, recovery).
+``check_transaction`` asks the kernel about some services alone, leaving nothing behind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kpng.backends.nft.layout import TABLE, Contribution, ElementKey, Options, skeleton
-from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Transaction
+from kpng.backends.nft.layout import (
+    CHECK_TABLE,
+    TABLE,
+    Contribution,
+    ElementKey,
+    Options,
+    skeleton,
+)
+from kpng.backends.nft.nftables import (
+    Chain,
+    Element,
+    Elements,
+    Map,
+    Operation,
+    Rule,
+    Set,
+    Table,
+    Transaction,
+)
 from kpng.model.cluster import ServiceKey
 
 ChainDef = tuple[Chain, tuple[Rule, ...]]
@@ -33,6 +54,8 @@ class Touched:
     maps: set[str] = field(default_factory=set)
     flush_maps: set[str] = field(default_factory=set)
     """Affinity maps whose remembered endpoints may be gone: emptied in the same transaction."""
+    shared: set[ElementKey] = field(default_factory=set)
+    """Touched elements left with more than one owner: the only ones that can conflict."""
     udp_gone: set[tuple[str, str, str]] = field(default_factory=set)
     udp_new_services: set[tuple[str, str]] = field(default_factory=set)
 
@@ -45,22 +68,31 @@ class Plan:
     """One transaction and what to record once the kernel has taken it."""
 
     tx: Transaction
-    elements: dict[ElementKey, tuple[str, ...] | None]
+    elements: Mapping[ElementKey, tuple[str, ...] | None]
     chains: dict[str, ChainDef | None]
-    maps: dict[str, Map | None]
-    full: bool
+    maps: dict[str, Map | Set | None]
+    table: dict[ElementKey, tuple[str, ...]] | None = None
+    """For a full plan, every element of the table (None: an incremental plan)."""
+
+    @property
+    def full(self) -> bool:
+        return self.table is not None
+
+
+Owners = ServiceKey | dict[ServiceKey, tuple[str, ...]]
+"""An element's owners: one service's key, or the value each of several services wants."""
 
 
 class DiffStore:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.contributions: dict[ServiceKey, Contribution] = {}
-        self._element_owners: dict[ElementKey, dict[ServiceKey, tuple[str, ...]]] = {}
+        self._element_owners: dict[ElementKey, Owners] = {}
         self._chain_owners: dict[str, dict[ServiceKey, ChainDef]] = {}
-        self._map_owners: dict[str, dict[ServiceKey, Map]] = {}
+        self._map_owners: dict[str, dict[ServiceKey, Map | Set]] = {}
         self.applied_elements: dict[ElementKey, tuple[str, ...]] = {}
         self.applied_chains: dict[str, ChainDef] = {}
-        self.applied_maps: dict[str, Map] = {}
+        self.applied_maps: dict[str, Map | Set] = {}
 
     def update(self, key: ServiceKey, new: Contribution | None, touched: Touched) -> None:
         """Record service ``key``'s contribution (None: deleted), adding what changed to
@@ -70,60 +102,107 @@ class DiffStore:
             self.contributions[key] = new
         else:
             new = Contribution()
-        for ek in old.elements.keys() - new.elements.keys():
-            _disown(self._element_owners, ek, key)
-            touched.elements.add(ek)
-        for ek, value in new.elements.items():
-            if old.elements.get(ek) != value:
-                self._element_owners.setdefault(ek, {})[key] = value
+        old_elements, new_elements = old.elements, new.elements
+        if old_elements:
+            for ek in old_elements.keys() - new_elements.keys():
                 touched.elements.add(ek)
-        for name in old.chains.keys() - new.chains.keys():
-            _disown(self._chain_owners, name, key)
-            touched.chains.add(name)
-        for name, chain in new.chains.items():
-            if old.chains.get(name) != chain:
-                self._chain_owners.setdefault(name, {})[key] = chain
+                if self._disown(ek, key) > 1:
+                    touched.shared.add(ek)
+            for ek, value in new_elements.items():
+                if old_elements.get(ek) != value:
+                    touched.elements.add(ek)
+                    self._own(ek, key, value, touched)
+        else:
+            # A full sync passes here for every element of every service: the common case
+            # (no other owner) inline.
+            touched.elements.update(new_elements)
+            index = self._element_owners
+            for ek, value in new_elements.items():
+                if ek in index:
+                    self._own(ek, key, value, touched)
+                else:
+                    index[ek] = key
+        if old.chains or new.chains:
+            for name in old.chains.keys() - new.chains.keys():
+                _disown(self._chain_owners, name, key)
                 touched.chains.add(name)
-        for name in old.maps.keys() - new.maps.keys():
-            _disown(self._map_owners, name, key)
-            touched.maps.add(name)
-        for name, m in new.maps.items():
-            if old.maps.get(name) != m:
-                self._map_owners.setdefault(name, {})[key] = m
+            for name, chain in new.chains.items():
+                if old.chains.get(name) != chain:
+                    self._chain_owners.setdefault(name, {})[key] = chain
+                    touched.chains.add(name)
+        if old.maps or new.maps:
+            for name in old.maps.keys() - new.maps.keys():
+                _disown(self._map_owners, name, key)
                 touched.maps.add(name)
-        touched.udp_gone |= old.udp_endpoints - new.udp_endpoints
-        # A remembered (affinity) endpoint must not outlive the endpoint: when one of the
-        # service's endpoint elements goes or changes, its affinity maps are emptied.
-        if old.maps.keys() & new.maps.keys() and any(
-            "-eps-" in ek[0] and new.elements.get(ek) != value for ek, value in old.elements.items()
-        ):
-            touched.flush_maps |= old.maps.keys() & new.maps.keys()
-        old_services = {(a, p) for a, p, _ in old.udp_endpoints}
-        touched.udp_new_services |= {(a, p) for a, p, _ in new.udp_endpoints} - old_services
+            for name, m in new.maps.items():
+                if old.maps.get(name) != m:
+                    self._map_owners.setdefault(name, {})[key] = m
+                    touched.maps.add(name)
+            # A remembered (affinity) endpoint must not outlive the endpoint: when one of the
+            # service's endpoint elements goes or changes, its affinity maps (the dynamic ones,
+            # which the packet path fills) are emptied.
+            kept = {n for n in old.maps.keys() & new.maps.keys() if "dynamic" in new.maps[n].flags}
+            if kept and any(
+                "-eps-" in ek[0] and new_elements.get(ek) != value
+                for ek, value in old_elements.items()
+            ):
+                touched.flush_maps |= kept
+        if old.udp_endpoints or new.udp_endpoints:
+            touched.udp_gone |= old.udp_endpoints - new.udp_endpoints
+            old_services = {(a, p) for a, p, _ in old.udp_endpoints}
+            touched.udp_new_services |= {(a, p) for a, p, _ in new.udp_endpoints} - old_services
+
+    def _own(self, ek: ElementKey, key: ServiceKey, value: tuple[str, ...], t: Touched) -> None:
+        """Make ``key`` an owner of ``ek`` wanting ``value`` (its contribution is recorded)."""
+        owners = self._element_owners.get(ek)
+        if owners is None:
+            self._element_owners[ek] = key
+        elif isinstance(owners, dict):
+            owners[key] = value
+            t.shared.add(ek)
+        elif owners != key:
+            self._element_owners[ek] = {
+                owners: self.contributions[owners].elements[ek],
+                key: value,
+            }
+            t.shared.add(ek)
+
+    def _disown(self, ek: ElementKey, key: ServiceKey) -> int:
+        """Remove ``key`` from the owners of ``ek``; how many owners are left."""
+        owners = self._element_owners.get(ek)
+        if owners is None:
+            return 0
+        if isinstance(owners, dict):
+            owners.pop(key, None)
+            if len(owners) == 1:
+                self._element_owners[ek] = next(iter(owners))
+            return len(owners)
+        if owners == key:
+            del self._element_owners[ek]
+            return 0
+        return 1
 
     def desired_element(self, ek: ElementKey) -> tuple[str, ...] | None:
         owners = self._element_owners.get(ek)
-        if not owners:
+        if owners is None:
             return None
-        if len(owners) == 1:
-            return next(iter(owners.values()))
-        return owners[min(owners)]
+        if isinstance(owners, dict):
+            return owners[min(owners)]
+        return self.contributions[owners].elements[ek]
 
     def desired_chain(self, name: str) -> ChainDef | None:
-        owners = self._chain_owners.get(name)
-        return owners[min(owners)] if owners else None
+        return _first_owners(self._chain_owners.get(name))
 
-    def desired_map(self, name: str) -> Map | None:
-        owners = self._map_owners.get(name)
-        return owners[min(owners)] if owners else None
+    def desired_map(self, name: str) -> Map | Set | None:
+        return _first_owners(self._map_owners.get(name))
 
     def conflicts(self, touched: Touched) -> list[tuple[ElementKey, list[ServiceKey]]]:
         """Touched elements that services want with different values (the first owner's value
         is used); only the touched ones, so that a change costs what it touched."""
         out = []
-        for ek in sorted(touched.elements):
+        for ek in sorted(touched.shared):
             owners = self._element_owners.get(ek)
-            if owners is not None and len(owners) > 1 and len(set(owners.values())) > 1:
+            if isinstance(owners, dict) and len(set(owners.values())) > 1:
                 out.append((ek, sorted(owners)))
         return out
 
@@ -166,7 +245,7 @@ class DiffStore:
         for name, m in sorted(maps.items()):
             if m is None and name in self.applied_maps:
                 tx.delete(self.applied_maps[name])
-        return Plan(tx, elements, chains, maps, full=False)
+        return Plan(tx, elements, chains, maps)
 
     def full(self) -> Plan:
         """The whole desired table, replacing the table atomically (no gap for traffic)."""
@@ -195,26 +274,77 @@ class DiffStore:
                     tx.add(rule)
         for element in static:
             tx.add(element)
-        elements: dict[ElementKey, tuple[str, ...] | None] = {}
-        for ek in sorted(self._element_owners):
-            value = self.desired_element(ek)
-            if value is not None:
-                elements[ek] = value
-                tx.add(Element(ek[0], ek[1], value))
-        return Plan(tx, elements, chains, maps, full=True)
+        # The bulk of a full sync: every element rendered straight to text, in batches per
+        # container (see ``Elements``), in the order of ``sorted(element keys)``. Sorting the
+        # rendered keys gives that order (fields hold no space, which sorts before anything
+        # they hold) at a fraction of the cost of sorting tuples.
+        table: dict[ElementKey, tuple[str, ...]] = {}
+        by_container: dict[str, list[tuple[str, str]]] = {}
+        contributions = self.contributions
+        for ek, owners in self._element_owners.items():
+            if isinstance(owners, dict):
+                value = owners[min(owners)]
+            else:
+                value = contributions[owners].elements[ek]
+            table[ek] = value
+            items = by_container.get(ek[0])
+            if items is None:
+                items = by_container[ek[0]] = []
+            key = " . ".join(ek[1])
+            items.append((key, f"{key} : {' . '.join(value)}" if value else key))
+        for container in sorted(by_container):
+            items = by_container[container]
+            items.sort()  # keys are unique within a container: the texts never decide
+            tx.add(Elements(container, [text for _, text in items]))
+        return Plan(tx, table, chains, maps, table=table)
 
     def commit(self, plan: Plan) -> None:
         """Record that the kernel applied ``plan``."""
-        if plan.full:
-            self.applied_elements = {}
+        if plan.table is not None:
+            self.applied_elements = plan.table
             self.applied_chains = {}
             self.applied_maps = {}
-        for ek, value in plan.elements.items():
-            _record(self.applied_elements, ek, value)
+        else:
+            for ek, value in plan.elements.items():
+                _record(self.applied_elements, ek, value)
         for name, chain in plan.chains.items():
             _record(self.applied_chains, name, chain)
         for name, m in plan.maps.items():
             _record(self.applied_maps, name, m)
+
+
+def check_transaction(
+    options: Options, contributions: Iterable[tuple[ServiceKey, Contribution]]
+) -> Transaction:
+    """What a full sync of ``contributions`` alone writes, in ``CHECK_TABLE`` with its base
+    chains made plain (no packet sees them), and that table deleted at the end: the kernel
+    checks every object and element and keeps nothing, whether it takes the transaction or
+    not. Refusals that depend on a hook do not show here."""
+    store = DiffStore(options)
+    touched = Touched()
+    for key, contribution in contributions:
+        store.update(key, contribution, touched)
+    tx = Transaction(CHECK_TABLE)
+    for op in store.full().tx.operations:
+        obj = op.obj
+        if isinstance(obj, Table):
+            obj = CHECK_TABLE
+        elif isinstance(obj, Chain) and obj.is_base:
+            obj = Chain(obj.name)
+        tx.operations.append(Operation(op.verb, obj))
+    return tx.delete(CHECK_TABLE)
+
+
+def _first_owners(owners: dict[ServiceKey, V] | None) -> V | None:
+    """The value of the first owner in sorted order. Thousands of services own each pick chain
+    and endpoint map, all with the one cached definition: then any owner's will do."""
+    if not owners:
+        return None
+    values = iter(owners.values())
+    first = next(values)
+    if all(value is first for value in values):
+        return first
+    return owners[min(owners)]
 
 
 def _disown(owners: dict[K, dict[ServiceKey, V]], key: K, service: ServiceKey) -> None:

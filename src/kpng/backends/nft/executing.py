@@ -42,20 +42,24 @@ def parse_error(tx: Transaction, stderr: str) -> NftError:
 
 
 class KernelNft:
-    """Runs transactions with ``nft -f -`` in the current network namespace."""
+    """Runs transactions with ``nft -f -`` in the current network namespace.
 
-    def __init__(self, nft: str = "nft") -> None:
-        self._nft = nft
+    ``command`` is how to run nft, e.g. ``("ip", "netns", "exec", NS, "nft")`` for another
+    network namespace.
+    """
+
+    def __init__(self, command: Sequence[str] = ("nft",)) -> None:
+        self._command = tuple(command)
 
     async def run(self, tx: Transaction) -> None:
         if not tx.operations:
             return
-        rc, err = await _run([self._nft, "-f", "-"], tx.render().encode())
+        rc, err = await _run([*self._command, "-f", "-"], tx.render().encode())
         if rc != 0:
             raise parse_error(tx, err)
 
     async def delete_table(self, table: Table) -> bool:
-        rc, err = await _run([self._nft, "delete", "table", table.family, table.name])
+        rc, err = await _run([*self._command, "delete", "table", table.family, table.name])
         if rc == 0:
             return True
         if "No such file or directory" in err:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kpng.backends.nft.nftables import (
     Chain,
     Element,
+    Elements,
     Map,
     NftError,
     Operation,
@@ -136,6 +137,14 @@ def _apply(tables: dict[tuple[str, str], _TableState], table: Table, op: Operati
         state.rules[obj.chain].append(obj.expr)
     elif isinstance(obj, Set | Map):
         _apply_set(state, op.verb, obj)
+    elif isinstance(obj, Elements):
+        # The kernel checks every element of a batch; so does the fake, as typed ones.
+        try:
+            elements = obj.expand()
+        except NftError as exc:
+            raise NftError(f"syntax error: {exc.message}") from None
+        for element in elements:
+            _apply_element(state, op.verb, element)
     else:
         _apply_element(state, op.verb, obj)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from collections.abc import Mapping
 
 from kpng.model.cluster import ServiceKey
@@ -42,9 +41,14 @@ def response(count: int) -> bytes:
 
 
 class HealthServers:
-    """One listening server per health check node port, counts updated on every state."""
+    """One listening server per health check node port, counts updated on every state.
 
-    def __init__(self) -> None:
+    ``host`` is the address to listen on; None (the default) is every address of the node, in
+    both families where it has IPv6.
+    """
+
+    def __init__(self, host: str | None = None) -> None:
+        self._host = host
         self._servers: dict[int, asyncio.Server] = {}
         self._counts: dict[int, int] = {}
 
@@ -75,13 +79,16 @@ class HealthServers:
             finally:
                 writer.close()
 
-        # One IPv6 socket without V6ONLY serves both families where the node has IPv6.
-        if socket.has_ipv6:
-            try:
-                return await asyncio.start_server(answer, host="::", port=port, reuse_address=True)
-            except OSError:
-                pass
-        return await asyncio.start_server(answer, host="0.0.0.0", port=port, reuse_address=True)
+        if self._host is not None:
+            return await asyncio.start_server(
+                answer, host=self._host, port=port, reuse_address=True
+            )
+        # host=None is a socket per family (asyncio makes IPv6 sockets V6ONLY, so "::" alone
+        # would refuse IPv4); a node without IPv6 cannot bind "::", and gets IPv4 only.
+        try:
+            return await asyncio.start_server(answer, host=None, port=port, reuse_address=True)
+        except OSError:
+            return await asyncio.start_server(answer, host="0.0.0.0", port=port, reuse_address=True)
 
     def ports(self) -> list[int]:
         return sorted(self._servers)

@@ -9,15 +9,22 @@ Per-service data lives only in **elements** (ARCHITECTURE.md: 100k elements load
 second where 10k chains take many): a service port is found by a verdict map keyed by
 ``address . protocol . port`` (``proto . port`` for node ports), whose verdict is ``goto
 pick-<kind>-<family>-<N>``, one chain per *endpoint count* N shared by every service with N
-endpoints. That chain picks an index with ``numgen random mod N`` and DNATs through the endpoint
-map keyed by ``address . protocol . port . index``. No chain per service or per endpoint, except
-for ClientIP session affinity, which needs a per-service timeout and its own dynamic map.
+endpoints. That chain picks an index i uniformly (rule i, for i < N - 1, takes it with
+``numgen random mod (N - i) 0``: probability 1/(N - i) of what is left) and DNATs through
+endpoint map ``<kind>-eps-<family>-<i>``, keyed like the verdict map. No chain per service or
+per endpoint, except for ClientIP session affinity (below).
+
+One endpoint map per index, with named types, rather than one map with the index in its key:
+that key needs ``typeof ... th dport . numgen random mod 1``, which nft 1.0.6 cannot read back
+from the kernel ("conflicting protocols specified: ip vs. th"), so every later transaction
+adding a rule that used the map was refused (``udp dport`` in its place makes nft add a
+``meta l4proto udp`` match to those rules).
 
 A service port with no endpoint for a kind of traffic has the verdict ``goto reject`` (ICMP port
 unreachable: the client sees "connection refused" at once) when its family has no usable
 endpoint anywhere, else ``drop``.
 
-Kinds of traffic, each a dispatch map ``<kind>-<f>`` and an endpoint map ``<kind>-eps-<f>``:
+Kinds of traffic, each a dispatch map ``<kind>-<f>`` and endpoint maps ``<kind>-eps-<f>-<i>``:
 
 ==============  ====================  ============================================
 kind            key                   endpoints (``Endpoint.Scopes``)
@@ -31,6 +38,22 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ``nodeport-sc`` like ``nodeport``     pods (``--cluster-cidr``) and the node itself
 ==============  ====================  ============================================
 
+ClientIP session affinity, on every kind of traffic but the eTP=Local short-circuit (as
+kube-proxy), remembers the endpoint each client was sent to, per service port and set of
+endpoints: ``cluster`` (the cluster IPs) and ``external`` (external IPs, LB IPs and the node
+port, which share the External endpoints). ``affinity-<f>`` (``address . proto . port``) and
+``affinity-nodeport-<f>`` (``proto . port``, to a node port address) jump to that group's
+``affinity-<id>-<f>`` chain, which DNATs a client found in its two dynamic maps (client ->
+endpoint address, client -> endpoint port) there; otherwise the dispatch maps pick. The
+``masquerading`` chain records each new connection's pick in those maps
+(``affinity-update-<f>``, ``affinity-update-nodeport-<f>``, matched on the connection's
+original destination) with the service's ``timeoutSeconds``: an entry lasts that long after the
+client's last new connection. Only a pick among the group's endpoints is recorded (set
+``affinity-<id>-<f>-endpoints``): a node port is matched by protocol and port alone, and a
+connection to another address on that port number must not be remembered.
+Two maps keyed by the client alone, because nft 1.0.6 aborts on a packet-path update with a
+concatenated IPv6 key or value (``netlink_gen_expr: dreg < ctx->reg_low``).
+
 Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
@@ -39,16 +62,20 @@ services; node-originated short-circuited traffic; hairpin (a pod reaching itsel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
-from kpng.model.messages import Endpoint, PortMapping, Service, ServiceEndpoints
+from kpng.model.messages import Endpoint, PortMapping, ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
+CHECK_TABLE = Table("inet", "kpng-check")
+"""Where kpng asks the kernel whether it takes some services' rules: made and deleted in the
+same transaction, without hooks."""
 MASQUERADE_MARK = 0x4000
 """The packet mark bit asking for masquerade: the bit kube-proxy uses, so that CNI plugins that
 know it keep working."""
@@ -125,18 +152,12 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         for kind in KINDS:
             port_only = kind in _PORT_ONLY
             key = "inet_proto . inet_service" if port_only else three
-            lookup = "meta l4proto . th dport" if port_only else tup
             objects.append(Map(f"{kind}-{fam}", "verdict", type=key))
-            objects.append(
-                Map(
-                    f"{kind}-eps-{fam}",
-                    f"{ip} daddr . th dport",
-                    typeof=f"{lookup} . numgen random mod 1",
-                )
-            )
         objects += [
             Map(f"affinity-{fam}", "verdict", type=three),
             Map(f"affinity-update-{fam}", "verdict", type=three),
+            Map(f"affinity-nodeport-{fam}", "verdict", type="inet_proto . inet_service"),
+            Map(f"affinity-update-nodeport-{fam}", "verdict", type="inet_proto . inet_service"),
             Set(f"external-masq-{fam}", type=three),
             Set(f"nodeport-masq-{fam}", type="inet_proto . inet_service"),
             Set(f"firewall-{fam}", type=three),
@@ -178,20 +199,30 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
                 svc(f"{source} {np} meta l4proto . th dport vmap @nodeport-sc-{fam}")
         # ClientIP affinity: a remembered endpoint wins over a new pick.
         svc(f"{tup} vmap @affinity-{fam}")
+        if np:
+            svc(f"{np} meta l4proto . th dport vmap @affinity-nodeport-{fam}")
         svc(f"{tup} vmap @cluster-{fam}")
         svc(f"{tup} vmap @external-{fam}")
         if np:
             svc(f"{np} meta l4proto . th dport vmap @nodeport-{fam}")
 
         # nft types `ct original proto-dst` only once the protocol is known, hence a rule each.
+        original = f"ct original {ip} daddr . meta l4proto . ct original proto-dst"
         for proto in _PROTOCOLS.values():
             rules.append(
                 Rule(
                     "masquerading",
-                    f"meta l4proto {proto} ct status dnat ct original {ip} daddr . meta l4proto . "
-                    f"ct original proto-dst vmap @affinity-update-{fam}",
+                    f"meta l4proto {proto} ct status dnat {original} vmap @affinity-update-{fam}",
                 )
             )
+            if np:
+                rules.append(
+                    Rule(
+                        "masquerading",
+                        f"meta l4proto {proto} ct status dnat meta l4proto . ct original proto-dst "
+                        f"vmap @affinity-update-nodeport-{fam}",
+                    )
+                )
         hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
         rules.append(Rule("masquerading", hairpin))
     rules.append(
@@ -204,21 +235,35 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
     return objects, rules, elements
 
 
-def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...]]:
-    """The chain choosing one of ``count`` endpoints for every service port of ``kind``."""
+@functools.cache
+def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...], tuple[Map, ...]]:
+    """The chain choosing one of ``count`` endpoints for every service port of ``kind``, and the
+    endpoint maps it reads (cached: thousands of services share a handful of these)."""
     name = f"pick-{kind}-{fam}-{count}"
-    lookup = "meta l4proto . th dport" if kind in _PORT_ONLY else _tuple(fam)
+    port_only = kind in _PORT_ONLY
+    lookup = "meta l4proto . th dport" if port_only else _tuple(fam)
+    key = "inet_proto . inet_service" if port_only else f"{_ADDR[fam]} . inet_proto . inet_service"
     ip = _IP[fam]
-    rule = Rule(
-        name,
-        f"dnat {ip} addr . port to {lookup} . numgen random mod {count} map @{kind}-eps-{fam}",
+    maps = tuple(
+        Map(endpoint_map(kind, fam, i), f"{_ADDR[fam]} . inet_service", type=key)
+        for i in range(count)
     )
-    return Chain(name), (rule,)
+    rules = tuple(
+        Rule(
+            name,
+            f"numgen random mod {count - i} 0 dnat {ip} addr . port to {lookup} map @{m.name}"
+            if i < count - 1
+            else f"dnat {ip} addr . port to {lookup} map @{m.name}",
+        )
+        for i, m in enumerate(maps)
+    )
+    return Chain(name), rules, maps
 
 
-def service_id(service: Service) -> str:
-    """A short stable name for per-service objects (names are limited, namespaces are not)."""
-    return hashlib.sha1(f"{service.Namespace}/{service.Name}".encode()).hexdigest()[:12]
+@functools.cache
+def endpoint_map(kind: Kind, fam: Fam, index: int) -> str:
+    """The map holding endpoint ``index`` of every service port of ``kind`` with more."""
+    return f"{kind}-eps-{fam}-{index}"
 
 
 @dataclass
@@ -227,50 +272,74 @@ class Contribution:
 
     elements: dict[ElementKey, tuple[str, ...]] = field(default_factory=dict)
     chains: dict[str, tuple[Chain, tuple[Rule, ...]]] = field(default_factory=dict)
-    maps: dict[str, Map] = field(default_factory=dict)
+    maps: dict[str, Map | Set] = field(default_factory=dict)
+    """Named sets and maps, by name."""
     problems: list[str] = field(default_factory=list)
     udp_endpoints: set[tuple[str, str, str]] = field(default_factory=set)
     """(service address, port, endpoint address) of UDP traffic: the conntrack entries to delete
     when the pair goes away."""
 
 
+EndpointValue = tuple[str, str]
+"""(address, port): the value of an endpoint map element."""
+
+
 def _endpoints(
-    endpoints: Sequence[Endpoint], port: PortMapping, fam: Fam
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
-    """The (address, port) endpoints of ``port`` in ``fam``: Internal, External and Cluster
-    scope, each sorted (the order gives the numgen indexes)."""
-    internal: set[tuple[str, int]] = set()
-    external: set[tuple[str, int]] = set()
-    cluster: set[tuple[str, int]] = set()
-    v6 = fam == "v6"
+    endpoints: Sequence[Endpoint], port: PortMapping, v6: bool
+) -> tuple[list[EndpointValue], list[EndpointValue], list[EndpointValue]]:
+    """The endpoints of ``port`` in one family: Internal, External and Cluster scope, each
+    ordered by address and port number (the order gives the numgen indexes)."""
+    internal: dict[tuple[str, int], EndpointValue] = {}
+    external: dict[tuple[str, int], EndpointValue] = {}
+    cluster: dict[tuple[str, int], EndpointValue] = {}
+    name, protocol = port.Name, port.Protocol
     for ep in endpoints:
-        scopes = ep.Scopes
-        if scopes is None or ep.IPs is None:
+        scopes, ips = ep.Scopes, ep.IPs
+        if scopes is None or ips is None:
             continue
-        addrs = ep.IPs.V6 if v6 else ep.IPs.V4
+        addrs = ips.V6 if v6 else ips.V4
         if not addrs:
             continue
         for po in ep.PortOverrides:
-            if po.Name == port.Name and po.Protocol == port.Protocol and po.Port:
-                pairs = [(a, po.Port) for a in addrs]
-                if scopes.Internal:
-                    internal.update(pairs)
-                if scopes.External:
-                    external.update(pairs)
-                if scopes.Cluster:
-                    cluster.update(pairs)
+            if po.Name == name and po.Protocol == protocol and po.Port:
+                number, text = po.Port, str(po.Port)
+                for a in addrs:
+                    # One value tuple per endpoint, shared by every map it appears in; an
+                    # address that comes twice (two slices, two scope sets) counts once.
+                    key, value = (a, number), (a, text)
+                    if scopes.Internal:
+                        internal[key] = value
+                    if scopes.External:
+                        external[key] = value
+                    if scopes.Cluster:
+                        cluster[key] = value
                 break
-    return sorted(internal), sorted(external), sorted(cluster)
+    return _ordered(internal), _ordered(external), _ordered(cluster)
 
 
-def _verdict(
-    out: Contribution, kind: Kind, fam: Fam, eps: list[tuple[str, int]], usable: bool
-) -> str:
-    if not eps:
-        return "drop" if usable else "goto service-reject"
-    chain, rules = pick_chain(kind, fam, len(eps))
-    out.chains[chain.name] = (chain, rules)
-    return f"goto {chain.name}"
+def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointValue]:
+    return [endpoints[k] for k in sorted(endpoints)]
+
+
+@functools.cache
+def _allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
+    """The source ranges of one family, merged: overlapping ranges in one interval set make
+    the kernel refuse the transaction ("File exists"), and their union is what is allowed."""
+    if v6:
+        merged6 = ipaddress.collapse_addresses(
+            ipaddress.IPv6Network(r, strict=False) for r in ranges if ":" in r
+        )
+        return tuple(str(n) for n in merged6)
+    merged4 = ipaddress.collapse_addresses(
+        ipaddress.IPv4Network(r, strict=False) for r in ranges if ":" not in r
+    )
+    return tuple(str(n) for n in merged4)
+
+
+def _local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
+    return frozenset(
+        a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
+    )
 
 
 def contribute(se: ServiceEndpoints) -> Contribution:
@@ -281,10 +350,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
     ips = service.IPs
     if ips is None or ips.ClusterIPs is None:
         return out
-    sid = service_id(service)
     timeout = 0
     if service.ClientIP is not None:
         timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    local = _local_addresses(se.endpoints)
     for fam in FAMILIES:
         v6 = fam == "v6"
         cluster_ips = ips.ClusterIPs.family(v6)
@@ -292,7 +361,6 @@ def contribute(se: ServiceEndpoints) -> Contribution:
             continue
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
-        affinity_tuples: list[tuple[str, ...]] = []
         for port in service.Ports:
             proto = _PROTOCOLS.get(port.Protocol)
             if proto is None or not 0 < port.Port < 65536:
@@ -302,19 +370,17 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                 port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
             )
             p = str(port.Port)
-            internal, external, cluster_wide = _endpoints(se.endpoints, port, fam)
+            internal, external, cluster_wide = _endpoints(se.endpoints, port, v6)
             local_etp = service.ExternalTrafficToLocal
 
-            def dispatch(kind: Kind, key: tuple[str, ...], eps: list[tuple[str, int]]) -> None:
+            def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
                 _dispatch(out, kind, fam=fam, proto=proto, key=key, eps=eps, usable=usable)  # noqa: B023
 
             for cip in cluster_ips:
                 dispatch("cluster", (cip, proto, p), internal)
-                affinity_tuples.append((cip, proto, p))
             for eip in external_ips + lb_ips:
                 key = (eip, proto, p)
                 dispatch("external", key, external)
-                affinity_tuples.append(key)
                 if local_etp:
                     dispatch("external-sc", key, cluster_wide)
                 else:
@@ -326,19 +392,40 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
                     out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
-            for ep_addr, _ in {*internal, *external, *cluster_wide}:
-                if _is_local(se.endpoints, ep_addr):
-                    out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
+            if local:
+                for ep_addr, _ in {*internal, *external, *cluster_wide}:
+                    if ep_addr in local:
+                        out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
                 targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
-                ranges = [r for r in flt.SourceRanges if (":" in r) == v6]
+                ranges = _allowed_ranges(flt.SourceRanges, v6)
                 for target in targets:
                     key = (target, proto, p)
                     out.elements[(f"firewall-{fam}", key)] = ()
                     for r in ranges:
                         out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
-        if timeout and affinity_tuples:
-            _affinity(out, sid, fam, timeout, affinity_tuples)
+            if timeout:
+                group = f"{service.Namespace}/{service.Name}/{proto}/{p}"
+                _affinity(
+                    out,
+                    f"{group}/cluster",
+                    fam,
+                    proto=proto,
+                    timeout=timeout,
+                    endpoints=internal,
+                    addressed=[(cip, proto, p) for cip in cluster_ips],
+                )
+                if external_ips or lb_ips or port.NodePort:
+                    _affinity(
+                        out,
+                        f"{group}/external",
+                        fam,
+                        proto=proto,
+                        timeout=timeout,
+                        endpoints=external,
+                        addressed=[(eip, proto, p) for eip in external_ips + lb_ips],
+                        nodeports=[(proto, str(port.NodePort))] if port.NodePort else [],
+                    )
     return out
 
 
@@ -349,57 +436,78 @@ def _dispatch(
     fam: Fam,
     proto: str,
     key: tuple[str, ...],
-    eps: list[tuple[str, int]],
+    eps: list[EndpointValue],
     usable: bool,
 ) -> None:
-    out.elements[(f"{kind}-{fam}", key)] = (_verdict(out, kind, fam, eps, usable),)
-    for i, (addr, eport) in enumerate(eps):
-        out.elements[(f"{kind}-eps-{fam}", (*key, str(i)))] = (addr, str(eport))
-        if proto == "udp":
-            out.udp_endpoints.add((key[0] if len(key) == 3 else "", key[-1], addr))
-
-
-def _is_local(endpoints: Sequence[Endpoint], addr: str) -> bool:
-    return any(
-        ep.Local and ep.IPs is not None and addr in (*ep.IPs.V4, *ep.IPs.V6) for ep in endpoints
-    )
+    elements = out.elements
+    if eps:
+        chain, rules, maps = pick_chain(kind, fam, len(eps))
+        out.chains[chain.name] = (chain, rules)
+        elements[(f"{kind}-{fam}", key)] = (f"goto {chain.name}",)
+        for m, value in zip(maps, eps, strict=True):
+            out.maps[m.name] = m
+            elements[(m.name, key)] = value
+    else:
+        elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
+    if proto == "udp":
+        address = key[0] if len(key) == 3 else ""
+        out.udp_endpoints.update((address, key[-1], addr) for addr, _ in eps)
 
 
 def _affinity(
-    out: Contribution, sid: str, fam: Fam, timeout: int, tuples: list[tuple[str, ...]]
+    out: Contribution,
+    group: str,
+    fam: Fam,
+    *,
+    proto: str,
+    timeout: int,
+    endpoints: list[EndpointValue],
+    addressed: list[tuple[str, ...]],
+    nodeports: Sequence[tuple[str, str]] = (),
 ) -> None:
+    """The affinity chains, maps and set of one service port's ``group`` of traffic sharing
+    ``endpoints``, and the elements leading there: ``addressed`` (address, proto, port) keys and
+    ``nodeports`` (proto, port) keys."""
     ip, addr = _IP[fam], _ADDR[fam]
-    name = f"affinity-{sid}-{fam}"
-    out.maps[name] = Map(
-        name,
-        f"{addr} . inet_service",
-        type=f"{addr} . {addr} . inet_proto . inet_service",
-        flags=("dynamic", "timeout"),
-        timeout_s=timeout,
-    )
-    lookup = Chain(name)
+    gid = hashlib.sha1(group.encode()).hexdigest()[:12]
+    name = f"affinity-{gid}-{fam}"
+    # The maps' names carry the timeout: a new timeout is new maps, which the chains switch to
+    # in the same transaction, because nft can neither change a map's timeout nor delete a map
+    # that a rule refers to.
+    addresses, ports = f"{name}-{timeout}s-addr", f"{name}-{timeout}s-port"
+    for map_name, value in ((addresses, addr), (ports, "inet_service")):
+        out.maps[map_name] = Map(
+            map_name, value, type=addr, flags=("dynamic", "timeout"), timeout_s=timeout
+        )
     out.chains[name] = (
-        lookup,
-        (Rule(name, f"dnat {ip} addr . port to {ip} saddr . {_tuple(fam)} map @{name}"),),
-    )
-    update = Chain(f"affinity-update-{sid}-{fam}")
-    out.chains[update.name] = (
-        update,
-        tuple(
+        Chain(name),
+        (
             Rule(
-                update.name,
-                f"meta l4proto {proto} update @{name} {{ {ip} saddr . ct original {ip} daddr . "
-                f"meta l4proto . ct original proto-dst timeout {timeout}s : "
-                f"{ip} daddr . th dport }}",
-            )
-            for proto in sorted({key[1] for key in tuples})
+                name,
+                f"meta l4proto {proto} dnat {ip} to {ip} saddr map @{addresses} : "
+                f"{ip} saddr map @{ports}",
+            ),
         ),
     )
-    for key in tuples:
+    picked = f"{name}-endpoints"
+    out.maps[picked] = Set(picked, type=f"{addr} . inet_service")
+    for endpoint in endpoints:
+        out.elements[(picked, endpoint)] = ()
+    update = f"affinity-update-{gid}-{fam}"
+    out.chains[update] = (
+        Chain(update),
+        (
+            Rule(
+                update,
+                f"meta l4proto {proto} {ip} daddr . th dport @{picked} "
+                f"update @{addresses} {{ {ip} saddr timeout {timeout}s : {ip} daddr }} "
+                f"update @{ports} {{ {ip} saddr timeout {timeout}s : th dport }}",
+            ),
+        ),
+    )
+    for key in addressed:
         out.elements[(f"affinity-{fam}", key)] = (f"jump {name}",)
-        out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update.name}",)
-
-
-def elements_of(items: Iterable[tuple[ElementKey, tuple[str, ...]]]) -> Iterator[Element]:
-    for (container, key), value in items:
-        yield Element(container, key, value)
+        out.elements[(f"affinity-update-{fam}", key)] = (f"jump {update}",)
+    for np_key in nodeports:
+        out.elements[(f"affinity-nodeport-{fam}", np_key)] = (f"jump {name}",)
+        out.elements[(f"affinity-update-nodeport-{fam}", np_key)] = (f"jump {update}",)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from kpng.errors import KpngError
 
@@ -187,7 +187,40 @@ class Element:
         return f"{key} : {' . '.join(self.value)}" if self.value and with_value else key
 
 
-Object = Table | Chain | Rule | Set | Map | Element
+@dataclass(frozen=True)
+class Elements:
+    """Many elements of set or map ``container`` added at once, each already rendered as
+    ``Element.render`` writes it (``key`` or ``key : value``).
+
+    What a full sync uses instead of one ``Element`` per element: 100k ``Element``s cost more
+    to make, validate and render than nft takes to load them. ``items`` are not validated one by
+    one; they come from kpng's layout, which writes only addresses, protocols and numbers that
+    the model parsed (a malformed one makes nft refuse the transaction). ``expand()`` gives the
+    same elements as validated ``Element``s, and a transaction renders the same text either way
+    (tests hold the two to each other).
+    """
+
+    container: str
+    items: Sequence[str]
+
+    def __post_init__(self) -> None:
+        _check_name("set", self.container)
+
+    def expand(self) -> list[Element]:
+        """The items as ``Element``s (``InvalidObject`` for the first invalid one)."""
+        out = []
+        for item in self.items:
+            key, colon, value = item.partition(" : ")
+            fields = tuple(value.split(" . ")) if colon else ()
+            out.append(Element(self.container, tuple(key.split(" . ")), fields))
+        return out
+
+    def render(self) -> str:
+        """The items as the body of an ``add element`` command."""
+        return ", ".join(self.items)
+
+
+Object = Table | Chain | Rule | Set | Map | Element | Elements
 
 
 @dataclass(frozen=True)
@@ -233,7 +266,14 @@ class Transaction:
         i = 0
         while i < len(ops):
             op = ops[i]
-            if isinstance(op.obj, Element):
+            if isinstance(op.obj, Elements):
+                many = op.obj
+                prefix = f"add element {self._prefix()} {many.container} {{ "
+                for start in range(0, len(many.items), ELEMENTS_PER_LINE):
+                    chunk = Elements(many.container, many.items[start : start + ELEMENTS_PER_LINE])
+                    yield f"{prefix}{chunk.render()} }}", (Operation("add", chunk),)
+                i += 1
+            elif isinstance(op.obj, Element):
                 j = i + 1
                 while (
                     j < len(ops)
@@ -254,10 +294,7 @@ class Transaction:
         return f"{self.table.family} {self.table.name}"
 
     def _render_elements(self, verb: Verb, container: str, batch: Sequence[Operation]) -> str:
-        body = ", ".join(
-            op.obj.render(with_value=verb == "add")  # type: ignore[union-attr]
-            for op in batch
-        )
+        body = ", ".join(cast(Element, op.obj).render(with_value=verb == "add") for op in batch)
         return f"{verb} element {self._prefix()} {container} {{ {body} }}"
 
     def _render_one(self, op: Operation) -> str:

@@ -1,0 +1,171 @@
+"""Health check node ports: what they count, what they answer, on real sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.fake import FakeNft
+from kpng.backends.nft.health import HealthServers, local_ready_endpoints, response
+from kpng.backends.nft.layout import Options
+from kpng.backends.registry import NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import (
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+
+LB: ServiceKey = ("ns", "lb")
+
+
+def _ep(addr: str, *, local: bool = True, ready: bool = True) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V6=(addr,)) if ":" in addr else IPSet(V4=(addr,)),
+        Local=local,
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=EndpointScopes(Internal=True, External=local, Cluster=True),
+        Ready=ready,
+        Serving=True,
+    )
+
+
+def _lb(health_port: int, *endpoints: Endpoint) -> ServiceEndpoints:
+    service = Service(
+        Namespace="ns",
+        Name="lb",
+        Type="LoadBalancer",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=("10.96.0.10",))),
+        Ports=(
+            PortMapping(
+                Name="p",
+                Protocol="TCP",
+                Port=80,
+                NodePort=30080,
+                UsableEndpoints=IPFamilies(V4=True),
+            ),
+        ),
+        ExternalTrafficToLocal=True,
+        HealthCheckNodePort=health_port,
+    )
+    return ServiceEndpoints(service, endpoints)
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "expected"),
+    [
+        pytest.param([_ep("10.1.0.2"), _ep("10.1.0.3")], 2, id="local_ready_ones_count"),
+        pytest.param([_ep("10.2.0.2", local=False)], 0, id="remote_ones_do_not"),
+        pytest.param([_ep("10.1.0.2", ready=False)], 0, id="local_unready_ones_do_not"),
+        pytest.param([_ep("10.1.0.2"), _ep("10.1.0.2")], 1, id="an_address_counts_once"),
+        pytest.param([], 0, id="no_endpoint"),
+    ],
+)
+def test_local_ready_endpoints_are_counted(endpoints: list[Endpoint], expected: int) -> None:
+    assert local_ready_endpoints(_lb(30000, *endpoints)) == expected
+
+
+@pytest.mark.parametrize(
+    ("count", "status"), [(3, b"HTTP/1.1 200 OK"), (0, b"HTTP/1.1 503 Service Unavailable")]
+)
+def test_response_is_200_with_local_endpoints_else_503(count: int, status: bytes) -> None:
+    head, _, body = response(count).partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == status
+    assert b"Content-Type: application/json" in head
+    assert f"Content-Length: {len(body)}".encode() in head
+    assert json.loads(body) == {"localEndpoints": count}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _get(port: int) -> tuple[int, object] | str:
+    """(status, JSON body) of ``GET /healthz`` on loopback, or "refused"."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return "refused"
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), timeout=5)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _state(revision: int, services: dict[ServiceKey, ServiceEndpoints]) -> NodeState:
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=dict(services),
+        updated=frozenset(services),
+        deleted=frozenset(),
+    )
+
+
+def test_health_check_node_port_answers_on_a_real_socket_and_follows_changes() -> None:
+    port = _free_port()
+
+    async def scenario() -> None:
+        backend = NftBackend(
+            nft=FakeNft(), options=Options(), health=HealthServers(host="127.0.0.1")
+        )
+        try:
+            services = {
+                LB: _lb(port, _ep("10.1.0.2"), _ep("10.1.0.3"), _ep("10.2.0.2", local=False))
+            }
+            await backend.apply(_state(1, services))
+            assert await _get(port) == (200, {"localEndpoints": 2})
+            # One local endpoint is no longer ready, the other leaves.
+            services = {LB: _lb(port, _ep("10.1.0.2", ready=False), _ep("10.2.0.2", local=False))}
+            await backend.apply(_state(2, services))
+            assert await _get(port) == (503, {"localEndpoints": 0})
+            services = {LB: _lb(port, _ep("10.1.0.4"))}
+            await backend.apply(_state(3, services))
+            assert await _get(port) == (200, {"localEndpoints": 1})
+            # The service goes: so does its server.
+            await backend.apply(
+                NodeState(
+                    node="n1",
+                    revision=4,
+                    services={},
+                    updated=frozenset(),
+                    deleted=frozenset({LB}),
+                )
+            )
+            assert await _get(port) == "refused"
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_health_check_node_port_moves_with_the_service() -> None:
+    first, second = _free_port(), _free_port()
+
+    async def scenario() -> None:
+        health = HealthServers(host="127.0.0.1")
+        try:
+            await health.update({LB: _lb(first, _ep("10.1.0.2"))})
+            assert health.ports() == [first]
+            await health.update({LB: _lb(second, _ep("10.1.0.2"))})
+            assert health.ports() == [second]
+            assert await _get(first) == "refused"
+            assert await _get(second) == (200, {"localEndpoints": 1})
+        finally:
+            await health.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,457 @@
+"""to-nft against the kernel, each test in a network namespace of its own (root and nft needed).
+
+What the fake cannot prove: that the kernel accepts the transactions kpng writes, in the order
+it writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.executing import KernelNft
+from kpng.backends.nft.layout import Options
+from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
+from kpng.backends.registry import NodeState
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import (
+    ClientIPAffinity,
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPFilter,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+from kpng.testing.netns import ClusterSpec, TestBed, available, wait_until
+from tests.nft_services import generate
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
+WEB: ServiceKey = ("ns", "web")
+
+
+@pytest.fixture
+def namespaces() -> Iterator[Callable[[], str]]:
+    """Makes new, empty network namespaces (loopback up), all deleted afterwards whatever
+    happens."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"kpng-kt-{secrets.token_hex(3)}"
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        made.append(name)
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        return name
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def netns(namespaces: Callable[[], str]) -> str:
+    return namespaces()
+
+
+def _nft(netns: str) -> KernelNft:
+    return KernelNft(("ip", "netns", "exec", netns, "nft"))
+
+
+class RecordingNft(KernelNft):
+    """The kernel's nft, remembering every transaction and whether the kernel refused it."""
+
+    def __init__(self, netns: str) -> None:
+        super().__init__(("ip", "netns", "exec", netns, "nft"))
+        self.runs: list[tuple[Transaction, NftError | None]] = []
+
+    async def run(self, tx: Transaction) -> None:
+        try:
+            await super().run(tx)
+        except NftError as exc:
+            self.runs.append((tx, exc))
+            raise
+        self.runs.append((tx, None))
+
+
+def _table(netns: str) -> dict[str, object]:
+    """kpng's table from the kernel, in an order that depends only on its contents."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-j", "list", "table", "inet", "kpng"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    table: dict[str, object] = {}
+    for item in json.loads(out)["nftables"]:
+        for kind in ("set", "map", "chain"):
+            if kind in item:
+                obj = {k: v for k, v in item[kind].items() if k != "handle"}
+                obj["elem"] = sorted(json.dumps(e, sort_keys=True) for e in obj.get("elem", []))
+                table[f"{kind} {obj['name']}"] = obj
+        if "rule" in item:
+            rule = item["rule"]
+            rules = table.setdefault(f"rules {rule['chain']}", [])
+            assert isinstance(rules, list)
+            rules.append(json.dumps(rule["expr"], sort_keys=True))
+    return table
+
+
+def _ruleset(netns: str) -> str:
+    return subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "list", "table", "inet", "kpng"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def _service(
+    *, affinity: int = 0, node_port: int = 0, cluster_ip: str = "10.96.0.10", name: str = "web"
+) -> Service:
+    return Service(
+        Namespace="ns",
+        Name=name,
+        Type="NodePort" if node_port else "ClusterIP",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(cluster_ip,))),
+        Ports=(
+            PortMapping(
+                Name="p",
+                Protocol="TCP",
+                Port=80,
+                NodePort=node_port,
+                UsableEndpoints=IPFamilies(V4=True),
+            ),
+        ),
+        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
+    )
+
+
+def _ep(addr: str) -> Endpoint:
+    return Endpoint(
+        IPs=IPSet(V4=(addr,)),
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=ALL,
+        Ready=True,
+        Serving=True,
+    )
+
+
+def _state(
+    revision: int,
+    services: dict[ServiceKey, ServiceEndpoints],
+    *,
+    updated: set[ServiceKey] | None = None,
+    deleted: set[ServiceKey] | None = None,
+) -> NodeState:
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=dict(services),
+        updated=frozenset(services if updated is None else updated),
+        deleted=frozenset(deleted or ()),
+    )
+
+
+def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
+    async def scenario() -> None:
+        backend = NftBackend(nft=_nft(netns), options=Options())
+        services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
+        await backend.apply(_state(2, services, updated={WEB}))
+        await backend.close()
+
+    asyncio.run(scenario())
+    ruleset = _ruleset(netns)
+    assert "timeout 30s" in ruleset
+    assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
+
+
+_HEALTH_CLIENT = """
+import asyncio, json
+from kpng.backends.nft.health import HealthServers
+from kpng.model.messages import Endpoint, IPSet, Service, ServiceEndpoints
+
+async def get(host):
+    reader, writer = await asyncio.open_connection(host, 32000)
+    writer.write(b"GET /healthz HTTP/1.1\\r\\nHost: n\\r\\n\\r\\n")
+    data = await asyncio.wait_for(reader.read(), timeout=5)
+    writer.close()
+    return data.split(b"\\r\\n")[0].decode() + " " + data.partition(b"\\r\\n\\r\\n")[2].decode()
+
+async def main():
+    health = HealthServers()
+    ep = Endpoint(IPs=IPSet(V4=("10.1.0.2",)), Local=True, Ready=True)
+    await health.update({("ns", "lb"): ServiceEndpoints(Service(HealthCheckNodePort=32000), (ep,))})
+    print(json.dumps([await get("127.0.0.1"), await get("::1")]))
+    await health.close()
+
+asyncio.run(main())
+"""
+
+
+def test_health_check_node_port_serves_both_families_on_every_address(netns: str) -> None:
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", _HEALTH_CLIENT],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    expected = 'HTTP/1.1 200 OK {"localEndpoints": 1}'
+    assert json.loads(out) == [expected, expected]
+
+
+def test_kernel_takes_every_incremental_transaction_and_ends_as_a_full_sync(
+    namespaces: Callable[[], str],
+) -> None:
+    """Random changes to generated services of every shape: the kernel refuses none of the
+    incremental transactions, and the table ends as one full sync of the last state writes it."""
+    rng = random.Random(4)
+    pool, variants = generate(300, seed=4), generate(300, seed=104)
+    keys = sorted(pool)
+    options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+    changed, fresh = namespaces(), namespaces()
+
+    async def scenario() -> dict[ServiceKey, ServiceEndpoints]:
+        nft = RecordingNft(changed)
+        backend = NftBackend(nft=nft, options=options)
+        services: dict[ServiceKey, ServiceEndpoints] = {}
+        await backend.apply(_state(1, services))
+        for revision in range(2, 22):
+            updated, deleted = set(), set()
+            for key in rng.sample(keys, 25):
+                if key in services and rng.random() < 0.3:
+                    del services[key]
+                    deleted.add(key)
+                    updated.discard(key)
+                else:
+                    services[key] = rng.choice([pool, variants])[key]
+                    updated.add(key)
+            await backend.apply(_state(revision, services, updated=updated, deleted=deleted))
+        await backend.close()
+        refused = [(tx.render()[:200], str(err)) for tx, err in nft.runs if err is not None]
+        assert refused == []
+        assert len(nft.runs) == 21
+        return services
+
+    services = asyncio.run(scenario())
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, services)))
+    assert _table(changed) == _table(fresh)
+
+
+def _manifest(bed: TestBed, cluster_ip: str) -> str:
+    pod = bed.pod("p1")
+    objects = [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {
+                "clusterIP": cluster_ip,
+                "clusterIPs": [cluster_ip],
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "web-x",
+                "namespace": "ns",
+                "labels": {"kubernetes.io/service-name": "web"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [pod.ip4], "nodeName": "node-1", "conditions": {"ready": True}}
+            ],
+        },
+    ]
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+
+
+def _start_kpng(bed: TestBed, manifests: Path, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "kpng", "--log-level", "debug", "file", "--input"]
+    argv += [str(manifests), "to-local", "--node-name", "node-1", "to-nft"]
+    with log.open("wb") as stderr:
+        return bed.spawn(bed.nodes["node-1"].netns, argv, stderr=stderr)
+
+
+def _synced(log: Path) -> bool:
+    return "applied a full transaction" in log.read_text()
+
+
+def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path) -> None:
+    """kpng is stopped (its rules stay) and started again while the node keeps opening
+    connections to a service: not one fails."""
+    cluster_ip = "10.96.0.10"
+    with TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed:
+        node = bed.nodes["node-1"].netns
+        manifests = tmp_path / "manifests"
+        manifests.mkdir()
+        (manifests / "cluster.json").write_text(_manifest(bed, cluster_ip))
+        first = _start_kpng(bed, manifests, tmp_path / "first.log")
+        assert wait_until(lambda: _synced(tmp_path / "first.log"), timeout=20)
+        assert bed.probe(node, "tcp", cluster_ip, 80) == [f"p1 {bed.nodes['node-1'].ip4}"]
+
+        # Connections one after the other for 6 s, the restart in their midst.
+        argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", cluster_ip, "80"]
+        client = bed.spawn(node, [*argv, "--for", "6", "--timeout", "1"], stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        first.terminate()
+        assert first.wait(timeout=10) == 0
+        assert "chain pick-cluster-v4-1" in bed.exec(node, ["nft", "list", "table", "inet", "kpng"])
+        second = _start_kpng(bed, manifests, tmp_path / "second.log")
+        assert wait_until(lambda: _synced(tmp_path / "second.log"), timeout=20)
+        assert client.poll() is None, "the client stopped before the takeover: nothing proven"
+        out, _ = client.communicate(timeout=120)
+        results = json.loads(out)["results"]
+        assert len(results) > 100
+        failed = [r for r in results if not r.startswith("p1 ")]
+        assert failed == []
+        assert second.poll() is None
+
+
+class FailingOnceNft(RecordingNft):
+    """The kernel's nft; with ``fail_next`` set, the next transaction gets an element the
+    kernel refuses (its set does not exist) as its last line."""
+
+    fail_next = False
+
+    async def run(self, tx: Transaction) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            bad = Operation("add", Element("no-such-set", ("10.0.0.1",)))
+            tx = Transaction(tx.table, [*tx.operations, bad])
+        await super().run(tx)
+
+
+def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_resync(
+    netns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    db: ServiceKey = ("ns", "db")
+
+    async def scenario() -> None:
+        nft = FailingOnceNft(netns)
+        gate = asyncio.Event()
+
+        async def backoff(_: float) -> None:
+            await gate.wait()  # the retry waits for the test, not for a clock
+
+        backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
+        services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+        await backend.apply(_state(1, services))
+        before = _table(netns)
+        nft.fail_next = True
+        services[db] = ServiceEndpoints(
+            _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
+        )
+        assert await backend.apply(_state(2, services, updated={db})) is False
+        assert nft.runs[-1][1] is not None  # refused...
+        assert _table(netns) == before  # ...and nothing of it applied
+        gate.set()
+        assert await _eventually(lambda: len(nft.runs) == 3)
+        retried, error = nft.runs[2]
+        assert error is None
+        assert retried.render().startswith("add table inet kpng")  # a full resync
+        assert "10.96.0.20" in _ruleset(netns)
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert "nft refused the incremental transaction" in caplog.text
+    assert "add element inet kpng no-such-set { 10.0.0.1 }" in caplog.text  # the failing line
+
+
+async def _eventually(condition: Callable[[], bool]) -> bool:
+    """Await until ``condition`` holds (checked every 10 ms), for 10 s at most."""
+    for _ in range(1000):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+class SctpLessKernelNft(RecordingNft):
+    """The kernel's nft, as if the kernel lacked SCTP: a transaction with an SCTP element is
+    refused, naming its first such line."""
+
+    async def run(self, tx: Transaction) -> None:
+        for n, (line, _) in enumerate(tx.lines(), start=1):
+            if " . sctp . " in line:
+                raise error_for_line(tx, line_number=n, message="Operation not supported")
+        await super().run(tx)
+
+
+def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_programmed(
+    namespaces: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    services = generate(150, seed=8)
+    sctp = {
+        key for key, se in services.items() if any(p.Protocol == "SCTP" for p in se.service.Ports)
+    }
+    assert 0 < len(sctp) < len(services)
+    options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+    refusing, fresh = namespaces(), namespaces()
+
+    async def scenario() -> None:
+        backend = NftBackend(nft=SctpLessKernelNft(refusing), options=options)
+        await backend.apply(_state(1, services))
+        await backend.close()
+
+    asyncio.run(scenario())
+    rest = {key: se for key, se in services.items() if key not in sctp}
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, rest)))
+    assert _table(refusing) == _table(fresh)
+    left_out = {
+        r.getMessage().split(":")[0].removeprefix("service ")
+        for r in caplog.records
+        if "left out until it changes" in r.getMessage()
+    }
+    assert left_out == {f"{ns}/{name}" for ns, name in sctp}
+
+
+def test_kernel_takes_overlapping_source_ranges(netns: str) -> None:
+    lb = Service(
+        Namespace="ns",
+        Name="lb",
+        Type="LoadBalancer",
+        IPs=ServiceIPs(
+            ClusterIPs=IPSet(V4=("10.96.0.10",)), LoadBalancerIPs=IPSet(V4=("192.0.2.9",))
+        ),
+        Ports=(
+            PortMapping(Name="p", Protocol="TCP", Port=80, UsableEndpoints=IPFamilies(V4=True)),
+        ),
+        IPFilters=(
+            IPFilter(
+                TargetIPs=IPSet(V4=("192.0.2.9",)),
+                SourceRanges=("10.0.0.0/8", "10.1.0.0/16", "192.168.1.0/24", "192.168.0.0/23"),
+            ),
+        ),
+    )
+    nft = RecordingNft(netns)
+    services = {("ns", "lb"): ServiceEndpoints(lb, (_ep("10.244.1.2"),))}
+    asyncio.run(NftBackend(nft=nft, options=Options()).apply(_state(1, services)))
+    assert [error for _, error in nft.runs] == [None]
+    allowed = _ruleset(netns).split("set firewall-allow-v4")[1].split("}")[0]
+    assert "10.0.0.0/8" in allowed
+    assert "192.168.0.0/23" in allowed
