@@ -7,6 +7,7 @@ that a change touched, so one EndpointSlice event costs one service, whatever th
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -127,19 +128,28 @@ def resolve_service(
                     entry = grouped[(id(ep), scopes)] = (ep, v6, [])
                 entry[2].append(PortName(Name=port.Name, Port=number, Protocol=port.Protocol))
 
-    endpoints = in_key_order(
-        Endpoint(
-            Hostname=ep.hostname,
-            IPs=IPSet(V6=(ep.ip,)) if v6 else IPSet(V4=(ep.ip,)),
-            Local=ep.node == node,
-            PortOverrides=tuple(ports),
-            Scopes=scopes,
-            Ready=ep.ready,
-            Serving=ep.serving,
-            Terminating=ep.terminating,
+    entries = [
+        (
+            ep.ip,
+            Endpoint(
+                Hostname=ep.hostname,
+                IPs=IPSet(V6=(ep.ip,)) if v6 else IPSet(V4=(ep.ip,)),
+                Local=ep.node == node,
+                PortOverrides=tuple(ports),
+                Scopes=scopes,
+                Ready=ep.ready,
+                Serving=ep.serving,
+                Terminating=ep.terminating,
+            ),
         )
         for (_, scopes), (ep, v6, ports) in grouped.items()
-    )
+    ]
+    if len({ip for ip, _ in entries}) == len(entries):
+        # Each address once, the usual case: its key is the address (kpng.model.paths).
+        entries.sort(key=_first)
+        endpoints = tuple(endpoint for _, endpoint in entries)
+    else:
+        endpoints = in_key_order(endpoint for _, endpoint in entries)
     ports = tuple(
         msgspec.structs.replace(port, UsableEndpoints=_FAMILIES[(v4, v6)])
         for port, (v4, v6) in zip(service.Ports, usable, strict=True)
@@ -147,6 +157,9 @@ def resolve_service(
     return ServiceEndpoints(
         service=msgspec.structs.replace(service, Ports=ports), endpoints=endpoints
     )
+
+
+_first = operator.itemgetter(0)
 
 
 class Changes(msgspec.Struct, frozen=True):
@@ -176,15 +189,13 @@ class _ServiceResults:
     __slots__ = ("node_relevant", "results", "zone_relevant")
 
     def __init__(self, slices: Iterable[Slice]) -> None:
-        nodes: set[str] = set()
-        zone_relevant = False
-        for sl in slices:
-            for ep in sl.endpoints:
-                nodes.add(ep.node)
+        endpoints = [ep for sl in slices for ep in sl.endpoints]
+        nodes = {ep.node for ep in endpoints}
+        for ep in endpoints:
+            if ep.node_hints:
                 nodes.update(ep.node_hints)
-                zone_relevant = zone_relevant or bool(ep.zone_hints)
         self.node_relevant = frozenset(nodes)
-        self.zone_relevant = zone_relevant
+        self.zone_relevant = any(ep.zone_hints for ep in endpoints)
         self.results: dict[tuple[str, str], ServiceEndpoints] = {}
 
     def class_of(self, node: str, zone: str) -> tuple[str, str]:
