@@ -25,9 +25,9 @@ from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.sources.api import GlobalOps
 from kpng.sources.manifests import parse
 from kpng.store import SourceHandle, Store
+from kpng.testing.cluster import make_pki
 from tests import wire
 from tests.conftest import EXAMPLE
-from tests.tlscerts import make_pki
 
 T = TypeVar("T")
 WAIT_S = 20.0
@@ -398,9 +398,13 @@ def test_unix_socket_is_owner_only_unless_told_otherwise(tmp_path: Path) -> None
 
 def test_mutual_tls(tmp_path: Path) -> None:
     store, _ = _example_store()
-    pki = make_pki(tmp_path)
-    tls = TlsFiles(cert=pki.server_cert, key=pki.server_key, ca=pki.ca)
-    trusted = ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    # the control-plane harness's PKI: a CA, a localhost serving certificate, a client one
+    (tmp_path / "pki").mkdir()
+    (tmp_path / "other").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    other_ca = make_pki(tmp_path / "other").ca_cert  # signed nothing here
+    tls = TlsFiles(cert=pki.serving_cert, key=pki.serving_key, ca=pki.ca_cert)
+    trusted = ClientTls(ca=pki.ca_cert, cert=pki.admin_cert, key=pki.admin_key)
 
     async def scenario() -> tuple[NodeState, grpc.StatusCode, grpc.StatusCode]:
         async with _serving(store, ["tcp://127.0.0.1:0"], tls=tls) as serving:
@@ -410,8 +414,8 @@ def test_mutual_tls(tmp_path: Path) -> None:
             await watch_state(got.append, api=Api(url, tls=trusted), node_name="node-1", once=True)
             codes = []
             for client_tls in (
-                ClientTls(ca=pki.ca),  # no client certificate
-                ClientTls(ca=pki.other_ca, cert=pki.client_cert, key=pki.client_key),
+                ClientTls(ca=pki.ca_cert),  # no client certificate
+                ClientTls(ca=other_ca, cert=pki.admin_cert, key=pki.admin_key),
             ):
                 channel = Api(url, tls=client_tls).channel()
                 async with channel:
