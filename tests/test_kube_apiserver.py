@@ -486,3 +486,22 @@ def test_exec_credential_plugin(
             await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
 
     run(scenario)
+
+
+def test_to_local_watches_only_its_own_node(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    me, other = f"{kube_namespace}-me", f"{kube_namespace}-other"
+
+    async def scenario() -> None:
+        await call(kube_api.create, k.node(me, zone="zone-a"))
+        await call(kube_api.create, k.node(other, zone="zone-b"))
+        async with KpngUnderTest.start(
+            control_plane.kubeconfig, node_name=me, namespace=kube_namespace
+        ) as kpng:
+            await kpng.wait_for(lambda v: v == {})
+            # the API server filtered: the other node never reached kpng's memory
+            assert set(kpng.store.nodes) == {me}
+            assert kpng.store.nodes[me].Labels["topology.kubernetes.io/zone"] == "zone-a"
+
+    run(scenario)

@@ -129,6 +129,8 @@ def test_selectors_are_kube_proxys() -> None:
     }
     assert slices.selectors() == {"labelSelector": label_selector(None)}
     assert nodes.selectors() == {}
+    _, _, only_n1 = resources(None, "n1")
+    assert only_n1.selectors() == {"fieldSelector": "metadata.name=n1"}
 
 
 # --- watch events through a reflector, with a sink that records

@@ -139,7 +139,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
     store = Store()
-    source_run = source_spec.create(source_args, store)
+    source_run = source_spec.create(source_args, store, sink_spec.node(sink_args))
     sink_run = sink_spec.create(sink_args, store, backends)
 
     async def pipeline() -> None:

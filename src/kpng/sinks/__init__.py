@@ -25,3 +25,5 @@ class SinkSpec:
     """Returns what runs the sink until it is done or cancelled; a sink that takes backends gets
     what makes the ones named on the command line."""
     takes_backend: bool = False
+    node: Callable[[argparse.Namespace], str | None] = lambda _: None
+    """The one node this sink needs, if it needs one only (sources may then fetch no other)."""

@@ -98,6 +98,7 @@ SPEC = SinkSpec(
     add_arguments=_add_local_arguments,
     create=_create,
     takes_backend=True,
+    node=lambda args: str(args.node_name),
 )
 
 

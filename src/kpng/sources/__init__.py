@@ -18,6 +18,8 @@ class SourceSpec:
     """The command word, e.g. ``file``."""
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace, Store], Runner]
+    create: Callable[[argparse.Namespace, Store, str | None], Runner]
     """Registers the source's handles in the store now (so no sink can see the store synced
-    without them), and returns what runs the source until cancelled."""
+    without them), and returns what runs the source until cancelled. The third argument names
+    the one node the sink needs, when it needs only one (``to-local``): a source that can filter
+    by it need not fetch the others."""

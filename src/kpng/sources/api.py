@@ -132,7 +132,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace, store: Store) -> Runner:
+def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
     api = Api(args.api).check()
     ops = GlobalOps(store.source("api"))
     batched, compatible = global_rpcs()

@@ -223,7 +223,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace, store: Store) -> Runner:
+def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
     source = FileSource(args.input, proxy_name=args.service_proxy_name)
     handle = store.source("file")
     return lambda: source.run(handle)

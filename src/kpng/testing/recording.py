@@ -95,6 +95,7 @@ class KpngUnderTest:
                 kubeconfig=kubeconfig,
                 proxy_name=proxy_name,
                 settings=settings or ReflectorSettings(),
+                node_name=node_name,
             ),
         )
         backend = RecordingBackend()

@@ -57,7 +57,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace, store: Store) -> Runner:
+def _create(args: argparse.Namespace, store: Store, node: str | None) -> Runner:
     # Imported here: the HTTP and configuration libraries cost other commands 0.2 s to import.
     from kpng.sources.kube.source import KubeOptions, KubeSource
 
@@ -68,6 +68,7 @@ def _create(args: argparse.Namespace, store: Store) -> Runner:
             context=args.context,
             proxy_name=args.service_proxy_name,
             initial_sync_timeout=args.initial_sync_timeout,
+            node_name=node,
         ),
     )
     return source.run

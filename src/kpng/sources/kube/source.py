@@ -50,15 +50,16 @@ def label_selector(proxy_name: str | None) -> str:
 
 
 def resources(
-    proxy_name: str | None,
+    proxy_name: str | None, node_name: str | None = None
 ) -> tuple[Resource[k8s.Service], Resource[k8s.EndpointSlice], Resource[k8s.Node]]:
     selector = label_selector(proxy_name)
+    node_selector = f"metadata.name={node_name}" if node_name else ""
     return (
         Resource("Service", "/api/v1/services", k8s.Service, selector, SERVICE_FIELD_SELECTOR),
         Resource(
             "EndpointSlice", "/apis/discovery.k8s.io/v1/endpointslices", k8s.EndpointSlice, selector
         ),
-        Resource("Node", "/api/v1/nodes", k8s.Node),
+        Resource("Node", "/api/v1/nodes", k8s.Node, field_selector=node_selector),
     )
 
 
@@ -98,6 +99,8 @@ class KubeOptions:
     proxy_name: str | None = None
     initial_sync_timeout: float = 0.0
     """Seconds to wait for the first complete lists; 0 waits as long as it takes."""
+    node_name: str | None = None
+    """Watch only this Node (all of them if None): a node's local state needs no other."""
     settings: ReflectorSettings = field(default_factory=ReflectorSettings)
 
 
@@ -127,7 +130,7 @@ class KubeSource:
         """Load the configuration, then list and watch until cancelled."""
         options = self.options
         self.connection = await load_connection(options.kubeconfig, options.context)
-        svc_res, slice_res, node_res = resources(options.proxy_name)
+        svc_res, slice_res, node_res = resources(options.proxy_name, options.node_name)
         async with ApiClient(self.connection) as client:
             self.reflectors = [
                 Reflector(client, svc_res, self._sinks[0], options.settings),
