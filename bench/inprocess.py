@@ -69,11 +69,10 @@ def phases(path: Path, node: str) -> dict[str, Any]:
     phase.start("imports")
     from kpng.backends.json import JsonBackend
     from kpng.backends.registry import NodeState
-    from kpng.model.cluster import Slice
-    from kpng.model.messages import Node, Service
     from kpng.resolver.resolving import NodeResolver
     from kpng.sinks.local import apply_delta
     from kpng.sources import manifests
+    from kpng.sources.file import stage
     from kpng.store import Delta, Store
 
     phase.stop()
@@ -92,16 +91,8 @@ def phases(path: Path, node: str) -> dict[str, Any]:
     handle = store.source("file")
     subscription = store.subscribe()
     phase.start("store")
-    for (kind, namespace, name), model in parsed.objects.items():
-        if kind == "Service":
-            assert model is None or isinstance(model, Service)
-            handle.set_service((namespace, name), model)
-        elif kind == "EndpointSlice":
-            assert model is None or isinstance(model, Slice)
-            handle.set_slice((namespace, name), model)
-        else:
-            assert model is None or isinstance(model, Node)
-            handle.set_node(name, model)
+    for key, model in parsed.objects.items():
+        stage(handle, key, model)
     handle.mark_synced()
     phase.stop()
 

@@ -18,11 +18,11 @@ import pytest
 from kpng.api import localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.client._remote import _follow_once, global_rpcs
-from kpng.model.cluster import Slice
-from kpng.model.messages import Node, Service
+from kpng.model.messages import Service
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.sources.api import GlobalOps
+from kpng.sources.file import stage
 from kpng.sources.manifests import parse
 from kpng.store import SourceHandle, Store
 from kpng.testing.cluster import make_pki
@@ -44,15 +44,10 @@ def _run(coro: Awaitable[T]) -> T:
 def _example_store(*, synced: bool = True) -> tuple[Store, SourceHandle]:
     store = Store()
     handle = store.source("test")
-    for (kind, namespace, name), obj in parse(EXAMPLE.read_bytes(), filename="x").objects.items():
-        if isinstance(obj, Service):
-            handle.set_service((namespace, name), obj)
-        elif isinstance(obj, Slice):
-            handle.set_slice((namespace, name), obj)
-        elif isinstance(obj, Node):
-            handle.set_node(name, obj)
-        else:
-            assert obj is None, kind
+    parsed = parse(EXAMPLE.read_bytes(), filename="x")
+    assert not parsed.errors
+    for key, obj in parsed.objects.items():
+        stage(handle, key, obj)
     if synced:
         handle.mark_synced()
     return store, handle

@@ -171,10 +171,10 @@ class FileSource:
             )
         if owner is None:
             self._owner.pop(key, None)
-            _stage(out, key, None)
+            stage(out, key, None)
         else:
             self._owner[key] = owner
-            _stage(out, key, self._parsed[owner].objects[key])
+            stage(out, key, self._parsed[owner].objects[key])
 
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
@@ -198,7 +198,8 @@ class FileSource:
                     log.info("reloaded %d file(s)", len(changed))
 
 
-def _stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
+def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
+    """Stage a parsed object (None: gone or ignored) in a store source, by its kind."""
     kind, namespace, name = key
     if kind == "Service":
         assert model is None or isinstance(model, Service)

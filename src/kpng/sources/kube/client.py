@@ -136,14 +136,7 @@ class ApiClient:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
         try:
-            async with self._session.get(
-                self.connection.server + path,
-                params=dict(params),
-                headers=await self._headers(),
-                timeout=timeout,
-                proxy=self.connection.proxy,
-                server_hostname=self.connection.tls_server_name,
-            ) as response:
+            async with await self._get(path, params, timeout) as response:
                 body = await response.read()
                 if response.status != 200:
                     self._note_status(response.status)
@@ -151,6 +144,21 @@ class ApiClient:
                 return body
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise TransportError(self._describe(exc)) from exc
+
+    async def _get(
+        self, path: str, params: Mapping[str, str], limits: aiohttp.ClientTimeout
+    ) -> aiohttp.ClientResponse:
+        """One GET with the connection's headers, proxy and TLS name (responses must be
+        released: ``async with`` or ``release()``)."""
+        assert self._session is not None
+        return await self._session.get(
+            self.connection.server + path,
+            params=dict(params),
+            headers=await self._headers(),
+            timeout=limits,
+            proxy=self.connection.proxy,
+            server_hostname=self.connection.tls_server_name,
+        )
 
     def _note_status(self, status: int) -> None:
         if status == 401:
@@ -167,14 +175,7 @@ class ApiClient:
             total=None, connect=_CONNECT_TIMEOUT_S, sock_read=idle_timeout
         )
         try:
-            response = await self._session.get(
-                self.connection.server + path,
-                params=dict(params),
-                headers=await self._headers(),
-                timeout=timeout,
-                proxy=self.connection.proxy,
-                server_hostname=self.connection.tls_server_name,
-            )
+            response = await self._get(path, params, timeout)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise TransportError(self._describe(exc)) from exc
         try:
