@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from kpng.backends.exec.output import LineLimiter, LineSplitter
 from kpng.client import Backoff, Feeder
 from tests import states
 from tests.conftest import EXAMPLE
+from tests.waiting import eventually, json_lines
 
 T = TypeVar("T")
 WAIT_S = 15.0
@@ -44,20 +45,6 @@ def _run(coro: Awaitable[T]) -> T:
 
 def _fast() -> Backoff:
     return Backoff(initial=0.05, maximum=0.2)
-
-
-async def _eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_bytes().splitlines()]
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -155,12 +142,12 @@ def test_full_state_then_changes_reach_the_program(tmp_path: Path) -> None:
         try:
             await backend.apply(states.state(1, {"a": a}))
             await backend.apply(states.state(2, {"a": a, "b": states.entry("b")}, updated=["b"]))
-            await _eventually(lambda: len(_lines(out)) == 2, "two lines")
+            await eventually(lambda: len(json_lines(out)) == 2, "two lines")
         finally:
             await backend.close()
 
     _run(scenario())
-    first, second = _lines(out)
+    first, second = json_lines(out)
     assert (first["revision"], len(first["services"])) == (1, 1)
     assert (second["revision"], len(second["services"])) == (2, 2)
     assert backend.starts == 1
@@ -186,12 +173,12 @@ def test_program_that_exits_at_once_is_restarted_and_gets_the_whole_state(
         try:
             await backend.apply(states.state(1, {"a": a}))
             await backend.apply(states.state(2, {"a": a, "b": states.entry("b")}, updated=["b"]))
-            await _eventually(lambda: backend.starts >= 3, "three starts")
+            await eventually(lambda: backend.starts >= 3, "three starts")
         finally:
             await backend.close()
 
     _run(scenario())
-    ops = _lines(out)
+    ops = json_lines(out)
     runs: list[list[dict[str, Any]]] = []
     for op in ops:
         if op["op"] == "reset":
@@ -215,7 +202,7 @@ def test_command_that_cannot_be_executed_is_logged_and_retried(
     async def scenario() -> bool:
         applying = asyncio.create_task(backend.apply(states.state(1, {"a": states.entry("a")})))
         try:
-            await _eventually(
+            await eventually(
                 lambda: sum("cannot run" in m for m in _messages(caplog)) >= 2, "two attempts"
             )
             return applying.done()
@@ -255,12 +242,12 @@ def test_stderr_flood_is_rate_limited_and_counted(
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": states.entry("a")}))
-            await _eventually(lambda: relayed() + reported() == 5000, "every line accounted")
+            await eventually(lambda: relayed() + reported() == 5000, "every line accounted")
         finally:
             await backend.close()
 
     _run(scenario())
-    assert len(_lines(out)) == 1  # the state went through all the same
+    assert len(json_lines(out)) == 1  # the state went through all the same
     assert relayed() <= 10 * 5
     assert reported() >= 5000 - 50
 
@@ -285,13 +272,13 @@ def test_slow_reader_gets_coalesced_states_and_a_log_line(
             for revision in (2, 3, 4):
                 feeder.offer(states.state(revision, services, updated=[]))
                 await asyncio.sleep(0.05)
-            await _eventually(lambda: len(_lines(out)) == 2, "two states read")
+            await eventually(lambda: len(json_lines(out)) == 2, "two states read")
         finally:
             task.cancel()
             await backend.close()
 
     _run(scenario())
-    assert [line["revision"] for line in _lines(out)] == [1, 4]
+    assert [line["revision"] for line in json_lines(out)] == [1, 4]
     messages = _messages(caplog)
     assert any("is slow to read its input: revision 1" in m for m in messages)
     assert any("took revision 1 after" in m for m in messages)
@@ -333,7 +320,7 @@ def test_failing_exec_and_plugin_backends_leave_kpng_and_the_other_backends_work
         proc = subprocess.Popen(argv, stderr=stderr_file, env=subprocess_env)
     try:
         deadline = time.monotonic() + WAIT_S
-        while not (json_out.exists() and json_out.stat().st_size and _lines(copied)):
+        while not (json_out.exists() and json_out.stat().st_size and json_lines(copied)):
             assert proc.poll() is None, "kpng stopped"
             assert time.monotonic() < deadline, "no state reached the working backends"
             time.sleep(0.05)
@@ -350,7 +337,7 @@ def test_failing_exec_and_plugin_backends_leave_kpng_and_the_other_backends_work
     assert f"cannot run {tmp_path / 'missing'}: No such file or directory" in stderr
     assert "exited with status 1 after" in stderr
     assert f"to-plugin gone failed to apply revision 1: socket {tmp_path / 'gone.sock'}" in stderr
-    ops = _lines(copied)
+    ops = json_lines(copied)
     assert ops[0] == {"op": "reset", "node": "node-2"}
     assert ops[-1]["op"] == "sync"
     assert json.loads(json_out.read_text())["node"] == "node-2"

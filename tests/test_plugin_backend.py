@@ -8,7 +8,6 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from kpng.client import Backoff
 from kpng.errors import UsageError
 from tests import states
 from tests.conftest import EXAMPLE
+from tests.waiting import eventually, json_lines
 
 T = TypeVar("T")
 WAIT_S = 15.0
@@ -37,20 +37,6 @@ def _run(coro: Awaitable[T]) -> T:
         return await asyncio.wait_for(coro, 60)
 
     return asyncio.run(bounded())
-
-
-async def _eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -228,14 +214,14 @@ def test_a_diffs_plugin_gets_the_whole_state_then_only_changes(plugins: Plugins)
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1, "b": B}))
-            await _eventually(lambda: len(_records(record)) == 1, "the first state")
+            await eventually(lambda: len(json_lines(record)) == 1, "the first state")
             await backend.apply(states.state(2, {"a": A2}, updated=["a"], deleted=["b"]))
-            await _eventually(lambda: len(_records(record)) == 2, "the change")
+            await eventually(lambda: len(json_lines(record)) == 2, "the change")
         finally:
             await backend.close()
 
     _run(scenario())
-    first, second = _records(record)
+    first, second = json_lines(record)
     assert (first["revision"], first["full"]) == (1, True)
     assert [op[0] for op in first["ops"]] == ["Reset", "Set", "Set", "Set", "Set", "Sync"]
     assert (second["revision"], second["full"]) == (2, False)
@@ -256,14 +242,14 @@ def test_a_full_plugin_gets_every_state_whole_in_json(plugins: Plugins) -> None:
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: len(_records(record)) == 1, "the first state")
+            await eventually(lambda: len(json_lines(record)) == 1, "the first state")
             await backend.apply(states.state(2, {"a": A1, "b": B}, updated=["b"]))
-            await _eventually(lambda: len(_records(record)) == 2, "the second state")
+            await eventually(lambda: len(json_lines(record)) == 2, "the second state")
         finally:
             await backend.close()
 
     _run(scenario())
-    second = _records(record)[1]
+    second = json_lines(record)[1]
     assert second["full"] is True
     assert [op[2] for op in second["ops"] if op[0] == "Set"] == [
         "ns/a",
@@ -284,12 +270,12 @@ def test_a_refused_state_is_logged_and_retried_whole(
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: len(_records(record)) == 1, "a state taken")
+            await eventually(lambda: len(json_lines(record)) == 1, "a state taken")
         finally:
             await backend.close()
 
     _run(scenario())
-    assert _records(record)[0]["full"] is True
+    assert json_lines(record)[0]["full"] is True
     refusals = [m for m in _messages(caplog) if "it refused" in m]
     assert (
         refusals
@@ -312,11 +298,11 @@ def test_a_hung_plugin_hits_the_deadline_and_the_others_go_on(
         try:
             await backend.apply(states.state(1, {"a": A1}))
             await backend.apply(states.state(2, {"a": A2}, updated=["a"]))
-            await _eventually(
-                lambda: [r["revision"] for r in _records(plugins.record("good"))][-1:] == [2],
+            await eventually(
+                lambda: [r["revision"] for r in json_lines(plugins.record("good"))][-1:] == [2],
                 "the good plugin to keep up",
             )
-            await _eventually(
+            await eventually(
                 lambda: sum("got no answer within 0.3 s" in m for m in _messages(caplog)) >= 2,
                 "two deadlines",
             )
@@ -324,7 +310,7 @@ def test_a_hung_plugin_hits_the_deadline_and_the_others_go_on(
             await backend.close()
 
     _run(scenario())
-    assert not _records(plugins.record("hung"))
+    assert not json_lines(plugins.record("hung"))
 
 
 def test_a_missing_socket_is_logged_and_the_plugin_fed_once_it_appears(
@@ -336,9 +322,9 @@ def test_a_missing_socket_is_logged_and_the_plugin_fed_once_it_appears(
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: any("does not exist" in m for m in _messages(caplog)), "log")
+            await eventually(lambda: any("does not exist" in m for m in _messages(caplog)), "log")
             await asyncio.to_thread(plugins.start, "late", socket=socket)
-            await _eventually(lambda: bool(_records(plugins.record("late"))), "a state")
+            await eventually(lambda: bool(json_lines(plugins.record("late"))), "a state")
         finally:
             await backend.close()
 
@@ -346,7 +332,7 @@ def test_a_missing_socket_is_logged_and_the_plugin_fed_once_it_appears(
     assert f"socket {socket} does not exist (is the plugin running?)" in "\n".join(
         _messages(caplog)
     )
-    assert _records(plugins.record("late"))[0]["full"] is True
+    assert json_lines(plugins.record("late"))[0]["full"] is True
 
 
 def test_a_crashed_plugin_gets_the_whole_state_when_it_is_back_without_a_new_change(
@@ -359,18 +345,18 @@ def test_a_crashed_plugin_gets_the_whole_state_when_it_is_back_without_a_new_cha
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: len(_records(record)) == 1, "the first state")
+            await eventually(lambda: len(json_lines(record)) == 1, "the first state")
             plugins.kill(socket)
-            await _eventually(
+            await eventually(
                 lambda: any("starting a new session" in m for m in _messages(caplog)), "noticed"
             )
             await asyncio.to_thread(plugins.start, "c", "--wants", "diffs", socket=socket)
-            await _eventually(lambda: len(_records(record)) == 2, "the state again")
+            await eventually(lambda: len(json_lines(record)) == 2, "the state again")
         finally:
             await backend.close()
 
     _run(scenario())
-    again = _records(record)[1]
+    again = json_lines(record)[1]
     assert (again["revision"], again["full"]) == (1, True)
 
 
@@ -384,14 +370,14 @@ def test_a_changed_config_starts_a_new_session_with_it(plugins: Plugins, tmp_pat
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: len(_records(record)) == 1, "the first state")
+            await eventually(lambda: len(json_lines(record)) == 1, "the first state")
             config.write_text("two")
-            await _eventually(lambda: len(_records(record)) == 2, "the state again")
+            await eventually(lambda: len(json_lines(record)) == 2, "the state again")
         finally:
             await backend.close()
 
     _run(scenario())
-    assert [(r["config"], r["full"]) for r in _records(record)] == [("one", True), ("two", True)]
+    assert [(r["config"], r["full"]) for r in json_lines(record)] == [("one", True), ("two", True)]
 
 
 def test_a_missing_named_config_is_an_error_the_plugin_is_retried_for(
@@ -404,9 +390,9 @@ def test_a_missing_named_config_is_an_error_the_plugin_is_retried_for(
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: any("absent.conf" in m for m in _messages(caplog)), "log")
+            await eventually(lambda: any("absent.conf" in m for m in _messages(caplog)), "log")
             config.write_text("{}")
-            await _eventually(lambda: bool(_records(plugins.record("nc"))), "a state")
+            await eventually(lambda: bool(json_lines(plugins.record("nc"))), "a state")
         finally:
             await backend.close()
 
@@ -426,18 +412,18 @@ def test_a_plugin_directory_is_followed_as_plugins_come_and_go(
     async def scenario() -> None:
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: bool(_records(plugins.record("one"))), "one fed")
+            await eventually(lambda: bool(json_lines(plugins.record("one"))), "one fed")
             await asyncio.to_thread(plugins.start, "two", socket=directory / "two.sock")
-            await _eventually(lambda: bool(_records(plugins.record("two"))), "two found and fed")
+            await eventually(lambda: bool(json_lines(plugins.record("two"))), "two found and fed")
             plugins.kill(directory / "two.sock")
             (directory / "two.sock").unlink()
-            await _eventually(lambda: "two" not in backend.members, "two forgotten")
+            await eventually(lambda: "two" not in backend.members, "two forgotten")
         finally:
             await backend.close()
 
     _run(scenario())
-    assert _records(plugins.record("one"))[0]["config"] == "cidrs"
-    assert _records(plugins.record("two"))[0]["config"] == ""
+    assert json_lines(plugins.record("one"))[0]["config"] == "cidrs"
+    assert json_lines(plugins.record("two"))[0]["config"] == ""
     messages = _messages(caplog)
     assert f"to-plugin: found plugin two at unix://{directory / 'two.sock'}" in messages
     assert f"to-plugin: plugin two left {directory}" in messages
@@ -471,9 +457,9 @@ def test_a_grpc_server_of_another_api_is_reported_as_the_wrong_protocol(
 
     async def scenario() -> None:
         try:
-            await _eventually(socket.exists, "the kpng server")
+            await eventually(socket.exists, "the kpng server")
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(lambda: any("not a kpng plugin" in m for m in _messages(caplog)), "")
+            await eventually(lambda: any("not a kpng plugin" in m for m in _messages(caplog)), "")
         finally:
             await backend.close()
 
@@ -503,7 +489,7 @@ def test_a_socket_that_does_not_speak_grpc_is_reported_and_retried(
         server = await asyncio.start_unix_server(answer, path=str(socket))
         try:
             await backend.apply(states.state(1, {"a": A1}))
-            await _eventually(
+            await eventually(
                 lambda: sum("failed to apply" in m for m in _messages(caplog)) >= 2, "retries"
             )
         finally:

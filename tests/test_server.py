@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from kpng.store import SourceHandle, Store
 from kpng.testing.cluster import make_pki
 from tests import wire
 from tests.conftest import EXAMPLE
+from tests.waiting import eventually
 
 T = TypeVar("T")
 WAIT_S = 20.0
@@ -79,15 +80,6 @@ async def _serving(store: Store, urls: list[str], **kwargs: Any) -> AsyncIterato
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-async def _eventually(predicate: Callable[[], bool]) -> None:
-    """Wait for a condition other tasks make true, polling, bounded by WAIT_S."""
-    for _ in range(int(WAIT_S / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 @contextlib.asynccontextmanager
@@ -250,13 +242,13 @@ def test_many_watchers_of_different_nodes_at_once(tmp_path: Path) -> None:
                 )
                 for i, node in enumerate(nodes)
             ]
-            await _eventually(lambda: all(states.values()))
+            await eventually(lambda: all(states.values()), within=WAIT_S)
             # one change that concerns every node: the api service's port
             api = store.services[("shop", "api")]
             port = msgspec.structs.replace(api.Ports[0], Port=9001)
             handle.set_service(("shop", "api"), msgspec.structs.replace(api, Ports=(port,)))
             handle.commit()
-            await _eventually(lambda: all(len(s) == 2 for s in states.values()))
+            await eventually(lambda: all(len(s) == 2 for s in states.values()), within=WAIT_S)
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
@@ -281,7 +273,7 @@ def test_malformed_request_and_vanished_client_cost_the_server_nothing(tmp_path:
             await vanishing.change_set(_watch_req("node-1"))
             views_while_open = len(serving.watch.hub.cluster._views)
             vanishing.call.cancel()
-            await _eventually(lambda: not serving.watch.hub.cluster._views)
+            await eventually(lambda: not serving.watch.hub.cluster._views, within=WAIT_S)
             # and the server still serves
             ops = await _RawWatch(channel).change_set(_watch_req("node-1"))
             return error.value.code(), views_while_open, len(ops)
@@ -445,17 +437,18 @@ def test_global_watch_relays_the_store(tmp_path: Path, batched: bool) -> None:
         async with _serving(store, _urls(tmp_path, "unix")) as serving:
             task = asyncio.create_task(follow_raw(serving))
             try:
-                await _eventually(lambda: relay.synced)
+                await eventually(lambda: relay.synced, within=WAIT_S)
                 assert dict(relay.services) == dict(store.services)
                 assert dict(relay.slices) == dict(store.slices)
                 assert dict(relay.nodes) == dict(store.nodes)
                 handle.set_slice(("shop", "web-abc12"), None)
                 handle.set_node("node-3", None)
                 handle.commit()
-                await _eventually(
+                await eventually(
                     lambda: (
                         ("shop", "web-abc12") not in relay.slices and "node-3" not in relay.nodes
-                    )
+                    ),
+                    within=WAIT_S,
                 )
                 assert dict(relay.slices) == dict(store.slices)
             finally:

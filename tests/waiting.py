@@ -1,0 +1,28 @@
+"""Waiting in tests for what other tasks or processes make true, always bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+async def eventually(
+    condition: Callable[[], bool], what: str = "the condition", *, within: float = 15.0
+) -> None:
+    """Poll ``condition`` until it holds; fail after ``within`` seconds naming ``what``."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a file written one per line so far ([] before it exists)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_bytes().splitlines()]
