@@ -211,16 +211,3 @@ class SinkBackend:
 
     async def close(self) -> None:
         return None
-
-
-class HandlerBackend:
-    """A full-state Backend around a handler function."""
-
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
-
-    async def apply(self, state: NodeState) -> bool:
-        return bool(await _maybe_await(self._handler(state)))
-
-    async def close(self) -> None:
-        return None

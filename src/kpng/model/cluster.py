@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kpng.model.messages import Node, Service
+from kpng.model.messages import Node
 
 ServiceKey = tuple[str, str]
 """(namespace, name) of a Service."""
@@ -56,10 +56,6 @@ class Slice(msgspec.Struct, frozen=True, gc=False):
     @property
     def service_key(self) -> ServiceKey:
         return (self.namespace, self.service)
-
-
-def service_key(service: Service) -> ServiceKey:
-    return (service.Namespace, service.Name)
 
 
 def node_zone(node: Node | None) -> str:
