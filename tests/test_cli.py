@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import EXAMPLE
+from tests.waiting import json_lines
 
 TIMEOUT_S = 60
 
@@ -196,19 +197,19 @@ def test_following_a_file_prints_a_line_per_change(
             source.read_text().replace("port: 80, targetPort: http", "port: 81, targetPort: http")
         )
         lines = _wait_for_lines(out, 2)
-        web = _by_name(json.loads(lines[1]))["shop/web"]
+        web = _by_name(lines[1])["shop/web"]
         assert web["service"]["Ports"][0]["Port"] == 81
-        assert json.loads(lines[1])["revision"] == 2
+        assert lines[1]["revision"] == 2
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, stderr
 
 
-def _wait_for_lines(path: Path, count: int) -> list[str]:
+def _wait_for_lines(path: Path, count: int) -> list[dict[str, Any]]:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        lines = path.read_text().splitlines() if path.exists() else []
+        lines = json_lines(path)
         if len(lines) >= count:
             return lines
         time.sleep(0.02)

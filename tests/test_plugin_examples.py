@@ -21,6 +21,7 @@ from kpng.api import localv1_pb2
 from kpng.testing.conformance import Cluster, endpoint_slice, port, service
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available, wait_until
 from tests.conftest import ROOT
+from tests.waiting import json_lines
 
 EXAMPLES = ROOT / "examples" / "plugins"
 SUMMARY = EXAMPLES / "state-summary"
@@ -171,10 +172,6 @@ SLICE = {
 }
 
 
-def _summaries(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_the_nodejs_plugin_follows_the_state_with_kpng(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -197,8 +194,8 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         argv += ["to-plugin", "--plugin", f"summary=unix://{socket},config={config}"]
         kpng = subprocess.Popen(argv, stderr=log, env=subprocess_env)
     try:
-        _until(lambda: len(_summaries(out)) >= 1, "the first summary")
-        first = _summaries(out)[0]
+        _until(lambda: len(json_lines(out)) >= 1, "the first summary")
+        first = json_lines(out)[0]
         assert first == {
             "node": "node-1",
             "revision": first["revision"],
@@ -212,7 +209,7 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         second_service["spec"]["clusterIP"] = "10.96.0.11"
         second_service["spec"]["ports"][0]["nodePort"] = 30081
         _write(manifests / "cluster.json", _objects(NODEPORT_SERVICE, SLICE, second_service))
-        _until(lambda: _summaries(out)[-1]["nodePorts"] == [30080, 30081], "the new node port")
+        _until(lambda: json_lines(out)[-1]["nodePorts"] == [30080, 30081], "the new node port")
         # Killed and started again: the plugin gets the whole state without a new change.
         plugin.kill()
         plugin.wait(timeout=10)
@@ -221,9 +218,9 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
                 ["node", str(SUMMARY / "index.js"), "--socket", str(socket), "--output", str(out)],
                 stderr=log,
             )
-        count = len(_summaries(out))
-        _until(lambda: len(_summaries(out)) > count, "the state after the restart")
-        assert _summaries(out)[-1]["nodePorts"] == [30080, 30081]
+        count = len(json_lines(out))
+        _until(lambda: len(json_lines(out)) > count, "the state after the restart")
+        assert json_lines(out)[-1]["nodePorts"] == [30080, 30081]
         assert kpng.poll() is None
     finally:
         _stop(kpng)

@@ -22,7 +22,12 @@ async def eventually(
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a file written one per line so far ([] before it exists)."""
+    """The JSON objects of the complete lines written to a file so far ([] before it exists).
+
+    A line without its newline yet is left out: the writer, another process, may be in the
+    middle of a large write, and a reader polling the file sees the prefix written so far.
+    """
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_bytes().splitlines()]
+    *complete, _partial = path.read_bytes().split(b"\n")
+    return [json.loads(line) for line in complete if line]
