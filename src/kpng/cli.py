@@ -32,6 +32,7 @@ from kpng.sources import Runner, SourceSpec
 from kpng.sources import api as api_source
 from kpng.sources import file as file_source
 from kpng.sources import kube as kube_source
+from kpng.status import Status
 from kpng.store import Store
 
 log = logging.getLogger("kpng")
@@ -55,7 +56,8 @@ def _main_parser() -> argparse.ArgumentParser:
         prog="kpng",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]\n"
-        "       kpng [--log-level LEVEL] local [flags] <backend> [flags]",
+        "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
+        "       (before the source: --healthz-address, --metrics-address, --healthz-timeout)",
         description="kpng: a pluggable Kubernetes service proxy.",
         epilog="sources:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
@@ -71,6 +73,22 @@ def _main_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="least severe messages to log (default: info)",
+    )
+    parser.add_argument(
+        "--healthz-address",
+        metavar="HOST:PORT",
+        help="serve /healthz and /livez here (kube-proxy's contract: 503 when a change has "
+        "waited longer than --healthz-timeout, or before the first state is programmed)",
+    )
+    parser.add_argument(
+        "--metrics-address", metavar="HOST:PORT", help="serve Prometheus /metrics here"
+    )
+    parser.add_argument(
+        "--healthz-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a change may wait unapplied before kpng is unhealthy (default: 60)",
     )
     parser.add_argument("--version", action="version", version=f"kpng {__version__}")
     return parser
@@ -119,8 +137,9 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     if not segments:
         _main_parser().print_usage(sys.stderr)
         raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
+    status = Status(timeout=options.healthz_timeout)
     if segments[0].name == LOCAL:
-        return options, _build_local(segments)
+        return options, _with_status(options, status, _build_local(segments, status))
     source_spec = SOURCES[segments[0].name]
     source_args = _parser(
         f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
@@ -134,32 +153,55 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
 
     backends: Callable[[], Fanout] | None = None
     if sink_spec.takes_backend:
-        backends = _backends(segments[2:], f"kpng <source> {sink_spec.name}")
+        backends = _backends(segments[2:], f"kpng <source> {sink_spec.name}", status)
     elif len(segments) > 2:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
-    store = Store()
+    store = status.store = Store()
     source_run = source_spec.create(source_args, store, sink_spec.node(sink_args))
     sink_run = sink_spec.create(sink_args, store, backends)
+    pipeline = _concurrently({"source": source_run, "sink": sink_run})
+    return options, _with_status(options, status, pipeline)
 
-    async def pipeline() -> None:
-        source_task = asyncio.create_task(source_run(), name="source")
-        sink_task = asyncio.create_task(sink_run(), name="sink")
+
+def _concurrently(runners: dict[str, Runner]) -> Runner:
+    """Run these together until the first returns or fails (its failure is raised)."""
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(r(), name=name) for name, r in runners.items()]
         try:
-            done, _ = await asyncio.wait(
-                {source_task, sink_task}, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                task.result()  # raise the first failure
+                task.result()
         finally:
-            for task in (source_task, sink_task):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(source_task, sink_task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    return options, pipeline
+    return run
 
 
-def _backends(segments: list[_Segment], prog: str) -> Callable[[], Fanout]:
+def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) -> Runner:
+    """The pipeline, with the health and metrics server when asked for."""
+    if options.healthz_address is None and options.metrics_address is None:
+        return pipeline
+    if options.healthz_timeout <= 0:
+        raise UsageError("--healthz-timeout must be positive")
+    # aiohttp's server side is imported only by the commands that serve HTTP.
+    from kpng.status.serving import HttpAddress, serve
+
+    healthz, metrics = (
+        HttpAddress.parse(value, flag=flag) if value is not None else None
+        for value, flag in (
+            (options.healthz_address, "--healthz-address"),
+            (options.metrics_address, "--metrics-address"),
+        )
+    )
+    server = functools.partial(serve, status, healthz=healthz, metrics=metrics)
+    return _concurrently({"pipeline": pipeline, "status": server})
+
+
+def _backends(segments: list[_Segment], prog: str, status: Status) -> Callable[[], Fanout]:
     """What makes the backends these segments name (one or more), each parsed by its own parser."""
     if not segments:
         names = ", ".join(f"to-{n}" for n in registry.names())
@@ -173,14 +215,14 @@ def _backends(segments: list[_Segment], prog: str) -> Callable[[], Fanout]:
         taken = sum(1 for name, _ in factories if name.split("#")[0] == segment.name)
         name = segment.name if not taken else f"{segment.name}#{taken + 1}"
         factories.append((name, functools.partial(spec.create, args)))
-    return lambda: Fanout([(name, make()) for name, make in factories])
+    return lambda: status.track(Fanout([(name, make()) for name, make in factories]))
 
 
-def _build_local(segments: list[_Segment]) -> Runner:
+def _build_local(segments: list[_Segment], status: Status) -> Runner:
     args = _parser(f"kpng {LOCAL}", LOCAL_HELP, local_sink.add_remote_arguments).parse_args(
         segments[0].args
     )
-    return local_sink.create_remote(args, _backends(segments[1:], f"kpng {LOCAL}"))
+    return local_sink.create_remote(args, _backends(segments[1:], f"kpng {LOCAL}", status))
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:

@@ -8,7 +8,7 @@ docs/backend-tutorial.md.
 """
 
 from kpng.client._diffstore import Diff, DiffStore
-from kpng.client._feeding import Fanout, Feeder
+from kpng.client._feeding import Fanout, Feeder, FeederStats
 from kpng.client._remote import Api, Backoff, ClientTls, watch
 from kpng.client._running import add_arguments, api_from_args, run, watch_state
 from kpng.client._sinks import FullState, Sink, SinkBackend
@@ -40,6 +40,7 @@ __all__ = [
     "EndpointScopes",
     "Fanout",
     "Feeder",
+    "FeederStats",
     "FullState",
     "Handler",
     "IPFamilies",

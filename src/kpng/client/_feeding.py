@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kpng.client._remote import Backoff
 from kpng.client._state import Backend, NodeState
@@ -23,12 +25,34 @@ from kpng.model.cluster import ServiceKey
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class FeederStats:
+    """How a backend keeps up, for health checks and metrics (kpng's ``/healthz`` and
+    ``/metrics`` read it). Monotonic times are ``time.monotonic()``; wall times ``time.time()``."""
+
+    pending_since: float | None = field(default_factory=time.monotonic)
+    """Since when the backend has had a state to apply that it has not applied: the oldest such
+    offer, kept across failed attempts; ``None`` when it is up to date. A new backend is pending
+    from its creation until it applies its first state."""
+    applied_revision: int = 0
+    """The revision of the last state the backend applied (0: none yet)."""
+    applied_services: int = 0
+    """The number of services in that state."""
+    last_applied: float | None = None
+    """Wall time of the last successful apply."""
+    applies: int = 0
+    apply_seconds: float = 0.0
+    """Time spent in successful applies, in total (with ``applies``: the mean)."""
+    last_apply_seconds: float = 0.0
+    failures: int = 0
+
+
 class Feeder:
     """One backend, fed the latest state offered to it.
 
     A failure the backend explains (a ``KpngError``: a plugin that refused a state, a kernel that
     refused a transaction) is logged as one line with its message; anything else with its
-    traceback, as a bug.
+    traceback, as a bug. ``stats`` tells how it keeps up.
     """
 
     def __init__(self, name: str, backend: Backend, *, backoff: Backoff | None = None) -> None:
@@ -41,9 +65,16 @@ class Feeder:
         self._deleted: set[ServiceKey] = set()
         self._resync = False
         self._offered = asyncio.Event()
+        self._queued_at: float | None = None  # when the oldest state still queued was offered
+        self.stats = FeederStats()
 
     def offer(self, state: NodeState) -> None:
         """Queue ``state``, merged with any state not yet applied."""
+        now = time.monotonic()
+        if self._queued_at is None:
+            self._queued_at = now
+        if self.stats.pending_since is None:
+            self.stats.pending_since = now
         self._latest = state
         self._updated.difference_update(state.deleted)
         self._deleted.difference_update(state.updated)
@@ -63,6 +94,7 @@ class Feeder:
             deleted=frozenset(self._deleted),
         )
         self._latest = None
+        self._queued_at = None
         self._updated.clear()
         self._deleted.clear()
         self._offered.clear()
@@ -72,19 +104,33 @@ class Feeder:
         """Apply what is queued, retrying with backoff until the backend takes a state."""
         while self._latest is not None:
             state = self._take()
+            started = time.monotonic()
             try:
                 self.done = bool(await self.backend.apply(state))
             except Exception as exc:
+                self.stats.failures += 1
                 self._log_failure(state, exc)
                 if self._latest is None:
                     self.offer(state)
                 self._resync = True
                 await self._backoff.wait()
                 continue
+            self._record_applied(state, time.monotonic() - started)
             if self._resync:
                 log.info("%s is applying states again (revision %d)", self.name, state.revision)
             self._resync = False
             self._backoff.reset()
+
+    def _record_applied(self, state: NodeState, seconds: float) -> None:
+        stats = self.stats
+        # Still pending if a newer state arrived while this one was being applied.
+        stats.pending_since = self._queued_at
+        stats.applied_revision = state.revision
+        stats.applied_services = len(state.services)
+        stats.last_applied = time.time()
+        stats.applies += 1
+        stats.apply_seconds += seconds
+        stats.last_apply_seconds = seconds
 
     def _log_failure(self, state: NodeState, exc: Exception) -> None:
         if isinstance(exc, KpngError):

@@ -64,6 +64,11 @@ class PluginsBackend:
         self._directory_missing = False
         self._stopping: set[asyncio.Task[None]] = set()
 
+    @property
+    def feeders(self) -> list[Feeder]:
+        """One per plugin: kpng's health and metrics report each plugin on its own."""
+        return [member.feeder for member in self.members.values()]
+
     async def apply(self, state: NodeState) -> bool:
         # The caller's mapping changes with its next state; the plugins are fed later, at their
         # own pace, and a plugin found later needs this one whole.

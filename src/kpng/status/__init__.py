@@ -1,0 +1,59 @@
+"""What kpng tells operators about itself: ``/healthz``, ``/livez`` and ``/metrics``.
+
+``Status`` gathers what those read (the store, the backends' feeders); ``health`` judges it
+(pure); ``metrics`` renders it for Prometheus; ``serving`` answers HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kpng.client import Fanout, Feeder, FeederStats
+from kpng.status.health import Verdict, judge
+from kpng.store import Store
+
+
+@dataclass
+class Status:
+    timeout: float
+    """How long a state may wait unapplied before kpng is unhealthy."""
+    store: Store | None = None
+    """The brain's store; ``None`` for ``kpng local``, whose source is a remote kpng."""
+    fanouts: list[Fanout] = field(default_factory=list)
+
+    def track(self, fanout: Fanout) -> Fanout:
+        self.fanouts.append(fanout)
+        return fanout
+
+    @property
+    def backends(self) -> Mapping[str, FeederStats]:
+        """Every feeder's stats by name, those of composite backends' own feeders included."""
+        found: dict[str, FeederStats] = {}
+        pending = [f for fanout in self.fanouts for f in fanout.feeders]
+        while pending:
+            feeder = pending.pop(0)
+            found[feeder.name] = feeder.stats
+            # A backend feeding others (to-plugin, one Feeder per plugin) lists them as
+            # ``feeders``: a plugin that keeps failing must show, not hide behind its parent.
+            inner = getattr(feeder.backend, "feeders", None)
+            if isinstance(inner, list):
+                pending.extend(f for f in inner if isinstance(f, Feeder))
+        return found
+
+    @property
+    def sources_synced(self) -> bool:
+        return self.store is None or self.store.synced
+
+    def verdict(self) -> Verdict:
+        return judge(
+            backends=self.backends,
+            sources_synced=self.sources_synced,
+            timeout=self.timeout,
+            monotonic=time.monotonic(),
+            wall=time.time(),
+        )
+
+
+__all__ = ["Status", "Verdict"]

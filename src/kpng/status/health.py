@@ -1,0 +1,92 @@
+"""Whether kpng keeps the node's rules up to date: the verdicts of ``/healthz`` and ``/livez``
+(pure: the caller passes the clock).
+
+The contract is kube-proxy's, which cloud load balancers and kubelet probes already rely on: the
+proxy is healthy unless a change has waited longer than a timeout without being programmed. A
+backend that keeps failing (a kernel refusing transactions, a plugin down) therefore turns the
+node unhealthy once its oldest unapplied state is older than the timeout, and healthy again as
+soon as it catches up.
+
+``/healthz`` also answers 503 until every source has synced and every backend has applied a
+first state, so a load balancer sends nothing to a node whose rules were never programmed.
+``/livez`` does not: a slow first list is no reason for a liveness probe to restart kpng before
+the timeout has passed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kpng.client import FeederStats
+
+
+@dataclass(frozen=True)
+class Verdict:
+    live: bool
+    """No backend has had a state waiting longer than the timeout (``/livez``)."""
+    healthy: bool
+    """Live, sources synced, and every backend has applied a state (``/healthz``)."""
+    body: dict[str, Any]
+    """The JSON document both endpoints answer with."""
+
+
+def judge(
+    *,
+    backends: Mapping[str, FeederStats],
+    sources_synced: bool,
+    timeout: float,
+    monotonic: float,
+    wall: float,
+) -> Verdict:
+    """The verdict at monotonic time ``monotonic`` (wall time ``wall``)."""
+    late = {
+        name: monotonic - stats.pending_since
+        for name, stats in backends.items()
+        if stats.pending_since is not None and monotonic - stats.pending_since > timeout
+    }
+    never_applied = [name for name, stats in backends.items() if stats.last_applied is None]
+    live = not late
+    healthy = live and sources_synced and not never_applied
+    applied = [s.last_applied for s in backends.values() if s.last_applied is not None]
+    body: dict[str, Any] = {
+        # kube-proxy's fields: when the rules were last brought up to date (the oldest of the
+        # backends' last applies), and now.
+        "lastUpdated": _iso(min(applied)) if applied and not never_applied else None,
+        "currentTime": _iso(wall),
+        "sourcesSynced": sources_synced,
+        "backends": {
+            name: {
+                "revision": stats.applied_revision,
+                "lastUpdated": _iso(stats.last_applied) if stats.last_applied else None,
+                "pendingSeconds": (
+                    round(monotonic - stats.pending_since, 3)
+                    if stats.pending_since is not None
+                    else 0.0
+                ),
+                "failures": stats.failures,
+            }
+            for name, stats in backends.items()
+        },
+    }
+    if not healthy:
+        body["reasons"] = _reasons(sources_synced, never_applied, late, timeout)
+    return Verdict(live=live, healthy=healthy, body=body)
+
+
+def _reasons(
+    sources_synced: bool, never_applied: list[str], late: Mapping[str, float], timeout: float
+) -> list[str]:
+    reasons = [] if sources_synced else ["the sources have not synced yet"]
+    reasons += [f"{name} has not applied a state yet" for name in never_applied if name not in late]
+    reasons += [
+        f"{name} has had a state waiting {waited:.1f} s (timeout {timeout:g} s)"
+        for name, waited in late.items()
+    ]
+    return reasons
+
+
+def _iso(wall: float) -> str:
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds")

@@ -1,0 +1,103 @@
+"""``/metrics``: kpng's state in Prometheus' text format.
+
+Values are read when scraped, from the store and the backends' ``FeederStats``: nothing is
+counted twice and nothing costs anything between scrapes. The names follow kube-proxy's where
+the meaning is the same (its ``sync_proxy_rules_*`` are kpng's per-backend applies), so
+dashboards carry over with a renamed prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from kpng.status import Status
+
+
+class _StatusCollector(Collector):
+    def __init__(self, status: Status) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._store()
+        yield from self._backends()
+
+    def _store(self) -> Iterator[Metric]:
+        store = self._status.store
+        if store is None:
+            return
+        yield GaugeMetricFamily(
+            "kpng_sources_synced", "1 once every source has delivered its initial state",
+            value=int(store.synced),
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kpng_store_revision", "the revision of the global state", value=store.revision
+        )
+        objects = GaugeMetricFamily(
+            "kpng_store_objects", "objects in the global state, by kind", labels=["kind"]
+        )
+        objects.add_metric(["Service"], len(store.services))
+        objects.add_metric(["EndpointSlice"], len(store.slices))
+        objects.add_metric(["Node"], len(store.nodes))
+        yield objects
+
+    def _backends(self) -> Iterator[Metric]:
+        backends = self._status.backends
+        if not backends:
+            return
+        label = ["backend"]
+        revision = GaugeMetricFamily(
+            "kpng_backend_applied_revision", "revision of the last state applied", labels=label
+        )
+        services = GaugeMetricFamily(
+            "kpng_backend_services", "services in the last state applied", labels=label
+        )
+        last = GaugeMetricFamily(
+            "kpng_backend_last_applied_timestamp_seconds",
+            "when the last state was applied (kube-proxy: sync_proxy_rules_last_timestamp_seconds)",
+            labels=label,
+        )
+        pending = GaugeMetricFamily(
+            "kpng_backend_pending_seconds",
+            "how long the oldest state not yet applied has waited (0: up to date)",
+            labels=label,
+        )
+        duration = SummaryMetricFamily(
+            "kpng_backend_apply_duration_seconds",
+            "time taken by successful applies (kube-proxy: sync_proxy_rules_duration_seconds)",
+            labels=label,
+        )
+        failures = CounterMetricFamily(
+            "kpng_backend_apply_failures", "applies that failed (and were retried)", labels=label
+        )
+        verdict = self._status.verdict()
+        for name, stats in backends.items():
+            revision.add_metric([name], stats.applied_revision)
+            services.add_metric([name], stats.applied_services)
+            last.add_metric([name], stats.last_applied or 0.0)
+            pending.add_metric([name], verdict.body["backends"][name]["pendingSeconds"])
+            duration.add_metric([name], count_value=stats.applies, sum_value=stats.apply_seconds)
+            failures.add_metric([name], stats.failures)
+        yield from (revision, services, last, pending, duration, failures)
+        yield GaugeMetricFamily(
+            "kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy)
+        )
+
+
+def registry(status: Status) -> CollectorRegistry:
+    """kpng's own registry (not the library's global one): its metrics, and the process'
+    (CPU, memory, file descriptors), the platform's and the garbage collector's."""
+    reg = CollectorRegistry()
+    reg.register(_StatusCollector(status))
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    GCCollector(registry=reg)
+    return reg

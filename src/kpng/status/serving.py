@@ -1,0 +1,115 @@
+"""The HTTP side of ``Status``: ``/healthz`` and ``/livez`` on one address, ``/metrics`` on
+another (or the same), as kube-proxy splits them: health is asked by load balancers on a node
+address, metrics are scraped on an address operators choose."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kpng.errors import KpngError, UsageError
+from kpng.status import Status
+
+log = logging.getLogger(__name__)
+
+_Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+@dataclass(frozen=True)
+class HttpAddress:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, *, flag: str) -> HttpAddress:
+        """``HOST:PORT``, ``[IPV6]:PORT`` or ``:PORT`` (every address)."""
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"{flag} wants HOST:PORT, got {text!r}")
+        return cls(host.removeprefix("[").removesuffix("]"), int(port))
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def _health_handler(status: Status, live_only: bool) -> _Handler:
+    async def handle(_: web.Request) -> web.Response:
+        verdict = status.verdict()
+        ok = verdict.live if live_only else verdict.healthy
+        return web.Response(
+            status=200 if ok else 503,
+            text=json.dumps(verdict.body),
+            content_type="application/json",
+        )
+
+    return handle
+
+
+def _metrics_handler(status: Status) -> _Handler:
+    # prometheus_client costs some 50 ms to import: only when metrics are asked for.
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from kpng.status.metrics import registry
+
+    reg = registry(status)
+
+    async def handle(_: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(reg))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return handle
+
+
+async def serve(
+    status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
+) -> None:
+    """Answer until cancelled. A port already taken is an error at start, not a silent gap."""
+    routes: dict[HttpAddress, list[web.RouteDef]] = {}
+    if healthz is not None:
+        routes.setdefault(healthz, []).extend(
+            [
+                web.get("/healthz", _health_handler(status, live_only=False)),
+                web.get("/livez", _health_handler(status, live_only=True)),
+            ]
+        )
+    if metrics is not None:
+        routes.setdefault(metrics, []).append(web.get("/metrics", _metrics_handler(status)))
+    runners: list[web.AppRunner] = []
+    try:
+        for address, defs in routes.items():
+            try:
+                sock = _bind(address)
+            except OSError as exc:
+                raise KpngError(f"cannot serve HTTP on {address}: {exc.strerror}") from exc
+            app = web.Application()
+            app.add_routes(defs)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.SockSite(runner, sock).start()
+            host, port = sock.getsockname()[:2]
+            paths = ", ".join(d.path for d in defs if isinstance(d, web.RouteDef))
+            log.info("serving %s on http://%s", paths, HttpAddress(host, port))
+        await asyncio.Event().wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _bind(address: HttpAddress) -> socket.socket:
+    if not address.host:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(
+                ("", address.port), family=socket.AF_INET6, dualstack_ipv6=True
+            )
+        return socket.create_server(("", address.port))
+    family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((address.host, address.port), family=family)

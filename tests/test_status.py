@@ -1,0 +1,334 @@
+"""/healthz, /livez and /metrics: the verdict as a table, the feeders' stats with real
+backends, and the kpng command answering HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kpng.client import Backoff, Feeder, FeederStats, NodeState
+from kpng.status.health import judge
+from tests import states
+from tests.conftest import EXAMPLE
+
+WAIT_S = 15.0
+T0 = 1000.0  # monotonic time of the table's "now"
+WALL = 1_800_000_000.0
+
+
+def _stats(pending_for: float | None, applied: bool = True, failures: int = 0) -> FeederStats:
+    return FeederStats(
+        pending_since=None if pending_for is None else T0 - pending_for,
+        applied_revision=3 if applied else 0,
+        last_applied=WALL - 5 if applied else None,
+        failures=failures,
+    )
+
+
+# (backends, sources synced, live, healthy, reasons)
+CASES: dict[str, tuple[dict[str, FeederStats], bool, bool, bool, list[str]]] = {
+    "up to date": ({"to-nft": _stats(None)}, True, True, True, []),
+    "a change waiting, within the timeout": ({"to-nft": _stats(9.9)}, True, True, True, []),
+    "a change waiting past the timeout": (
+        {"to-nft": _stats(10.5, failures=4)},
+        True,
+        False,
+        False,
+        ["to-nft has had a state waiting 10.5 s (timeout 10 s)"],
+    ),
+    "first state not applied yet, within the timeout": (
+        {"to-nft": _stats(2.0, applied=False)},
+        True,
+        True,
+        False,
+        ["to-nft has not applied a state yet"],
+    ),
+    "first state never applied, past the timeout": (
+        {"to-nft": _stats(11.0, applied=False)},
+        True,
+        False,
+        False,
+        ["to-nft has had a state waiting 11.0 s (timeout 10 s)"],
+    ),
+    "sources not synced": (
+        {"to-nft": _stats(3.0, applied=False)},
+        False,
+        True,
+        False,
+        ["the sources have not synced yet", "to-nft has not applied a state yet"],
+    ),
+    "one of two backends late": (
+        {"to-nft": _stats(None), "to-plugin": _stats(30.0)},
+        True,
+        False,
+        False,
+        ["to-plugin has had a state waiting 30.0 s (timeout 10 s)"],
+    ),
+    "no backends (to-api), synced": ({}, True, True, True, []),
+    "no backends (to-api), not synced": (
+        {},
+        False,
+        True,
+        False,
+        ["the sources have not synced yet"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_verdict(case: str) -> None:
+    backends, synced, live, healthy, reasons = CASES[case]
+    verdict = judge(backends=backends, sources_synced=synced, timeout=10.0, monotonic=T0, wall=WALL)
+    assert (verdict.live, verdict.healthy) == (live, healthy)
+    assert verdict.body.get("reasons", []) == reasons
+    assert verdict.body["currentTime"] == "2027-01-15T08:00:00.000+00:00"
+    for name, stats in backends.items():
+        reported = verdict.body["backends"][name]
+        assert reported["failures"] == stats.failures
+        assert reported["revision"] == stats.applied_revision
+
+
+def test_last_updated_is_the_oldest_backends_last_apply() -> None:
+    backends = {"a": _stats(None), "b": FeederStats(pending_since=None, last_applied=WALL - 60)}
+    verdict = judge(backends=backends, sources_synced=True, timeout=10.0, monotonic=T0, wall=WALL)
+    assert verdict.body["lastUpdated"] == "2027-01-15T07:59:00.000+00:00"
+
+
+# --- the feeders' stats, with a backend that fails on demand
+
+
+class _Flaky:
+    """Fails while ``failing``; while ``stepping``, each apply waits for a ``permits`` item."""
+
+    def __init__(self) -> None:
+        self.failing = False
+        self.stepping = False
+        self.permits: asyncio.Queue[None] = asyncio.Queue()
+        self.entered: list[int] = []
+        self.applied: list[int] = []
+
+    async def apply(self, state: NodeState) -> bool:
+        self.entered.append(state.revision)
+        if self.stepping:
+            await self.permits.get()
+        if self.failing:
+            raise RuntimeError("refused")
+        self.applied.append(state.revision)
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_failing_backend_stays_pending_since_its_oldest_unapplied_state() -> None:
+    async def scenario() -> None:
+        backend = _Flaky()
+        feeder = Feeder("flaky", backend, backoff=Backoff(initial=0.01, maximum=0.02))
+        created = feeder.stats.pending_since
+        assert created is not None  # pending from creation until a first state is applied
+        task = asyncio.create_task(feeder.run())
+        try:
+            feeder.offer(states.state(1, {"a": states.entry("a")}))
+            await _until(lambda: feeder.stats.applied_revision == 1)
+            assert feeder.stats.pending_since is None
+            assert feeder.stats.applies == 1
+            assert feeder.stats.applied_services == 1
+
+            backend.failing = True
+            before = time.monotonic()
+            feeder.offer(states.state(2, {"a": states.entry("a", ["10.0.0.9"])}))
+            await _until(lambda: feeder.stats.failures >= 3)
+            pending = feeder.stats.pending_since
+            assert pending is not None
+            assert before <= pending <= time.monotonic()
+            feeder.offer(states.state(3, {"a": states.entry("a", ["10.0.0.10"])}))
+            await _until(lambda: feeder.stats.failures >= 5)
+            assert feeder.stats.pending_since == pending  # retries do not reset the clock
+
+            backend.failing = False
+            await _until(lambda: feeder.stats.applied_revision == 3)
+            assert feeder.stats.pending_since is None
+            assert backend.applied == [1, 3]
+
+            # A state offered while another is being applied keeps the backend pending.
+            backend.stepping = True
+            feeder.offer(states.state(4, {}))
+            await _until(lambda: backend.entered[-1:] == [4])
+            offered_during = time.monotonic()
+            feeder.offer(states.state(5, {}))
+            backend.permits.put_nowait(None)
+            await _until(lambda: backend.entered[-1:] == [5])
+            assert feeder.stats.applied_revision == 4
+            pending = feeder.stats.pending_since
+            assert pending is not None
+            assert pending >= offered_during
+            backend.permits.put_nowait(None)
+            await _until(lambda: feeder.stats.applied_revision == 5)
+            assert feeder.stats.pending_since is None
+        finally:
+            task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+# --- the kpng command
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, text = _get(url)
+    assert status == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _wait(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _start(
+    kpng_command: list[str], env: dict[str, str], argv: list[str], log: Path, port: int
+) -> subprocess.Popen[bytes]:
+    address = f"127.0.0.1:{port}"
+    command = [*kpng_command, "--healthz-address", address, "--metrics-address", address]
+    with log.open("wb") as stderr:
+        return subprocess.Popen([*command, "--healthz-timeout", "1", *argv], stderr=stderr, env=env)
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()
+
+
+def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2"]
+    argv += ["to-json", "--output", str(tmp_path / "state.json")]
+    argv += ["to-plugin", "--plugin", f"gone=unix://{tmp_path / 'gone.sock'}"]
+    log = tmp_path / "kpng.log"
+    proc = _start(kpng_command, subprocess_env, argv, log, port)
+    try:
+        _wait(lambda: _get(f"{base}/healthz")[0] != 0, "the health server")
+        status, body = _get(f"{base}/healthz")
+        assert status == 503
+        report = json.loads(body)
+        assert "to-plugin gone has not applied a state yet" in report["reasons"]
+        assert report["backends"]["to-json"]["revision"] == 1
+        # The plugin's first state has waited past the 1 s timeout: not live either.
+        _wait(lambda: _get(f"{base}/livez")[0] == 503, "/livez to turn 503")
+        samples = _metrics(f"{base}/metrics")
+        assert samples[("kpng_backend_applied_revision", (("backend", "to-json"),))] == 1
+        gone = (("backend", "to-plugin gone"),)
+        assert samples[("kpng_backend_applied_revision", gone)] == 0
+        assert samples[("kpng_backend_apply_failures_total", gone)] >= 1
+        assert samples[("kpng_backend_pending_seconds", gone)] > 1
+        assert samples[("kpng_backend_pending_seconds", (("backend", "to-json"),))] == 0
+        assert samples[("kpng_healthy", ())] == 0
+    finally:
+        _stop(proc, log)
+
+
+def test_healthz_follows_the_state_and_metrics_count_it(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    source = tmp_path / "cluster.yaml"
+    source.write_text(EXAMPLE.read_text())
+    argv = ["file", "--input", str(source), "to-local", "--node-name", "node-2"]
+    argv += ["to-json", "--output", str(tmp_path / "state.json")]
+    log = tmp_path / "kpng.log"
+    proc = _start(kpng_command, subprocess_env, argv, log, port)
+    try:
+        _wait(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz to answer 200")
+        assert _get(f"{base}/livez")[0] == 200
+        samples = _metrics(f"{base}/metrics")
+        assert samples[("kpng_sources_synced", ())] == 1
+        assert samples[("kpng_store_objects", (("kind", "Node"),))] == 3
+        assert samples[("kpng_backend_services", (("backend", "to-json"),))] == 6
+        assert samples[("kpng_backend_apply_duration_seconds_count", (("backend", "to-json"),))]
+        assert samples[("process_resident_memory_bytes", ())] > 0
+
+        source.write_text(source.read_text().replace("port: 80, targetPort: http", "port: 81"))
+        _wait(
+            lambda: (
+                _metrics(f"{base}/metrics")[
+                    ("kpng_backend_applied_revision", (("backend", "to-json"),))
+                ]
+                == 2
+            ),
+            "revision 2 to be applied",
+        )
+        assert _get(f"{base}/healthz")[0] == 200
+    finally:
+        _stop(proc, log)
+
+
+def test_a_bad_or_taken_address_is_a_clear_error(
+    kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2", "to-json"]
+    bad = subprocess.run(
+        [*kpng_command, "--healthz-address", "localhost", *argv],
+        capture_output=True, text=True, env=subprocess_env, timeout=WAIT_S,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "--healthz-address wants HOST:PORT, got 'localhost'" in bad.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run(
+            [*kpng_command, "--metrics-address", f"127.0.0.1:{port}", *argv],
+            capture_output=True, text=True, env=subprocess_env, timeout=WAIT_S,
+        )  # fmt: skip
+    assert busy.returncode == 1
+    assert f"cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in busy.stderr
