@@ -597,6 +597,45 @@ def test_node_zone_comes_from_the_zone_label() -> None:
     assert node.Topology.Zone == "zone-a"
 
 
+NODE_DRAINING_CASES = {
+    "plain": ({}, {}, False),
+    "being deleted": ({"deletionTimestamp": "2026-11-22T10:00:00Z"}, {}, True),
+    "autoscaler will delete it": (
+        {},
+        {
+            "taints": [
+                {
+                    "key": "ToBeDeletedByClusterAutoscaler",
+                    "value": "1700000000",
+                    "effect": "NoSchedule",
+                }
+            ]
+        },
+        True,
+    ),
+    "only a candidate for deletion": (
+        {},
+        {"taints": [{"key": "DeletionCandidateOfClusterAutoscaler", "effect": "PreferNoSchedule"}]},
+        False,
+    ),
+    "cordoned (kube-proxy keeps serving it)": (
+        {},
+        {
+            "unschedulable": True,
+            "taints": [{"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}],
+        },
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NODE_DRAINING_CASES)
+def test_node_draining(case: str) -> None:
+    metadata, spec, draining = NODE_DRAINING_CASES[case]
+    obj = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n", **metadata}, "spec": spec}
+    assert node_from_k8s(msgspec.convert(obj, type=k8s.Node)).Draining is draining
+
+
 # --- bad input
 
 

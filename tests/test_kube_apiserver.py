@@ -8,6 +8,7 @@ separate client. Each test has its own namespace in the session's control plane;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -23,8 +24,9 @@ import pytest
 from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
 from kpng.testing import kubeapi as k
 from kpng.testing.cluster import ControlPlane, ensure_binaries
-from kpng.testing.kubeapi import KubeApi
+from kpng.testing.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest, View
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.apiserver
 
@@ -503,5 +505,36 @@ def test_to_local_watches_only_its_own_node(
             # the API server filtered: the other node never reached kpng's memory
             assert set(kpng.store.nodes) == {me}
             assert kpng.store.nodes[me].Labels["topology.kubernetes.io/zone"] == "zone-a"
+
+    run(scenario)
+
+
+def test_a_node_marked_for_removal_is_draining(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    """The autoscaler's taint, then a deletion held by a finalizer: /healthz drains on both."""
+    me = f"{kube_namespace}-draining"
+    held = k.node(me)
+    held["metadata"]["finalizers"] = ["kpng.test/hold"]
+
+    async def scenario() -> None:
+        await call(kube_api.create, held)
+        try:
+            async with KpngUnderTest.start(
+                control_plane.kubeconfig, node_name=me, namespace=kube_namespace
+            ) as kpng:
+                await kpng.wait_for(lambda v: v == {})
+                assert not kpng.store.nodes[me].Draining
+                taint = {"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}
+                await call(kube_api.patch, "Node", "", me, {"spec": {"taints": [taint]}})
+                await eventually(lambda: kpng.store.nodes[me].Draining, "the taint")
+                await call(kube_api.patch, "Node", "", me, {"spec": {"taints": None}})
+                await eventually(lambda: not kpng.store.nodes[me].Draining, "the taint gone")
+                await call(kube_api.delete, "Node", "", me)
+                await eventually(lambda: kpng.store.nodes[me].Draining, "the deletion")
+        finally:
+            await call(kube_api.patch, "Node", "", me, {"metadata": {"finalizers": None}})
+            with contextlib.suppress(ApiError):  # gone already when the test got that far
+                await call(kube_api.delete, "Node", "", me)
 
     run(scenario)

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, Feeder, FeederStats, NodeState
-from kpng.status.health import judge
+from kpng.status.health import Verdict, judge
 from tests import states
 from tests.conftest import EXAMPLE
 
@@ -88,7 +88,7 @@ CASES: dict[str, tuple[dict[str, FeederStats], bool, bool, bool, list[str]]] = {
 @pytest.mark.parametrize("case", CASES)
 def test_the_verdict(case: str) -> None:
     backends, synced, live, healthy, reasons = CASES[case]
-    verdict = judge(backends=backends, sources_synced=synced, timeout=10.0, monotonic=T0, wall=WALL)
+    verdict = _judge(backends, synced=synced)
     assert (verdict.live, verdict.healthy) == (live, healthy)
     assert verdict.body.get("reasons", []) == reasons
     assert verdict.body["currentTime"] == "2027-01-15T08:00:00.000+00:00"
@@ -100,8 +100,30 @@ def test_the_verdict(case: str) -> None:
 
 def test_last_updated_is_the_oldest_backends_last_apply() -> None:
     backends = {"a": _stats(None), "b": FeederStats(pending_since=None, last_applied=WALL - 60)}
-    verdict = judge(backends=backends, sources_synced=True, timeout=10.0, monotonic=T0, wall=WALL)
+    verdict = _judge(backends)
     assert verdict.body["lastUpdated"] == "2027-01-15T07:59:00.000+00:00"
+
+
+def test_a_draining_node_fails_healthz_but_stays_live() -> None:
+    verdict = _judge({"to-nft": _stats(None)}, eligible=False)
+    assert (verdict.live, verdict.healthy) == (True, False)
+    assert verdict.body["nodeEligible"] is False
+    assert verdict.body["reasons"] == [
+        "the node is being deleted or tainted ToBeDeletedByClusterAutoscaler"
+    ]
+
+
+def _judge(
+    backends: dict[str, FeederStats], *, synced: bool = True, eligible: bool = True
+) -> Verdict:
+    return judge(
+        backends=backends,
+        sources_synced=synced,
+        node_eligible=eligible,
+        timeout=10.0,
+        monotonic=T0,
+        wall=WALL,
+    )
 
 
 # --- the feeders' stats, with a backend that fails on demand
@@ -276,13 +298,24 @@ def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
         _stop(proc, log)
 
 
-def test_healthz_follows_the_state_and_metrics_count_it(
+NODE_2 = (
+    "  name: node-2\n"
+    "  labels: {topology.kubernetes.io/zone: zone-a, kubernetes.io/hostname: node-2}\n"
+)
+DRAINING = (
+    NODE_2,
+    NODE_2 + "spec:\n  taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]\n",
+)
+
+
+def test_healthz_follows_the_state_the_node_and_metrics_count_it(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     source = tmp_path / "cluster.yaml"
     source.write_text(EXAMPLE.read_text())
+    assert NODE_2 in source.read_text()
     argv = ["file", "--input", str(source), "to-local", "--node-name", "node-2"]
     argv += ["to-json", "--output", str(tmp_path / "state.json")]
     log = tmp_path / "kpng.log"
@@ -298,16 +331,18 @@ def test_healthz_follows_the_state_and_metrics_count_it(
         assert samples[("process_resident_memory_bytes", ())] > 0
 
         source.write_text(source.read_text().replace("port: 80, targetPort: http", "port: 81"))
-        _wait(
-            lambda: (
-                _metrics(f"{base}/metrics")[
-                    ("kpng_backend_applied_revision", (("backend", "to-json"),))
-                ]
-                == 2
-            ),
-            "revision 2 to be applied",
-        )
+        to_json = ("kpng_backend_applied_revision", (("backend", "to-json"),))
+        _wait(lambda: _metrics(f"{base}/metrics")[to_json] == 2, "revision 2 to be applied")
         assert _get(f"{base}/healthz")[0] == 200
+
+        # The cluster autoscaler marks node-2 for removal: load balancers must drain it.
+        source.write_text(source.read_text().replace(DRAINING[0], DRAINING[1]))
+        _wait(lambda: _get(f"{base}/healthz")[0] == 503, "/healthz to drain the node")
+        assert json.loads(_get(f"{base}/healthz")[1])["nodeEligible"] is False
+        assert _get(f"{base}/livez")[0] == 200
+        assert _metrics(f"{base}/metrics")[("kpng_node_eligible", ())] == 0
+        source.write_text(source.read_text().replace(DRAINING[1], DRAINING[0]))
+        _wait(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz after the taint is gone")
     finally:
         _stop(proc, log)
 

@@ -158,7 +158,8 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
     store = status.store = Store()
-    source_run = source_spec.create(source_args, store, sink_spec.node(sink_args))
+    status.node = sink_spec.node(sink_args)
+    source_run = source_spec.create(source_args, store, status.node)
     sink_run = sink_spec.create(sink_args, store, backends)
     pipeline = _concurrently({"source": source_run, "sink": sink_run})
     return options, _with_status(options, status, pipeline)

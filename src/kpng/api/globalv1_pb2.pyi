@@ -253,7 +253,12 @@ class Node(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     ANNOTATIONS_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     Name: _builtins.str
+    Draining: _builtins.bool
+    """kpng: the node is being deleted, or tainted ToBeDeletedByClusterAutoscaler. Its proxy's
+    /healthz then answers 503 so that load balancers drain it (kube-proxy, KEP-3836).
+    """
     @_builtins.property
     def Labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -267,10 +272,11 @@ class Node(_message.Message):
         Labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         Annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         Topology: Global___TopologyInfo | None = ...,
+        Draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["Topology", b"Topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Annotations", b"Annotations", "Labels", b"Labels", "Name", b"Name", "Topology", b"Topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Annotations", b"Annotations", "Draining", b"Draining", "Labels", b"Labels", "Name", b"Name", "Topology", b"Topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
 LABEL_HEADLESS = "service.kubernetes.io/headless"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
+"""The cluster autoscaler's taint on a node it is about to remove (kube-proxy's /healthz drains
+such nodes, as it does nodes being deleted)."""
 LABEL_ZONE = "topology.kubernetes.io/zone"
 # A copy of the whole object that kubectl keeps; carrying it would double kpng's memory.
 _DROPPED_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
@@ -323,4 +326,6 @@ def node_from_k8s(obj: k8s.Node) -> Node:
         Labels=labels,
         Annotations=_annotations(obj.metadata),
         Topology=TopologyInfo(Node=name, Zone=labels.get(LABEL_ZONE, "")),
+        Draining=obj.metadata.deletion_timestamp is not None
+        or any(t.key == TAINT_TO_BE_DELETED for t in obj.spec.taints or ()),
     )

@@ -20,6 +20,7 @@ class ObjectMeta(_Raw):
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
     resource_version: str = ""
+    deletion_timestamp: str | None = None
 
 
 # --- v1 Service
@@ -131,9 +132,20 @@ class EndpointSlice(_Raw, tag_field="kind", tag="EndpointSlice"):
 # --- v1 Node
 
 
+class Taint(_Raw):
+    key: str = ""
+    value: str = ""
+    effect: str = ""
+
+
+class NodeSpec(_Raw):
+    taints: list[Taint] | None = None
+
+
 class Node(_Raw, tag_field="kind", tag="Node"):
     api_version: str = "v1"
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
+    spec: NodeSpec = msgspec.field(default_factory=NodeSpec)
 
 
 Object = Service | EndpointSlice | Node

@@ -143,6 +143,7 @@ class Node(_Message, frozen=True):
     Labels: dict[str, str] = {}
     Annotations: dict[str, str] = {}
     Topology: TopologyInfo | None = None
+    Draining: bool = False
 
 
 class NodeInfo(_Message, frozen=True):

@@ -21,6 +21,8 @@ class Status:
     """How long a state may wait unapplied before kpng is unhealthy."""
     store: Store | None = None
     """The brain's store; ``None`` for ``kpng local``, whose source is a remote kpng."""
+    node: str | None = None
+    """The node whose rules this kpng programs (``to-local``): its draining drains kpng too."""
     fanouts: list[Fanout] = field(default_factory=list)
 
     def track(self, fanout: Fanout) -> Fanout:
@@ -46,10 +48,20 @@ class Status:
     def sources_synced(self) -> bool:
         return self.store is None or self.store.synced
 
+    @property
+    def node_eligible(self) -> bool:
+        """False while this node is being deleted or about to be (``Node.Draining``). A node the
+        sources do not know is eligible: manifests need not list nodes."""
+        if self.store is None or self.node is None:
+            return True
+        node = self.store.nodes.get(self.node)
+        return node is None or not node.Draining
+
     def verdict(self) -> Verdict:
         return judge(
             backends=self.backends,
             sources_synced=self.sources_synced,
+            node_eligible=self.node_eligible,
             timeout=self.timeout,
             monotonic=time.monotonic(),
             wall=time.time(),

@@ -8,9 +8,10 @@ node unhealthy once its oldest unapplied state is older than the timeout, and he
 soon as it catches up.
 
 ``/healthz`` also answers 503 until every source has synced and every backend has applied a
-first state, so a load balancer sends nothing to a node whose rules were never programmed.
-``/livez`` does not: a slow first list is no reason for a liveness probe to restart kpng before
-the timeout has passed.
+first state, so a load balancer sends nothing to a node whose rules were never programmed; and,
+as kube-proxy's since KEP-3836, while the node is being deleted or tainted by the cluster
+autoscaler for removal, so that load balancers drain it before it goes. ``/livez`` does neither:
+a slow first list or a draining node is no reason for a liveness probe to restart kpng.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class Verdict:
     live: bool
     """No backend has had a state waiting longer than the timeout (``/livez``)."""
     healthy: bool
-    """Live, sources synced, and every backend has applied a state (``/healthz``)."""
+    """Live, sources synced, every backend has applied a state, and the node is not draining
+    (``/healthz``)."""
     body: dict[str, Any]
     """The JSON document both endpoints answer with."""
 
@@ -37,6 +39,7 @@ def judge(
     *,
     backends: Mapping[str, FeederStats],
     sources_synced: bool,
+    node_eligible: bool,
     timeout: float,
     monotonic: float,
     wall: float,
@@ -49,13 +52,14 @@ def judge(
     }
     never_applied = [name for name, stats in backends.items() if stats.last_applied is None]
     live = not late
-    healthy = live and sources_synced and not never_applied
+    healthy = live and sources_synced and not never_applied and node_eligible
     applied = [s.last_applied for s in backends.values() if s.last_applied is not None]
     body: dict[str, Any] = {
         # kube-proxy's fields: when the rules were last brought up to date (the oldest of the
         # backends' last applies), and now.
         "lastUpdated": _iso(min(applied)) if applied and not never_applied else None,
         "currentTime": _iso(wall),
+        "nodeEligible": node_eligible,
         "sourcesSynced": sources_synced,
         "backends": {
             name: {
@@ -72,14 +76,20 @@ def judge(
         },
     }
     if not healthy:
-        body["reasons"] = _reasons(sources_synced, never_applied, late, timeout)
+        body["reasons"] = _reasons(sources_synced, node_eligible, never_applied, late, timeout)
     return Verdict(live=live, healthy=healthy, body=body)
 
 
 def _reasons(
-    sources_synced: bool, never_applied: list[str], late: Mapping[str, float], timeout: float
+    sources_synced: bool,
+    node_eligible: bool,
+    never_applied: list[str],
+    late: Mapping[str, float],
+    timeout: float,
 ) -> list[str]:
     reasons = [] if sources_synced else ["the sources have not synced yet"]
+    if not node_eligible:
+        reasons.append("the node is being deleted or tainted ToBeDeletedByClusterAutoscaler")
     reasons += [f"{name} has not applied a state yet" for name in never_applied if name not in late]
     reasons += [
         f"{name} has had a state waiting {waited:.1f} s (timeout {timeout:g} s)"

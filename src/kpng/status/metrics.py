@@ -90,6 +90,11 @@ class _StatusCollector(Collector):
         yield GaugeMetricFamily(
             "kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy)
         )
+        yield GaugeMetricFamily(
+            "kpng_node_eligible",
+            "0 while the node is being deleted or tainted ToBeDeletedByClusterAutoscaler",
+            value=int(self._status.node_eligible),
+        )
 
 
 def registry(status: Status) -> CollectorRegistry:
