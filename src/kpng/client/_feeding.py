@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kpng.client._remote import Backoff
+from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey

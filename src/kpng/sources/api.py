@@ -16,7 +16,8 @@ import msgspec
 
 from kpng.api import codec
 from kpng.api.localv1_pb2 import GlobalEndpointInfos, GlobalNodeInfos, GlobalServiceInfos
-from kpng.client._remote import Api, OpHandler, follow, global_rpcs
+from kpng.client import Api
+from kpng.client._remote import OpHandler, follow, global_rpcs
 from kpng.client._running import DEFAULT_API
 from kpng.model.cluster import ServiceKey, SliceKey
 from kpng.model.dumping import slice_from_infos
