@@ -21,7 +21,7 @@ from kpng.client._remote import _follow_once, global_rpcs
 from kpng.model.messages import Service
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
-from kpng.sources.api import GlobalOps
+from kpng.sources.api.ops import GlobalOps
 from kpng.sources.file import stage
 from kpng.sources.manifests import parse
 from kpng.store import SourceHandle, Store

@@ -50,23 +50,35 @@ EXIT_USAGE = 2
 EXIT_ERROR = 1
 
 
-def _main_parser() -> argparse.ArgumentParser:
+def _epilog() -> str:
     backends = "\n".join(f"  to-{name}" for name in registry.names())
-    parser = argparse.ArgumentParser(
-        prog="kpng",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]\n"
-        "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
-        "       (before the source: --healthz-address, --metrics-address, --healthz-timeout)",
-        description="kpng: a pluggable Kubernetes service proxy.",
-        epilog="sources:\n"
+    return (
+        "sources:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
         + f"\n  {LOCAL:10} {LOCAL_HELP}"
         + "\nsinks:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
         + f"\nbackends (after to-local, or local):\n{backends}\n\n"
         "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
-        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`.",
+        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`."
+    )
+
+
+class _MainParser(argparse.ArgumentParser):
+    def format_help(self) -> str:
+        # Listing the backends reads every installed package's entry points: only for --help.
+        self.epilog = _epilog()
+        return super().format_help()
+
+
+def _main_parser() -> argparse.ArgumentParser:
+    parser = _MainParser(
+        prog="kpng",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]\n"
+        "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
+        "       (before the source: --healthz-address, --metrics-address, --healthz-timeout)",
+        description="kpng: a pluggable Kubernetes service proxy.",
     )
     parser.add_argument(
         "--log-level",
@@ -110,7 +122,6 @@ class _Segment:
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
     """(global args, [source, sink, backend...] segments), cut at the known command names."""
-    backend_names = {f"to-{n}" for n in registry.names()}
     head: list[str] = []
     segments: list[_Segment] = []
     for arg in argv:
@@ -118,7 +129,11 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
         if (
             (not segments and (arg in SOURCES or arg == LOCAL))
             or (len(segments) == 1 and not local and arg in SINKS)
-            or ((len(segments) >= 2 or local) and arg in backend_names)
+            or (
+                (len(segments) >= 2 or local)
+                and arg.startswith("to-")
+                and registry.known(arg.removeprefix("to-"))
+            )
         ):
             segments.append(_Segment(arg, []))
         elif segments:

@@ -7,10 +7,11 @@ feed several backends, each at its own pace and failing on its own. See
 docs/backend-tutorial.md.
 """
 
+from kpng.client._address import Api, ClientTls
+from kpng.client._backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
 from kpng.client._feeding import Fanout, Feeder, FeederStats
-from kpng.client._remote import Api, Backoff, ClientTls, watch
-from kpng.client._running import add_arguments, api_from_args, run, watch_state
+from kpng.client._running import add_arguments, api_from_args, run, watch, watch_state
 from kpng.client._sinks import FullState, Sink, SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
 from kpng.model.cluster import ServiceKey

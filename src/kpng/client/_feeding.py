@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kpng.client._remote import Backoff
+from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey

@@ -2,101 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 import msgspec
 
 from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
-from kpng.client._sinks import FilterReset, Sink, _maybe_await
-from kpng.errors import UsageError
+from kpng.client._address import Api
+from kpng.client._backoff import Backoff
+from kpng.client._sinks import Sink, _maybe_await
 from kpng.model.messages import Endpoint, Service
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClientTls:
-    ca: Path | None = None
-    """Verify the server with this CA (PEM); without it, the system's roots."""
-    cert: Path | None = None
-    key: Path | None = None
-    """A client certificate and key, for servers that require one (mutual TLS)."""
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca.read_bytes() if self.ca else None,
-            private_key=self.key.read_bytes() if self.key else None,
-            certificate_chain=self.cert.read_bytes() if self.cert else None,
-        )
-
-
-@dataclass(frozen=True)
-class Api:
-    """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``."""
-
-    url: str
-    tls: ClientTls | None = None
-
-    @property
-    def grpc_target(self) -> str:
-        if self.url.startswith("unix://"):
-            return f"unix:{self.url.removeprefix('unix://')}"
-        return self.url.removeprefix("tcp://")
-
-    def check(self) -> Api:
-        if self.url.startswith("unix://"):
-            if not self.url.removeprefix("unix://").startswith("/"):
-                raise UsageError(f"--api {self.url}: a unix socket needs an absolute path")
-            return self
-        _, sep, port = self.url.removeprefix("tcp://").rpartition(":")
-        if not (sep and port.isdigit()):
-            raise UsageError(f"--api {self.url}: expected tcp://HOST:PORT or unix:///PATH")
-        return self
-
-    def channel(self) -> grpc.aio.Channel:
-        options = [("grpc.max_receive_message_length", 64 << 20)]
-        if self.tls is not None:
-            return grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(), options)
-        return grpc.aio.insecure_channel(self.grpc_target, options)
-
-
-class Backoff:
-    """Jittered exponential backoff; ``sleep`` and ``random`` are injectable for tests."""
-
-    def __init__(
-        self,
-        *,
-        initial: float = 0.1,
-        maximum: float = 10.0,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        random: Callable[[], float] = random.random,
-    ) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self._sleep = sleep
-        self._random = random
-        self._next = initial
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-    def delay(self) -> float:
-        """The next delay: doubling up to ``maximum``, each drawn from [50%, 100%] of it."""
-        delay = self._next * (0.5 + self._random() / 2)
-        self._next = min(self._next * 2, self.maximum)
-        return delay
-
-    async def wait(self) -> float:
-        delay = self.delay()
-        await self._sleep(delay)
-        return delay
 
 
 class OpHandler(Protocol):
@@ -246,17 +166,6 @@ class LocalOps:
 
     async def sync(self) -> bool:
         return bool(await _maybe_await(self._sink.sync()))
-
-
-async def watch(
-    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
-) -> None:
-    """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled (or until
-    the sink's ``sync`` returns True).
-
-    Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
-    """
-    await _watch_local(FilterReset(sink), api=api, node_name=node_name, backoff=backoff)
 
 
 async def _watch_local(

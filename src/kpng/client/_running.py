@@ -1,4 +1,9 @@
-"""Running a backend against a kpng server: flags, signals, the full-state loop."""
+"""Running a backend against a kpng server: flags, signals, the watches.
+
+The gRPC side (kpng.client._remote) is imported when a watch starts, not with the library: a
+backend run in process (``kpng file ... to-local``) never needs it, and grpc and protobuf take
+0.1 s to import.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kpng.client._remote import Api, Backoff, ClientTls, _watch_local
-from kpng.client._sinks import FullState
+from kpng.client._address import Api, ClientTls
+from kpng.client._backoff import Backoff
+from kpng.client._sinks import FilterReset, FullState, Sink
 from kpng.client._state import Handler
 
 DEFAULT_API = "tcp://127.0.0.1:12090"
@@ -45,6 +51,19 @@ def api_from_args(args: argparse.Namespace) -> Api:
     return Api(args.api, tls=tls).check()
 
 
+async def watch(
+    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
+) -> None:
+    """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled (or until
+    the sink's ``sync`` returns True).
+
+    Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
+    """
+    from kpng.client._remote import _watch_local
+
+    await _watch_local(FilterReset(sink), api=api, node_name=node_name, backoff=backoff)
+
+
 async def watch_state(
     handler: Handler,
     *,
@@ -55,6 +74,7 @@ async def watch_state(
 ) -> None:
     """Call ``handler`` with the complete state of ``node_name`` after every change, until
     cancelled, until the handler returns True, or after the first state with ``once``."""
+    from kpng.client._remote import _watch_local
 
     async def call(state: object) -> bool:
         result = handler(state)  # type: ignore[arg-type]

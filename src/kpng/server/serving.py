@@ -6,7 +6,6 @@ so a change set is framed once and the payloads inside it are shared by every st
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -347,25 +346,3 @@ async def serve(
             if address.unix_path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     address.unix_path.unlink()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--listen",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="tcp://HOST:PORT or unix:///PATH (repeatable)",
-    )
-    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate (PEM)")
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="server key (PEM)")
-    parser.add_argument(
-        "--tls-ca", type=Path, metavar="FILE", help="require client certificates signed by this CA"
-    )
-    parser.add_argument(
-        "--socket-mode",
-        type=lambda s: int(s, 8),
-        default=0o600,
-        metavar="OCTAL",
-        help="permissions of unix sockets (default 0600: the owner only)",
-    )

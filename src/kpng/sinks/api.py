@@ -4,15 +4,40 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from kpng.client import Fanout
 from kpng.errors import UsageError
-from kpng.server import serving
 from kpng.sinks import Runner, SinkSpec
 from kpng.store import Store
 
 
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="tcp://HOST:PORT or unix:///PATH (repeatable)",
+    )
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="server key (PEM)")
+    parser.add_argument(
+        "--tls-ca", type=Path, metavar="FILE", help="require client certificates signed by this CA"
+    )
+    parser.add_argument(
+        "--socket-mode",
+        type=lambda s: int(s, 8),
+        default=0o600,
+        metavar="OCTAL",
+        help="permissions of unix sockets (default 0600: the owner only)",
+    )
+
+
 def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None) -> Runner:
+    # Imported here: grpc and protobuf cost other commands 0.1 s to import.
+    from kpng.server import serving
+
     listen = [serving.ListenAddress.parse(url) for url in args.listen]
     tls = None
     if args.tls_cert or args.tls_key:
@@ -27,6 +52,6 @@ def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | No
 SPEC = SinkSpec(
     name="to-api",
     help="serve the node-local and global state over gRPC (localv1, globalv1, batchv1)",
-    add_arguments=serving.add_arguments,
+    add_arguments=_add_arguments,
     create=_create,
 )

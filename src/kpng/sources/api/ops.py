@@ -1,13 +1,8 @@
-"""``kpng api --api TARGET``: the global state of another kpng, for relay tiers.
-
-One kpng watches the API server and serves ``to-api``; others take its global state from the
-global watch and serve their own nodes. Reconnects with backoff; while the upstream is away the
-last state keeps being served, and after a reconnection only real differences reach the store.
-"""
+"""Another kpng's global watch, applied to the store (``kpng api``): a change set is one store
+revision."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,14 +11,12 @@ import msgspec
 
 from kpng.api import codec
 from kpng.api.localv1_pb2 import GlobalEndpointInfos, GlobalNodeInfos, GlobalServiceInfos
-from kpng.client._remote import Api, OpHandler, follow, global_rpcs
-from kpng.client._running import DEFAULT_API
+from kpng.client._remote import OpHandler
 from kpng.model.cluster import ServiceKey, SliceKey
 from kpng.model.dumping import slice_from_infos
 from kpng.model.messages import EndpointInfo, NodeInfo, ServiceInfo
 from kpng.model.paths import split_service_path
-from kpng.sources import Runner, SourceSpec
-from kpng.store import SourceHandle, Store
+from kpng.store import SourceHandle
 
 log = logging.getLogger(__name__)
 
@@ -124,24 +117,3 @@ class GlobalOps:
             self._out.commit()
         else:
             self._out.mark_synced()
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--api", default=DEFAULT_API, metavar="URL", help="the upstream kpng's to-api address"
-    )
-
-
-def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
-    api = Api(args.api).check()
-    ops = GlobalOps(store.source("api"))
-    batched, compatible = global_rpcs()
-    return lambda: follow(api, batched=batched, compatible=compatible, handle=ops.handler)
-
-
-SPEC = SourceSpec(
-    name="api",
-    help="take the global state from another kpng's to-api (relay tiers)",
-    add_arguments=_add_arguments,
-    create=_create,
-)

@@ -1,0 +1,66 @@
+"""Where a kpng server is, and with which TLS files to reach it.
+
+grpc is imported by the methods that open a channel, not with this module: programs that only
+name a server (parsing ``--api``) or never connect (``kpng file ... to-local``) skip its 0.1 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kpng.errors import UsageError
+
+if TYPE_CHECKING:
+    import grpc
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca: Path | None = None
+    """Verify the server with this CA (PEM); without it, the system's roots."""
+    cert: Path | None = None
+    key: Path | None = None
+    """A client certificate and key, for servers that require one (mutual TLS)."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+@dataclass(frozen=True)
+class Api:
+    """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``."""
+
+    url: str
+    tls: ClientTls | None = None
+
+    @property
+    def grpc_target(self) -> str:
+        if self.url.startswith("unix://"):
+            return f"unix:{self.url.removeprefix('unix://')}"
+        return self.url.removeprefix("tcp://")
+
+    def check(self) -> Api:
+        if self.url.startswith("unix://"):
+            if not self.url.removeprefix("unix://").startswith("/"):
+                raise UsageError(f"--api {self.url}: a unix socket needs an absolute path")
+            return self
+        _, sep, port = self.url.removeprefix("tcp://").rpartition(":")
+        if not (sep and port.isdigit()):
+            raise UsageError(f"--api {self.url}: expected tcp://HOST:PORT or unix:///PATH")
+        return self
+
+    def channel(self) -> grpc.aio.Channel:
+        import grpc
+
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if self.tls is not None:
+            return grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(), options)
+        return grpc.aio.insecure_channel(self.grpc_target, options)

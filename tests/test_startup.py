@@ -1,0 +1,62 @@
+"""What the kpng command imports: commands that never touch the network do not pay for gRPC.
+
+grpc and protobuf take about 0.1 s to import, a large part of a short command's run, and
+importlib.metadata (for installed backends' entry points) 20 ms more. Each check runs in a fresh
+interpreter, since this test process has long imported them all.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.conftest import EXAMPLE, ROOT
+
+HEAVY = ("grpc", "google.protobuf", "importlib.metadata")
+
+# Prints, after each stage, the heavy packages imported so far, as one JSON line on stderr (the
+# pipeline writes its state to a file, so stdout stays free for it).
+_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+
+    def heavy():
+        return sorted(m for m in {heavy} if m in sys.modules)
+
+    stages = {{}}
+    import kpng.cli
+    stages["import kpng.cli"] = heavy()
+    _, pipeline = kpng.cli.build(sys.argv[1:])
+    stages["build"] = heavy()
+    asyncio.run(pipeline())
+    stages["run"] = heavy()
+    print(json.dumps(stages), file=sys.stderr)
+    """
+).format(heavy=HEAVY)
+
+
+def _imported(*argv: str) -> dict[str, list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    stages: dict[str, list[str]] = json.loads(done.stderr.splitlines()[-1])
+    return stages
+
+
+def test_file_to_local_to_json_imports_no_grpc_protobuf_or_entry_points(tmp_path: Path) -> None:
+    out = tmp_path / "state.jsonl"
+    stages = _imported(
+        "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2",
+        "to-json", "--once", "--output", str(out),
+    )  # fmt: skip
+    assert json.loads(out.read_text())["node"] == "node-2"  # the pipeline did run
+    assert stages == {"import kpng.cli": [], "build": [], "run": []}
