@@ -86,3 +86,19 @@ def test_unreachable_server_with_a_sync_timeout_is_a_clear_error(
     assert f"cannot connect to https://127.0.0.1:{port}" in last
     # Every attempt said why it failed.
     assert f"Service: cannot list: cannot connect to https://127.0.0.1:{port}" in done.stderr
+
+
+def test_a_failing_source_leaves_no_socket_and_no_stray_traceback_behind_to_api(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    """The source fails while to-api is still starting: the server is stopped in order."""
+    socket = tmp_path / "api.sock"
+    done = subprocess.run(
+        [*kpng_command, "kube", "--kubeconfig", str(tmp_path / "missing"),
+         "to-api", "--listen", f"unix://{socket}"],
+        capture_output=True, text=True, env=subprocess_env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith(f"kubeconfig {tmp_path / 'missing'}: no such file")
+    assert "Traceback" not in done.stderr
+    assert not socket.exists()

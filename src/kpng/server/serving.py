@@ -296,6 +296,47 @@ async def serve(
         ]
     )
     server.add_generic_rpc_handlers(watch.handlers())
+    hub_task: asyncio.Future[None] | None = None
+    # Everything from the first bound port on is undone on the way out, also when the pipeline
+    # is cancelled mid-start (a source failing at once): no socket file left behind, no server
+    # collected after the event loop closed.
+    try:
+        bound = _bind(server, listen, tls)
+        previous_umask = os.umask(0o777 & ~socket_mode)  # sockets are born with the right mode
+        try:
+            await server.start()
+        finally:
+            os.umask(previous_umask)
+        for address in listen:
+            if address.unix_path is not None:
+                os.chmod(address.unix_path, socket_mode)
+        for url in bound:
+            log.info("serving the watch API on %s", url)
+        if started is not None:
+            started(Serving(addresses=bound, watch=watch))
+        hub_task = asyncio.ensure_future(watch.hub.run())
+        await asyncio.get_running_loop().create_future()  # serve until cancelled
+    finally:
+        if hub_task is not None:
+            hub_task.cancel()
+        # Stopping must finish even though this task is being cancelled: streams left open
+        # would keep clients attached to a server that no longer answers.
+        stopping = asyncio.ensure_future(server.stop(grace=1))
+        while not stopping.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(stopping)
+        if hub_task is not None:
+            await asyncio.gather(hub_task, return_exceptions=True)
+        for address in listen:
+            path = address.unix_path
+            # Only a socket: a path that failed to bind may be someone's file.
+            with contextlib.suppress(FileNotFoundError):
+                if path is not None and stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()
+
+
+def _bind(server: grpc.aio.Server, listen: list[ListenAddress], tls: TlsFiles | None) -> list[str]:
+    """Add a port per address; the URLs bound, TCP ports resolved."""
     bound: list[str] = []
     credentials = tls.credentials() if tls is not None else None
     for address in listen:
@@ -318,31 +359,4 @@ async def serve(
         else:
             host = target.rpartition(":")[0]
             bound.append(f"tcp://{host}:{port}")
-    previous_umask = os.umask(0o777 & ~socket_mode)  # sockets are born with the right mode
-    try:
-        await server.start()
-    finally:
-        os.umask(previous_umask)
-    for address in listen:
-        if address.unix_path is not None:
-            os.chmod(address.unix_path, socket_mode)
-    for url in bound:
-        log.info("serving the watch API on %s", url)
-    if started is not None:
-        started(Serving(addresses=bound, watch=watch))
-    hub_task = asyncio.ensure_future(watch.hub.run())
-    try:
-        await asyncio.get_running_loop().create_future()  # serve until cancelled
-    finally:
-        hub_task.cancel()
-        # Stopping must finish even though this task is being cancelled: streams left open
-        # would keep clients attached to a server that no longer answers.
-        stopping = asyncio.ensure_future(server.stop(grace=1))
-        while not stopping.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(stopping)
-        await asyncio.gather(hub_task, return_exceptions=True)
-        for address in listen:
-            if address.unix_path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    address.unix_path.unlink()
+    return bound
