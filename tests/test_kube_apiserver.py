@@ -202,6 +202,9 @@ def test_objects_kpng_cannot_use_are_skipped(
     does not exist, a slice port without a number. The rest is served, kpng keeps running."""
     ns = kube_namespace
 
+    def _orphan_message(name: str, service: str) -> str:
+        return f"EndpointSlice {ns}/{name}: Service {ns}/{service} is missing or not served"
+
     async def scenario() -> None:
         await call(kube_api.create, k.service("web", ns))
         await call(
@@ -211,18 +214,25 @@ def test_objects_kpng_cannot_use_are_skipped(
             "web-a", ns, "web", [k.endpoint("10.6.0.1")], ports=[{"name": "http"}]
         )
         await call(kube_api.create, no_port)
-        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+        async with KpngUnderTest.start(
+            control_plane.kubeconfig, namespace=ns, orphan_check_s=0.2
+        ) as kpng:
             await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
             await call(
                 kube_api.create, k.endpoint_slice("web-b", ns, "web", [k.endpoint("10.6.0.2")])
             )
             await kpng.wait_for(lambda v: v == {f"{ns}/web": ("10.6.0.2",)})
+            # An orphan that arrives by watch is reported too, once, after a grace period.
+            await call(
+                kube_api.create, k.endpoint_slice("late", ns, "gone", [k.endpoint("10.6.0.3")])
+            )
+            await eventually(lambda: _orphan_message("late", "gone") in caplog.text, "a report")
+            await asyncio.sleep(0.6)  # three more checks
 
     with caplog.at_level(logging.WARNING):
         run(scenario)
-    assert (
-        f"EndpointSlice {ns}/orphan: Service {ns}/missing is missing or not served" in caplog.text
-    )
+    assert caplog.text.count(_orphan_message("orphan", "missing")) == 1
+    assert caplog.text.count(_orphan_message("late", "gone")) == 1
 
 
 def test_a_slice_with_1000_endpoints(

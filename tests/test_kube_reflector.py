@@ -34,6 +34,7 @@ from kpng.sources.kube.reflector import (
 )
 from kpng.sources.kube.source import (
     SERVICE_FIELD_SELECTOR,
+    OrphanReports,
     _HandleSink,
     label_selector,
     orphan_slices,
@@ -331,3 +332,24 @@ def test_objects_the_converters_reject_are_logged_and_dropped(
     sink.apply(("ns", "a"), bad)
     assert ("ns", "a") not in store.services
     assert "Service ns/a: spec.ports[0]: unknown protocol 'QUIC'; skipped" in caplog.text
+
+
+# --- orphan slices after the first lists: reported once each, after a grace check
+
+A, B, C = ("ns", "a"), ("ns", "b"), ("ns", "c")
+
+
+def test_orphans_are_reported_once_and_only_when_they_last() -> None:
+    reports = OrphanReports()
+    assert reports.first([B, A]) == [A, B]  # after a complete list: at once
+    steps = [
+        ([A, B, C], []),  # C just arrived: maybe its Service is a watch event away
+        ([A, B, C], [C]),  # still an orphan one check later
+        ([A, B, C], []),  # nothing twice
+        ([B], []),  # A and C found their Services
+        ([A, B], []),  # A orphaned again: grace once more
+        ([A, B], [A]),
+        ([], []),
+    ]
+    for orphans, reported in steps:
+        assert reports.check(orphans) == reported, orphans

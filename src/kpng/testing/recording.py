@@ -87,6 +87,7 @@ class KpngUnderTest:
         namespace: str | None = None,
         proxy_name: str | None = None,
         settings: ReflectorSettings | None = None,
+        orphan_check_s: float = 30.0,
     ) -> AsyncIterator[KpngUnderTest]:
         store = Store()
         source = KubeSource(
@@ -96,6 +97,7 @@ class KpngUnderTest:
                 proxy_name=proxy_name,
                 settings=settings or ReflectorSettings(),
                 node_name=node_name,
+                orphan_check_s=orphan_check_s,
             ),
         )
         backend = RecordingBackend()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -102,6 +102,10 @@ class KubeOptions:
     node_name: str | None = None
     """Watch only this Node (all of them if None): a node's local state needs no other."""
     settings: ReflectorSettings = field(default_factory=ReflectorSettings)
+    orphan_check_s: float = 30.0
+    """After the first lists, how often slices without their Service are looked for. One is
+    reported once it has been an orphan at two checks in a row: a Service and its slices
+    arrive on separate watches, in either order, and a moment apart is no error."""
 
 
 class KubeSource:
@@ -125,6 +129,7 @@ class KubeSource:
         )
         self.reflectors: list[AnyReflector] = []
         self.connection: Connection | None = None
+        self._orphans = OrphanReports()
 
     async def run(self) -> None:
         """Load the configuration, then list and watch until cancelled."""
@@ -142,7 +147,9 @@ class KubeSource:
             ]
             try:
                 await self._wait_synced()
-                self._report_orphans()
+                # After a complete list, both halves are there: orphans are real at once.
+                self._report_orphans(self._orphans.first(orphan_slices(self._store)))
+                tasks.append(asyncio.create_task(self._check_orphans(), name="orphan slices"))
                 await asyncio.gather(*tasks)
             finally:
                 for task in tasks:
@@ -169,10 +176,12 @@ class KubeSource:
             ) from None
         log.info("synced with %s", self.connection.server if self.connection else "?")
 
-    def _report_orphans(self) -> None:
-        """Slices of Services kpng does not serve, once after the first lists. Later ones are
-        not reported: a Service and its slice arrive on separate watches, in either order."""
-        orphans = orphan_slices(self._store)
+    async def _check_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.orphan_check_s)
+            self._report_orphans(self._orphans.check(orphan_slices(self._store)))
+
+    def _report_orphans(self, orphans: list[SliceKey]) -> None:
         for namespace, name in orphans[:_ORPHANS_LISTED]:
             service = self._store.slices[(namespace, name)].service
             log.warning(
@@ -185,6 +194,30 @@ class KubeSource:
             )
         if len(orphans) > _ORPHANS_LISTED:
             log.warning("... and %d more such EndpointSlices", len(orphans) - _ORPHANS_LISTED)
+
+
+class OrphanReports:
+    """Which orphan slices to report, each once while it stays an orphan (pure)."""
+
+    def __init__(self) -> None:
+        self._seen: set[SliceKey] = set()
+        self._reported: set[SliceKey] = set()
+
+    def first(self, orphans: Iterable[SliceKey]) -> list[SliceKey]:
+        """After the first complete lists: every orphan."""
+        self._seen = set(orphans)
+        self._reported = set(self._seen)
+        return sorted(self._seen)
+
+    def check(self, orphans: Iterable[SliceKey]) -> list[SliceKey]:
+        """The orphans of this check that were orphans at the previous one too and have not
+        been reported since they became orphans."""
+        current = set(orphans)
+        new = (current & self._seen) - self._reported
+        # A slice that found its Service is forgotten: orphaned again later, it is reported again.
+        self._reported = (self._reported & current) | new
+        self._seen = current
+        return sorted(new)
 
 
 _ORPHANS_LISTED = 20
