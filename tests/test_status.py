@@ -14,10 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, Feeder, FeederStats, NodeState
+from kpng.status import Status
 from kpng.status.health import Verdict, judge
+from kpng.status.metrics import registry
+from kpng.testing import kubeapi as k
+from kpng.testing.cluster import ControlPlane
+from kpng.testing.kubeapi import KubeApi
+from kpng.testing.recording import KpngUnderTest
 from tests import states
 from tests.conftest import EXAMPLE
 
@@ -308,13 +315,21 @@ DRAINING = (
 )
 
 
+BAD_SERVICE = """---
+apiVersion: v1
+kind: Service
+metadata: {name: bad, namespace: shop}
+spec: {clusterIP: 10.96.0.99, ports: [{port: 70000}]}
+"""
+
+
 def test_healthz_follows_the_state_the_node_and_metrics_count_it(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     source = tmp_path / "cluster.yaml"
-    source.write_text(EXAMPLE.read_text())
+    source.write_text(EXAMPLE.read_text() + BAD_SERVICE)
     assert NODE_2 in source.read_text()
     argv = ["file", "--input", str(source), "to-local", "--node-name", "node-2"]
     argv += ["to-json", "--output", str(tmp_path / "state.json")]
@@ -329,6 +344,8 @@ def test_healthz_follows_the_state_the_node_and_metrics_count_it(
         assert samples[("kpng_backend_services", (("backend", "to-json"),))] == 6
         assert samples[("kpng_backend_apply_duration_seconds_count", (("backend", "to-json"),))]
         assert samples[("process_resident_memory_bytes", ())] > 0
+        assert samples[("kpng_source_synced", (("source", "file"),))] == 1
+        assert samples[("kpng_source_skipped_objects_total", (("source", "file"),))] == 1
 
         source.write_text(source.read_text().replace("port: 80, targetPort: http", "port: 81"))
         to_json = ("kpng_backend_applied_revision", (("backend", "to-json"),))
@@ -367,3 +384,34 @@ def test_a_bad_or_taken_address_is_a_clear_error(
         )  # fmt: skip
     assert busy.returncode == 1
     assert f"cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in busy.stderr
+
+
+def test_the_kube_source_counts_its_lists_and_events(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    ns = kube_namespace
+
+    def samples(status: Status) -> dict[tuple[str, str], float]:
+        text = generate_latest(registry(status)).decode()
+        return {
+            (sample.name, sample.labels.get("source", "")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=ns) as kpng:
+            await kpng.wait_for(lambda v: v == {})
+            status = Status(timeout=60.0, store=kpng.store)
+            before = samples(status)
+            for source in ("kube-services", "kube-slices", "kube-nodes"):
+                assert before[("kpng_source_synced", source)] == 1
+                assert before[("kpng_source_lists_total", source)] >= 1
+            await asyncio.to_thread(kube_api.create, k.service("web", ns))
+            await kpng.wait_for(lambda v: f"{ns}/web" in v)
+            after = samples(status)
+            events = ("kpng_source_events_total", "kube-services")
+            # At least ours: the apiserver itself updates the default "kubernetes" Service.
+            assert after[events] >= before[events] + 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

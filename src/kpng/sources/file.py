@@ -77,7 +77,7 @@ class FileSource:
             if not path.exists():
                 self._parsed.pop(path, None)
                 continue
-            parsed = self._read(path)
+            parsed = self._read(path, out)
             if parsed is None:
                 continue  # unreadable now: keep its last good content
             self._parsed[path] = parsed
@@ -139,7 +139,7 @@ class FileSource:
                 files.update(p for p in self._parsed if p.is_relative_to(path))
         return files
 
-    def _read(self, path: Path) -> Parsed | None:
+    def _read(self, path: Path, out: SourceHandle) -> Parsed | None:
         try:
             data = path.read_bytes()
             parsed = manifests.parse(data, filename=str(path), proxy_name=self.proxy_name)
@@ -151,6 +151,7 @@ class FileSource:
             return None
         for error in parsed.errors:
             log.error("%s", error)
+        out.skipped += len(parsed.errors)
         return parsed
 
     def _resolve_owner(self, key: ObjectKey, order: dict[Path, int], out: SourceHandle) -> None:

@@ -8,6 +8,7 @@ dashboards carry over with a renamed prefix.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -28,6 +29,7 @@ class _StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._store()
+        yield from self._sources()
         yield from self._backends()
 
     def _store(self) -> Iterator[Metric]:
@@ -48,6 +50,33 @@ class _StatusCollector(Collector):
         objects.add_metric(["EndpointSlice"], len(store.slices))
         objects.add_metric(["Node"], len(store.nodes))
         yield objects
+
+    def _sources(self) -> Iterator[Metric]:
+        store = self._status.store
+        if store is None:
+            return
+        label = ["source"]
+        synced = GaugeMetricFamily("kpng_source_synced", "1 once the source synced", labels=label)
+        skipped = CounterMetricFamily(
+            "kpng_source_skipped_objects",
+            "objects reported as unusable (invalid, or kpng cannot serve them) and skipped",
+            labels=label,
+        )
+        counters: dict[str, CounterMetricFamily] = {}
+        for handle in store.sources:
+            synced.add_metric([handle.name], int(handle.synced))
+            skipped.add_metric([handle.name], handle.skipped)
+            if handle.stats is None or not dataclasses.is_dataclass(handle.stats):
+                continue
+            for f in dataclasses.fields(handle.stats):
+                name = f"kpng_source_{f.name}"
+                if name not in counters:
+                    text = f.metadata.get("help", f.name.replace("_", " "))
+                    counters[name] = CounterMetricFamily(name, text, labels=label)
+                counters[name].add_metric([handle.name], getattr(handle.stats, f.name))
+        yield synced
+        yield skipped
+        yield from counters.values()
 
     def _backends(self) -> Iterator[Metric]:
         backends = self._status.backends

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -96,6 +96,12 @@ class SourceHandle:
         self._store = store
         self.name = name
         self.synced = False
+        self.skipped = 0
+        """Objects the source reported as unusable and skipped (for ``/metrics``)."""
+        self.stats: object | None = None
+        """Counters the source keeps about itself, for ``/metrics``: a dataclass whose int
+        fields are exported as ``kpng_source_<field>_total`` (the kube source: its lists,
+        watches, events, failures...)."""
         self._services: set[ServiceKey] = set()
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
@@ -157,6 +163,10 @@ class Store:
     @property
     def nodes(self) -> Mapping[str, Node]:
         return self._nodes
+
+    @property
+    def sources(self) -> Sequence[SourceHandle]:
+        return tuple(self._sources)
 
     @property
     def synced(self) -> bool:

@@ -179,17 +179,21 @@ class ReflectorSettings:
     that closes every watch at once is not hammered."""
 
 
+def _counter(help: str) -> int:
+    return field(default=0, metadata={"help": help})
+
+
 @dataclass
 class ReflectorStats:
-    lists: int = 0
-    """Complete lists, the initial one included."""
-    relists_gone: int = 0
-    """Lists caused by 410 Gone."""
-    watches: int = 0
-    events: int = 0
-    bookmarks: int = 0
-    failures: int = 0
-    undecodable: int = 0
+    """What a reflector did; each field is a counter in ``/metrics`` (the help is its text)."""
+
+    lists: int = _counter("complete lists, the initial one included")
+    relists_gone: int = _counter("lists caused by 410 Gone (the watch fell too far behind)")
+    watches: int = _counter("watches started")
+    events: int = _counter("watch events received, bookmarks excluded")
+    bookmarks: int = _counter("watch bookmarks received")
+    failures: int = _counter("failed lists and watches (each retried with backoff)")
+    undecodable: int = _counter("objects that could not be decoded")
 
 
 class Gone(Exception):

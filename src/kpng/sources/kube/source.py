@@ -83,6 +83,7 @@ class _HandleSink(Generic[T, M]):
                 model = self._convert(obj)
             except InvalidObject as exc:
                 log.warning("%s; skipped", exc)
+                self.handle.skipped += 1
         self._put(key, model)
 
     def commit(self) -> None:
@@ -113,7 +114,7 @@ class KubeSource:
         self.options = options
         self._store = store
         proxy_name = options.proxy_name
-        services, slices, nodes = (
+        services, slices, nodes = self._handles = tuple(
             store.source(f"kube-{n}") for n in ("services", "slices", "nodes")
         )
         self._sinks = (
@@ -142,6 +143,8 @@ class KubeSource:
                 Reflector(client, slice_res, self._sinks[1], options.settings),
                 Reflector(client, node_res, self._sinks[2], options.settings),
             ]
+            for reflector, handle in zip(self.reflectors, self._handles, strict=True):
+                handle.stats = reflector.stats
             tasks = [
                 asyncio.create_task(r.run(), name=f"reflector {r.name}") for r in self.reflectors
             ]
