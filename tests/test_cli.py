@@ -132,6 +132,24 @@ def test_missing_input_exits_non_zero_with_a_clear_error(
     assert f"--input {missing}: no such file or directory" in done.stderr
 
 
+def test_json_logs_are_one_object_a_line(kpng_command: list[str], tmp_path: Path) -> None:
+    source = tmp_path / "cluster.yaml"
+    source.write_text(
+        EXAMPLE.read_text() + "---\napiVersion: v1\nkind: Service\nmetadata: {namespace: x}\n"
+    )
+    done = _run(
+        kpng_command, "--log-format", "json", "file", "--input", str(source),
+        "to-local", "--node-name", "node-2", "to-json", "--once",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in done.stderr.splitlines()]
+    assert {e["level"] for e in entries} == {"error", "info"}
+    (error,) = [e for e in entries if e["level"] == "error"]
+    assert error["logger"] == "kpng.sources.file"
+    assert "Service x/<no name>: metadata.name is missing; skipped" in error["msg"]
+    assert all(isinstance(e["ts"], float) for e in entries)
+
+
 @pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser to drop root")
 def test_unreadable_input_exits_non_zero_with_a_clear_error(
     kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str]

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -85,6 +86,12 @@ def _main_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="least severe messages to log (default: info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text lines, or one JSON object a line (default: text)",
     )
     parser.add_argument(
         "--healthz-address",
@@ -268,12 +275,30 @@ def cleanup(argv: Sequence[str]) -> int:
     return 0
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line, the shape of Kubernetes components' ``--logging-format=json``
+    (``ts`` in seconds, ``msg``), so log pipelines that read kube-proxy read kpng."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["err"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(level: str, style: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if style == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # watchfiles reports every batch of file events at INFO; kpng says what it reloads itself.
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))
 
@@ -287,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KpngError as exc:
         print(f"kpng: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(options.log_level)
+    configure_logging(options.log_level, options.log_format)
     try:
         asyncio.run(_run_until_signalled(pipeline))
     except KpngError as exc:
