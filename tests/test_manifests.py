@@ -10,7 +10,7 @@ import pytest
 from kpng.errors import InputError
 from kpng.model.cluster import Slice
 from kpng.model.messages import Node, Service
-from kpng.sources.manifests import parse
+from kpng.sources.manifests import ItemMemo, parse
 
 
 def _svc(name: str = "web", namespace: str = "shop", **spec: Any) -> dict[str, Any]:
@@ -206,3 +206,35 @@ def test_yaml_timestamps_do_not_break_decoding() -> None:
     node = parsed.objects[("Node", "", "n1")]
     assert isinstance(node, Node)
     assert node.Labels == {"built": "2024-01-01"}
+
+
+# --- a JSON List parsed again with a memo: unchanged items are not decoded again
+
+
+def _list(*items: dict[str, Any]) -> bytes:
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(items)}).encode()
+
+
+def test_a_memo_reuses_unchanged_items_and_gives_what_a_full_parse_gives() -> None:
+    memo = ItemMemo()
+    bad = _svc("bad", ports=[{"port": 70000}])
+    first = parse(_list(_svc(), _slice(), bad, NODE), filename="f", memo=memo)
+    second_data = _list(_svc(), _slice(address="10.1.0.2"), bad, NODE, _svc())
+    second = parse(second_data, filename="f", memo=memo)
+    assert second == parse(second_data, filename="f")  # duplicates and errors included
+    assert second.errors == [
+        "f: items[2]: Service shop/bad: spec.ports[0]: port 70000 out of range; skipped",
+        "f: items[4]: Service shop/web: duplicate object; the first one is kept",
+    ]
+    web, sl, node = (
+        ("Service", "shop", "web"),
+        ("EndpointSlice", "shop", "web-1"),
+        ("Node", "", "n1"),
+    )
+    assert second.objects[web] is first.objects[web]  # the same bytes: not decoded again
+    assert second.objects[node] is first.objects[node]
+    assert second.objects[sl] is not first.objects[sl]
+    # Items gone from the file are forgotten: the memo holds what the last parse saw.
+    third = parse(_list(NODE), filename="f", memo=memo)
+    assert third.objects[node] is first.objects[node]
+    assert len(memo._now) == 1

@@ -37,6 +37,7 @@ class FileSource:
         self.path = path
         self.proxy_name = proxy_name
         self._parsed: dict[Path, Parsed] = {}
+        self._memos: dict[Path, manifests.ItemMemo] = {}
         self._owner: dict[ObjectKey, Path] = {}
 
     def files(self) -> list[Path]:
@@ -76,6 +77,7 @@ class FileSource:
                 touched.update(old.objects)
             if not path.exists():
                 self._parsed.pop(path, None)
+                self._memos.pop(path, None)
                 continue
             parsed = self._read(path, out)
             if parsed is None:
@@ -142,7 +144,10 @@ class FileSource:
     def _read(self, path: Path, out: SourceHandle) -> Parsed | None:
         try:
             data = path.read_bytes()
-            parsed = manifests.parse(data, filename=str(path), proxy_name=self.proxy_name)
+            memo = self._memos.setdefault(path, manifests.ItemMemo())
+            parsed = manifests.parse(
+                data, filename=str(path), proxy_name=self.proxy_name, memo=memo
+            )
         except OSError as exc:
             log.error("%s: cannot read: %s; keeping its previous content", path, exc.strerror)
             return None

@@ -7,6 +7,7 @@ that cannot be parsed at all raises ``InputError``, so the caller can keep what 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -43,8 +44,39 @@ _object_decoder = msgspec.json.Decoder(k8s.Object)
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 
 
-def parse(data: bytes, *, filename: str, proxy_name: str | None = None) -> Parsed:
-    """The objects of one file. Raises InputError if the file is not YAML or JSON at all."""
+class ItemMemo:
+    """The objects a JSON ``kind: List`` file held at its last parse, by the digest of each item's
+    bytes. A file rewritten with one object changed (``kubectl get -o json > file``) then
+    costs one decode and conversion, not one per object: decoding is most of a parse, and
+    hashing an item costs a fraction of decoding it.
+
+    Only a cache: an item is the same object whenever its bytes are, for a given
+    ``proxy_name``, so a hit is exactly what a decode would give. Items kpng reports as errors
+    are not kept (they are decoded again, and reported again)."""
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, tuple[ObjectKey, Model | None]] = {}
+        self._now: dict[bytes, tuple[ObjectKey, Model | None]] = {}
+
+    def _start(self) -> None:
+        # What the previous parse saw; items gone from the file since are dropped with it.
+        self._last, self._now = self._now, {}
+
+    def _lookup(self, digest: bytes) -> tuple[ObjectKey, Model | None] | None:
+        hit = self._last.get(digest)
+        if hit is not None:
+            self._now[digest] = hit
+        return hit
+
+    def _remember(self, digest: bytes, key: ObjectKey, model: Model | None) -> None:
+        self._now[digest] = (key, model)
+
+
+def parse(
+    data: bytes, *, filename: str, proxy_name: str | None = None, memo: ItemMemo | None = None
+) -> Parsed:
+    """The objects of one file. Raises InputError if the file is not YAML or JSON at all.
+    ``memo``, kept from one parse of a file to the next, spares decoding unchanged items."""
     parsed = Parsed(objects={}, errors=[])
     if data.lstrip()[:1] not in (b"{", b"["):
         _parse_yaml(data, filename, proxy_name, parsed)
@@ -58,31 +90,48 @@ def parse(data: bytes, *, filename: str, proxy_name: str | None = None) -> Parse
         except InputError:
             raise InputError(f"{filename}: invalid JSON: {exc}") from None
         return parsed
-    _parse_json(envelope, data, filename, proxy_name, parsed)
+    _parse_json(envelope, data, filename, proxy_name, parsed, memo)
     return parsed
 
 
 def _parse_json(
-    envelope: _Envelope, data: bytes, filename: str, proxy_name: str | None, parsed: Parsed
+    envelope: _Envelope,
+    data: bytes,
+    filename: str,
+    proxy_name: str | None,
+    parsed: Parsed,
+    memo: ItemMemo | None,
 ) -> None:
     if envelope.kind == dumping.KIND:
         _add_dump(data, filename, parsed)
     elif envelope.kind == "List" or (not envelope.kind and envelope.items is not None):
+        if memo is None:
+            for i, raw in enumerate(envelope.items or ()):
+                _add_json_object(raw, f"{filename}: items[{i}]", proxy_name, parsed)
+            return
+        memo._start()
         for i, raw in enumerate(envelope.items or ()):
-            _add_json_object(raw, f"{filename}: items[{i}]", proxy_name, parsed)
+            digest = hashlib.blake2b(raw, digest_size=16).digest()
+            hit = memo._lookup(digest)
+            if hit is not None:
+                _keep(parsed, *hit, f"{filename}: items[{i}]")
+                continue
+            added = _add_json_object(raw, f"{filename}: items[{i}]", proxy_name, parsed)
+            if added is not None:
+                memo._remember(digest, *added)
     else:
         _add_json_object(data, filename, proxy_name, parsed)
 
 
 def _add_json_object(
     raw: msgspec.Raw | bytes, where: str, proxy_name: str | None, parsed: Parsed
-) -> None:
+) -> tuple[ObjectKey, Model | None] | None:
     try:
         obj = _object_decoder.decode(raw)
     except msgspec.ValidationError as exc:
         _report_undecodable(msgspec.json.decode(raw), exc, where, parsed)
-        return
-    _add(obj, where, proxy_name, parsed)
+        return None
+    return _add(obj, where, proxy_name, parsed)
 
 
 def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
@@ -137,7 +186,10 @@ def _identity_of(item: Any) -> tuple[str, str, str]:
     )
 
 
-def _add(obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed) -> None:
+def _add(
+    obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed
+) -> tuple[ObjectKey, Model | None] | None:
+    """Convert and keep ``obj``; its key and model, or None if it was reported as an error."""
     model: Model | None
     try:
         if isinstance(obj, k8s.Service):
@@ -148,10 +200,12 @@ def _add(obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed) ->
             model = converting.node_from_k8s(obj)
     except InvalidObject as exc:
         parsed.errors.append(f"{where}: {exc}; skipped")
-        return
+        return None
     kind = type(obj).__name__
     namespace = "" if kind == "Node" else obj.metadata.namespace or "default"
-    _keep(parsed, (kind, namespace, obj.metadata.name), model, where)
+    key = (kind, namespace, obj.metadata.name)
+    _keep(parsed, key, model, where)
+    return key, model
 
 
 def _keep(parsed: Parsed, key: ObjectKey, model: Model | None, where: str) -> None:
