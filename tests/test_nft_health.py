@@ -6,12 +6,15 @@ import asyncio
 import json
 import socket
 
+import msgspec
 import pytest
 
+from kpng.backends import nft as nft_backend
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.health import HealthServers, local_ready_endpoints, response
+from kpng.backends.nft.health import Answer, HealthServers, local_ready_endpoints, response
 from kpng.backends.nft.layout import Options
+from kpng.backends.nft.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -38,6 +41,10 @@ def _ep(addr: str, *, local: bool = True, ready: bool = True) -> Endpoint:
         Ready=ready,
         Serving=True,
     )
+
+
+def _dual(v4: str, v6: str) -> Endpoint:
+    return msgspec.structs.replace(_ep(v4), IPs=IPSet(V4=(v4,), V6=(v6,)))
 
 
 def _lb(health_port: int, *endpoints: Endpoint) -> ServiceEndpoints:
@@ -69,6 +76,7 @@ def _lb(health_port: int, *endpoints: Endpoint) -> ServiceEndpoints:
         pytest.param([_ep("10.1.0.2", ready=False)], 0, id="local_unready_ones_do_not"),
         pytest.param([_ep("10.1.0.2"), _ep("10.1.0.2")], 1, id="an_address_counts_once"),
         pytest.param([], 0, id="no_endpoint"),
+        pytest.param([_dual("10.1.0.2", "fd00::2")], 1, id="a_dual_stack_pod_counts_once"),
     ],
 )
 def test_local_ready_endpoints_are_counted(endpoints: list[Endpoint], expected: int) -> None:
@@ -76,14 +84,31 @@ def test_local_ready_endpoints_are_counted(endpoints: list[Endpoint], expected: 
 
 
 @pytest.mark.parametrize(
-    ("count", "status"), [(3, b"HTTP/1.1 200 OK"), (0, b"HTTP/1.1 503 Service Unavailable")]
+    ("count", "healthy", "status"),
+    [
+        (3, True, b"HTTP/1.1 200 OK"),
+        (0, True, b"HTTP/1.1 503 Service Unavailable"),
+        (3, False, b"HTTP/1.1 503 Service Unavailable"),
+    ],
 )
-def test_response_is_200_with_local_endpoints_else_503(count: int, status: bytes) -> None:
-    head, _, body = response(count).partition(b"\r\n\r\n")
-    assert head.split(b"\r\n")[0] == status
-    assert b"Content-Type: application/json" in head
-    assert f"Content-Length: {len(body)}".encode() in head
-    assert json.loads(body) == {"localEndpoints": count}
+def test_response_is_kube_proxys(count: int, healthy: bool, status: bytes) -> None:
+    raw = response(Answer("ns", "lb", count), proxy_healthy=healthy)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == status
+    assert b"Content-Type: application/json" in lines
+    assert b"X-Content-Type-Options: nosniff" in lines
+    assert f"X-Load-Balancing-Endpoint-Weight: {count}".encode() in lines
+    assert f"Content-Length: {len(body)}".encode() in lines
+    assert json.loads(body) == _body(count, healthy=healthy)
+
+
+def _body(count: int, *, healthy: bool = True) -> dict[str, object]:
+    return {
+        "service": {"namespace": "ns", "name": "lb"},
+        "localEndpoints": count,
+        "serviceProxyHealthy": healthy,
+    }
 
 
 def _free_port() -> int:
@@ -128,14 +153,14 @@ def test_health_check_node_port_answers_on_a_real_socket_and_follows_changes() -
                 LB: _lb(port, _ep("10.1.0.2"), _ep("10.1.0.3"), _ep("10.2.0.2", local=False))
             }
             await backend.apply(_state(1, services))
-            assert await _get(port) == (200, {"localEndpoints": 2})
+            assert await _get(port) == (200, _body(2))
             # One local endpoint is no longer ready, the other leaves.
             services = {LB: _lb(port, _ep("10.1.0.2", ready=False), _ep("10.2.0.2", local=False))}
             await backend.apply(_state(2, services))
-            assert await _get(port) == (503, {"localEndpoints": 0})
+            assert await _get(port) == (503, _body(0))
             services = {LB: _lb(port, _ep("10.1.0.4"))}
             await backend.apply(_state(3, services))
-            assert await _get(port) == (200, {"localEndpoints": 1})
+            assert await _get(port) == (200, _body(1))
             # The service goes: so does its server.
             await backend.apply(
                 NodeState(
@@ -164,8 +189,38 @@ def test_health_check_node_port_moves_with_the_service() -> None:
             await health.update({LB: _lb(second, _ep("10.1.0.2"))})
             assert health.ports() == [second]
             assert await _get(first) == "refused"
-            assert await _get(second) == (200, {"localEndpoints": 1})
+            assert await _get(second) == (200, _body(1))
         finally:
             await health.close()
+
+    asyncio.run(scenario())
+
+
+class _RefusingNft(FakeNft):
+    async def run(self, tx: Transaction) -> None:
+        raise NftError("Operation not supported", line_number=1, line="add table inet kpng")
+
+
+def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = _free_port()
+    monkeypatch.setattr(nft_backend, "UNHEALTHY_AFTER_S", 0.2)
+
+    async def scenario() -> None:
+        backend = NftBackend(
+            nft=_RefusingNft(),
+            options=Options(),
+            health=HealthServers(host="127.0.0.1"),
+            sleep=lambda _: asyncio.sleep(3600),
+        )
+        try:
+            await backend.apply(_state(1, {LB: _lb(port, _ep("10.1.0.2"))}))
+            assert backend.pending_since is not None
+            assert await _get(port) == (200, _body(1))  # not yet: within the timeout
+            await asyncio.sleep(0.3)
+            assert await _get(port) == (503, _body(1, healthy=False))
+        finally:
+            await backend.close()
 
     asyncio.run(scenario())

@@ -216,7 +216,8 @@ def test_health_check_node_port_serves_both_families_on_every_address(netns: str
         timeout=30,
         check=True,
     ).stdout
-    expected = 'HTTP/1.1 200 OK {"localEndpoints": 1}'
+    body = {"service": {"namespace": "ns", "name": "lb"}, "localEndpoints": 1}
+    expected = f"HTTP/1.1 200 OK {json.dumps({**body, 'serviceProxyHealthy': True})}"
     assert json.loads(out) == [expected, expected]
 
 

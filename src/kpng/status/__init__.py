@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ class Status:
         pending = [f for fanout in self.fanouts for f in fanout.feeders]
         while pending:
             feeder = pending.pop(0)
-            found[feeder.name] = feeder.stats
+            found[feeder.name] = _with_backend_pending(feeder)
             # A backend feeding others (to-plugin, one Feeder per plugin) lists them as
             # ``feeders``: a plugin that keeps failing must show, not hide behind its parent.
             inner = getattr(feeder.backend, "feeders", None)
@@ -66,6 +67,19 @@ class Status:
             monotonic=time.monotonic(),
             wall=time.time(),
         )
+
+
+def _with_backend_pending(feeder: Feeder) -> FeederStats:
+    """The feeder's stats, pending since the earlier of the feeder and its backend: a backend
+    that retries on its own (to-nft, after the kernel refused a transaction) has ``apply``
+    return and says in ``pending_since`` that its rules are behind."""
+    own = getattr(feeder.backend, "pending_since", None)
+    stats = feeder.stats
+    if not isinstance(own, float) or (
+        stats.pending_since is not None and stats.pending_since <= own
+    ):
+        return stats
+    return dataclasses.replace(stats, pending_since=own)
 
 
 __all__ = ["Status", "Verdict"]

@@ -59,6 +59,7 @@ def judge(
         # backends' last applies), and now.
         "lastUpdated": _iso(min(applied)) if applied and not never_applied else None,
         "currentTime": _iso(wall),
+        "healthy": healthy,
         "nodeEligible": node_eligible,
         "sourcesSynced": sources_synced,
         "backends": {

@@ -445,12 +445,18 @@ def test_health_check_node_port_reports_local_ready_endpoints(cluster: Cluster) 
         host = cluster.bed.nodes[node].ip4
         cluster.eventually("external", "http", host, 32086, lambda r: r == [expected])
 
+    def healthy(count: int) -> str:
+        # kube-proxy's body, which load balancers' health checks are set up for.
+        body = {"service": {"namespace": "conformance", "name": "health"}, "localEndpoints": count}
+        status = 200 if count else 503
+        return f"{status} {json.dumps({**body, 'serviceProxyHealthy': True})}"
+
     write(["b1"])
-    answers("node-2", '200 {"localEndpoints": 1}')
-    answers("node-1", '503 {"localEndpoints": 0}')
+    answers("node-2", healthy(1))
+    answers("node-1", healthy(0))
     write(["b1", "b2", "a1"])  # the count follows the endpoints
-    answers("node-2", '200 {"localEndpoints": 2}')
-    answers("node-1", '200 {"localEndpoints": 1}')
+    answers("node-2", healthy(2))
+    answers("node-1", healthy(1))
     cluster.remove("health")
     answers("node-2", "refused")
 

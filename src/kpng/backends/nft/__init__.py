@@ -16,6 +16,7 @@ import gc
 import ipaddress
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+UNHEALTHY_AFTER_S = 60.0
+"""How long the kernel may refuse the rules before health check node ports answer 503: kube-proxy's
+default (twice its 30 s sync period), so a load balancer drains a node after as long."""
 
 
 class NftBackend:
@@ -42,6 +46,10 @@ class NftBackend:
     ``nft`` runs transactions (``KernelNft``, or ``FakeNft`` in tests); ``conntrack`` deletes
     stale UDP entries (None: not at all); ``dry_run`` writes each transaction to ``output``
     instead; ``once`` makes ``apply`` return True once the first complete state is applied.
+
+    A refused transaction does not fail ``apply``: the backend retries on its own, with a full
+    resync, and ``pending_since`` says since when (``time.monotonic()``) the kernel has been
+    behind the state given to it (None when it is not), which kpng's ``/healthz`` reads.
     """
 
     def __init__(
@@ -59,6 +67,9 @@ class NftBackend:
         self._nft = nft
         self._conntrack = conntrack
         self._health = health
+        self.pending_since: float | None = None
+        if health is not None:
+            health.proxy_healthy = self._rules_current
         self._once = once
         self._dry_run = dry_run
         self._output = output or sys.stdout
@@ -142,6 +153,8 @@ class NftBackend:
                 self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
                 self._backoff = min(self._backoff, MAX_BACKOFF_S)
                 self._needs_full = True
+                if self.pending_since is None:
+                    self.pending_since = time.monotonic()
                 log.error(
                     "nft refused the %s transaction (%d operations); the previous rules stay; "
                     "a full resync follows in %.1f s: %s",
@@ -153,6 +166,7 @@ class NftBackend:
                 return False
             self.store.commit(plan)
             self._needs_full = False
+            self.pending_since = None
             self._backoff = FIRST_BACKOFF_S
             log.debug(
                 "applied a %s transaction of %d operations",
@@ -166,6 +180,10 @@ class NftBackend:
         return True
 
     _backoff = FIRST_BACKOFF_S
+
+    def _rules_current(self) -> bool:
+        since = self.pending_since
+        return since is None or time.monotonic() - since < UNHEALTHY_AFTER_S
 
     async def _run(self, plan: Plan) -> NftError | None:
         try:

@@ -1,8 +1,10 @@
 """Health check node ports: what a cloud load balancer asks to find nodes with local endpoints.
 
-Each service with ``HealthCheckNodePort`` gets an HTTP server on that port answering every
-request with 200 and ``{"localEndpoints": N}`` when N > 0 local endpoints are ready, else 503
-(kube-proxy's contract, which load balancers rely on for eTP=Local services).
+Each service with ``HealthCheckNodePort`` gets an HTTP server on that port, answering every
+request as kube-proxy does, since load balancers are configured for that contract: 200 when the
+service has local ready endpoints and the proxy is healthy, else 503; the JSON body
+``{"service": {"namespace", "name"}, "localEndpoints": N, "serviceProxyHealthy": bool}``; and
+the headers ``X-Content-Type-Options: nosniff`` and ``X-Load-Balancing-Endpoint-Weight: N``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
@@ -19,24 +22,39 @@ log = logging.getLogger(__name__)
 
 
 def local_ready_endpoints(se: ServiceEndpoints) -> int:
-    """Local ready endpoint addresses of the service (each address once)."""
-    return len(
+    """Local ready endpoint addresses of the service, in the family that has more: kube-proxy
+    counts per family, so a dual-stack pod is one endpoint, not two."""
+    local = [ep for ep in se.endpoints if ep.Local and ep.Ready and ep.IPs is not None]
+    v4 = {addr for ep in local if ep.IPs is not None for addr in ep.IPs.V4}
+    v6 = {addr for ep in local if ep.IPs is not None for addr in ep.IPs.V6}
+    return max(len(v4), len(v6))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one health check node port says."""
+
+    namespace: str
+    name: str
+    local_endpoints: int
+
+
+def response(answer: Answer, *, proxy_healthy: bool) -> bytes:
+    """The whole HTTP response for ``answer``."""
+    body = json.dumps(
         {
-            addr
-            for ep in se.endpoints
-            if ep.Local and ep.Ready and ep.IPs is not None
-            for addr in (*ep.IPs.V4, *ep.IPs.V6)
+            "service": {"namespace": answer.namespace, "name": answer.name},
+            "localEndpoints": answer.local_endpoints,
+            "serviceProxyHealthy": proxy_healthy,
         }
-    )
-
-
-def response(count: int) -> bytes:
-    """The whole HTTP response for ``count`` local ready endpoints."""
-    body = json.dumps({"localEndpoints": count}).encode()
-    status = b"200 OK" if count > 0 else b"503 Service Unavailable"
+    ).encode()
+    ok = answer.local_endpoints > 0 and proxy_healthy
+    status = b"200 OK" if ok else b"503 Service Unavailable"
     return (
         b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        b"X-Content-Type-Options: nosniff\r\n"
+        b"X-Load-Balancing-Endpoint-Weight: %d\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (answer.local_endpoints, len(body))
     ) + body
 
 
@@ -44,21 +62,25 @@ class HealthServers:
     """One listening server per health check node port, counts updated on every state.
 
     ``host`` is the address to listen on; None (the default) is every address of the node, in
-    both families where it has IPv6.
+    both families where it has IPv6. ``proxy_healthy`` tells whether the backend keeps the
+    node's rules up to date (the answers are 503 while it does not).
     """
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(
+        self, host: str | None = None, *, proxy_healthy: Callable[[], bool] = lambda: True
+    ) -> None:
         self._host = host
+        self.proxy_healthy = proxy_healthy
         self._servers: dict[int, asyncio.Server] = {}
-        self._counts: dict[int, int] = {}
+        self._answers: dict[int, Answer] = {}
 
     async def update(self, services: Mapping[ServiceKey, ServiceEndpoints]) -> None:
-        wanted: dict[int, int] = {}
-        for se in services.values():
+        wanted: dict[int, Answer] = {}
+        for (namespace, name), se in services.items():
             port = se.service.HealthCheckNodePort
             if port:
-                wanted[port] = wanted.get(port, 0) + local_ready_endpoints(se)
-        self._counts = wanted
+                wanted[port] = Answer(namespace, name, local_ready_endpoints(se))
+        self._answers = wanted
         for port in self._servers.keys() - wanted.keys():
             self._servers.pop(port).close()
         for port in wanted.keys() - self._servers.keys():
@@ -72,7 +94,9 @@ class HealthServers:
             try:
                 # The request line and headers are read to be polite; every path answers alike.
                 await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-                writer.write(response(self._counts.get(port, 0)))
+                answer = self._answers.get(port)
+                if answer is not None:
+                    writer.write(response(answer, proxy_healthy=self.proxy_healthy()))
                 await writer.drain()
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
                 pass
