@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import msgspec
 import pytest
@@ -28,6 +27,7 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
+from kpng.testing.cluster import free_port
 
 LB: ServiceKey = ("ns", "lb")
 
@@ -111,13 +111,6 @@ def _body(count: int, *, healthy: bool = True) -> dict[str, object]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def _get(port: int) -> tuple[int, object] | str:
     """(status, JSON body) of ``GET /healthz`` on loopback, or "refused"."""
     try:
@@ -142,7 +135,7 @@ def _state(revision: int, services: dict[ServiceKey, ServiceEndpoints]) -> NodeS
 
 
 def test_health_check_node_port_answers_on_a_real_socket_and_follows_changes() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def scenario() -> None:
         backend = NftBackend(
@@ -179,7 +172,7 @@ def test_health_check_node_port_answers_on_a_real_socket_and_follows_changes() -
 
 
 def test_health_check_node_port_moves_with_the_service() -> None:
-    first, second = _free_port(), _free_port()
+    first, second = free_port(), free_port()
 
     async def scenario() -> None:
         health = HealthServers(host="127.0.0.1")
@@ -204,7 +197,7 @@ class _RefusingNft(FakeNft):
 def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     monkeypatch.setattr(nft_backend, "UNHEALTHY_AFTER_S", 0.2)
 
     async def scenario() -> None:

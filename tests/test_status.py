@@ -22,7 +22,7 @@ from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry
 from kpng.testing import kubeapi as k
-from kpng.testing.cluster import ControlPlane
+from kpng.testing.cluster import ControlPlane, free_port
 from kpng.testing.kubeapi import KubeApi
 from kpng.testing.recording import KpngUnderTest
 from tests import states
@@ -221,13 +221,6 @@ async def _until(condition: Callable[[], bool]) -> None:
 # --- the kpng command
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -278,7 +271,7 @@ def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
 def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2"]
     argv += ["to-json", "--output", str(tmp_path / "state.json")]
@@ -327,7 +320,7 @@ spec: {clusterIP: 10.96.0.99, ports: [{port: 70000}]}
 def test_healthz_follows_the_state_the_node_and_metrics_count_it(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     source = tmp_path / "cluster.yaml"
     source.write_text(EXAMPLE.read_text() + BAD_SERVICE)
