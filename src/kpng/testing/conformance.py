@@ -57,7 +57,23 @@ class Cluster:
     manifests: Path
     logs: Path
     """Where each node's backend writes its stderr (``<node>.log``)."""
+    backend: str = DEFAULT_BACKEND.format(cluster_cidrs=",".join(CLUSTER_CIDRS))
+    """The backend part of every node's command line."""
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
+    _backends: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start_backend(self, node: str, *extra: str) -> None:
+        """(Re)start kpng on ``node``, with ``extra`` arguments after the backend's: the new
+        process takes over the rules the old one left."""
+        old = self._backends.pop(node, None)
+        if old is not None:
+            old.terminate()
+            old.wait(timeout=10)
+        argv = [sys.executable, "-m", "kpng", "file", "--input", str(self.manifests)]
+        argv += ["to-local", "--node-name", node, *shlex.split(self.backend), *extra]
+        with (self.logs / f"{node}.log").open("ab") as log:
+            # The child keeps its own copy of the log file.
+            self._backends[node] = self.bed.spawn(self.bed.nodes[node].netns, argv, stderr=log)
 
     def cluster_ip(self) -> str:
         return f"10.96.0.{next(self._ips)}"
@@ -117,13 +133,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     manifests = tmp_path_factory.mktemp("manifests")
     with TestBed(SPEC) as bed:
         logs = tmp_path_factory.mktemp("logs")
-        c = Cluster(bed, manifests, logs)
+        c = Cluster(bed, manifests, logs, backend)
         c.write("nodes", *_node_objects())
-        for node in bed.nodes.values():
-            argv = [sys.executable, "-m", "kpng", "file", "--input", str(manifests)]
-            argv += ["to-local", "--node-name", node.name, *shlex.split(backend)]
-            with (logs / f"{node.name}.log").open("wb") as log:
-                bed.spawn(node.netns, argv, stderr=log)  # the child keeps its own copy
+        for node in bed.nodes:
+            c.start_backend(node)
         yield c
 
 
