@@ -11,7 +11,8 @@ Run it against a backend (root, nft and iproute2 needed)::
         pytest --pyargs kpng.testing.conformance
 
 ``KPNG_CONFORMANCE_BACKEND`` is the backend part of the command line (default as above;
-``{cluster_cidrs}`` becomes the bed's pod CIDRs). ``tests/test_conformance.py`` runs it for
+``{cluster_cidrs}`` becomes the bed's pod CIDRs; one case restarts a node's backend with
+kube-proxy's ``--nodeport-addresses`` appended). ``tests/test_conformance.py`` runs it for
 ``to-nft`` in ``make test``. Every wait is bounded.
 """
 
@@ -258,6 +259,48 @@ def test_nodeport_from_external_client_via_every_node(cluster: Cluster) -> None:
         # eTP=Cluster: masqueraded, so the endpoint saw a node, not the client.
         assert all(not r.endswith(EXTERNAL_V4) for r in results)
     cluster.remove("nodeport")
+
+
+def test_nodeport_addresses_serve_only_local_addresses_inside_them(cluster: Cluster) -> None:
+    """kube-proxy's ``--nodeport-addresses``, given to node-3's backend: the node's own
+    addresses inside the CIDRs, all local addresses of a family given none, never loopback, and
+    never a packet that only passes through the node."""
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "nodeport-addresses",
+        service(
+            "npa",
+            ip,
+            [port("http", 80, nodePort=30087)],
+            type="NodePort",
+            clusterIPs=[ip, "fd00:96::30"],
+            ipFamilies=["IPv4", "IPv6"],
+            ipFamilyPolicy="RequireDualStack",
+        ),
+        endpoint_slice(cluster, "npa", ["a1"]),
+        endpoint_slice(cluster, "npa", ["a1"], v6=True, suffix="v6"),
+    )
+    node3 = cluster.bed.nodes["node-3"]
+    outside = "192.0.2.3"  # a node-3 address outside the CIDRs below
+    cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{outside}/32", "dev", "eth0"])
+    try:
+        cluster.eventually("node-3", "tcp", outside, 30087, answered)  # default: every address
+        cluster.start_backend("node-3", "--nodeport-addresses", "10.0.0.0/8,127.0.0.0/8")
+        # Refused once the restarted backend's rules are in: nothing listens there.
+        cluster.eventually("node-3", "tcp", outside, 30087, lambda r: r == ["refused"])
+        assert names(cluster.eventually("external", "tcp", node3.ip4, 30087, answered)) == {"a1"}
+        # IPv6 was given no CIDR: every local address of it.
+        assert names(cluster.eventually("external", "tcp", node3.ip6, 30087, answered)) == {"a1"}
+        # c1 reaches pod b1 on that port number through node-3, not the service, though
+        # 10.0.0.0/8 holds b1's address (b1 does not listen there).
+        assert cluster.probe("c1", "tcp", cluster.bed.pods["b1"].ip4, 30087) == ["refused"]
+        # No localhost node ports, though 127.0.0.0/8 is given.
+        assert cluster.probe("node-3", "tcp", "127.0.0.1", 30087) == ["refused"]
+    finally:
+        cluster.start_backend("node-3")
+        cluster.eventually("node-3", "tcp", outside, 30087, answered)
+        cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
+        cluster.remove("nodeport-addresses")
 
 
 def test_external_ip_from_external_client(cluster: Cluster) -> None:

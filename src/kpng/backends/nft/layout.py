@@ -32,8 +32,7 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ``cluster``     ClusterIP . proto .   Internal
                 port
 ``external``    externalIP or LB IP   External
-``nodeport``    proto . node port     External (to a local address, or
-                                      ``--nodeport-addresses``)
+``nodeport``    proto . node port     External (to a node address: below)
 ``external-sc`` like ``external``     Cluster: eTP=Local short-circuit for local
 ``nodeport-sc`` like ``nodeport``     pods (``--cluster-cidr``) and the node itself
 ==============  ====================  ============================================
@@ -58,6 +57,13 @@ Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquer
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
 ``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address).
+
+Node ports are served on the node's own addresses (``fib daddr type local``), never loopback
+(kube-proxy does not support localhost node ports), in every rule that matches one, since a node
+port is matched by protocol and port alone. ``--nodeport-addresses`` narrows a family to its
+local addresses inside the given CIDRs (set ``nodeport-addresses-<f>``); a family given no CIDR
+keeps every local address, as in kube-proxy. Without the option kpng serves every local
+non-loopback address, where kube-proxy's nftables mode defaults to the node's primary IPs.
 """
 
 from __future__ import annotations
@@ -104,8 +110,8 @@ class Options:
     """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
     short-circuit); sources outside reaching a ClusterIP are masqueraded."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs of the node addresses that serve node ports; empty: every local address but
-    loopback."""
+    """CIDRs of the node addresses that serve node ports: local addresses inside them, never
+    loopback; a family with none of them: every local address of it but loopback."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6
@@ -120,12 +126,14 @@ def _tuple(fam: Fam) -> str:
     return f"{_IP[fam]} daddr . meta l4proto . th dport"
 
 
-def _nodeport_match(options: Options, fam: Fam) -> str | None:
-    if options.nodeport_addresses:
-        if not options.cidrs(options.nodeport_addresses, fam):
-            return None  # no node port addresses of this family: no node ports in it
-        return f"{_IP[fam]} daddr @nodeport-addresses-{fam}"
-    return f"fib daddr type local {_IP[fam]} daddr != {_LOOPBACK[fam]}"
+def _nodeport_match(options: Options, fam: Fam) -> str:
+    # A node port is matched by protocol and port alone: without the local check, a CIDR would
+    # take every forwarded packet to an address in it (pod to pod on that port number). Never
+    # loopback, whatever the CIDRs: kube-proxy does not support localhost node ports either.
+    local = f"fib daddr type local {_IP[fam]} daddr != {_LOOPBACK[fam]}"
+    if options.cidrs(options.nodeport_addresses, fam):
+        return f"{local} {_IP[fam]} daddr @nodeport-addresses-{fam}"
+    return local  # as kube-proxy, a family given no CIDR serves all its local addresses
 
 
 def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], list[Element]]:

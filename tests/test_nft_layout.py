@@ -1,0 +1,63 @@
+"""The fixed skeleton of to-nft's table (``layout.skeleton``): the rules every node gets, by
+options, compared with kube-proxy's nftables mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from kpng.backends.nft.layout import Options, skeleton
+
+
+def _rules(options: Options, chain: str) -> list[str]:
+    return [rule.expr for rule in skeleton(options)[1] if rule.chain == chain]
+
+
+def _nodeport_dispatch(options: Options) -> list[str]:
+    return [r for r in _rules(options, "services") if r.endswith(("@nodeport-v4", "@nodeport-v6"))]
+
+
+V4_LOCAL = "fib daddr type local ip daddr != 127.0.0.0/8"
+V6_LOCAL = "fib daddr type local ip6 daddr != ::1"
+PORT_V4 = "meta l4proto . th dport vmap @nodeport-v4"
+PORT_V6 = "meta l4proto . th dport vmap @nodeport-v6"
+
+
+@pytest.mark.parametrize(
+    ("addresses", "expected"),
+    [
+        pytest.param((), [f"{V4_LOCAL} {PORT_V4}", f"{V6_LOCAL} {PORT_V6}"], id="default"),
+        pytest.param(
+            ("10.0.0.0/8",),
+            # Only the node's own addresses in the CIDR (not a pod's, not a forwarded packet's);
+            # IPv6, given no CIDR, serves node ports on all its local addresses.
+            [f"{V4_LOCAL} ip daddr @nodeport-addresses-v4 {PORT_V4}", f"{V6_LOCAL} {PORT_V6}"],
+            id="v4-cidr-is-local-addresses-in-it",
+        ),
+        pytest.param(
+            ("0.0.0.0/0", "127.0.0.0/8", "fd00::/8"),
+            # Never loopback ("localhost NodePorts are not supported"), never a non-local address.
+            [
+                f"{V4_LOCAL} ip daddr @nodeport-addresses-v4 {PORT_V4}",
+                f"{V6_LOCAL} ip6 daddr @nodeport-addresses-v6 {PORT_V6}",
+            ],
+            id="catch-all-and-loopback-cidrs-stay-local-and-not-loopback",
+        ),
+    ],
+)
+def test_node_ports_are_served_on_local_non_loopback_addresses_only(
+    addresses: tuple[str, ...], expected: list[str]
+) -> None:
+    assert _nodeport_dispatch(Options(nodeport_addresses=addresses)) == expected
+
+
+@pytest.mark.parametrize("addresses", [(), ("10.0.0.0/8",), ("::/0", "127.0.0.0/8")])
+def test_every_rule_matching_a_node_port_checks_the_address_is_local(
+    addresses: tuple[str, ...],
+) -> None:
+    """Masquerade marks, the eTP=Local short-circuit and affinity too: a node port is matched by
+    protocol and port, so a rule without the local check would take any destination."""
+    options = Options(nodeport_addresses=addresses)
+    rules = [r for r in _rules(options, "services") if "nodeport" in r]
+    assert len(rules) == 2 * 5  # per family: masquerade, short-circuit x 2, affinity, dispatch
+    for rule in rules:
+        assert f"{V4_LOCAL} " in rule or f"{V6_LOCAL} " in rule, rule
