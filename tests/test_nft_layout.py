@@ -1,11 +1,23 @@
-"""The fixed skeleton of to-nft's table (``layout.skeleton``): the rules every node gets, by
-options, compared with kube-proxy's nftables mode."""
+"""to-nft's layout against kube-proxy's nftables mode: the fixed skeleton (``layout.skeleton``,
+the rules every node gets, by options) and what services add (``layout.contribute``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kpng.backends.nft.layout import Options, skeleton
+from kpng.backends.nft.layout import Options, contribute, skeleton
+from kpng.model.messages import (
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPFilter,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
 
 
 def _rules(options: Options, chain: str) -> list[str]:
@@ -61,3 +73,71 @@ def test_every_rule_matching_a_node_port_checks_the_address_is_local(
     assert len(rules) == 2 * 5  # per family: masquerade, short-circuit x 2, affinity, dispatch
     for rule in rules:
         assert f"{V4_LOCAL} " in rule or f"{V6_LOCAL} " in rule, rule
+
+
+def _dual_stack_lb(source_ranges: tuple[str, ...]) -> ServiceEndpoints:
+    lb_ips = IPSet(V4=("192.0.2.9",), V6=("2001:db8:9::9",))
+    service = Service(
+        Namespace="ns",
+        Name="lb",
+        Type="LoadBalancer",
+        IPs=ServiceIPs(
+            ClusterIPs=IPSet(V4=("10.96.0.10",), V6=("fd00:96::10",)), LoadBalancerIPs=lb_ips
+        ),
+        Ports=(
+            PortMapping(
+                Name="p", Protocol="TCP", Port=80, UsableEndpoints=IPFamilies(V4=True, V6=True)
+            ),
+        ),
+        IPFilters=(IPFilter(TargetIPs=lb_ips, SourceRanges=source_ranges),),
+    )
+    endpoint = Endpoint(
+        IPs=IPSet(V4=("10.244.1.2",), V6=("fd00:244:1::2",)),
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=EndpointScopes(Internal=True, External=True, Cluster=True),
+        Ready=True,
+        Serving=True,
+    )
+    return ServiceEndpoints(service, (endpoint,))
+
+
+def _firewall(se: ServiceEndpoints) -> list[str]:
+    return sorted(
+        f"{c}: {' . '.join(k)}" for c, k in contribute(se).elements if c.startswith("firewall")
+    )
+
+
+V4_FIREWALL = ["firewall-v4: 192.0.2.9 . tcp . 80"]
+V6_FIREWALL = ["firewall-v6: 2001:db8:9::9 . tcp . 80"]
+
+
+@pytest.mark.parametrize(
+    ("ranges", "expected"),
+    [
+        pytest.param(
+            ("203.0.113.0/24",),
+            # IPv6 clients of the IPv6 LB IP are not filtered: no IPv6 range was given.
+            ["firewall-allow-v4: 192.0.2.9 . tcp . 80 . 203.0.113.0/24", *V4_FIREWALL],
+            id="v4-ranges-filter-v4-only",
+        ),
+        pytest.param(
+            ("2001:db8:1::/48",),
+            ["firewall-allow-v6: 2001:db8:9::9 . tcp . 80 . 2001:db8:1::/48", *V6_FIREWALL],
+            id="v6-ranges-filter-v6-only",
+        ),
+        pytest.param(
+            ("203.0.113.0/24", "2001:db8:1::/48"),
+            [
+                "firewall-allow-v4: 192.0.2.9 . tcp . 80 . 203.0.113.0/24",
+                "firewall-allow-v6: 2001:db8:9::9 . tcp . 80 . 2001:db8:1::/48",
+                *V4_FIREWALL,
+                *V6_FIREWALL,
+            ],
+            id="both-families",
+        ),
+    ],
+)
+def test_source_ranges_filter_only_the_families_they_are_given_in(
+    ranges: tuple[str, ...], expected: list[str]
+) -> None:
+    assert _firewall(_dual_stack_lb(ranges)) == expected

@@ -339,6 +339,34 @@ def test_load_balancer_ip_honours_source_ranges(cluster: Cluster) -> None:
     cluster.remove("lb")
 
 
+def test_load_balancer_source_ranges_of_one_family_leave_the_other_open(
+    cluster: Cluster,
+) -> None:
+    """As kube-proxy: a dual-stack LB service with IPv4 ranges only filters its IPv4 LB IP."""
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    vip6 = f"fd00:251::{vip.rsplit('.', 1)[1]}"
+    svc = service(
+        "lb-ds",
+        ip,
+        [port("http", 80, nodePort=30088)],
+        type="LoadBalancer",
+        clusterIPs=[ip, "fd00:96::31"],
+        ipFamilies=["IPv4", "IPv6"],
+        ipFamilyPolicy="RequireDualStack",
+        loadBalancerSourceRanges=["10.99.0.0/16"],
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}, {"ip": vip6}]}}
+    cluster.write(
+        "lb-dual-stack",
+        svc,
+        endpoint_slice(cluster, "lb-ds", ["a1"]),
+        endpoint_slice(cluster, "lb-ds", ["a1"], v6=True, suffix="v6"),
+    )
+    assert names(cluster.eventually("external", "tcp", vip6, 80, answered)) == {"a1"}
+    assert cluster.probe("external", "tcp", vip, 80, timeout=1.0) == ["timeout"]
+    cluster.remove("lb-dual-stack")
+
+
 def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

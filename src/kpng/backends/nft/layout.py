@@ -193,7 +193,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         svc(_mark(f"{tup} @external-masq-{fam}"))
         if np:
             svc(_mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
-        # loadBalancerSourceRanges, on LB IPs only.
+        # loadBalancerSourceRanges, on LB IPs only, of the families ranges are given in.
         svc(f"{tup} @firewall-{fam} {tup} . {ip} saddr != @firewall-allow-{fam} drop")
         # eTP=Local short-circuit: the node's own traffic is masqueraded, as kube-proxy does.
         svc(_mark(f"fib saddr type local {tup} @external-sc-{fam}"))
@@ -405,8 +405,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     if ep_addr in local:
                         out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
-                targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
                 ranges = _allowed_ranges(flt.SourceRanges, v6)
+                # As kube-proxy: ranges of the other family only leave this one unfiltered (an
+                # empty allow set would drop every client).
+                targets = flt.TargetIPs.family(v6) if flt.TargetIPs and ranges else ()
                 for target in targets:
                     key = (target, proto, p)
                     out.elements[(f"firewall-{fam}", key)] = ()
