@@ -3,9 +3,17 @@ the rules every node gets, by options) and what services add (``layout.contribut
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Collection
+
 import pytest
 
-from kpng.backends.nft.layout import Options, contribute, skeleton
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.fake import FakeNft
+from kpng.backends.nft.layout import TABLE, Options, contribute, skeleton
+from kpng.backends.nft.nftables import Chain
+from kpng.backends.registry import NodeState
+from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     Endpoint,
     EndpointScopes,
@@ -141,3 +149,56 @@ def test_source_ranges_filter_only_the_families_they_are_given_in(
     ranges: tuple[str, ...], expected: list[str]
 ) -> None:
     assert _firewall(_dual_stack_lb(ranges)) == expected
+
+
+def test_new_connections_to_a_cluster_ip_left_undnated_are_rejected() -> None:
+    """kube-proxy's rule for a ClusterIP on a port no service defines: checked after DNAT (in
+    forward for pods, after output's DNAT for the node), so a packet still carrying the cluster
+    IP as its destination matched no service port; ICMP port unreachable, not a timeout."""
+    objects, rules, _ = skeleton(Options())
+    assert Chain("filter-forward", "filter", "forward", "-110") in objects
+    assert Chain("filter-output-post-dnat", "filter", "output", "-90") in objects
+    assert Chain("cluster-ips-check") in objects
+    assert [(r.chain, r.expr) for r in rules if "cluster-ips" in r.expr] == [
+        ("filter-forward", "ct state new jump cluster-ips-check"),
+        ("filter-output-post-dnat", "ct state new jump cluster-ips-check"),
+        ("cluster-ips-check", "ip daddr @cluster-ips-v4 reject"),
+        ("cluster-ips-check", "ip6 daddr @cluster-ips-v6 reject"),
+    ]
+
+
+def test_every_cluster_ip_is_in_its_familys_set_while_its_service_is() -> None:
+    se = _dual_stack_lb(())
+    elements = {k: v for k, v in contribute(se).elements.items() if k[0].startswith("cluster-ips")}
+    assert elements == {
+        ("cluster-ips-v4", ("10.96.0.10",)): (),
+        ("cluster-ips-v6", ("fd00:96::10",)): (),
+    }
+    key = ("ns", "lb")
+
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options())
+        await backend.apply(_state(1, {key: se}, updated={key}))
+        assert nft.elements(TABLE, "cluster-ips-v6") == {("fd00:96::10",): ()}
+        await backend.apply(_state(2, {}, deleted={key}))
+        assert nft.elements(TABLE, "cluster-ips-v4") == {}
+        assert nft.elements(TABLE, "cluster-ips-v6") == {}
+
+    asyncio.run(scenario())
+
+
+def _state(
+    revision: int,
+    services: dict[ServiceKey, ServiceEndpoints],
+    *,
+    updated: Collection[ServiceKey] = (),
+    deleted: Collection[ServiceKey] = (),
+) -> NodeState:
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=services,
+        updated=frozenset(updated),
+        deleted=frozenset(deleted),
+    )

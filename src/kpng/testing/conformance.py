@@ -561,6 +561,38 @@ def test_service_without_endpoints_refuses_at_once(cluster: Cluster) -> None:
     cluster.remove("empty")
 
 
+def test_clusterip_on_a_port_no_service_defines_refuses_at_once(cluster: Cluster) -> None:
+    """As kube-proxy: a new connection to a ClusterIP on an undefined port is rejected (ICMP
+    port unreachable) from pods and from the node, TCP and UDP, both families; the defined
+    port still answers, though its packets cross the same check after DNAT."""
+    ip, ip6 = cluster.cluster_ip(), "fd00:96::32"
+    cluster.write(
+        "undefined-port",
+        service(
+            "defined",
+            ip,
+            [port("http", 80)],
+            clusterIPs=[ip, ip6],
+            ipFamilies=["IPv4", "IPv6"],
+            ipFamilyPolicy="RequireDualStack",
+        ),
+        endpoint_slice(cluster, "defined", ["b1"]),
+        endpoint_slice(cluster, "defined", ["b1"], v6=True, suffix="v6"),
+    )
+    # The node's own datagram is rejected on its way out, before any ICMP: its send fails.
+    node_udp = ["error: [Errno 1] Operation not permitted"]
+    for who in ("a1", "node-1"):  # forwarded, and the node's own
+        for address in (ip, ip6):
+            assert names(cluster.eventually(who, "tcp", address, 80, answered)) == {"b1"}
+            for proto in ("tcp", "udp"):
+                started = time.monotonic()
+                result = cluster.probe(who, proto, address, 81, timeout=5.0)
+                expected = node_udp if (who, proto) == ("node-1", "udp") else ["refused"]
+                assert result == expected, (who, proto, address, result)
+                assert time.monotonic() - started < 2.0  # the process start included
+    cluster.remove("undefined-port")
+
+
 def test_terminating_endpoints_serve_when_none_is_ready(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

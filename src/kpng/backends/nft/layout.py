@@ -24,6 +24,12 @@ A service port with no endpoint for a kind of traffic has the verdict ``goto rej
 unreachable: the client sees "connection refused" at once) when its family has no usable
 endpoint anywhere, else ``drop``.
 
+A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
+after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
+a packet whose destination is still in ``cluster-ips-<f>`` (every service's ClusterIPs) matched
+no service port. kube-proxy also drops traffic to unallocated IPs of the service CIDRs; kpng
+does not know the ServiceCIDRs, so it does not.
+
 Kinds of traffic, each a dispatch map ``<kind>-<f>`` and endpoint maps ``<kind>-eps-<f>-<i>``:
 
 ==============  ====================  ============================================
@@ -146,12 +152,20 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         Chain("services"),
         Chain("masquerading"),
         Chain("service-reject"),
+        # Checked after DNAT, as kube-proxy: forward comes after prerouting's DNAT whatever the
+        # priority (kube-proxy's -110 puts it before other tables' filter chains); output's
+        # DNAT is at -100, hence -90.
+        Chain("filter-forward", "filter", "forward", "-110"),
+        Chain("filter-output-post-dnat", "filter", "output", "-90"),
+        Chain("cluster-ips-check"),
     ]
     rules = [
         Rule("nat-prerouting", "jump services"),
         Rule("nat-output", "jump services"),
         Rule("nat-postrouting", "jump masquerading"),
         Rule("service-reject", "reject"),
+        Rule("filter-forward", "ct state new jump cluster-ips-check"),
+        Rule("filter-output-post-dnat", "ct state new jump cluster-ips-check"),
     ]
     elements: list[Element] = []
     for fam in FAMILIES:
@@ -173,6 +187,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             Set(f"hairpin-{fam}", type=f"{addr} . {addr}"),
             Set(f"cluster-cidrs-{fam}", type=addr, flags=("interval",)),
             Set(f"nodeport-addresses-{fam}", type=addr, flags=("interval",)),
+            Set(f"cluster-ips-{fam}", type=addr),
         ]
         elements += [
             Element(f"cluster-cidrs-{fam}", (c,)) for c in options.cidrs(options.cluster_cidrs, fam)
@@ -181,6 +196,10 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             Element(f"nodeport-addresses-{fam}", (c,))
             for c in options.cidrs(options.nodeport_addresses, fam)
         ]
+        # Still the cluster IP after DNAT: no service port matched (an undefined port). Refused
+        # at once; else the packet is routed on to an address nothing answers for, and the
+        # client waits for a timeout.
+        rules.append(Rule("cluster-ips-check", f"{ip} daddr @cluster-ips-{fam} reject"))
 
         def svc(expr: str) -> None:
             rules.append(Rule("services", expr))
@@ -367,6 +386,8 @@ def contribute(se: ServiceEndpoints) -> Contribution:
         cluster_ips = ips.ClusterIPs.family(v6)
         if not cluster_ips:
             continue
+        for cip in cluster_ips:
+            out.elements[(f"cluster-ips-{fam}", (cip,))] = ()
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
         for port in service.Ports:
