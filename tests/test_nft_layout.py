@@ -202,3 +202,15 @@ def _state(
         updated=frozenset(updated),
         deleted=frozenset(deleted),
     )
+
+
+def test_masquerade_picks_source_ports_fully_randomly() -> None:
+    """As kube-proxy. Without it the kernel keeps a client's source port when it can and else
+    searches from there, so concurrent connections masqueraded to one address race for the
+    same mapping and lose packets (conntrack insert_failed, notably DNS over UDP)."""
+    rules = [r for r in _rules(Options(), "masquerading") if "masquerade" in r]
+    assert rules == [
+        "ct status dnat ip saddr . ip daddr @hairpin-v4 masquerade fully-random",
+        "ct status dnat ip6 saddr . ip6 daddr @hairpin-v6 masquerade fully-random",
+        "meta mark & 0x4000 == 0x4000 meta mark set meta mark & 0xffffbfff masquerade fully-random",
+    ]

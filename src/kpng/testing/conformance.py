@@ -367,6 +367,27 @@ def test_load_balancer_source_ranges_of_one_family_leave_the_other_open(
     cluster.remove("lb-dual-stack")
 
 
+def test_masquerade_picks_random_source_ports(cluster: Cluster) -> None:
+    """As kube-proxy (``fully-random``): a masqueraded connection leaves the node from a random
+    port, not the client's, which the kernel would otherwise keep."""
+    ip = cluster.cluster_ip()
+    dns = {"name": "dns", "port": 5353, "protocol": "UDP"}
+    cluster.write(
+        "masquerade-ports",
+        service("masq", ip, [port("dns", 53, 5353, "UDP", nodePort=30089)], type="NodePort"),
+        endpoint_slice(cluster, "masq", ["b1"], ports=[dns]),
+    )
+    node1 = cluster.bed.nodes["node-1"]
+    cluster.eventually("external", "udp", node1.ip4, 30089, answered)
+    results = cluster.probe("external", "udp", node1.ip4, 30089, count=10, ports=True)
+    assert answered(results), results
+    # eTP=Cluster: masqueraded to node-1, which sends from a port of its choice.
+    assert {tuple(r.split()[:2]) for r in results} == {("b1", node1.ip4)}, results
+    kept = [r for r in results if r.split()[2] == r.split()[3]]
+    assert len(kept) <= 1, results  # random: each keeps its port with a chance of 1 in ~64k
+    cluster.remove("masquerade-ports")
+
+
 def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

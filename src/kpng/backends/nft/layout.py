@@ -62,7 +62,9 @@ concatenated IPv6 key or value (``netlink_gen_expr: dreg < ctx->reg_low``).
 Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
-``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address).
+``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address). With
+``fully-random`` source ports, as kube-proxy: the kernel otherwise keeps each client's port
+where it can, and concurrent connections (DNS over UDP) race for one mapping and lose packets.
 
 Node ports are served on the node's own addresses (``fib daddr type local``), never loopback
 (kube-proxy does not support localhost node ports), in every rule that matches one, since a node
@@ -250,13 +252,13 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
                         f"vmap @affinity-update-nodeport-{fam}",
                     )
                 )
-        hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
+        hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade fully-random"
         rules.append(Rule("masquerading", hairpin))
     rules.append(
         Rule(
             "masquerading",
             f"meta mark & {MASQUERADE_MARK:#x} == {MASQUERADE_MARK:#x} "
-            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade",
+            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade fully-random",
         )
     )
     return objects, rules, elements
