@@ -11,7 +11,8 @@ Run it against a backend (root, nft and iproute2 needed)::
         pytest --pyargs kpng.testing.conformance
 
 ``KPNG_CONFORMANCE_BACKEND`` is the backend part of the command line (default as above;
-``{cluster_cidrs}`` becomes the bed's pod CIDRs). ``tests/test_conformance.py`` runs it for
+``{cluster_cidrs}`` becomes the bed's pod CIDRs; one case restarts a node's backend with
+kube-proxy's ``--nodeport-addresses`` appended). ``tests/test_conformance.py`` runs it for
 ``to-nft`` in ``make test``. Every wait is bounded.
 """
 
@@ -57,7 +58,23 @@ class Cluster:
     manifests: Path
     logs: Path
     """Where each node's backend writes its stderr (``<node>.log``)."""
+    backend: str = DEFAULT_BACKEND.format(cluster_cidrs=",".join(CLUSTER_CIDRS))
+    """The backend part of every node's command line."""
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
+    _backends: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start_backend(self, node: str, *extra: str) -> None:
+        """(Re)start kpng on ``node``, with ``extra`` arguments after the backend's: the new
+        process takes over the rules the old one left."""
+        old = self._backends.pop(node, None)
+        if old is not None:
+            old.terminate()
+            old.wait(timeout=10)
+        argv = [sys.executable, "-m", "kpng", "file", "--input", str(self.manifests)]
+        argv += ["to-local", "--node-name", node, *shlex.split(self.backend), *extra]
+        with (self.logs / f"{node}.log").open("ab") as log:
+            # The child keeps its own copy of the log file.
+            self._backends[node] = self.bed.spawn(self.bed.nodes[node].netns, argv, stderr=log)
 
     def cluster_ip(self) -> str:
         return f"10.96.0.{next(self._ips)}"
@@ -117,13 +134,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     manifests = tmp_path_factory.mktemp("manifests")
     with TestBed(SPEC) as bed:
         logs = tmp_path_factory.mktemp("logs")
-        c = Cluster(bed, manifests, logs)
+        c = Cluster(bed, manifests, logs, backend)
         c.write("nodes", *_node_objects())
-        for node in bed.nodes.values():
-            argv = [sys.executable, "-m", "kpng", "file", "--input", str(manifests)]
-            argv += ["to-local", "--node-name", node.name, *shlex.split(backend)]
-            with (logs / f"{node.name}.log").open("wb") as log:
-                bed.spawn(node.netns, argv, stderr=log)  # the child keeps its own copy
+        for node in bed.nodes:
+            c.start_backend(node)
         yield c
 
 
@@ -247,6 +261,48 @@ def test_nodeport_from_external_client_via_every_node(cluster: Cluster) -> None:
     cluster.remove("nodeport")
 
 
+def test_nodeport_addresses_serve_only_local_addresses_inside_them(cluster: Cluster) -> None:
+    """kube-proxy's ``--nodeport-addresses``, given to node-3's backend: the node's own
+    addresses inside the CIDRs, all local addresses of a family given none, never loopback, and
+    never a packet that only passes through the node."""
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "nodeport-addresses",
+        service(
+            "npa",
+            ip,
+            [port("http", 80, nodePort=30087)],
+            type="NodePort",
+            clusterIPs=[ip, "fd00:96::30"],
+            ipFamilies=["IPv4", "IPv6"],
+            ipFamilyPolicy="RequireDualStack",
+        ),
+        endpoint_slice(cluster, "npa", ["a1"]),
+        endpoint_slice(cluster, "npa", ["a1"], v6=True, suffix="v6"),
+    )
+    node3 = cluster.bed.nodes["node-3"]
+    outside = "192.0.2.3"  # a node-3 address outside the CIDRs below
+    cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{outside}/32", "dev", "eth0"])
+    try:
+        cluster.eventually("node-3", "tcp", outside, 30087, answered)  # default: every address
+        cluster.start_backend("node-3", "--nodeport-addresses", "10.0.0.0/8,127.0.0.0/8")
+        # Refused once the restarted backend's rules are in: nothing listens there.
+        cluster.eventually("node-3", "tcp", outside, 30087, lambda r: r == ["refused"])
+        assert names(cluster.eventually("external", "tcp", node3.ip4, 30087, answered)) == {"a1"}
+        # IPv6 was given no CIDR: every local address of it.
+        assert names(cluster.eventually("external", "tcp", node3.ip6, 30087, answered)) == {"a1"}
+        # c1 reaches pod b1 on that port number through node-3, not the service, though
+        # 10.0.0.0/8 holds b1's address (b1 does not listen there).
+        assert cluster.probe("c1", "tcp", cluster.bed.pods["b1"].ip4, 30087) == ["refused"]
+        # No localhost node ports, though 127.0.0.0/8 is given.
+        assert cluster.probe("node-3", "tcp", "127.0.0.1", 30087) == ["refused"]
+    finally:
+        cluster.start_backend("node-3")
+        cluster.eventually("node-3", "tcp", outside, 30087, answered)
+        cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
+        cluster.remove("nodeport-addresses")
+
+
 def test_external_ip_from_external_client(cluster: Cluster) -> None:
     ip, vip = cluster.cluster_ip(), cluster.vip()
     cluster.write(
@@ -281,6 +337,55 @@ def test_load_balancer_ip_honours_source_ranges(cluster: Cluster) -> None:
     node1 = cluster.bed.nodes["node-1"].ip4
     assert names(cluster.eventually("external", "tcp", node1, 30081, answered)) == {"a1"}
     cluster.remove("lb")
+
+
+def test_load_balancer_source_ranges_of_one_family_leave_the_other_open(
+    cluster: Cluster,
+) -> None:
+    """As kube-proxy: a dual-stack LB service with IPv4 ranges only filters its IPv4 LB IP."""
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    vip6 = f"fd00:251::{vip.rsplit('.', 1)[1]}"
+    svc = service(
+        "lb-ds",
+        ip,
+        [port("http", 80, nodePort=30088)],
+        type="LoadBalancer",
+        clusterIPs=[ip, "fd00:96::31"],
+        ipFamilies=["IPv4", "IPv6"],
+        ipFamilyPolicy="RequireDualStack",
+        loadBalancerSourceRanges=["10.99.0.0/16"],
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}, {"ip": vip6}]}}
+    cluster.write(
+        "lb-dual-stack",
+        svc,
+        endpoint_slice(cluster, "lb-ds", ["a1"]),
+        endpoint_slice(cluster, "lb-ds", ["a1"], v6=True, suffix="v6"),
+    )
+    assert names(cluster.eventually("external", "tcp", vip6, 80, answered)) == {"a1"}
+    assert cluster.probe("external", "tcp", vip, 80, timeout=1.0) == ["timeout"]
+    cluster.remove("lb-dual-stack")
+
+
+def test_masquerade_picks_random_source_ports(cluster: Cluster) -> None:
+    """As kube-proxy (``fully-random``): a masqueraded connection leaves the node from a random
+    port, not the client's, which the kernel would otherwise keep."""
+    ip = cluster.cluster_ip()
+    dns = {"name": "dns", "port": 5353, "protocol": "UDP"}
+    cluster.write(
+        "masquerade-ports",
+        service("masq", ip, [port("dns", 53, 5353, "UDP", nodePort=30089)], type="NodePort"),
+        endpoint_slice(cluster, "masq", ["b1"], ports=[dns]),
+    )
+    node1 = cluster.bed.nodes["node-1"]
+    cluster.eventually("external", "udp", node1.ip4, 30089, answered)
+    results = cluster.probe("external", "udp", node1.ip4, 30089, count=10, ports=True)
+    assert answered(results), results
+    # eTP=Cluster: masqueraded to node-1, which sends from a port of its choice.
+    assert {tuple(r.split()[:2]) for r in results} == {("b1", node1.ip4)}, results
+    kept = [r for r in results if r.split()[2] == r.split()[3]]
+    assert len(kept) <= 1, results  # random: each keeps its port with a chance of 1 in ~64k
+    cluster.remove("masquerade-ports")
 
 
 def test_session_affinity_client_ip_is_sticky(cluster: Cluster) -> None:
@@ -481,6 +586,38 @@ def test_service_without_endpoints_refuses_at_once(cluster: Cluster) -> None:
     assert cluster.probe("a1", "tcp", ip, 80, timeout=5.0) == ["refused"]
     assert time.monotonic() - started < 2.0  # the process start included; no timeout waited
     cluster.remove("empty")
+
+
+def test_clusterip_on_a_port_no_service_defines_refuses_at_once(cluster: Cluster) -> None:
+    """As kube-proxy: a new connection to a ClusterIP on an undefined port is rejected (ICMP
+    port unreachable) from pods and from the node, TCP and UDP, both families; the defined
+    port still answers, though its packets cross the same check after DNAT."""
+    ip, ip6 = cluster.cluster_ip(), "fd00:96::32"
+    cluster.write(
+        "undefined-port",
+        service(
+            "defined",
+            ip,
+            [port("http", 80)],
+            clusterIPs=[ip, ip6],
+            ipFamilies=["IPv4", "IPv6"],
+            ipFamilyPolicy="RequireDualStack",
+        ),
+        endpoint_slice(cluster, "defined", ["b1"]),
+        endpoint_slice(cluster, "defined", ["b1"], v6=True, suffix="v6"),
+    )
+    # The node's own datagram is rejected on its way out, before any ICMP: its send fails.
+    node_udp = ["error: [Errno 1] Operation not permitted"]
+    for who in ("a1", "node-1"):  # forwarded, and the node's own
+        for address in (ip, ip6):
+            assert names(cluster.eventually(who, "tcp", address, 80, answered)) == {"b1"}
+            for proto in ("tcp", "udp"):
+                started = time.monotonic()
+                result = cluster.probe(who, proto, address, 81, timeout=5.0)
+                expected = node_udp if (who, proto) == ("node-1", "udp") else ["refused"]
+                assert result == expected, (who, proto, address, result)
+                assert time.monotonic() - started < 2.0  # the process start included
+    cluster.remove("undefined-port")
 
 
 def test_terminating_endpoints_serve_when_none_is_ready(cluster: Cluster) -> None:

@@ -3,8 +3,10 @@
     python -m kpng.testing.echo NAME PORT[,PORT...]
 
 Every TCP line and every UDP datagram is answered with ``NAME CLIENT_ADDRESS\\n``, so a test can
-tell which endpoint served it and whether the client's source address was preserved. It listens
-on both families (one IPv6 socket that accepts IPv4 too) and stops on SIGTERM.
+tell which endpoint served it and whether the client's source address was preserved; the line
+``port`` is answered with ``NAME CLIENT_ADDRESS CLIENT_PORT\\n``, to tell how the client's
+source port was translated. It listens on both families (one IPv6 socket that accepts IPv4 too)
+and stops on SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import Sequence
 from typing import cast
 
 
-def answer(name: str, peer: str) -> bytes:
+def answer(name: str, peer: str, request: bytes = b"", port: int = 0) -> bytes:
     # IPv4 clients of a dual-stack socket appear as ::ffff:a.b.c.d.
-    return f"{name} {peer.removeprefix('::ffff:')}\n".encode()
+    seen = f"{name} {peer.removeprefix('::ffff:')}"
+    return f"{seen} {port}\n".encode() if request.strip() == b"port" else f"{seen}\n".encode()
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -33,7 +36,7 @@ class _Udp(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         assert self.transport is not None
-        self.transport.sendto(answer(self.name, str(addr[0])), addr)
+        self.transport.sendto(answer(self.name, str(addr[0]), data, int(addr[1])), addr)
 
 
 def _socket(kind: int, port: int) -> socket.socket:
@@ -46,10 +49,11 @@ def _socket(kind: int, port: int) -> socket.socket:
 
 async def serve(name: str, ports: Sequence[int]) -> None:
     async def tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = str(writer.get_extra_info("peername")[0])
+        peername = writer.get_extra_info("peername")
+        peer, port = str(peername[0]), int(peername[1])
         try:
-            while await reader.readline():
-                writer.write(answer(name, peer))
+            while line := await reader.readline():
+                writer.write(answer(name, peer, line, port))
                 await writer.drain()
         except OSError:
             pass

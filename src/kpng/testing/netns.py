@@ -265,13 +265,16 @@ class TestBed:
         timeout: float = 2.0,
         hold: float = 0.0,
         source: str | None = None,
+        ports: bool = False,
     ) -> list[str]:
-        """Answers of ``count`` connections from ``netns``, from its address ``source`` if given
-        (see ``kpng.testing.probe``)."""
+        """Answers of ``count`` connections from ``netns``, from its address ``source`` if given,
+        with the source ports seen and sent if ``ports`` (see ``kpng.testing.probe``)."""
         argv = [sys.executable, "-m", "kpng.testing.probe", proto, host, str(port)]
         argv += ["--count", str(count), "--timeout", str(timeout), "--hold", str(hold)]
         if source:
             argv += ["--source", source]
+        if ports:
+            argv.append("--ports")
         result: list[str] = json.loads(self.exec(netns, argv))["results"]
         return result
 

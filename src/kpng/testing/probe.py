@@ -1,7 +1,7 @@
 """A client for test beds: connect N times, print what answered, as one JSON line.
 
     python -m kpng.testing.probe tcp|udp|http HOST PORT [--count N] [--timeout S] [--hold S]
-        [--source ADDRESS] [--for S]
+        [--source ADDRESS] [--for S] [--ports]
 
 Each attempt (``--count`` of them, or as many as fit in ``--for`` seconds, one after the other)
 is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
@@ -9,12 +9,15 @@ if given (an address of the namespace: one client host among several); its resul
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
 a connection survives changes). ``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
+``--ports`` (tcp, udp) asks the echo server for the source port it saw and adds the one the
+probe sent from: ``"NAME CLIENT SEEN_PORT SENT_PORT"``, to tell how the port was translated.
 Output: ``{"results": [...], "seconds": [...]}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import sys
@@ -26,13 +29,15 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def tcp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
+def tcp_once(
+    host: str, port: int, timeout: float, source: str | None = None, *, ports: bool = False
+) -> str:
     try:
         with socket.create_connection(
             (host, port), timeout=timeout, source_address=(source, 0) if source else None
         ) as sock:
-            sock.sendall(b"hello\n")
-            return _read_line(sock)
+            sock.sendall(b"port\n" if ports else b"hello\n")
+            return _with_port(_read_line(sock), sock, ports)
     except ConnectionRefusedError:
         return "refused"
     except TimeoutError:
@@ -61,6 +66,10 @@ def http_once(host: str, port: int, timeout: float, source: str | None = None) -
     return f"{status} {body}"
 
 
+def _with_port(answer: str, sock: socket.socket, ports: bool) -> str:
+    return f"{answer} {sock.getsockname()[1]}" if ports else answer
+
+
 def _read_line(sock: socket.socket) -> str:
     data = b""
     while not data.endswith(b"\n"):
@@ -71,15 +80,17 @@ def _read_line(sock: socket.socket) -> str:
     return data.decode().strip() or "closed"
 
 
-def udp_once(host: str, port: int, timeout: float, source: str | None = None) -> str:
+def udp_once(
+    host: str, port: int, timeout: float, source: str | None = None, *, ports: bool = False
+) -> str:
     with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
         sock.settimeout(timeout)
         try:
             if source:
                 sock.bind((source, 0))
             sock.connect((host, port))
-            sock.send(b"hello\n")
-            return sock.recv(4096).decode().strip()
+            sock.send(b"port\n" if ports else b"hello\n")
+            return _with_port(sock.recv(4096).decode().strip(), sock, ports)
         except ConnectionRefusedError:
             return "refused"
         except TimeoutError:
@@ -130,7 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--source", default=None)
     parser.add_argument("--for", dest="duration", type=float, default=0.0)
+    parser.add_argument("--ports", action="store_true")
     args = parser.parse_args(argv)
+    if args.ports and (args.proto not in ("tcp", "udp") or args.hold):
+        parser.error("--ports is for tcp and udp, without --hold")
     results: list[str] = []
     seconds: list[float] = []
     if args.hold:
@@ -139,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = udp_same_source(args.host, args.port, args.count, args.timeout)
     else:
         once = {"tcp": tcp_once, "udp": udp_once, "http": http_once}[args.proto]
+        if args.ports:
+            once = functools.partial({"tcp": tcp_once, "udp": udp_once}[args.proto], ports=True)
         deadline = time.monotonic() + args.duration
         while len(results) < args.count if not args.duration else time.monotonic() < deadline:
             start = time.monotonic()

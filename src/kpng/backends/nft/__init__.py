@@ -316,8 +316,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_cidr_list,
         default=(),
         metavar="CIDR[,CIDR]",
-        help="serve node ports only on node addresses in these CIDRs (default: every local "
-        "address but loopback)",
+        help="serve node ports only on the node's addresses in these CIDRs; a family without "
+        "one keeps every local address, and loopback never serves them (default: every local "
+        "address but loopback; kube-proxy's nftables mode defaults to the node's primary IPs)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print each transaction instead of applying it"

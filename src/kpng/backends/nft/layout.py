@@ -24,6 +24,12 @@ A service port with no endpoint for a kind of traffic has the verdict ``goto rej
 unreachable: the client sees "connection refused" at once) when its family has no usable
 endpoint anywhere, else ``drop``.
 
+A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
+after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
+a packet whose destination is still in ``cluster-ips-<f>`` (every service's ClusterIPs) matched
+no service port. kube-proxy also drops traffic to unallocated IPs of the service CIDRs; kpng
+does not know the ServiceCIDRs, so it does not.
+
 Kinds of traffic, each a dispatch map ``<kind>-<f>`` and endpoint maps ``<kind>-eps-<f>-<i>``:
 
 ==============  ====================  ============================================
@@ -32,8 +38,7 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ``cluster``     ClusterIP . proto .   Internal
                 port
 ``external``    externalIP or LB IP   External
-``nodeport``    proto . node port     External (to a local address, or
-                                      ``--nodeport-addresses``)
+``nodeport``    proto . node port     External (to a node address: below)
 ``external-sc`` like ``external``     Cluster: eTP=Local short-circuit for local
 ``nodeport-sc`` like ``nodeport``     pods (``--cluster-cidr``) and the node itself
 ==============  ====================  ============================================
@@ -57,7 +62,16 @@ concatenated IPv6 key or value (``netlink_gen_expr: dreg < ctx->reg_low``).
 Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
 traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
-``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address).
+``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address). With
+``fully-random`` source ports, as kube-proxy: the kernel otherwise keeps each client's port
+where it can, and concurrent connections (DNS over UDP) race for one mapping and lose packets.
+
+Node ports are served on the node's own addresses (``fib daddr type local``), never loopback
+(kube-proxy does not support localhost node ports), in every rule that matches one, since a node
+port is matched by protocol and port alone. ``--nodeport-addresses`` narrows a family to its
+local addresses inside the given CIDRs (set ``nodeport-addresses-<f>``); a family given no CIDR
+keeps every local address, as in kube-proxy. Without the option kpng serves every local
+non-loopback address, where kube-proxy's nftables mode defaults to the node's primary IPs.
 """
 
 from __future__ import annotations
@@ -104,8 +118,8 @@ class Options:
     """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
     short-circuit); sources outside reaching a ClusterIP are masqueraded."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs of the node addresses that serve node ports; empty: every local address but
-    loopback."""
+    """CIDRs of the node addresses that serve node ports: local addresses inside them, never
+    loopback; a family with none of them: every local address of it but loopback."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6
@@ -120,12 +134,14 @@ def _tuple(fam: Fam) -> str:
     return f"{_IP[fam]} daddr . meta l4proto . th dport"
 
 
-def _nodeport_match(options: Options, fam: Fam) -> str | None:
-    if options.nodeport_addresses:
-        if not options.cidrs(options.nodeport_addresses, fam):
-            return None  # no node port addresses of this family: no node ports in it
-        return f"{_IP[fam]} daddr @nodeport-addresses-{fam}"
-    return f"fib daddr type local {_IP[fam]} daddr != {_LOOPBACK[fam]}"
+def _nodeport_match(options: Options, fam: Fam) -> str:
+    # A node port is matched by protocol and port alone: without the local check, a CIDR would
+    # take every forwarded packet to an address in it (pod to pod on that port number). Never
+    # loopback, whatever the CIDRs: kube-proxy does not support localhost node ports either.
+    local = f"fib daddr type local {_IP[fam]} daddr != {_LOOPBACK[fam]}"
+    if options.cidrs(options.nodeport_addresses, fam):
+        return f"{local} {_IP[fam]} daddr @nodeport-addresses-{fam}"
+    return local  # as kube-proxy, a family given no CIDR serves all its local addresses
 
 
 def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], list[Element]]:
@@ -138,12 +154,20 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         Chain("services"),
         Chain("masquerading"),
         Chain("service-reject"),
+        # Checked after DNAT, as kube-proxy: forward comes after prerouting's DNAT whatever the
+        # priority (kube-proxy's -110 puts it before other tables' filter chains); output's
+        # DNAT is at -100, hence -90.
+        Chain("filter-forward", "filter", "forward", "-110"),
+        Chain("filter-output-post-dnat", "filter", "output", "-90"),
+        Chain("cluster-ips-check"),
     ]
     rules = [
         Rule("nat-prerouting", "jump services"),
         Rule("nat-output", "jump services"),
         Rule("nat-postrouting", "jump masquerading"),
         Rule("service-reject", "reject"),
+        Rule("filter-forward", "ct state new jump cluster-ips-check"),
+        Rule("filter-output-post-dnat", "ct state new jump cluster-ips-check"),
     ]
     elements: list[Element] = []
     for fam in FAMILIES:
@@ -165,6 +189,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             Set(f"hairpin-{fam}", type=f"{addr} . {addr}"),
             Set(f"cluster-cidrs-{fam}", type=addr, flags=("interval",)),
             Set(f"nodeport-addresses-{fam}", type=addr, flags=("interval",)),
+            Set(f"cluster-ips-{fam}", type=addr),
         ]
         elements += [
             Element(f"cluster-cidrs-{fam}", (c,)) for c in options.cidrs(options.cluster_cidrs, fam)
@@ -173,6 +198,10 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             Element(f"nodeport-addresses-{fam}", (c,))
             for c in options.cidrs(options.nodeport_addresses, fam)
         ]
+        # Still the cluster IP after DNAT: no service port matched (an undefined port). Refused
+        # at once; else the packet is routed on to an address nothing answers for, and the
+        # client waits for a timeout.
+        rules.append(Rule("cluster-ips-check", f"{ip} daddr @cluster-ips-{fam} reject"))
 
         def svc(expr: str) -> None:
             rules.append(Rule("services", expr))
@@ -185,7 +214,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         svc(_mark(f"{tup} @external-masq-{fam}"))
         if np:
             svc(_mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
-        # loadBalancerSourceRanges, on LB IPs only.
+        # loadBalancerSourceRanges, on LB IPs only, of the families ranges are given in.
         svc(f"{tup} @firewall-{fam} {tup} . {ip} saddr != @firewall-allow-{fam} drop")
         # eTP=Local short-circuit: the node's own traffic is masqueraded, as kube-proxy does.
         svc(_mark(f"fib saddr type local {tup} @external-sc-{fam}"))
@@ -223,13 +252,13 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
                         f"vmap @affinity-update-nodeport-{fam}",
                     )
                 )
-        hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade"
+        hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade fully-random"
         rules.append(Rule("masquerading", hairpin))
     rules.append(
         Rule(
             "masquerading",
             f"meta mark & {MASQUERADE_MARK:#x} == {MASQUERADE_MARK:#x} "
-            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade",
+            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade fully-random",
         )
     )
     return objects, rules, elements
@@ -359,6 +388,8 @@ def contribute(se: ServiceEndpoints) -> Contribution:
         cluster_ips = ips.ClusterIPs.family(v6)
         if not cluster_ips:
             continue
+        for cip in cluster_ips:
+            out.elements[(f"cluster-ips-{fam}", (cip,))] = ()
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
         for port in service.Ports:
@@ -397,8 +428,10 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     if ep_addr in local:
                         out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
-                targets = flt.TargetIPs.family(v6) if flt.TargetIPs else ()
                 ranges = _allowed_ranges(flt.SourceRanges, v6)
+                # As kube-proxy: ranges of the other family only leave this one unfiltered (an
+                # empty allow set would drop every client).
+                targets = flt.TargetIPs.family(v6) if flt.TargetIPs and ranges else ()
                 for target in targets:
                     key = (target, proto, p)
                     out.elements[(f"firewall-{fam}", key)] = ()
