@@ -315,9 +315,10 @@ def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path
         assert wait_until(lambda: _synced(tmp_path / "first.log"), timeout=20)
         assert bed.probe(node, "tcp", cluster_ip, 80) == [f"p1 {bed.nodes['node-1'].ip4}"]
 
-        # Connections one after the other for 6 s, the restart in their midst.
+        # Connections one after the other for 10 s, the restart in their midst (a loaded
+        # machine may take seconds to start the second kpng).
         argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", cluster_ip, "80"]
-        client = bed.spawn(node, [*argv, "--for", "6", "--timeout", "1"], stdout=subprocess.PIPE)
+        client = bed.spawn(node, [*argv, "--for", "10", "--timeout", "1"], stdout=subprocess.PIPE)
         time.sleep(0.5)
         first.terminate()
         assert first.wait(timeout=10) == 0
@@ -327,7 +328,7 @@ def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path
         assert client.poll() is None, "the client stopped before the takeover: nothing proven"
         out, _ = client.communicate(timeout=120)
         results = json.loads(out)["results"]
-        assert len(results) > 100
+        assert len(results) > 20  # one after the other: hundreds on an idle machine
         failed = [r for r in results if not r.startswith("p1 ")]
         assert failed == []
         assert second.poll() is None
