@@ -4,7 +4,8 @@ The first state (and any state after a refused transaction) replaces the whole t
 transaction, taking over what a previous kpng left without a gap; every later state changes
 only the elements, chains and maps of the services that changed, in one atomic transaction.
 The layout is described in ``layout.py``; ``nftables.py`` is the typed transaction,
-``fake.py`` the in-memory nft for tests, ``executing.py`` what runs ``nft`` and ``conntrack``.
+``fake.py`` the in-memory nft for tests, ``executing.py`` what talks to nftables (libnftables
+in process, or the ``nft`` command) and runs ``conntrack``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
 from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
-from kpng.backends.nft.executing import Conntrack, KernelNft
+from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.health import HealthServers
 from kpng.backends.nft.layout import TABLE, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError
@@ -43,9 +44,10 @@ default (twice its 30 s sync period), so a load balancer drains a node after as 
 class NftBackend:
     """Programs each state it is given; see the module docstring.
 
-    ``nft`` runs transactions (``KernelNft``, or ``FakeNft`` in tests); ``conntrack`` deletes
-    stale UDP entries (None: not at all); ``dry_run`` writes each transaction to ``output``
-    instead; ``once`` makes ``apply`` return True once the first complete state is applied.
+    ``nft`` runs transactions (``LibNft`` or ``KernelNft``, ``FakeNft`` in tests);
+    ``conntrack`` deletes stale UDP entries (None: not at all); ``dry_run`` writes each
+    transaction to ``output`` instead; ``once`` makes ``apply`` return True once the first
+    complete state is applied.
 
     A refused transaction does not fail ``apply``: the backend retries on its own, with a full
     resync, and ``pending_since`` says since when (``time.monotonic()``) the kernel has been
@@ -289,7 +291,7 @@ def _collector_paused() -> Iterator[None]:
 
 async def cleanup(nft: Nft | None = None) -> bool:
     """Remove kpng's table; True if there was one."""
-    return await (nft or KernelNft()).delete_table(TABLE)
+    return await (nft or default_nft()).delete_table(TABLE)
 
 
 def _cidr_list(value: str) -> tuple[str, ...]:
@@ -338,10 +340,15 @@ def _create(args: argparse.Namespace) -> Backend:
     options = Options(cluster_cidrs=args.cluster_cidr, nodeport_addresses=args.nodeport_addresses)
     if args.dry_run and args.once is False and sys.stdout.isatty():
         log.info("dry run: transactions are printed, nothing is applied")
-    if not args.dry_run and not _has_nft():
-        raise UsageError("to-nft needs the nft command (Debian: apt-get install nftables)")
+    nft: Nft = KernelNft()  # a dry run never calls it
+    if not args.dry_run:
+        nft = default_nft()
+        if not isinstance(nft, LibNft) and not _has_nft():
+            raise UsageError(
+                "to-nft needs libnftables or the nft command (Debian: apt-get install nftables)"
+            )
     return NftBackend(
-        nft=KernelNft(),
+        nft=nft,
         options=options,
         conntrack=None if args.no_conntrack or args.dry_run else Conntrack(),
         health=None if args.no_health_check or args.dry_run else HealthServers(),
