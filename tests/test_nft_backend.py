@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -15,7 +16,7 @@ from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute
-from kpng.backends.nft.nftables import Map, NftError, Transaction, error_for_line
+from kpng.backends.nft.nftables import NftError, Set, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -196,14 +197,8 @@ CASES = [
     ),
     pytest.param(
         ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)),
-        {
-            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
-            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
-            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
-            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
-        },
-        id="client-ip-affinity-remembers-per-service-port",
+        {"cluster-v4: 10.96.0.10 . tcp . 80": "goto affinity-2e8c6283dc34-v4-internal"},
+        id="client-ip-affinity-picks-and-remembers-in-a-chain-of-the-service-port",
     ),
     pytest.param(
         ServiceEndpoints(
@@ -211,25 +206,13 @@ CASES = [
             (_ep("10.1.1.1"),),
         ),
         {
-            "cluster-v4: 10.96.0.10 . tcp . 80": "goto pick-cluster-v4-1",
-            "cluster-eps-v4-0: 10.96.0.10 . tcp . 80": "10.1.1.1 . 8080",
-            "external-v4: 192.0.2.1 . tcp . 80": "goto pick-external-v4-1",
-            "external-eps-v4-0: 192.0.2.1 . tcp . 80": "10.1.1.1 . 8080",
+            # One memory for the service port, whichever way a connection came: the same
+            # endpoints for every kind of traffic, so one chain.
+            "cluster-v4: 10.96.0.10 . tcp . 80": "goto affinity-2e8c6283dc34-v4-internal",
+            "external-v4: 192.0.2.1 . tcp . 80": "goto affinity-2e8c6283dc34-v4-internal",
             "external-masq-v4: 192.0.2.1 . tcp . 80": "",
-            "nodeport-v4: tcp . 30080": "goto pick-nodeport-v4-1",
-            "nodeport-eps-v4-0: tcp . 30080": "10.1.1.1 . 8080",
+            "nodeport-v4: tcp . 30080": "goto affinity-2e8c6283dc34-v4-internal",
             "nodeport-masq-v4: tcp . 30080": "",
-            # Cluster IPs and the external traffic (external IP, node port) use different
-            # endpoints (Internal, External scope), so each group remembers its own.
-            "affinity-v4: 10.96.0.10 . tcp . 80": "jump affinity-c5b1ca89aef5-v4",
-            "affinity-update-v4: 10.96.0.10 . tcp . 80": "jump affinity-update-c5b1ca89aef5-v4",
-            "affinity-v4: 192.0.2.1 . tcp . 80": "jump affinity-cf9ca481ccc1-v4",
-            "affinity-update-v4: 192.0.2.1 . tcp . 80": "jump affinity-update-cf9ca481ccc1-v4",
-            "affinity-nodeport-v4: tcp . 30080": "jump affinity-cf9ca481ccc1-v4",
-            "affinity-update-nodeport-v4: tcp . 30080": "jump affinity-update-cf9ca481ccc1-v4",
-            # What a group may remember: its own endpoints.
-            "affinity-c5b1ca89aef5-v4-endpoints: 10.1.1.1 . 8080": "",
-            "affinity-cf9ca481ccc1-v4-endpoints: 10.1.1.1 . 8080": "",
         },
         id="client-ip-affinity-covers-external-ips-and-node-ports",
     ),
@@ -251,22 +234,69 @@ def test_unsupported_port_is_reported() -> None:
     assert problems == ["port p: unsupported protocol or port"]
 
 
-def test_affinity_remembers_address_and_port_per_client_for_the_service_timeout() -> None:
-    contribution = contribute(ServiceEndpoints(_service(affinity=60), (_ep("10.1.1.1"),)))
-    dynamic = [m for m in contribution.maps.values() if isinstance(m, Map) and m.timeout_s]
-    assert {(m.name, m.type, m.value, m.timeout_s) for m in dynamic} == {
-        ("affinity-c5b1ca89aef5-v4-60s-addr", "ipv4_addr", "ipv4_addr", 60),
-        ("affinity-c5b1ca89aef5-v4-60s-port", "ipv4_addr", "inet_service", 60),
-    }
-    rules = {r.chain: r.expr for _, rules in contribution.chains.values() for r in rules}
-    assert rules["affinity-c5b1ca89aef5-v4"] == (
-        "meta l4proto tcp dnat ip to ip saddr map @affinity-c5b1ca89aef5-v4-60s-addr : "
-        "ip saddr map @affinity-c5b1ca89aef5-v4-60s-port"
+def test_affinity_checks_each_kind_of_traffic_against_its_own_endpoints() -> None:
+    remote = _ep("10.1.1.1", scopes=EndpointScopes(Internal=True, Cluster=True))
+    se = ServiceEndpoints(
+        _service(affinity=60, node_port=30080, etp_local=True), (remote, _ep("10.2.2.2"))
     )
-    assert rules["affinity-update-c5b1ca89aef5-v4"] == (
-        "meta l4proto tcp ip daddr . th dport @affinity-c5b1ca89aef5-v4-endpoints "
-        "update @affinity-c5b1ca89aef5-v4-60s-addr { ip saddr timeout 60s : ip daddr } "
-        "update @affinity-c5b1ca89aef5-v4-60s-port { ip saddr timeout 60s : th dport }"
+    contribution = contribute(se)
+    a = "affinity-2e8c6283dc34-v4"
+    assert _elements(se) == {
+        "cluster-v4: 10.96.0.10 . tcp . 80": f"goto {a}-internal",
+        # eTP=Local: a client remembered with the remote endpoint gets a new, local pick.
+        "nodeport-v4: tcp . 30080": f"goto {a}-external",
+        # The short-circuit of pods and the node goes to every endpoint, remembered ones too.
+        "nodeport-sc-v4: tcp . 30080": f"goto {a}-internal",
+    }
+    rules = {name: [r.expr for r in rules] for name, (_, rules) in contribution.chains.items()}
+    remember_remote = (
+        f"update @{a}-10.1.1.1-8080 {{ ip saddr timeout 60s }} dnat ip to 10.1.1.1:8080"
+    )
+    remember_local = (
+        f"update @{a}-10.2.2.2-8080 {{ ip saddr timeout 60s }} dnat ip to 10.2.2.2:8080"
+    )
+    assert rules == {
+        f"{a}-internal": [
+            f"ip saddr @{a}-10.1.1.1-8080 meta l4proto tcp {remember_remote}",
+            f"ip saddr @{a}-10.2.2.2-8080 meta l4proto tcp {remember_local}",
+            f"numgen random mod 2 0 meta l4proto tcp {remember_remote}",
+            f"meta l4proto tcp {remember_local}",
+        ],
+        f"{a}-external": [
+            f"ip saddr @{a}-10.2.2.2-8080 meta l4proto tcp {remember_local}",
+            f"meta l4proto tcp {remember_local}",
+        ],
+    }
+    assert set(contribution.maps.values()) == {
+        Set(f"{a}-10.1.1.1-8080", type="ipv4_addr", flags=("dynamic", "timeout")),
+        Set(f"{a}-10.2.2.2-8080", type="ipv4_addr", flags=("dynamic", "timeout")),
+    }
+
+
+def test_affinity_sets_of_ipv6_endpoints_have_valid_names() -> None:
+    service = Service(
+        Namespace="ns",
+        Name="web6",
+        Type="ClusterIP",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V6=("fd00:96::10",))),
+        Ports=(
+            PortMapping(Name="p", Protocol="TCP", Port=80, UsableEndpoints=IPFamilies(V6=True)),
+        ),
+        ClientIP=ClientIPAffinity(TimeoutSeconds=60),
+    )
+    endpoint = Endpoint(
+        IPs=IPSet(V6=("fd00:244::5",)),
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=ALL,
+        Ready=True,
+        Serving=True,
+    )
+    chains = contribute(ServiceEndpoints(service, (endpoint,))).chains
+    (name,) = chains
+    clients = f"{name.removesuffix('-internal')}-fd00_244__5-8080"
+    assert chains[name][1][0].expr == (
+        f"ip6 saddr @{clients} meta l4proto tcp update @{clients} {{ ip6 saddr timeout 60s }} "
+        "dnat ip6 to [fd00:244::5]:8080"
     )
 
 
@@ -379,36 +409,132 @@ def test_refused_transaction_keeps_rules_and_is_followed_by_a_full_resync(
     assert "line 1: add table inet kpng" in caplog.text
 
 
-def test_new_affinity_timeout_switches_maps_in_one_accepted_transaction() -> None:
+AFFINITY = "affinity-2e8c6283dc34-v4"
+"""The prefix of the affinity objects of WEB's port (tcp 80) in IPv4."""
+
+
+def _clients(nft: FakeNft, endpoint: str) -> dict[tuple[str, ...], tuple[str, ...]]:
+    return nft.elements(TABLE, f"{AFFINITY}-{endpoint}-8080")
+
+
+def _packet_path_remembers(nft: FakeNft, client: str, endpoint: str) -> None:
+    """What the kernel does on a new connection from ``client`` to ``endpoint``: the fake has
+    no packet path."""
+    nft.tables[(TABLE.family, TABLE.name)].elements[f"{AFFINITY}-{endpoint}-8080"][(client,)] = ()
+
+
+def test_new_affinity_timeout_rewrites_the_rules_and_keeps_the_clients() -> None:
     async def scenario() -> None:
         nft = FakeNft()
         backend = NftBackend(nft=nft, options=Options())
         services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
         await backend.apply(_state(1, services))
+        _packet_path_remembers(nft, "10.244.9.9", "10.244.1.2")
         services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
         await backend.apply(_state(2, services, updated={WEB}))
         assert len(nft.transactions) == 2  # the change was not refused
+        clients = f"{AFFINITY}-10.244.1.2-8080"
         assert nft.transactions[1].render().splitlines() == [
-            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-addr { type ipv4_addr : ipv4_addr ; "
-            "flags dynamic,timeout ; timeout 30s ; }",
-            "add map inet kpng affinity-c5b1ca89aef5-v4-30s-port { type ipv4_addr : inet_service "
-            "; flags dynamic,timeout ; timeout 30s ; }",
-            "add chain inet kpng affinity-c5b1ca89aef5-v4",
-            "flush chain inet kpng affinity-c5b1ca89aef5-v4",
-            "add rule inet kpng affinity-c5b1ca89aef5-v4 meta l4proto tcp dnat ip to ip saddr map "
-            "@affinity-c5b1ca89aef5-v4-30s-addr : ip saddr map @affinity-c5b1ca89aef5-v4-30s-port",
-            "add chain inet kpng affinity-update-c5b1ca89aef5-v4",
-            "flush chain inet kpng affinity-update-c5b1ca89aef5-v4",
-            "add rule inet kpng affinity-update-c5b1ca89aef5-v4 meta l4proto tcp ip daddr . "
-            "th dport @affinity-c5b1ca89aef5-v4-endpoints update @affinity-c5b1ca89aef5-v4-30s-addr"
-            " { ip saddr timeout 30s : ip daddr } update @affinity-c5b1ca89aef5-v4-30s-port "
-            "{ ip saddr timeout 30s : th dport }",
-            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-addr",
-            "delete map inet kpng affinity-c5b1ca89aef5-v4-60s-port",
+            f"add chain inet kpng {AFFINITY}-internal",
+            f"flush chain inet kpng {AFFINITY}-internal",
+            f"add rule inet kpng {AFFINITY}-internal ip saddr @{clients} meta l4proto tcp "
+            f"update @{clients} {{ ip saddr timeout 30s }} dnat ip to 10.244.1.2:8080",
+            f"add rule inet kpng {AFFINITY}-internal meta l4proto tcp "
+            f"update @{clients} {{ ip saddr timeout 30s }} dnat ip to 10.244.1.2:8080",
         ]
+        assert _clients(nft, "10.244.1.2") == {("10.244.9.9",): ()}
+
+    asyncio.run(scenario())
+
+
+def test_endpoint_changes_empty_no_affinity_memory() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options())
+        eps = [_ep("10.244.1.1"), _ep("10.244.1.2"), _ep("10.244.1.3")]
+        for revision, endpoints in enumerate((eps, eps[:2], [*eps[:2], _ep("10.244.1.4")]), 1):
+            services = {WEB: ServiceEndpoints(_service(affinity=60), tuple(endpoints))}
+            await backend.apply(_state(revision, services, updated={WEB}))
+        assert len(nft.transactions) == 3
+        for tx in nft.transactions[1:]:
+            lines = tx.render().splitlines()
+            assert [line for line in lines if line.startswith(("flush set", "flush map"))] == []
+
+    asyncio.run(scenario())
+
+
+def test_affinity_forgets_only_the_clients_of_an_endpoint_that_goes() -> None:
+    """kube-proxy's behaviour: clients of the other endpoints keep theirs, and a new endpoint
+    disturbs no one."""
+
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options())
+        a, b, c, d = "10.244.1.1", "10.244.1.2", "10.244.1.3", "10.244.1.4"
+        services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep(a), _ep(b), _ep(c)))}
+        await backend.apply(_state(1, services))
+        for client, endpoint in (("10.0.0.1", a), ("10.0.0.2", b), ("10.0.0.3", c)):
+            _packet_path_remembers(nft, client, endpoint)
+
+        services[WEB] = ServiceEndpoints(_service(affinity=60), (_ep(a), _ep(b)))
+        await backend.apply(_state(2, services, updated={WEB}))
+        removal = nft.transactions[-1].render().splitlines()
+        assert [line for line in removal if line.startswith(("flush set", "flush map"))] == []
+        assert [line for line in removal if line.startswith("delete set")] == [
+            f"delete set inet kpng {AFFINITY}-{c}-8080",
+        ]
+        assert _clients(nft, a) == {("10.0.0.1",): ()}
+        assert _clients(nft, b) == {("10.0.0.2",): ()}
+        # Nothing sends a client to the endpoint that went: 10.0.0.3 gets a new pick.
+        assert c not in nft.dump()
+
+        services[WEB] = ServiceEndpoints(_service(affinity=60), (_ep(a), _ep(b), _ep(d)))
+        await backend.apply(_state(3, services, updated={WEB}))
+        addition = nft.transactions[-1].render().splitlines()
+        assert [line for line in addition if line.startswith(("flush set", "flush map"))] == []
+        assert _clients(nft, a) == {("10.0.0.1",): ()}
+        assert _clients(nft, b) == {("10.0.0.2",): ()}
+        assert _clients(nft, d) == {}
+
         fresh = FakeNft()
         await NftBackend(nft=fresh, options=Options()).apply(_state(1, services))
+        for client, endpoint in (("10.0.0.1", a), ("10.0.0.2", b)):  # a fresh table has none
+            _packet_path_remembers(fresh, client, endpoint)
         assert nft.dump() == fresh.dump()
+
+    asyncio.run(scenario())
+
+
+def _memory(nft: FakeNft, key: tuple[str, ...]) -> set[str]:
+    """The dynamic sets and maps that traffic to ``key`` (in the dispatch of the ``services``
+    chain) reads, through every chain it can reach."""
+    state = nft.tables[(TABLE.family, TABLE.name)]
+    dynamic = {name for name, obj in state.sets.items() if "dynamic" in obj.flags}
+    vmaps = {m for rule in state.rules["services"] for m in re.findall(r"vmap @(\S+)", rule)}
+    todo = [" ".join(state.elements[m].get(key, ())) for m in vmaps]
+    seen: set[str] = set()
+    found: set[str] = set()
+    while todo:
+        for chain in re.findall(r"(?:jump|goto) (\S+)", todo.pop()):
+            if chain not in seen:
+                seen.add(chain)
+                for rule in state.rules[chain]:
+                    found |= set(re.findall(r"@(\S+)", rule)) & dynamic
+                    todo.append(rule)
+    return found
+
+
+def test_affinity_is_one_memory_for_cluster_ips_node_ports_and_external_ips() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        backend = NftBackend(nft=nft, options=Options(cluster_cidrs=("10.244.0.0/16",)))
+        service = _service(affinity=60, node_port=30080, external_ips=("192.0.2.1",))
+        eps = (_ep("10.244.1.1"), _ep("10.244.1.2"))
+        await backend.apply(_state(1, {WEB: ServiceEndpoints(service, eps)}))
+        through_cluster_ip = _memory(nft, ("10.96.0.10", "tcp", "80"))
+        assert _memory(nft, ("tcp", "30080")) == through_cluster_ip
+        assert _memory(nft, ("192.0.2.1", "tcp", "80")) == through_cluster_ip
+        assert through_cluster_ip == {f"{AFFINITY}-10.244.1.1-8080", f"{AFFINITY}-10.244.1.2-8080"}
 
     asyncio.run(scenario())
 

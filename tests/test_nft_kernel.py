@@ -185,6 +185,31 @@ def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
 
 
+def test_kernel_takes_affinity_endpoint_changes_incrementally(
+    namespaces: Callable[[], str],
+) -> None:
+    """An endpoint going (its clients' set deleted once no rule refers to it) and coming, in
+    incremental transactions the kernel takes."""
+    changed, fresh = namespaces(), namespaces()
+    a, b, c, d = (_ep(f"10.244.1.{i}") for i in range(1, 5))
+    revisions = [(a, b, c), (a, b), (a, b, d), (b,), (a, b, c, d)]
+
+    async def scenario() -> None:
+        nft = RecordingNft(changed)
+        backend = NftBackend(nft=nft, options=Options())
+        for revision, eps in enumerate(revisions, 1):
+            services = {WEB: ServiceEndpoints(_service(affinity=60, node_port=30080), eps)}
+            await backend.apply(_state(revision, services, updated={WEB}))
+        await backend.close()
+        assert [str(err) for _, err in nft.runs if err is not None] == []
+        assert len(nft.runs) == len(revisions)
+
+    asyncio.run(scenario())
+    last = {WEB: ServiceEndpoints(_service(affinity=60, node_port=30080), revisions[-1])}
+    asyncio.run(NftBackend(nft=_nft(fresh), options=Options()).apply(_state(1, last)))
+    assert _table(changed) == _table(fresh)
+
+
 _HEALTH_CLIENT = """
 import asyncio, json
 from kpng.backends.nft.health import HealthServers

@@ -74,11 +74,11 @@ def test_node_ports_are_served_on_local_non_loopback_addresses_only(
 def test_every_rule_matching_a_node_port_checks_the_address_is_local(
     addresses: tuple[str, ...],
 ) -> None:
-    """Masquerade marks, the eTP=Local short-circuit and affinity too: a node port is matched by
-    protocol and port, so a rule without the local check would take any destination."""
+    """Masquerade marks and the eTP=Local short-circuit too: a node port is matched by protocol
+    and port, so a rule without the local check would take any destination."""
     options = Options(nodeport_addresses=addresses)
     rules = [r for r in _rules(options, "services") if "nodeport" in r]
-    assert len(rules) == 2 * 5  # per family: masquerade, short-circuit x 2, affinity, dispatch
+    assert len(rules) == 2 * 4  # per family: masquerade, short-circuit x 2, dispatch
     for rule in rules:
         assert f"{V4_LOCAL} " in rule or f"{V6_LOCAL} " in rule, rule
 

@@ -495,6 +495,137 @@ def test_session_affinity_is_released_after_its_timeout(cluster: Cluster) -> Non
         cluster.remove("affinity-timeout")
 
 
+def _sticky(who: str, results: Sequence[str]) -> str:
+    """The one endpoint that answered ``who``."""
+    assert answered(results), (who, results)
+    got = names(results)
+    assert len(got) == 1, (who, results)
+    return got.pop()
+
+
+def _own_node_ip(cluster: Cluster, who: str) -> str:
+    """The address of the node whose rules handle ``who``'s connections (a pod's or a node's)."""
+    if who in cluster.bed.nodes:
+        return cluster.bed.nodes[who].ip4
+    return cluster.bed.pods[who].node.ip4
+
+
+def test_session_affinity_is_shared_by_cluster_ip_and_node_port(cluster: Cluster) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "affinity-shared",
+        service(
+            "shared",
+            ip,
+            [port("http", 80, nodePort=30087)],
+            type="NodePort",
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "shared", ["a1", "b1", "b2"]),
+    )
+    # Affinity is each node's: every client reaches the node port at its own node's address.
+    # Five clients: with a memory per kind of traffic, all five would land on the same
+    # endpoint both ways with a probability of (1/3)^5.
+    for who in ("a2", "c1", "node-1", "node-2", "node-3"):
+        first = _sticky(who, cluster.eventually(who, "tcp", ip, 80, answered, count=5))
+        then = cluster.probe(who, "tcp", _own_node_ip(cluster, who), 30087, count=5)
+        assert _sticky(who, then) == first, (who, first, then)
+    cluster.remove("affinity-shared")
+
+
+def test_session_affinity_survives_the_removal_of_another_endpoint(cluster: Cluster) -> None:
+    ip, control = cluster.cluster_ip(), cluster.cluster_ip()
+    pods = ["a1", "b1", "c1"]
+
+    def write(endpoints: list[str], control_pod: str) -> None:
+        # The control service changes in the same file, so in the same revision: once a node
+        # sends it to the new pod, that node's rules have the endpoint change too.
+        cluster.write(
+            "affinity-removal",
+            service(
+                "keeps",
+                ip,
+                [port("http", 80)],
+                sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+            ),
+            endpoint_slice(cluster, "keeps", endpoints),
+            service("keeps-control", control, [port("http", 80)]),
+            endpoint_slice(cluster, "keeps-control", [control_pod]),
+        )
+
+    write(pods, "a1")
+    clients = ("a2", "b2", "node-1", "node-2", "node-3")
+    before = {
+        who: _sticky(who, cluster.eventually(who, "tcp", ip, 80, answered, count=3))
+        for who in clients
+    }
+    # The endpoint fewest clients stick to: at least four of the five keep theirs.
+    gone = min(pods, key=lambda pod: list(before.values()).count(pod))
+    write([pod for pod in pods if pod != gone], "b1")
+    for who in clients:
+        cluster.eventually(who, "tcp", control, 80, lambda r: names(r) == {"b1"})
+        after = _sticky(who, cluster.probe(who, "tcp", ip, 80, count=3))
+        if before[who] == gone:
+            assert after != gone, who
+        else:
+            assert after == before[who], (who, before, after)
+    cluster.remove("affinity-removal")
+
+
+def test_session_affinity_with_etp_local_keeps_external_traffic_on_local_endpoints(
+    cluster: Cluster,
+) -> None:
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "affinity-local",
+        service(
+            "sticky-local",
+            ip,
+            [port("http", 80, nodePort=30088)],
+            type="NodePort",
+            externalTrafficPolicy="Local",
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        endpoint_slice(cluster, "sticky-local", ["a1", "b1", "c1"]),
+    )
+    node2 = cluster.bed.nodes["node-2"].ip4
+    # External client hosts that reach the cluster IP through node-2 too, so that node-2
+    # remembers an endpoint for them that is not its own (b1) for most.
+    ext = cluster.ns("external")
+    sources = [f"10.250.0.{220 + i}" for i in range(8)]
+    for source in sources:
+        cluster.bed.exec(ext, ["ip", "addr", "add", f"{source}/24", "dev", "eth0"])
+    cluster.bed.exec(ext, ["ip", "route", "add", f"{ip}/32", "via", node2])
+    try:
+        cluster.eventually("external", "tcp", ip, 80, answered)
+        remembered = {
+            source: _sticky(
+                source, cluster.probe("external", "tcp", ip, 80, count=3, source=source)
+            )
+            for source in sources
+        }
+        # All eight on b1 has a probability of (1/3)^8.
+        assert set(remembered.values()) != {"b1"}, remembered
+        for source in sources:
+            # External traffic of eTP=Local: node-2's own endpoint only, the client's address
+            # kept, whatever endpoint the client has from the cluster IP.
+            results = cluster.probe("external", "tcp", node2, 30088, count=3, source=source)
+            assert results == [f"b1 {source}"] * 3, (source, remembered[source], results)
+    finally:
+        cluster.bed.exec(ext, ["ip", "route", "del", f"{ip}/32"], check=False)
+        for source in sources:
+            cluster.bed.exec(ext, ["ip", "addr", "del", f"{source}/24", "dev", "eth0"], check=False)
+    # Pods and the node itself are short-circuited to every endpoint: their memory holds there.
+    for who in ("a2", "c1", "node-3"):
+        first = _sticky(who, cluster.eventually(who, "tcp", ip, 80, answered, count=5))
+        then = cluster.probe(who, "tcp", _own_node_ip(cluster, who), 30088, count=5)
+        assert _sticky(who, then) == first, (who, first, then)
+    cluster.remove("affinity-local")
+
+
 def test_hairpin_pod_reaches_itself_through_its_service(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

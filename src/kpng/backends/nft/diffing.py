@@ -52,15 +52,13 @@ class Touched:
     elements: set[ElementKey] = field(default_factory=set)
     chains: set[str] = field(default_factory=set)
     maps: set[str] = field(default_factory=set)
-    flush_maps: set[str] = field(default_factory=set)
-    """Affinity maps whose remembered endpoints may be gone: emptied in the same transaction."""
     shared: set[ElementKey] = field(default_factory=set)
     """Touched elements left with more than one owner: the only ones that can conflict."""
     udp_gone: set[tuple[str, str, str]] = field(default_factory=set)
     udp_new_services: set[tuple[str, str]] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.elements or self.chains or self.maps or self.flush_maps)
+        return bool(self.elements or self.chains or self.maps)
 
 
 @dataclass
@@ -138,15 +136,6 @@ class DiffStore:
                 if old.maps.get(name) != m:
                     self._map_owners.setdefault(name, {})[key] = m
                     touched.maps.add(name)
-            # A remembered (affinity) endpoint must not outlive the endpoint: when one of the
-            # service's endpoint elements goes or changes, its affinity maps (the dynamic ones,
-            # which the packet path fills) are emptied.
-            kept = {n for n in old.maps.keys() & new.maps.keys() if "dynamic" in new.maps[n].flags}
-            if kept and any(
-                "-eps-" in ek[0] and new_elements.get(ek) != value
-                for ek, value in old_elements.items()
-            ):
-                touched.flush_maps |= kept
         if old.udp_endpoints or new.udp_endpoints:
             touched.udp_gone |= old.udp_endpoints - new.udp_endpoints
             old_services = {(a, p) for a, p, _ in old.udp_endpoints}
@@ -225,9 +214,6 @@ class DiffStore:
                     tx.flush(chain[0])
                 for rule in chain[1]:
                     tx.add(rule)
-        for name in sorted(touched.flush_maps):
-            if name in self.applied_maps and maps.get(name, self.applied_maps[name]) is not None:
-                tx.flush(self.applied_maps[name])
         changed = sorted(
             (ek, v) for ek, v in elements.items() if self.applied_elements.get(ek) != v
         )
