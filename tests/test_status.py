@@ -67,6 +67,13 @@ CASES: dict[str, tuple[dict[str, FeederStats], bool, bool, bool, list[str]]] = {
         False,
         ["to-nft has had a state waiting 11.0 s (timeout 10 s)"],
     ),
+    "a first list slower than the timeout: nothing offered, live": (
+        {"to-nft": FeederStats()},
+        False,
+        True,
+        False,
+        ["the sources have not synced yet", "to-nft has not applied a state yet"],
+    ),
     "sources not synced": (
         {"to-nft": _stats(3.0, applied=False)},
         False,
@@ -164,8 +171,7 @@ def test_a_failing_backend_stays_pending_since_its_oldest_unapplied_state() -> N
     async def scenario() -> None:
         backend = _Flaky()
         feeder = Feeder("flaky", backend, backoff=Backoff(initial=0.01, maximum=0.02))
-        created = feeder.stats.pending_since
-        assert created is not None  # pending from creation until a first state is applied
+        assert feeder.stats.pending_since is None  # nothing offered yet: nothing behind
         task = asyncio.create_task(feeder.run())
         try:
             feeder.offer(states.state(1, {"a": states.entry("a")}))

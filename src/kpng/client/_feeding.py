@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
@@ -30,10 +30,10 @@ class FeederStats:
     """How a backend keeps up, for health checks and metrics (kpng's ``/healthz`` and
     ``/metrics`` read it). Monotonic times are ``time.monotonic()``; wall times ``time.time()``."""
 
-    pending_since: float | None = field(default_factory=time.monotonic)
+    pending_since: float | None = None
     """Since when the backend has had a state to apply that it has not applied: the oldest such
-    offer, kept across failed attempts; ``None`` when it is up to date. A new backend is pending
-    from its creation until it applies its first state."""
+    offer, kept across failed attempts; ``None`` when it is up to date or has been offered
+    nothing yet (a source still listing is not the backend falling behind)."""
     applied_revision: int = 0
     """The revision of the last state the backend applied (0: none yet)."""
     applied_services: int = 0
