@@ -261,6 +261,8 @@ def ensure_binaries(
 @dataclass(frozen=True)
 class Pki:
     ca_cert: Path
+    ca_key: Path
+    """Kept so that tests can issue client certificates of their own (``issue_client_cert``)."""
     serving_cert: Path
     serving_key: Path
     admin_cert: Path
@@ -358,6 +360,7 @@ def make_pki(directory: Path) -> Pki:
     )
     pki = Pki(
         ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
         serving_cert=directory / "apiserver.crt",
         serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
@@ -367,6 +370,7 @@ def make_pki(directory: Path) -> Pki:
     )
     pem = serialization.Encoding.PEM
     pki.ca_cert.write_bytes(ca.public_bytes(pem))
+    write_key(pki.ca_key, ca_key)
     pki.serving_cert.write_bytes(serving.public_bytes(pem))
     write_key(pki.serving_key, serving_key)
     pki.admin_cert.write_bytes(admin.public_bytes(pem))
@@ -377,6 +381,63 @@ def make_pki(directory: Path) -> Pki:
         sa.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return pki
+
+
+@dataclass(frozen=True)
+class ClientCert:
+    cert_pem: bytes
+    key_pem: bytes
+    not_after: datetime.datetime
+
+
+def issue_client_cert(
+    pki: Pki,
+    *,
+    common_name: str = ADMIN_USER + "-cert",
+    organization: str = "system:masters",
+    valid_for: datetime.timedelta = datetime.timedelta(days=1),
+) -> ClientCert:
+    """A client certificate signed by the PKI's CA, valid from a few minutes ago (clock skew)
+    for ``valid_for`` from now; its subject's O is the user's group (system:masters: admin)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    # X.509 times have whole seconds: the certificate's end is rounded down.
+    not_after = (now + valid_for).replace(microsecond=0)
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ClientCert(
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+        not_after,
+    )
 
 
 # --- running
