@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import sys
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -88,30 +90,79 @@ class LineSplitter:
         return len(self._buffer)
 
 
+@dataclass(eq=False)
+class _Session:
+    """An aiohttp session, whose pooled connections carry one client certificate."""
+
+    http: aiohttp.ClientSession
+    ssl_context: ssl.SSLContext | None
+    in_flight: int = 0
+
+
+async def _close(session: _Session) -> None:
+    # Abort rather than shut TLS down politely: the polite close waits for the server's reply,
+    # and an event loop that stops first leaks the sockets.
+    if session.http.connector is not None:
+        await session.http.connector.close(abort_ssl=True)
+    await session.http.close()
+
+
 class ApiClient:
     """Requests to one API server; use as an async context manager."""
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self._session: aiohttp.ClientSession | None = None
+        self._session: _Session | None = None
+        self._retired: list[_Session] = []
+        """Sessions of replaced client certificates, closed once their last request ends."""
 
-    async def __aenter__(self) -> ApiClient:
+    def _open(self) -> _Session:
+        context = self.connection.ssl_context
         connector = aiohttp.TCPConnector(
-            ssl=self.connection.ssl_context if self.connection.ssl_context is not None else False,
+            ssl=context if context is not None else False,
             enable_cleanup_closed=_ASYNCIO_LEAKS_SSL_TRANSPORTS,
         )
         # raise_for_status off: error bodies are Status objects worth reading.
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        return _Session(aiohttp.ClientSession(connector=connector, auto_decompress=True), context)
+
+    async def __aenter__(self) -> ApiClient:
+        self._session = self._open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        sessions, self._retired = self._retired, []
         if self._session is not None:
-            # Abort rather than shut TLS down politely: the polite close waits for the server's
-            # reply, and an event loop that stops first leaks the sockets.
-            if self._session.connector is not None:
-                await self._session.connector.close(abort_ssl=True)
-            await self._session.close()
+            sessions.append(self._session)
             self._session = None
+        for session in sessions:
+            await _close(session)
+
+    async def _current(self) -> _Session:
+        """The session for a new request. The server checks the client certificate on every
+        request, also over a kept-alive connection: once the certificate changes, requests need
+        new connections, hence a new session. Requests in flight (watches) end on the old one."""
+        assert self._session is not None
+        self.connection.refresh_client_certificate()
+        if self.connection.ssl_context is not self._session.ssl_context:
+            self._retired.append(self._session)
+            self._session = self._open()
+        idle = [s for s in self._retired if s.in_flight == 0]
+        self._retired = [s for s in self._retired if s.in_flight > 0]
+        for session in idle:
+            await _close(session)
+        return self._session
+
+    @contextlib.asynccontextmanager
+    async def _request(self) -> AsyncIterator[tuple[_Session, dict[str, str]]]:
+        """The session and headers of one request, which must end within the block."""
+        # Headers first: an exec plugin run for them may bring a new client certificate.
+        headers = await self._headers()
+        session = await self._current()
+        session.in_flight += 1
+        try:
+            yield session, headers
+        finally:
+            session.in_flight -= 1
 
     async def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "kpng"}
@@ -133,10 +184,12 @@ class ApiClient:
 
     async def get(self, path: str, params: Mapping[str, str]) -> bytes:
         """The body of a successful GET; raises ApiStatusError or TransportError."""
-        assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
         try:
-            async with await self._get(path, params, timeout) as response:
+            async with (
+                self._request() as request,
+                await self._get(request, path, params, timeout) as response,
+            ):
                 body = await response.read()
                 if response.status != 200:
                     self._note_status(response.status)
@@ -146,15 +199,19 @@ class ApiClient:
             raise TransportError(self._describe(exc)) from exc
 
     async def _get(
-        self, path: str, params: Mapping[str, str], limits: aiohttp.ClientTimeout
+        self,
+        request: tuple[_Session, dict[str, str]],
+        path: str,
+        params: Mapping[str, str],
+        limits: aiohttp.ClientTimeout,
     ) -> aiohttp.ClientResponse:
         """One GET with the connection's headers, proxy and TLS name (responses must be
         released: ``async with`` or ``release()``)."""
-        assert self._session is not None
-        return await self._session.get(
+        session, headers = request
+        return await session.http.get(
             self.connection.server + path,
             params=dict(params),
-            headers=await self._headers(),
+            headers=headers,
             timeout=limits,
             proxy=self.connection.proxy,
             server_hostname=self.connection.tls_server_name,
@@ -170,25 +227,26 @@ class ApiClient:
     ) -> AsyncIterator[AsyncIterator[list[bytes]]]:
         """A streamed GET whose body is yielded as the lists of complete lines each network read
         completes. ``idle_timeout``: the stream is considered dead after so long without data."""
-        assert self._session is not None
         timeout = aiohttp.ClientTimeout(
             total=None, connect=_CONNECT_TIMEOUT_S, sock_read=idle_timeout
         )
-        try:
-            response = await self._get(path, params, timeout)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise TransportError(self._describe(exc)) from exc
-        try:
-            if response.status != 200:
-                self._note_status(response.status)
-                try:
-                    body = await response.read()
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    raise TransportError(self._describe(exc)) from exc
-                raise _status_error(response.status, body)
-            yield self._lines(response)
-        finally:
-            response.release()
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                request = await stack.enter_async_context(self._request())
+                response = await self._get(request, path, params, timeout)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                raise TransportError(self._describe(exc)) from exc
+            try:
+                if response.status != 200:
+                    self._note_status(response.status)
+                    try:
+                        body = await response.read()
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        raise TransportError(self._describe(exc)) from exc
+                    raise _status_error(response.status, body)
+                yield self._lines(response)
+            finally:
+                response.release()
 
     async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
         splitter = LineSplitter()

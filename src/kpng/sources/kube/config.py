@@ -6,8 +6,12 @@ token files, exec credential plugins of any ``client.authentication.k8s.io`` ver
 plugins that return client certificates and expiring tokens, custom CAs, ``tls-server-name``,
 the in-cluster service account with its rotated token). kpng uses them for that alone: the HTTP
 requests, lists and watches are kpng's own (``client.py``, ``reflector.py``). Tokens are
-refreshed as they expire; client certificates (from files, data or an exec plugin) are loaded once,
-when kpng starts.
+refreshed as they expire. Client certificates rotate too: their files are checked (stat) before each
+list and watch and loaded again when they change (kubelet's ``kubelet-client-current.pem``,
+cert-manager); an exec plugin that returns certificates runs again when the server rejects them
+(401: the loader sets no expiry for certificates). A certificate and key caught mid-rotation (not
+matching, unreadable) leave the previous ones in use, with one warning, and are tried again at the
+next request.
 
 lightkube's loader was the other candidate; it accepts exec plugins of ``v1alpha1`` and
 ``v1beta1`` only (not the GA ``v1``) and no plugin that returns a client certificate.
@@ -15,11 +19,14 @@ lightkube's loader was the other candidate; it accepts exec plugins of ``v1alpha
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import logging
 import os
+import re
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +49,63 @@ class KubeConfigError(KpngError):
     """The configuration names no usable API server or credentials."""
 
 
+CertFiles = tuple[str, str | None]
+"""A client certificate file and its key file (None: the key is in the certificate's file)."""
+Stamp = tuple[tuple[int, int, int, int], ...]
+
+
+def files_stamp(paths: Sequence[str | None]) -> Stamp | None:
+    """What tells that files were rewritten or replaced (renamed over, a symlink switched); None
+    if one is missing."""
+    try:
+        stats = [os.stat(path) for path in paths if path is not None]
+    except OSError:
+        return None
+    return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
+
+
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.S)
+
+
+def _der_element(der: bytes, at: int) -> tuple[int, int, int]:
+    """The tag, content start and content end of the DER element at ``at``."""
+    tag, length, at = der[at], der[at + 1], at + 2
+    if length & 0x80:
+        size = length & 0x7F
+        length, at = int.from_bytes(der[at : at + size], "big"), at + size
+    if at + length > len(der):
+        raise ValueError("truncated")
+    return tag, at, at + length
+
+
+def certificate_not_after(pem: bytes) -> datetime.datetime | None:
+    """The end of the first certificate in ``pem``; None if it cannot be read. The standard
+    library decodes only the certificates of peers, hence this walk through the DER
+    (Certificate > TBSCertificate > [version], serial, algorithm, issuer, Validity)."""
+    found = _PEM_CERT.search(pem)
+    try:
+        if found is None:
+            return None
+        der = base64.b64decode(b"".join(found.group(1).split()), validate=True)
+        _, start, _ = _der_element(der, 0)
+        _, at, _ = _der_element(der, start)
+        if _der_element(der, at)[0] == 0xA0:  # [0] version, absent in v1 certificates
+            at = _der_element(der, at)[2]
+        for _skipped in ("serial", "algorithm", "issuer"):
+            at = _der_element(der, at)[2]
+        _, validity, _ = _der_element(der, at)
+        not_before_end = _der_element(der, validity)[2]
+        tag, start, end = _der_element(der, not_before_end)
+        text = der[start:end].decode("ascii")
+        if tag == 0x17:  # UTCTime: YYMMDDHHMMSSZ, years 1950-2049
+            text = ("19" if int(text[:2]) >= 50 else "20") + text
+        elif tag != 0x18:  # GeneralizedTime: YYYYMMDDHHMMSSZ
+            return None
+        return datetime.datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=datetime.UTC)
+    except (IndexError, ValueError, binascii.Error):
+        return None
+
+
 @dataclass
 class Connection:
     """An API server and the credentials to use with it."""
@@ -57,6 +121,10 @@ class Connection:
     _loader: KubeConfigLoader | None
 
     _exec_rejected: bool = False
+    _cert_files: CertFiles | None = None
+    """Where ssl_context's client certificate came from, and the files' stamp then."""
+    _cert_stamp: Stamp | None = None
+    _cert_failing: bool = False
 
     async def authorization(self) -> str | None:
         """The Authorization header value. An exec plugin runs again only when its token has
@@ -75,6 +143,37 @@ class Connection:
         """The server answered 401: the next request gets a fresh token from an exec plugin."""
         self._exec_rejected = True
 
+    def refresh_client_certificate(self) -> None:
+        """Before each request (after ``authorization()``, which may run an exec plugin again):
+        a new ``ssl_context`` if the client certificate's files changed or the plugin reported
+        new ones. A certificate that cannot be loaded leaves the previous one in use, with one
+        warning until a load succeeds; it is tried again each request, as it may be caught
+        mid-rotation."""
+        files = self._client_cert_files()
+        if files is None or self.ssl_context is None:
+            return
+        stamp = files_stamp(files)
+        if not self._cert_failing and files == self._cert_files and stamp == self._cert_stamp:
+            return
+        try:
+            context = _ssl_context(self._configuration, files, self.source)
+        except KubeConfigError as exc:
+            if not self._cert_failing:
+                log.warning("%s; keeping the previous client certificate meanwhile", exc)
+            self._cert_failing = True
+            return
+        self.ssl_context = context
+        self._cert_files, self._cert_stamp, self._cert_failing = files, stamp, False
+        log.info("new client certificate in use: %s", _describe_certificate(files[0]))
+
+    def _client_cert_files(self) -> CertFiles | None:
+        # The loader, not the configuration it filled once: an exec plugin run again puts the
+        # new certificate's (temporary) files there.
+        holder: object = self._loader if self._loader is not None else self._configuration
+        cert: str | None = getattr(holder, "cert_file", None)
+        key: str | None = getattr(holder, "key_file", None)
+        return (cert, key) if cert else None
+
     def _exec_expired(self) -> bool:
         expiry = getattr(self._loader, "exec_plugin_expiry", None)
         return isinstance(expiry, datetime.datetime) and expiry <= datetime.datetime.now(
@@ -86,7 +185,17 @@ class Connection:
         return user is not None and "exec" in user
 
 
-def _ssl_context(configuration: Configuration, source: str) -> ssl.SSLContext | None:
+def _describe_certificate(path: str) -> str:
+    try:
+        not_after = certificate_not_after(Path(path).read_bytes())
+    except OSError:
+        not_after = None
+    return f"{path}, valid until {not_after:%Y-%m-%d %H:%M:%S} UTC" if not_after else path
+
+
+def _ssl_context(
+    configuration: Configuration, cert_files: CertFiles | None, source: str
+) -> ssl.SSLContext | None:
     if not str(configuration.host).startswith("https://"):
         return None
     try:
@@ -94,8 +203,8 @@ def _ssl_context(configuration: Configuration, source: str) -> ssl.SSLContext | 
         if not configuration.verify_ssl:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        if configuration.cert_file:
-            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        if cert_files is not None:
+            context.load_cert_chain(*cert_files)
     except (OSError, ssl.SSLError) as exc:
         raise KubeConfigError(f"{source}: cannot load its certificates: {exc}") from None
     return context
@@ -107,15 +216,20 @@ def _connection(
     host = str(configuration.host or "").rstrip("/")
     if not host.startswith(("https://", "http://")):
         raise KubeConfigError(f"{source}: no API server address (cluster.server)")
-    return Connection(
+    connection = Connection(
         server=host,
-        ssl_context=_ssl_context(configuration, source),
+        ssl_context=None,
         tls_server_name=getattr(configuration, "tls_server_name", None) or None,
         proxy=configuration.proxy or None,
         source=source,
         _configuration=configuration,
         _loader=loader,
     )
+    files = connection._client_cert_files()
+    # Stamped before loading: files rewritten meanwhile are loaded again at the first request.
+    connection._cert_files, connection._cert_stamp = files, files_stamp(files or ())
+    connection.ssl_context = _ssl_context(configuration, files, source)
+    return connection
 
 
 async def _from_kubeconfig(paths: str, context: str | None) -> Connection:

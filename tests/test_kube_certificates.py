@@ -1,0 +1,127 @@
+"""Client certificate rotation without an API server: change detection, reloading, notAfter.
+(Against a real one: tests/test_kube_apiserver.py, test_client_certificate_files_rotated.)"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from kpng.sources.kube.config import (
+    Connection,
+    certificate_not_after,
+    files_stamp,
+    load_connection,
+)
+from kpng.testing.cluster import ClientCert, Pki, issue_client_cert, make_pki
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _replace(path: Path, content: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(content)
+    os.replace(tmp, path)
+
+
+def test_a_stamp_changes_when_a_file_is_rewritten_or_replaced(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"one")
+    b.write_bytes(b"two")
+    stamp = files_stamp([str(a), str(b), None])
+    assert stamp is not None
+    assert files_stamp([str(a), str(b)]) == stamp
+    _replace(b, b"two")  # same content, another inode
+    assert files_stamp([str(a), str(b)]) != stamp
+    stamp = files_stamp([str(a), str(b)])
+    a.write_bytes(b"three")
+    assert files_stamp([str(a), str(b)]) != stamp
+    assert files_stamp([str(a), str(tmp_path / "missing")]) is None
+
+
+def test_not_after_of_the_first_certificate(pki: Pki) -> None:
+    short = issue_client_cert(pki, valid_for=datetime.timedelta(seconds=30))
+    assert certificate_not_after(short.cert_pem) == short.not_after
+    chain = b"leading text\n" + short.cert_pem + pki.ca_cert.read_bytes()
+    assert certificate_not_after(chain) == short.not_after
+    # GeneralizedTime: years from 2050 on
+    far = issue_client_cert(pki, valid_for=datetime.timedelta(days=365 * 30))
+    assert certificate_not_after(far.cert_pem) == far.not_after
+    assert certificate_not_after(b"") is None
+    assert (
+        certificate_not_after(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----")
+        is None
+    )
+    assert certificate_not_after(short.key_pem) is None
+
+
+def _connection(pki: Pki, cert: Path, key: Path, tmp_path: Path) -> Connection:
+    kubeconfig = tmp_path / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": "https://127.0.0.1:6443",
+                    "certificate-authority": str(pki.ca_cert),
+                },
+            }
+        ],
+        "users": [{"name": "u", "user": {"client-certificate": str(cert), "client-key": str(key)}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }
+    kubeconfig.write_text(json.dumps(config))
+    return asyncio.run(load_connection(kubeconfig, environ={}))
+
+
+def _write(cert: Path, key: Path, issued: ClientCert) -> None:
+    _replace(cert, issued.cert_pem)
+    _replace(key, issued.key_pem)
+
+
+def test_certificate_files_are_reloaded_when_they_change(
+    pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cert, key = tmp_path / "client.crt", tmp_path / "client.key"
+    _write(cert, key, issue_client_cert(pki))
+    connection = _connection(pki, cert, key, tmp_path)
+    first = connection.ssl_context
+    assert first is not None
+    connection.refresh_client_certificate()
+    assert connection.ssl_context is first  # unchanged files: nothing loaded
+
+    caplog.set_level(logging.INFO, logger="kpng.sources.kube.config")
+    fresh = issue_client_cert(pki)
+    _replace(cert, fresh.cert_pem)  # the key not yet: they do not match
+    connection.refresh_client_certificate()
+    connection.refresh_client_certificate()
+    assert connection.ssl_context is first
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+
+    _replace(key, fresh.key_pem)
+    connection.refresh_client_certificate()
+    assert connection.ssl_context is not first
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [
+        f"new client certificate in use: {cert}, "
+        f"valid until {fresh.not_after:%Y-%m-%d %H:%M:%S} UTC"
+    ]
+    second = connection.ssl_context
+    connection.refresh_client_certificate()
+    assert connection.ssl_context is second
+
+    key.unlink()  # mid-rotation by delete and write: the loaded certificate stays
+    connection.refresh_client_certificate()
+    assert connection.ssl_context is second
