@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import pytest
 
 from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
 from kpng.testing import kubeapi as k
-from kpng.testing.cluster import ControlPlane, ensure_binaries
+from kpng.testing.cluster import ControlPlane, ensure_binaries, issue_client_cert
 from kpng.testing.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest, View
 from tests.waiting import eventually
@@ -496,6 +497,134 @@ def test_exec_credential_plugin(
     async def scenario() -> None:
         async with KpngUnderTest.start(kubeconfig, namespace=ns) as kpng:
             await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+
+    run(scenario)
+
+
+# Watches end every 1-2 s, so that requests made with a new certificate come soon.
+ROTATING = ReflectorSettings(watch_timeout_s=1, backoff=FAST.backoff)
+SHORT_LIVED = datetime.timedelta(seconds=8)
+
+
+def _kubeconfig(plane: ControlPlane, path: Path, user: dict[str, Any]) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": plane.server,
+                    "certificate-authority": str(plane.pki.ca_cert),
+                },
+            }
+        ],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _replace(path: Path, content: bytes) -> None:
+    """As rotators do: the new file is renamed over the old one, never seen half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(content)
+    os.replace(tmp, path)
+
+
+async def _past(moment: datetime.datetime, margin_s: float) -> None:
+    delay = (moment - datetime.datetime.now(datetime.UTC)).total_seconds() + margin_s
+    await asyncio.sleep(max(0.0, delay))
+
+
+def test_client_certificate_files_rotated(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
+) -> None:
+    """The kubeconfig names client certificate and key files that a rotator rewrites before the
+    certificate expires (kubelet's kubelet-client-current.pem, cert-manager): kpng goes on past
+    the first certificate's end."""
+    ns = kube_namespace
+    cert, key = tmp_path / "client.crt", tmp_path / "client.key"
+    first = issue_client_cert(control_plane.pki, valid_for=SHORT_LIVED)
+    _replace(cert, first.cert_pem)
+    _replace(key, first.key_pem)
+    kubeconfig = _kubeconfig(
+        control_plane,
+        tmp_path / "kubeconfig",
+        {"client-certificate": str(cert), "client-key": str(key)},
+    )
+    kube_api.create(k.service("before", ns))
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(kubeconfig, namespace=ns, settings=ROTATING) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/before": ()})
+            fresh = issue_client_cert(control_plane.pki)
+            _replace(cert, fresh.cert_pem)
+            _replace(key, fresh.key_pem)
+            # Past the first certificate's end and the watches opened before it.
+            await _past(first.not_after, 3.0)
+            await call(kube_api.create, k.service("after", ns))
+            await kpng.wait_for(lambda v: f"{ns}/after" in v)
+
+    run(scenario)
+
+
+_CERT_PLUGIN = """
+import pathlib, sys
+runs = pathlib.Path(sys.argv[1])
+n = int(runs.read_text()) if runs.exists() else 0
+runs.write_text(str(n + 1))
+print(pathlib.Path(sys.argv[2 if n == 0 else 3]).read_text())
+"""
+
+
+def test_exec_plugin_client_certificate_renewed(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
+) -> None:
+    """An exec plugin that returns a client certificate, short-lived on its first run and fresh
+    on later ones: once the server rejects the first, kpng runs the plugin again and uses the
+    certificate it gets."""
+    ns = kube_namespace
+    first = issue_client_cert(control_plane.pki, valid_for=SHORT_LIVED)
+    fresh = issue_client_cert(control_plane.pki)
+    credentials = []
+    for name, issued in (("first", first), ("fresh", fresh)):
+        path = tmp_path / f"{name}.json"
+        status = {
+            "clientCertificateData": issued.cert_pem.decode(),
+            "clientKeyData": issued.key_pem.decode(),
+        }
+        credential = {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "kind": "ExecCredential",
+            "status": status,
+        }
+        path.write_text(json.dumps(credential))
+        credentials.append(str(path))
+    runs = tmp_path / "runs"
+    kubeconfig = _kubeconfig(
+        control_plane,
+        tmp_path / "kubeconfig",
+        {
+            "exec": {
+                "apiVersion": "client.authentication.k8s.io/v1",
+                "command": sys.executable,
+                "args": ["-c", _CERT_PLUGIN, str(runs), *credentials],
+                "interactiveMode": "Never",
+            }
+        },
+    )
+    kube_api.create(k.service("before", ns))
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(kubeconfig, namespace=ns, settings=ROTATING) as kpng:
+            await kpng.wait_for(lambda v: v == {f"{ns}/before": ()})
+            await _past(first.not_after, 3.0)
+            await call(kube_api.create, k.service("after", ns))
+            await kpng.wait_for(lambda v: f"{ns}/after" in v)
+        assert int(runs.read_text()) >= 2
 
     run(scenario)
 
