@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import logging
 import os
@@ -14,7 +13,6 @@ import pytest
 
 from kpng.sources.kube.config import (
     Connection,
-    certificate_not_after,
     files_stamp,
     load_connection,
 )
@@ -45,22 +43,6 @@ def test_a_stamp_changes_when_a_file_is_rewritten_or_replaced(tmp_path: Path) ->
     a.write_bytes(b"three")
     assert files_stamp([str(a), str(b)]) != stamp
     assert files_stamp([str(a), str(tmp_path / "missing")]) is None
-
-
-def test_not_after_of_the_first_certificate(pki: Pki) -> None:
-    short = issue_client_cert(pki, valid_for=datetime.timedelta(seconds=30))
-    assert certificate_not_after(short.cert_pem) == short.not_after
-    chain = b"leading text\n" + short.cert_pem + pki.ca_cert.read_bytes()
-    assert certificate_not_after(chain) == short.not_after
-    # GeneralizedTime: years from 2050 on
-    far = issue_client_cert(pki, valid_for=datetime.timedelta(days=365 * 30))
-    assert certificate_not_after(far.cert_pem) == far.not_after
-    assert certificate_not_after(b"") is None
-    assert (
-        certificate_not_after(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----")
-        is None
-    )
-    assert certificate_not_after(short.key_pem) is None
 
 
 def _connection(pki: Pki, cert: Path, key: Path, tmp_path: Path) -> Connection:
@@ -114,10 +96,7 @@ def test_certificate_files_are_reloaded_when_they_change(
     connection.refresh_client_certificate()
     assert connection.ssl_context is not first
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos == [
-        f"new client certificate in use: {cert}, "
-        f"valid until {fresh.not_after:%Y-%m-%d %H:%M:%S} UTC"
-    ]
+    assert infos == [f"new client certificate in use: {cert}"]
     second = connection.ssl_context
     connection.refresh_client_certificate()
     assert connection.ssl_context is second

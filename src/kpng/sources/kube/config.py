@@ -19,12 +19,9 @@ lightkube's loader was the other candidate; it accepts exec plugins of ``v1alpha
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime
 import logging
 import os
-import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,48 +59,6 @@ def files_stamp(paths: Sequence[str | None]) -> Stamp | None:
     except OSError:
         return None
     return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
-
-
-_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.S)
-
-
-def _der_element(der: bytes, at: int) -> tuple[int, int, int]:
-    """The tag, content start and content end of the DER element at ``at``."""
-    tag, length, at = der[at], der[at + 1], at + 2
-    if length & 0x80:
-        size = length & 0x7F
-        length, at = int.from_bytes(der[at : at + size], "big"), at + size
-    if at + length > len(der):
-        raise ValueError("truncated")
-    return tag, at, at + length
-
-
-def certificate_not_after(pem: bytes) -> datetime.datetime | None:
-    """The end of the first certificate in ``pem``; None if it cannot be read. The standard
-    library decodes only the certificates of peers, hence this walk through the DER
-    (Certificate > TBSCertificate > [version], serial, algorithm, issuer, Validity)."""
-    found = _PEM_CERT.search(pem)
-    try:
-        if found is None:
-            return None
-        der = base64.b64decode(b"".join(found.group(1).split()), validate=True)
-        _, start, _ = _der_element(der, 0)
-        _, at, _ = _der_element(der, start)
-        if _der_element(der, at)[0] == 0xA0:  # [0] version, absent in v1 certificates
-            at = _der_element(der, at)[2]
-        for _skipped in ("serial", "algorithm", "issuer"):
-            at = _der_element(der, at)[2]
-        _, validity, _ = _der_element(der, at)
-        not_before_end = _der_element(der, validity)[2]
-        tag, start, end = _der_element(der, not_before_end)
-        text = der[start:end].decode("ascii")
-        if tag == 0x17:  # UTCTime: YYMMDDHHMMSSZ, years 1950-2049
-            text = ("19" if int(text[:2]) >= 50 else "20") + text
-        elif tag != 0x18:  # GeneralizedTime: YYYYMMDDHHMMSSZ
-            return None
-        return datetime.datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=datetime.UTC)
-    except (IndexError, ValueError, binascii.Error):
-        return None
 
 
 @dataclass
@@ -164,7 +119,7 @@ class Connection:
             return
         self.ssl_context = context
         self._cert_files, self._cert_stamp, self._cert_failing = files, stamp, False
-        log.info("new client certificate in use: %s", _describe_certificate(files[0]))
+        log.info("new client certificate in use: %s", files[0])
 
     def _client_cert_files(self) -> CertFiles | None:
         # The loader, not the configuration it filled once: an exec plugin run again puts the
@@ -183,14 +138,6 @@ class Connection:
     def _has_exec_plugin(self) -> bool:
         user = getattr(self._loader, "_user", None)
         return user is not None and "exec" in user
-
-
-def _describe_certificate(path: str) -> str:
-    try:
-        not_after = certificate_not_after(Path(path).read_bytes())
-    except OSError:
-        not_after = None
-    return f"{path}, valid until {not_after:%Y-%m-%d %H:%M:%S} UTC" if not_after else path
 
 
 def _ssl_context(
