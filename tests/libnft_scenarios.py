@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -29,9 +28,7 @@ from kpng.backends.nft.nftables import (
     Transaction,
 )
 from kpng.backends.registry import NodeState
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
-from tests.nft_services import generate
+from tests.nft_services import churn
 
 T = Table("inet", "libnft-test")
 CHANGES_OPTIONS = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
@@ -117,23 +114,7 @@ async def serve() -> object:
 def change_states() -> list[NodeState]:
     """Generated services of every shape, then 20 states of random changes to 25 of them (the
     same every time)."""
-    rng = random.Random(4)
-    pool, variants = generate(300, seed=4), generate(300, seed=104)
-    keys = sorted(pool)
-    services: dict[ServiceKey, ServiceEndpoints] = {}
-    states = [state(1, services)]
-    for revision in range(2, 22):
-        updated, deleted = set(), set()
-        for key in rng.sample(keys, 25):
-            if key in services and rng.random() < 0.3:
-                del services[key]
-                deleted.add(key)
-                updated.discard(key)
-            else:
-                services[key] = rng.choice([pool, variants])[key]
-                updated.add(key)
-        states.append(state(revision, services, updated, deleted))
-    return states
+    return churn(300, seed=4, revisions=21, per_revision=25)
 
 
 class RecordingLibNft(LibNft):
@@ -160,21 +141,6 @@ async def changes() -> object:
         await backend.apply(s)
     await backend.close()
     return nft.errors
-
-
-def state(
-    revision: int,
-    services: dict[ServiceKey, ServiceEndpoints],
-    updated: set[ServiceKey] | None = None,
-    deleted: set[ServiceKey] | None = None,
-) -> NodeState:
-    return NodeState(
-        node="n1",
-        revision=revision,
-        services=dict(services),
-        updated=frozenset(services if updated is None else updated),
-        deleted=frozenset(deleted or ()),
-    )
 
 
 SCENARIOS: dict[str, Callable[..., Coroutine[Any, Any, object]]] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+from kpng.client import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
@@ -24,6 +25,7 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
+from tests.states import keyed_state
 
 _SCOPES = [
     EndpointScopes(Internal=True, External=True, Cluster=True),
@@ -112,3 +114,26 @@ def generate(count: int, *, seed: int = 1) -> dict[ServiceKey, ServiceEndpoints]
             )
         out[(service.Namespace, service.Name)] = ServiceEndpoints(service, tuple(endpoints))
     return out
+
+
+def churn(services: int, *, seed: int, revisions: int, per_revision: int) -> list[NodeState]:
+    """An empty first state, then ``revisions - 1`` states that each add, change (to the same
+    key's shape in another generation) or delete ``per_revision`` random services of
+    ``generate(services)``; the same every time for a seed."""
+    rng = random.Random(seed)
+    pool, variants = generate(services, seed=seed), generate(services, seed=seed + 100)
+    keys = sorted(pool)
+    current: dict[ServiceKey, ServiceEndpoints] = {}
+    states = [keyed_state(1, current)]
+    for revision in range(2, revisions + 1):
+        updated, deleted = set(), set()
+        for key in rng.sample(keys, per_revision):
+            if key in current and rng.random() < 0.3:
+                del current[key]
+                deleted.add(key)
+                updated.discard(key)
+            else:
+                current[key] = rng.choice([pool, variants])[key]
+                updated.add(key)
+        states.append(keyed_state(revision, current, updated, deleted))
+    return states

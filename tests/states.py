@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kpng.client import NodeState
 from kpng.model.cluster import ServiceKey
@@ -81,3 +81,19 @@ def many(count: int) -> dict[str, ServiceEndpoints]:
         f"svc-{i:05d}": entry(f"svc-{i:05d}", (f"10.244.{i // 250}.{i % 250 + 1}", "10.245.0.1"))
         for i in range(count)
     }
+
+
+def keyed_state(
+    revision: int,
+    services: Mapping[ServiceKey, ServiceEndpoints],
+    updated: Iterable[ServiceKey] | None = None,
+    deleted: Iterable[ServiceKey] = (),
+) -> NodeState:
+    """A state of ``services`` by key, for node ``n1``; every one updated by default."""
+    return NodeState(
+        node="n1",
+        revision=revision,
+        services=dict(services),
+        updated=frozenset(services if updated is None else updated),
+        deleted=frozenset(deleted),
+    )

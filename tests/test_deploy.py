@@ -47,17 +47,6 @@ def _service_account_token(api: KubeApi, namespace: str, name: str) -> str:
     return token
 
 
-def _kubeconfig_with_token(plane: ControlPlane, token: str, path: Path) -> Path:
-    config = yaml.safe_load(plane.kubeconfig.read_text())
-    context = next(c for c in config["contexts"] if c["name"] == "kpng")["context"]
-    config["current-context"] = "kpng"
-    for user in config["users"]:
-        if user["name"] == context["user"]:
-            user["user"] = {"token": token}
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 @pytest.fixture
 def kpng_account(control_plane: ControlPlane, kube_api: KubeApi) -> str:
     """The token of deploy/rbac.yaml's service account, the file applied."""
@@ -80,7 +69,12 @@ def test_kpng_kube_runs_with_the_deployed_rights(
     kube_api.create(k.node(f"{ns}-node", zone="zone-a"))
     kube_api.create(k.service("web", ns))
     kube_api.create(k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.8.0.1")]))
-    kubeconfig = _kubeconfig_with_token(control_plane, kpng_account, tmp_path / "kubeconfig")
+    kubeconfig = k.write_kubeconfig(
+        tmp_path / "kubeconfig",
+        server=control_plane.server,
+        ca=control_plane.pki.ca_cert,
+        user={"token": kpng_account},
+    )
 
     async def scenario() -> None:
         async with KpngUnderTest.start(kubeconfig, node_name=f"{ns}-node", namespace=ns) as kpng:

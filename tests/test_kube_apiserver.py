@@ -507,24 +507,7 @@ SHORT_LIVED = datetime.timedelta(seconds=8)
 
 
 def _kubeconfig(plane: ControlPlane, path: Path, user: dict[str, Any]) -> Path:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "c",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {
-                    "server": plane.server,
-                    "certificate-authority": str(plane.pki.ca_cert),
-                },
-            }
-        ],
-        "users": [{"name": "u", "user": user}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }
-    path.write_text(json.dumps(config))
-    return path
+    return k.write_kubeconfig(path, server=plane.server, ca=plane.pki.ca_cert, user=user)
 
 
 def _replace(path: Path, content: bytes) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from kpng.sources.kube.config import (
     load_connection,
 )
 from kpng.testing.cluster import ClientCert, Pki, issue_client_cert, make_pki
+from kpng.testing.kubeapi import write_kubeconfig
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +46,12 @@ def test_a_stamp_changes_when_a_file_is_rewritten_or_replaced(tmp_path: Path) ->
 
 
 def _connection(pki: Pki, cert: Path, key: Path, tmp_path: Path) -> Connection:
-    kubeconfig = tmp_path / "kubeconfig"
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "c",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {
-                    "server": "https://127.0.0.1:6443",
-                    "certificate-authority": str(pki.ca_cert),
-                },
-            }
-        ],
-        "users": [{"name": "u", "user": {"client-certificate": str(cert), "client-key": str(key)}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }
-    kubeconfig.write_text(json.dumps(config))
+    kubeconfig = write_kubeconfig(
+        tmp_path / "kubeconfig",
+        server="https://127.0.0.1:6443",
+        ca=pki.ca_cert,
+        user={"client-certificate": str(cert), "client-key": str(key)},
+    )
     return asyncio.run(load_connection(kubeconfig, environ={}))
 
 

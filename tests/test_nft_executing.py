@@ -11,10 +11,9 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
 from kpng.backends.nft.nftables import NftError
 from kpng.testing.netns import available
 from tests import libnft_scenarios as scenarios
+from tests.states import keyed_state
 from tests.test_nft_kernel import _table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,29 +42,6 @@ def _libnft_loads() -> bool:
 
 
 needs_libnft = pytest.mark.skipif(not _libnft_loads(), reason="libnftables.so.1 cannot be loaded")
-
-
-@pytest.fixture
-def namespaces() -> Iterator[Callable[[], str]]:
-    """Makes new, empty network namespaces, all deleted afterwards whatever happens."""
-    made: list[str] = []
-
-    def make() -> str:
-        name = f"nftlib-{secrets.token_hex(3)}"
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        made.append(name)
-        return name
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-@pytest.fixture
-def netns(namespaces: Callable[[], str]) -> str:
-    return namespaces()
 
 
 def _scenario(netns: str, *args: str) -> object:
@@ -175,7 +152,7 @@ def test_one_context_takes_every_incremental_transaction_as_the_nft_command_woul
     changed, fresh = namespaces(), namespaces()
     errors = _scenario(changed, "changes")
     assert errors == [None] * 21
-    last = scenarios.state(1, dict(scenarios.change_states()[-1].services))
+    last = keyed_state(1, scenarios.change_states()[-1].services)
     nft = KernelNft(("ip", "netns", "exec", fresh, "nft"))
     asyncio.run(NftBackend(nft=nft, options=scenarios.CHANGES_OPTIONS).apply(last))
     assert _table(changed) == _table(fresh)

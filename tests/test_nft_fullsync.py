@@ -9,7 +9,6 @@ reaches the same state.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -18,10 +17,10 @@ from kpng.backends.nft.diffing import DiffStore, Touched
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import Options, contribute
 from kpng.backends.nft.nftables import Elements, Operation, Transaction
-from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
-from tests.nft_services import generate
+from tests.nft_services import churn, generate
+from tests.states import keyed_state
 
 OPTIONS = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
 
@@ -43,22 +42,6 @@ def _store(services: dict[ServiceKey, ServiceEndpoints]) -> DiffStore:
     for key, se in services.items():
         store.update(key, contribute(se), touched)
     return store
-
-
-def _state(
-    revision: int,
-    services: dict[ServiceKey, ServiceEndpoints],
-    *,
-    updated: set[ServiceKey] | None = None,
-    deleted: set[ServiceKey] | None = None,
-) -> NodeState:
-    return NodeState(
-        node="n1",
-        revision=revision,
-        services=dict(services),
-        updated=frozenset(services if updated is None else updated),
-        deleted=frozenset(deleted or ()),
-    )
 
 
 def test_full_sync_renders_exactly_what_the_typed_transaction_renders() -> None:
@@ -92,28 +75,14 @@ def test_incremental_changes_reach_the_table_a_full_sync_writes(seed: int) -> No
     """Services added, changed and deleted in random batches, on one backend; a second backend
     programs the final state in one full sync: both tables must be equal, element for element,
     shared and conflicting elements included."""
-    rng = random.Random(seed)
-    pool = generate(600, seed=seed)
-    variants = generate(600, seed=seed + 100)  # the same keys, other shapes
-    keys = sorted(pool)
+    states = churn(600, seed=seed, revisions=39, per_revision=40)
 
     async def scenario() -> None:
         nft, fresh = FakeNft(), FakeNft()
         backend = NftBackend(nft=nft, options=OPTIONS)
-        services: dict[ServiceKey, ServiceEndpoints] = {}
-        await backend.apply(_state(1, services))
-        for revision in range(2, 40):
-            updated, deleted = set(), set()
-            for key in rng.sample(keys, 40):
-                if key in services and rng.random() < 0.3:
-                    del services[key]
-                    deleted.add(key)
-                    updated.discard(key)
-                else:
-                    services[key] = rng.choice([pool, variants])[key]
-                    updated.add(key)
-            await backend.apply(_state(revision, services, updated=updated, deleted=deleted))
-        await NftBackend(nft=fresh, options=OPTIONS).apply(_state(1, services))
+        for state in states:
+            await backend.apply(state)
+        await NftBackend(nft=fresh, options=OPTIONS).apply(keyed_state(1, states[-1].services))
         assert nft.dump() == fresh.dump()
         # One full sync, then incremental transactions only: none was refused.
         assert len(nft.transactions) == 39
@@ -127,10 +96,10 @@ def test_services_sent_again_unchanged_cost_no_operation() -> None:
         nft = FakeNft()
         backend = NftBackend(nft=nft, options=OPTIONS)
         services = generate(300, seed=9)
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         # A client that reconnects is sent every service again, as equal copies.
         copies = {key: ServiceEndpoints(se.service, se.endpoints) for key, se in services.items()}
-        await backend.apply(_state(2, copies))
+        await backend.apply(keyed_state(2, copies))
         assert len(nft.transactions[-1]) == 0
 
     asyncio.run(scenario())

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import Options
 from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
-from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
@@ -38,37 +35,13 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing.netns import ClusterSpec, TestBed, available, wait_until
-from tests.nft_services import generate
+from tests.nft_services import churn, generate
+from tests.states import keyed_state
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
 WEB: ServiceKey = ("ns", "web")
-
-
-@pytest.fixture
-def namespaces() -> Iterator[Callable[[], str]]:
-    """Makes new, empty network namespaces (loopback up), all deleted afterwards whatever
-    happens."""
-    made: list[str] = []
-
-    def make() -> str:
-        name = f"kpng-kt-{secrets.token_hex(3)}"
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        made.append(name)
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        return name
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-@pytest.fixture
-def netns(namespaces: Callable[[], str]) -> str:
-    return namespaces()
 
 
 def _nft(netns: str) -> KernelNft:
@@ -154,29 +127,13 @@ def _ep(addr: str) -> Endpoint:
     )
 
 
-def _state(
-    revision: int,
-    services: dict[ServiceKey, ServiceEndpoints],
-    *,
-    updated: set[ServiceKey] | None = None,
-    deleted: set[ServiceKey] | None = None,
-) -> NodeState:
-    return NodeState(
-        node="n1",
-        revision=revision,
-        services=dict(services),
-        updated=frozenset(services if updated is None else updated),
-        deleted=frozenset(deleted or ()),
-    )
-
-
 def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     async def scenario() -> None:
         backend = NftBackend(nft=_nft(netns), options=Options())
         services = {WEB: ServiceEndpoints(_service(affinity=60), (_ep("10.244.1.2"),))}
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
-        await backend.apply(_state(2, services, updated={WEB}))
+        await backend.apply(keyed_state(2, services, updated={WEB}))
         await backend.close()
 
     asyncio.run(scenario())
@@ -199,14 +156,14 @@ def test_kernel_takes_affinity_endpoint_changes_incrementally(
         backend = NftBackend(nft=nft, options=Options())
         for revision, eps in enumerate(revisions, 1):
             services = {WEB: ServiceEndpoints(_service(affinity=60, node_port=30080), eps)}
-            await backend.apply(_state(revision, services, updated={WEB}))
+            await backend.apply(keyed_state(revision, services, updated={WEB}))
         await backend.close()
         assert [str(err) for _, err in nft.runs if err is not None] == []
         assert len(nft.runs) == len(revisions)
 
     asyncio.run(scenario())
     last = {WEB: ServiceEndpoints(_service(affinity=60, node_port=30080), revisions[-1])}
-    asyncio.run(NftBackend(nft=_nft(fresh), options=Options()).apply(_state(1, last)))
+    asyncio.run(NftBackend(nft=_nft(fresh), options=Options()).apply(keyed_state(1, last)))
     assert _table(changed) == _table(fresh)
 
 
@@ -251,36 +208,23 @@ def test_kernel_takes_every_incremental_transaction_and_ends_as_a_full_sync(
 ) -> None:
     """Random changes to generated services of every shape: the kernel refuses none of the
     incremental transactions, and the table ends as one full sync of the last state writes it."""
-    rng = random.Random(4)
-    pool, variants = generate(300, seed=4), generate(300, seed=104)
-    keys = sorted(pool)
+    states = churn(300, seed=4, revisions=21, per_revision=25)
     options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
     changed, fresh = namespaces(), namespaces()
 
-    async def scenario() -> dict[ServiceKey, ServiceEndpoints]:
+    async def scenario() -> None:
         nft = RecordingNft(changed)
         backend = NftBackend(nft=nft, options=options)
-        services: dict[ServiceKey, ServiceEndpoints] = {}
-        await backend.apply(_state(1, services))
-        for revision in range(2, 22):
-            updated, deleted = set(), set()
-            for key in rng.sample(keys, 25):
-                if key in services and rng.random() < 0.3:
-                    del services[key]
-                    deleted.add(key)
-                    updated.discard(key)
-                else:
-                    services[key] = rng.choice([pool, variants])[key]
-                    updated.add(key)
-            await backend.apply(_state(revision, services, updated=updated, deleted=deleted))
+        for state in states:
+            await backend.apply(state)
         await backend.close()
         refused = [(tx.render()[:200], str(err)) for tx, err in nft.runs if err is not None]
         assert refused == []
         assert len(nft.runs) == 21
-        return services
 
-    services = asyncio.run(scenario())
-    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, services)))
+    asyncio.run(scenario())
+    last = keyed_state(1, states[-1].services)
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(last))
     assert _table(changed) == _table(fresh)
 
 
@@ -387,13 +331,13 @@ def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_re
 
         backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
         services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         before = _table(netns)
         nft.fail_next = True
         services[db] = ServiceEndpoints(
             _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
         )
-        assert await backend.apply(_state(2, services, updated={db})) is False
+        assert await backend.apply(keyed_state(2, services, updated={db})) is False
         assert nft.runs[-1][1] is not None  # refused...
         assert _table(netns) == before  # ...and nothing of it applied
         gate.set()
@@ -442,12 +386,12 @@ def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_program
 
     async def scenario() -> None:
         backend = NftBackend(nft=SctpLessKernelNft(refusing), options=options)
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         await backend.close()
 
     asyncio.run(scenario())
     rest = {key: se for key, se in services.items() if key not in sctp}
-    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(_state(1, rest)))
+    asyncio.run(NftBackend(nft=_nft(fresh), options=options).apply(keyed_state(1, rest)))
     assert _table(refusing) == _table(fresh)
     left_out = {
         r.getMessage().split(":")[0].removeprefix("service ")
@@ -477,7 +421,7 @@ def test_kernel_takes_overlapping_source_ranges(netns: str) -> None:
     )
     nft = RecordingNft(netns)
     services = {("ns", "lb"): ServiceEndpoints(lb, (_ep("10.244.1.2"),))}
-    asyncio.run(NftBackend(nft=nft, options=Options()).apply(_state(1, services)))
+    asyncio.run(NftBackend(nft=nft, options=Options()).apply(keyed_state(1, services)))
     assert [error for _, error in nft.runs] == [None]
     allowed = _ruleset(netns).split("set firewall-allow-v4")[1].split("}")[0]
     assert "10.0.0.0/8" in allowed

@@ -11,6 +11,7 @@ import http.client
 import json
 import ssl
 import threading
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,6 +25,23 @@ _COLLECTIONS = {
     "Node": ("/api/v1", "nodes", False),
     "Namespace": ("/api/v1", "namespaces", False),
 }
+
+
+def write_kubeconfig(path: Path, *, server: str, ca: Path, user: Obj) -> Path:
+    """A kubeconfig of one context: ``server`` verified with ``ca``, credentials ``user`` (e.g.
+    ``{"token": T}`` or ``{"client-certificate": F, "client-key": K}``)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "clusters": [
+            {"name": "c", "cluster": {"server": server, "certificate-authority": str(ca)}}
+        ],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }
+    path.write_text(json.dumps(config))
+    return path
 
 
 class ApiError(Exception):
