@@ -434,3 +434,35 @@ def test_a_backend_retrying_on_its_own_is_pending_since_its_own_clock() -> None:
         assert status.verdict().healthy
 
     asyncio.run(scenario())
+
+
+def test_to_api_reports_its_watches(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    socket_path = tmp_path / "api.sock"
+    argv = ["file", "--input", str(EXAMPLE), "to-api", "--listen", f"unix://{socket_path}"]
+    log = tmp_path / "kpng.log"
+    server = _start(kpng_command, subprocess_env, argv, log, port)
+    out = tmp_path / "state.json"
+    local = f"local --api unix://{socket_path} --node-name node-2 to-json --output {out}"
+    client = subprocess.Popen(
+        [*kpng_command, *local.split()], stderr=subprocess.DEVNULL, env=subprocess_env
+    )
+    watches = ("kpng_api_watches", (("state", "local"),))
+    try:
+        _wait(lambda: out.exists() and out.stat().st_size > 0, "the client's first state")
+        samples = _metrics(f"{base}/metrics")
+        assert samples[watches] == 1
+        assert samples[("kpng_api_change_sets_total", (("state", "local"),))] >= 1
+        assert samples[("kpng_api_watches", (("state", "global"),))] == 0
+        assert _get(f"{base}/healthz")[0] == 200  # no backends: synced sources are enough
+        client.terminate()
+        client.wait(timeout=WAIT_S)
+        _wait(lambda: _metrics(f"{base}/metrics")[watches] == 0, "the watch to close")
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        _stop(server, log)

@@ -132,12 +132,24 @@ def _batches(ops: list[bytes]) -> Iterator[bytes]:
         yield codec.op_batch(chunk)
 
 
+@dataclass
+class WatchStats:
+    """What the watch API is serving, for ``/metrics``: watches open now and change sets sent,
+    of node-local state (localv1 and batchv1 Watch) and of the global state."""
+
+    local_watches: int = 0
+    global_watches: int = 0
+    local_change_sets: int = 0
+    global_change_sets: int = 0
+
+
 class WatchServer:
     """The three watch services over one Hub."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.hub = Hub(store)
+        self.stats = WatchStats()
         self._encoders: dict[int, Encoders] = {
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
@@ -149,6 +161,7 @@ class WatchServer:
         self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders]
     ) -> AsyncIterator[list[bytes]]:
         view: NodeView | None = None
+        self.stats.local_watches += 1
         try:
             async for request in requests:
                 first = view is None or view.node_name != request.NodeName
@@ -170,8 +183,10 @@ class WatchServer:
                 if first:
                     ops.insert(0, codec.OP_RESET)
                 ops.append(codec.OP_SYNC)
+                self.stats.local_change_sets += 1
                 yield ops
         finally:
+            self.stats.local_watches -= 1
             if view is not None:
                 view.close()
 
@@ -204,6 +219,7 @@ class WatchServer:
     ) -> AsyncIterator[list[bytes]]:
         subscription = self.store.subscribe()
         tracker: GlobalTracker | None = None
+        self.stats.global_watches += 1
         try:
             async for request in requests:
                 first = tracker is None
@@ -227,8 +243,10 @@ class WatchServer:
                 if first:
                     ops.insert(0, codec.OP_RESET)
                 ops.append(codec.OP_SYNC)
+                self.stats.global_change_sets += 1
                 yield ops
         finally:
+            self.stats.global_watches -= 1
             subscription.close()
 
     async def watch_global(

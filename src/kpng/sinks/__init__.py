@@ -11,6 +11,7 @@ from kpng.store import Store
 
 if TYPE_CHECKING:
     from kpng.client import Fanout
+    from kpng.status import Status
 
 Runner = Callable[[], Coroutine[Any, Any, None]]
 
@@ -21,9 +22,10 @@ class SinkSpec:
     """The command word, e.g. ``to-local``."""
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace, Store, Callable[[], Fanout] | None], Runner]
+    create: Callable[[argparse.Namespace, Store, Callable[[], Fanout] | None, Status], Runner]
     """Returns what runs the sink until it is done or cancelled; a sink that takes backends gets
-    what makes the ones named on the command line."""
+    what makes the ones named on the command line. ``Status`` takes what the sink reports for
+    ``/metrics``."""
     takes_backend: bool = False
     node: Callable[[argparse.Namespace], str | None] = lambda _: None
     """The one node this sink needs, if it needs one only (sources may then fetch no other)."""

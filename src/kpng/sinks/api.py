@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kpng.client import Fanout
 from kpng.errors import UsageError
 from kpng.sinks import Runner, SinkSpec
+from kpng.status import Sample, Status
 from kpng.store import Store
+
+if TYPE_CHECKING:
+    from kpng.server.serving import WatchStats
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +40,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None) -> Runner:
+def _create(
+    args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None, status: Status
+) -> Runner:
     # Imported here: grpc and protobuf cost other commands 0.1 s to import.
     from kpng.server import serving
 
@@ -46,7 +54,31 @@ def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | No
         tls = serving.TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
     elif args.tls_ca:
         raise UsageError("--tls-ca needs --tls-cert and --tls-key")
-    return lambda: serving.serve(store, listen=listen, tls=tls, socket_mode=args.socket_mode)
+
+    def started(server: serving.Serving) -> None:
+        status.samplers.append(functools.partial(_samples, server.watch.stats))
+
+    return lambda: serving.serve(
+        store, listen=listen, tls=tls, socket_mode=args.socket_mode, started=started
+    )
+
+
+def _samples(stats: WatchStats) -> Iterator[Sample]:
+    for kind in ("local", "global"):
+        labels = (("state", kind),)
+        yield Sample(
+            "kpng_api_watches",
+            "watches open now, of node-local (localv1, batchv1 Watch) or global state",
+            getattr(stats, f"{kind}_watches"),
+            labels=labels,
+        )
+        yield Sample(
+            "kpng_api_change_sets",
+            "change sets sent to watchers",
+            getattr(stats, f"{kind}_change_sets"),
+            counter=True,
+            labels=labels,
+        )
 
 
 SPEC = SinkSpec(

@@ -15,6 +15,7 @@ from pathlib import Path
 from kpng.client import Fanout
 from kpng.model import dumping
 from kpng.sinks import Runner, SinkSpec
+from kpng.status import Status
 from kpng.store import Store
 
 
@@ -50,7 +51,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="exit 0 after the first dump")
 
 
-def _create(args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None) -> Runner:
+def _create(
+    args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None, __: Status
+) -> Runner:
     return lambda: run_file(store, output=Path(args.output), once=args.once)
 
 

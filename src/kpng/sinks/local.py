@@ -12,6 +12,7 @@ from kpng.backends.registry import Backend, NodeState
 from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
+from kpng.status import Status
 from kpng.store import Delta, Store
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _create(
-    args: argparse.Namespace, store: Store, backends: Callable[[], Fanout] | None
+    args: argparse.Namespace, store: Store, backends: Callable[[], Fanout] | None, _: Status
 ) -> Runner:
     assert backends is not None
 

@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kpng.client import Fanout, Feeder, FeederStats
 from kpng.status.health import Verdict, judge
 from kpng.store import Store
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One value a part of kpng reports for ``/metrics``, in plain types: Prometheus' own are
+    imported only by the commands that serve metrics."""
+
+    name: str
+    help: str
+    value: float
+    counter: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -25,6 +37,8 @@ class Status:
     node: str | None = None
     """The node whose rules this kpng programs (``to-local``): its draining drains kpng too."""
     fanouts: list[Fanout] = field(default_factory=list)
+    samplers: list[Callable[[], Iterable[Sample]]] = field(default_factory=list)
+    """What other parts (the to-api server) report, read at each scrape."""
 
     def track(self, fanout: Fanout) -> Fanout:
         self.fanouts.append(fanout)
@@ -82,4 +96,4 @@ def _with_backend_pending(feeder: Feeder) -> FeederStats:
     return dataclasses.replace(stats, pending_since=own)
 
 
-__all__ = ["Status", "Verdict"]
+__all__ = ["Sample", "Status", "Verdict"]

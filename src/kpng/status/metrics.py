@@ -31,6 +31,19 @@ class _StatusCollector(Collector):
         yield from self._store()
         yield from self._sources()
         yield from self._backends()
+        yield from self._samples()
+
+    def _samples(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for sampler in self._status.samplers:
+            for sample in sampler():
+                family = families.get(sample.name)
+                if family is None:
+                    kind = CounterMetricFamily if sample.counter else GaugeMetricFamily
+                    labels = [name for name, _ in sample.labels]
+                    family = families[sample.name] = kind(sample.name, sample.help, labels=labels)
+                family.add_metric([value for _, value in sample.labels], sample.value)
+        yield from families.values()
 
     def _store(self) -> Iterator[Metric]:
         store = self._status.store
