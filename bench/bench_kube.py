@@ -120,7 +120,7 @@ def fill(plane: ControlPlane, items: list[Obj], deadline: float) -> float:
 # image after exec) to a file. ru_maxrss from wait4 would not do: Linux carries the high-water
 # mark across exec, and a spawned child starts out sharing this (large) process's memory.
 _PROBE = """
-import atexit, runpy, sys
+import atexit, os, runpy, sys
 out = sys.argv[1]
 def hwm():
     for line in open("/proc/self/status"):
@@ -132,6 +132,9 @@ if sys.argv[2] == "-m":
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 else:
     sys.argv = sys.argv[2:]
+    # As `python SCRIPT` does, and run_path does not: the script's directory first on the path
+    # (bench_kube.py imports synthetic.py beside it).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
     runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
