@@ -178,6 +178,9 @@ def test_a_failing_backend_stays_pending_since_its_oldest_unapplied_state() -> N
             await _until(lambda: feeder.stats.applied_revision == 1)
             assert feeder.stats.pending_since is None
             assert feeder.stats.applies == 1
+            # Cumulative buckets: an apply of well under 16 s is in the last one at least.
+            assert feeder.stats.apply_buckets[-1] == 1
+            assert len(feeder.stats.apply_buckets) == len(FeederStats.BUCKETS_S)
             assert feeder.stats.applied_services == 1
 
             backend.failing = True
@@ -342,7 +345,15 @@ def test_healthz_follows_the_state_the_node_and_metrics_count_it(
         assert samples[("kpng_sources_synced", ())] == 1
         assert samples[("kpng_store_objects", (("kind", "Node"),))] == 3
         assert samples[("kpng_backend_services", (("backend", "to-json"),))] == 6
-        assert samples[("kpng_backend_apply_duration_seconds_count", (("backend", "to-json"),))]
+        count = samples[("kpng_backend_apply_duration_seconds_count", (("backend", "to-json"),))]
+        assert count >= 1
+        every = (
+            "kpng_backend_apply_duration_seconds_bucket",
+            (("backend", "to-json"), ("le", "+Inf")),
+        )
+        assert samples[every] == count
+        within_16s = (("backend", "to-json"), ("le", "16.384"))
+        assert samples[("kpng_backend_apply_duration_seconds_bucket", within_16s)] == count
         assert samples[("process_resident_memory_bytes", ())] > 0
         assert samples[("kpng_source_synced", (("source", "file"),))] == 1
         assert samples[("kpng_source_skipped_objects_total", (("source", "file"),))] == 1

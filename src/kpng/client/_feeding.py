@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
@@ -23,6 +24,9 @@ from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
 
 log = logging.getLogger(__name__)
+
+
+_BUCKETS_S = tuple(0.001 * 2**i for i in range(15))
 
 
 @dataclass
@@ -44,6 +48,13 @@ class FeederStats:
     apply_seconds: float = 0.0
     """Time spent in successful applies, in total (with ``applies``: the mean)."""
     last_apply_seconds: float = 0.0
+    apply_buckets: list[int] = field(default_factory=lambda: [0] * len(_BUCKETS_S))
+    """Successful applies that took at most each of ``BUCKETS_S`` (cumulative, as Prometheus
+    histograms count), for percentiles of apply times."""
+
+    BUCKETS_S: ClassVar[tuple[float, ...]] = _BUCKETS_S
+    """Upper bounds of the apply-time histogram: 1 ms to 16 s, doubling, as kube-proxy's
+    ``sync_proxy_rules_duration_seconds``."""
     failures: int = 0
 
 
@@ -131,6 +142,9 @@ class Feeder:
         stats.applies += 1
         stats.apply_seconds += seconds
         stats.last_apply_seconds = seconds
+        for i, bound in enumerate(FeederStats.BUCKETS_S):
+            if seconds <= bound:
+                stats.apply_buckets[i] += 1
 
     def _log_failure(self, state: NodeState, exc: Exception) -> None:
         if isinstance(exc, KpngError):

@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
-    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
+from kpng.client import FeederStats
 from kpng.status import Status
 
 
@@ -112,7 +113,7 @@ class _StatusCollector(Collector):
             "how long the oldest state not yet applied has waited (0: up to date)",
             labels=label,
         )
-        duration = SummaryMetricFamily(
+        duration = HistogramMetricFamily(
             "kpng_backend_apply_duration_seconds",
             "time taken by successful applies (kube-proxy: sync_proxy_rules_duration_seconds)",
             labels=label,
@@ -126,7 +127,11 @@ class _StatusCollector(Collector):
             services.add_metric([name], stats.applied_services)
             last.add_metric([name], stats.last_applied or 0.0)
             pending.add_metric([name], verdict.body["backends"][name]["pendingSeconds"])
-            duration.add_metric([name], count_value=stats.applies, sum_value=stats.apply_seconds)
+            bounds = zip(FeederStats.BUCKETS_S, stats.apply_buckets, strict=True)
+            buckets = [(f"{bound:g}", n) for bound, n in bounds]
+            duration.add_metric(
+                [name], [*buckets, ("+Inf", stats.applies)], sum_value=stats.apply_seconds
+            )
             failures.add_metric([name], stats.failures)
         yield from (revision, services, last, pending, duration, failures)
         yield GaugeMetricFamily(
