@@ -63,12 +63,11 @@ from typing import Any
 import grpc
 import msgspec
 import synthetic
+from bench_incremental import Model, model_of, stage_all
 
 from kpng.api import batchv1_pb2, codec, localv1_pb2
 from kpng.client import Backoff, Endpoint, NodeState, Service, watch, watch_state
 from kpng.model.cluster import Slice, SliceKey
-from kpng.model.messages import Node
-from kpng.model.messages import Service as ServiceModel
 from kpng.server.serving import ListenAddress, serve
 from kpng.sources import manifests
 from kpng.store import Store
@@ -479,26 +478,11 @@ async def _changes_through_file(
     return result, first, first_ops
 
 
-@dataclass(frozen=True)
-class Model:
-    services: dict[tuple[str, str], ServiceModel]
-    slices: dict[SliceKey, Slice]
-    nodes: dict[str, Node]
-
-
 def _model(cluster: ClusterFile) -> Model:
-    parsed = manifests.parse(cluster.path.read_bytes(), filename=str(cluster.path))
-    if parsed.errors:
-        raise BenchError(f"{len(parsed.errors)} parse errors, first: {parsed.errors[0]}")
-    model = Model({}, {}, {})
-    for (_, namespace, name), obj in parsed.objects.items():
-        if isinstance(obj, ServiceModel):
-            model.services[(namespace, name)] = obj
-        elif isinstance(obj, Slice):
-            model.slices[(namespace, name)] = obj
-        elif isinstance(obj, Node):
-            model.nodes[name] = obj
-    return model
+    try:
+        return model_of(manifests.parse(cluster.path.read_bytes(), filename=str(cluster.path)))
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
 
 
 def _model_changes(model: Model, count: int, seed: int) -> list[tuple[SliceKey, Slice]]:
@@ -532,12 +516,7 @@ async def _changes_in_process(
     """(latencies, first state s) with the store and the server in this process."""
     store = Store()
     handle = store.source("bench")
-    for name, node in model.nodes.items():
-        handle.set_node(name, node)
-    for key, service in model.services.items():
-        handle.set_service(key, service)
-    for key, sl in model.slices.items():
-        handle.set_slice(key, sl)
+    stage_all(handle, model)
     handle.mark_synced()
     url = f"unix://{socket}"
     server = asyncio.create_task(serve(store, listen=[ListenAddress.parse(url)]))

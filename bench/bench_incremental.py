@@ -120,6 +120,12 @@ def build_model(services: int, *, seed: int) -> tuple[Model, float, float]:
     parsed = manifests.parse(data, filename=f"<synthetic {services}>")
     parse_s = time.perf_counter() - start
     del data
+    return model_of(parsed), generated, parse_s
+
+
+def model_of(parsed: manifests.Parsed) -> Model:
+    """The objects of a parsed synthetic cluster by kind; RuntimeError if kpng reported or
+    ignored any (the benchmarks would then measure less than the file holds)."""
     if parsed.errors:
         raise RuntimeError(f"{len(parsed.errors)} parse errors, first: {parsed.errors[0]}")
     model = Model(services={}, slices={}, nodes={})
@@ -132,7 +138,7 @@ def build_model(services: int, *, seed: int) -> tuple[Model, float, float]:
             model.nodes[name] = obj
         else:
             raise RuntimeError(f"{kind} {namespace}/{name} is ignored by kpng")
-    return model, generated, parse_s
+    return model
 
 
 def make_changes(slices: Mapping[SliceKey, Slice], count: int, *, seed: int) -> list[Change]:
@@ -164,7 +170,7 @@ def make_changes(slices: Mapping[SliceKey, Slice], count: int, *, seed: int) -> 
     return changes
 
 
-def _stage_all(handle: SourceHandle, model: Model) -> None:
+def stage_all(handle: SourceHandle, model: Model) -> None:
     for name, node in model.nodes.items():
         handle.set_node(name, node)
     for key, service in model.services.items():
@@ -247,7 +253,7 @@ async def bench_store(
     try:
         backend.arm()
         start = time.perf_counter()
-        _stage_all(handle, model)
+        stage_all(handle, model)
         handle.mark_synced()
         async with asyncio.timeout(FIRST_APPLY_TIMEOUT_S):
             await backend.called()

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import synthetic
-from bench_incremental import Change, Model, _stage_all, bench_resolver, build_model, make_changes
+from bench_incremental import Change, Model, bench_resolver, build_model, make_changes, stage_all
 
 from kpng.backends.exec import ExecBackend
 from kpng.backends.exec.formats import FORMATS
@@ -134,7 +134,7 @@ async def measure(
     sink = asyncio.create_task(run_local(store, node_name=node, backend=fanout))
     try:
         start = time.perf_counter()
-        _stage_all(handle, model)
+        stage_all(handle, model)
         handle.mark_synced()
         for _ in range(per_change):
             await acks.next(FIRST_TIMEOUT_S)
