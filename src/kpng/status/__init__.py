@@ -72,9 +72,11 @@ class Status:
         node = self.store.nodes.get(self.node)
         return node is None or not node.Draining
 
-    def verdict(self) -> Verdict:
+    def verdict(self, backends: Mapping[str, FeederStats] | None = None) -> Verdict:
+        """The verdict now; ``backends``, when the caller has just read them, spares a second
+        walk over the feeders."""
         return judge(
-            backends=self.backends,
+            backends=self.backends if backends is None else backends,
             sources_synced=self.sources_synced,
             node_eligible=self.node_eligible,
             timeout=self.timeout,

@@ -121,7 +121,7 @@ class _StatusCollector(Collector):
         failures = CounterMetricFamily(
             "kpng_backend_apply_failures", "applies that failed (and were retried)", labels=label
         )
-        verdict = self._status.verdict()
+        verdict = self._status.verdict(backends)
         for name, stats in backends.items():
             revision.add_metric([name], stats.applied_revision)
             services.add_metric([name], stats.applied_services)
