@@ -469,6 +469,7 @@ def test_to_api_reports_its_watches(
         assert samples[("kpng_api_change_sets_total", (("state", "local"),))] >= 1
         assert samples[("kpng_api_watches", (("state", "global"),))] == 0
         assert _get(f"{base}/healthz")[0] == 200  # no backends: synced sources are enough
+        assert samples[("kpng_healthy", ())] == 1
         client.terminate()
         client.wait(timeout=WAIT_S)
         _wait(lambda: _metrics(f"{base}/metrics")[watches] == 0, "the watch to close")

@@ -9,7 +9,7 @@ dashboards carry over with a renamed prefix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -21,7 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kpng.client import FeederStats
-from kpng.status import Status
+from kpng.status import Status, Verdict
 
 
 class _StatusCollector(Collector):
@@ -29,9 +29,19 @@ class _StatusCollector(Collector):
         self._status = status
 
     def collect(self) -> Iterator[Metric]:
+        backends = self._status.backends
+        verdict = self._status.verdict(backends)
         yield from self._store()
         yield from self._sources()
-        yield from self._backends()
+        yield from self._backends(backends, verdict)
+        yield GaugeMetricFamily(
+            "kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy)
+        )
+        yield GaugeMetricFamily(
+            "kpng_node_eligible",
+            "0 while the node is being deleted or tainted ToBeDeletedByClusterAutoscaler",
+            value=int(verdict.body["nodeEligible"]),
+        )
         yield from self._samples()
 
     def _samples(self) -> Iterator[Metric]:
@@ -92,8 +102,7 @@ class _StatusCollector(Collector):
         yield skipped
         yield from counters.values()
 
-    def _backends(self) -> Iterator[Metric]:
-        backends = self._status.backends
+    def _backends(self, backends: Mapping[str, FeederStats], verdict: Verdict) -> Iterator[Metric]:
         if not backends:
             return
         label = ["backend"]
@@ -121,7 +130,6 @@ class _StatusCollector(Collector):
         failures = CounterMetricFamily(
             "kpng_backend_apply_failures", "applies that failed (and were retried)", labels=label
         )
-        verdict = self._status.verdict(backends)
         for name, stats in backends.items():
             revision.add_metric([name], stats.applied_revision)
             services.add_metric([name], stats.applied_services)
@@ -134,14 +142,6 @@ class _StatusCollector(Collector):
             )
             failures.add_metric([name], stats.failures)
         yield from (revision, services, last, pending, duration, failures)
-        yield GaugeMetricFamily(
-            "kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy)
-        )
-        yield GaugeMetricFamily(
-            "kpng_node_eligible",
-            "0 while the node is being deleted or tainted ToBeDeletedByClusterAutoscaler",
-            value=int(self._status.node_eligible),
-        )
 
 
 def registry(status: Status) -> CollectorRegistry:
