@@ -10,7 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,9 +19,9 @@ import pytest
 
 from kpng.api import localv1_pb2
 from kpng.testing.conformance import Cluster, endpoint_slice, port, service
-from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available, wait_until
+from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
 from tests.conftest import ROOT
-from tests.waiting import json_lines
+from tests.waiting import json_lines, until
 
 EXAMPLES = ROOT / "examples" / "plugins"
 SUMMARY = EXAMPLES / "state-summary"
@@ -39,10 +39,6 @@ def _load_guard() -> ModuleType:
 
 
 guard: Any = _load_guard()
-
-
-def _until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    assert wait_until(condition, timeout=timeout, interval=0.1), f"timed out waiting for {what}"
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -194,7 +190,7 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         argv += ["to-plugin", "--plugin", f"summary=unix://{socket},config={config}"]
         kpng = subprocess.Popen(argv, stderr=log, env=subprocess_env)
     try:
-        _until(lambda: len(json_lines(out)) >= 1, "the first summary")
+        until(lambda: len(json_lines(out)) >= 1, "the first summary", within=WAIT_S)
         first = json_lines(out)[0]
         assert first == {
             "node": "node-1",
@@ -209,7 +205,11 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         second_service["spec"]["clusterIP"] = "10.96.0.11"
         second_service["spec"]["ports"][0]["nodePort"] = 30081
         _write(manifests / "cluster.json", _objects(NODEPORT_SERVICE, SLICE, second_service))
-        _until(lambda: json_lines(out)[-1]["nodePorts"] == [30080, 30081], "the new node port")
+        until(
+            lambda: json_lines(out)[-1]["nodePorts"] == [30080, 30081],
+            "the new node port",
+            within=WAIT_S,
+        )
         # Killed and started again: the plugin gets the whole state without a new change.
         plugin.kill()
         plugin.wait(timeout=10)
@@ -219,7 +219,7 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
                 stderr=log,
             )
         count = len(json_lines(out))
-        _until(lambda: len(json_lines(out)) > count, "the state after the restart")
+        until(lambda: len(json_lines(out)) > count, "the state after the restart", within=WAIT_S)
         assert json_lines(out)[-1]["nodePorts"] == [30080, 30081]
         assert kpng.poll() is None
     finally:
@@ -295,19 +295,27 @@ def test_the_guard_drops_blocked_sources_to_node_ports(
 
     try:
         # the other client gets through to-nft's node port; the blocked one is dropped
-        _until(lambda: reach(OTHER_CLIENT).startswith("a1 "), "the node port for the other")
-        _until(lambda: reach(blocked) == "timeout", "the blocked client dropped")
+        until(
+            lambda: reach(OTHER_CLIENT).startswith("a1 "),
+            "the node port for the other",
+            within=WAIT_S,
+        )
+        until(lambda: reach(blocked) == "timeout", "the blocked client dropped", within=WAIT_S)
         assert reach(OTHER_CLIENT).startswith("a1 ")
         # removing the CIDR from the configuration restores access
         config.write_text("# nobody\n")
-        _until(lambda: reach(blocked).startswith("a1 "), "access restored")
+        until(lambda: reach(blocked).startswith("a1 "), "access restored", within=WAIT_S)
         # blocked again; then the service goes, and its node port leaves the guard's set
         config.write_text(f"{blocked}/32\n")
-        _until(lambda: reach(blocked) == "timeout", "blocked again")
+        until(lambda: reach(blocked) == "timeout", "blocked again", within=WAIT_S)
         cluster.remove("np")
 
         listing = ["nft", "list", "set", "inet", "kpng-guard", "node-ports"]
-        _until(lambda: "30080" not in bed.exec(node.netns, listing), "the node port unguarded")
+        until(
+            lambda: "30080" not in bed.exec(node.netns, listing),
+            "the node port unguarded",
+            within=WAIT_S,
+        )
     except AssertionError:
         for name in ("guard.log", "kpng.log"):
             print(f"--- {name}\n{(logs / name).read_text()}")

@@ -10,7 +10,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from kpng.testing.kubeapi import KubeApi
 from kpng.testing.recording import KpngUnderTest
 from tests import states
 from tests.conftest import EXAMPLE
+from tests.waiting import eventually, until
 
 WAIT_S = 15.0
 T0 = 1000.0  # monotonic time of the table's "now"
@@ -175,7 +175,7 @@ def test_a_failing_backend_stays_pending_since_its_oldest_unapplied_state() -> N
         task = asyncio.create_task(feeder.run())
         try:
             feeder.offer(states.state(1, {"a": states.entry("a")}))
-            await _until(lambda: feeder.stats.applied_revision == 1)
+            await eventually(lambda: feeder.stats.applied_revision == 1)
             assert feeder.stats.pending_since is None
             assert feeder.stats.applies == 1
             # Cumulative buckets: an apply of well under 16 s is in the last one at least.
@@ -186,45 +186,38 @@ def test_a_failing_backend_stays_pending_since_its_oldest_unapplied_state() -> N
             backend.failing = True
             before = time.monotonic()
             feeder.offer(states.state(2, {"a": states.entry("a", ["10.0.0.9"])}))
-            await _until(lambda: feeder.stats.failures >= 3)
+            await eventually(lambda: feeder.stats.failures >= 3)
             pending = feeder.stats.pending_since
             assert pending is not None
             assert before <= pending <= time.monotonic()
             feeder.offer(states.state(3, {"a": states.entry("a", ["10.0.0.10"])}))
-            await _until(lambda: feeder.stats.failures >= 5)
+            await eventually(lambda: feeder.stats.failures >= 5)
             assert feeder.stats.pending_since == pending  # retries do not reset the clock
 
             backend.failing = False
-            await _until(lambda: feeder.stats.applied_revision == 3)
+            await eventually(lambda: feeder.stats.applied_revision == 3)
             assert feeder.stats.pending_since is None
             assert backend.applied == [1, 3]
 
             # A state offered while another is being applied keeps the backend pending.
             backend.stepping = True
             feeder.offer(states.state(4, {}))
-            await _until(lambda: backend.entered[-1:] == [4])
+            await eventually(lambda: backend.entered[-1:] == [4])
             offered_during = time.monotonic()
             feeder.offer(states.state(5, {}))
             backend.permits.put_nowait(None)
-            await _until(lambda: backend.entered[-1:] == [5])
+            await eventually(lambda: backend.entered[-1:] == [5])
             assert feeder.stats.applied_revision == 4
             pending = feeder.stats.pending_since
             assert pending is not None
             assert pending >= offered_during
             backend.permits.put_nowait(None)
-            await _until(lambda: feeder.stats.applied_revision == 5)
+            await eventually(lambda: feeder.stats.applied_revision == 5)
             assert feeder.stats.pending_since is None
         finally:
             task.cancel()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 # --- the kpng command
@@ -248,13 +241,6 @@ def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-
-
-def _wait(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _start(
@@ -288,14 +274,14 @@ def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
     log = tmp_path / "kpng.log"
     proc = _start(kpng_command, subprocess_env, argv, log, port)
     try:
-        _wait(lambda: _get(f"{base}/healthz")[0] != 0, "the health server")
+        until(lambda: _get(f"{base}/healthz")[0] != 0, "the health server")
         status, body = _get(f"{base}/healthz")
         assert status == 503
         report = json.loads(body)
         assert "to-plugin gone has not applied a state yet" in report["reasons"]
         assert report["backends"]["to-json"]["revision"] == 1
         # The plugin's first state has waited past the 1 s timeout: not live either.
-        _wait(lambda: _get(f"{base}/livez")[0] == 503, "/livez to turn 503")
+        until(lambda: _get(f"{base}/livez")[0] == 503, "/livez to turn 503")
         samples = _metrics(f"{base}/metrics")
         assert samples[("kpng_backend_applied_revision", (("backend", "to-json"),))] == 1
         gone = (("backend", "to-plugin gone"),)
@@ -339,7 +325,7 @@ def test_healthz_follows_the_state_the_node_and_metrics_count_it(
     log = tmp_path / "kpng.log"
     proc = _start(kpng_command, subprocess_env, argv, log, port)
     try:
-        _wait(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz to answer 200")
+        until(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz to answer 200")
         assert _get(f"{base}/livez")[0] == 200
         samples = _metrics(f"{base}/metrics")
         assert samples[("kpng_sources_synced", ())] == 1
@@ -360,17 +346,17 @@ def test_healthz_follows_the_state_the_node_and_metrics_count_it(
 
         source.write_text(source.read_text().replace("port: 80, targetPort: http", "port: 81"))
         to_json = ("kpng_backend_applied_revision", (("backend", "to-json"),))
-        _wait(lambda: _metrics(f"{base}/metrics")[to_json] == 2, "revision 2 to be applied")
+        until(lambda: _metrics(f"{base}/metrics")[to_json] == 2, "revision 2 to be applied")
         assert _get(f"{base}/healthz")[0] == 200
 
         # The cluster autoscaler marks node-2 for removal: load balancers must drain it.
         source.write_text(source.read_text().replace(DRAINING[0], DRAINING[1]))
-        _wait(lambda: _get(f"{base}/healthz")[0] == 503, "/healthz to drain the node")
+        until(lambda: _get(f"{base}/healthz")[0] == 503, "/healthz to drain the node")
         assert json.loads(_get(f"{base}/healthz")[1])["nodeEligible"] is False
         assert _get(f"{base}/livez")[0] == 200
         assert _metrics(f"{base}/metrics")[("kpng_node_eligible", ())] == 0
         source.write_text(source.read_text().replace(DRAINING[1], DRAINING[0]))
-        _wait(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz after the taint is gone")
+        until(lambda: _get(f"{base}/healthz")[0] == 200, "/healthz after the taint is gone")
     finally:
         _stop(proc, log)
 
@@ -463,7 +449,7 @@ def test_to_api_reports_its_watches(
     )
     watches = ("kpng_api_watches", (("state", "local"),))
     try:
-        _wait(lambda: out.exists() and out.stat().st_size > 0, "the client's first state")
+        until(lambda: out.exists() and out.stat().st_size > 0, "the client's first state")
         samples = _metrics(f"{base}/metrics")
         assert samples[watches] == 1
         assert samples[("kpng_api_change_sets_total", (("state", "local"),))] >= 1
@@ -472,7 +458,7 @@ def test_to_api_reports_its_watches(
         assert samples[("kpng_healthy", ())] == 1
         client.terminate()
         client.wait(timeout=WAIT_S)
-        _wait(lambda: _metrics(f"{base}/metrics")[watches] == 0, "the watch to close")
+        until(lambda: _metrics(f"{base}/metrics")[watches] == 0, "the watch to close")
     finally:
         if client.poll() is None:
             client.kill()

@@ -21,6 +21,17 @@ async def eventually(
         await asyncio.sleep(0.02)
 
 
+def until(
+    condition: Callable[[], bool], what: str = "the condition", *, within: float = 15.0
+) -> None:
+    """``eventually`` for code outside an event loop: poll, blocking, for ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of the complete lines written to a file so far ([] before it exists).
 
