@@ -163,31 +163,34 @@ def _download_go_mod(module: str, version: str, workdir: Path) -> str:
     return Path(info["GoMod"]).read_text()
 
 
-def _build_kube_apiserver(version: str, out: Path, workdir: Path) -> str:
-    """Builds kube-apiserver into ``out``; returns the etcd version kubernetes requires."""
-    kubernetes_go_mod = _download_go_mod("k8s.io/kubernetes", version, workdir)
-    module = workdir / "kube-apiserver"
-    module.mkdir()
-    (module / "go.mod").write_text(build_module_go_mod(kubernetes_go_mod, version))
-    _go(["get", f"k8s.io/kubernetes/cmd/kube-apiserver@{version}"], module)
+def _kubernetes_ldflags(version: str) -> str:
     major, minor, _ = version.removeprefix("v").split(".")
     pkg = "k8s.io/component-base/version"
-    # What `make` stamps into an official build; the apiserver reports it at /version.
-    ldflags = (
+    # What `make` stamps into an official build: the apiserver reports it at /version, kubelets
+    # in their Node status, and e2e.test compares the two.
+    return (
         f"-s -w -X {pkg}.gitVersion={version} -X {pkg}.gitMajor={major} -X {pkg}.gitMinor={minor}"
         f" -X {pkg}.gitTreeState=clean"
     )
-    _go(
-        [
-            "build",
-            "-trimpath",
-            f"-ldflags={ldflags}",
-            "-o",
-            str(out),
-            "k8s.io/kubernetes/cmd/kube-apiserver",
-        ],
-        module,
-    )
+
+
+def _kubernetes_module(version: str, packages: Sequence[str], workdir: Path) -> tuple[Path, str]:
+    """A throwaway module that can build ``packages`` of k8s.io/kubernetes ``version``; returns
+    its directory and kubernetes' own go.mod."""
+    kubernetes_go_mod = _download_go_mod("k8s.io/kubernetes", version, workdir)
+    module = workdir / "kubernetes"
+    module.mkdir()
+    (module / "go.mod").write_text(build_module_go_mod(kubernetes_go_mod, version))
+    _go(["get", *(f"{p}@{version}" for p in packages)], module)
+    return module, kubernetes_go_mod
+
+
+def _build_kube_apiserver(version: str, out: Path, workdir: Path) -> str:
+    """Builds kube-apiserver into ``out``; returns the etcd version kubernetes requires."""
+    package = KUBERNETES_PROGRAMS["kube-apiserver"]
+    module, kubernetes_go_mod = _kubernetes_module(version, [package], workdir)
+    ldflags = _kubernetes_ldflags(version)
+    _go(["build", "-trimpath", f"-ldflags={ldflags}", "-o", str(out), package], module)
     etcd = _required_version(kubernetes_go_mod, "go.etcd.io/etcd/server/v3")
     if etcd is None:
         raise ControlPlaneError(f"k8s.io/kubernetes {version} does not name an etcd server version")
@@ -255,6 +258,61 @@ def ensure_binaries(
     return found
 
 
+KUBERNETES_PROGRAMS = {
+    "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+    "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+    "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+    "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
+    "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+    "agnhost": "k8s.io/kubernetes/test/images/agnhost",
+    "e2e.test": "k8s.io/kubernetes/test/e2e",
+}
+"""What ``ensure_programs`` builds, by name: every program of a real cluster and its e2e suite."""
+
+
+def ensure_programs(names: Sequence[str], kubernetes_version: str | None = None) -> dict[str, Path]:
+    """The named Kubernetes programs (``KUBERNETES_PROGRAMS``) of one release, cached beside the
+    control plane's and built first if absent: several in one Go module, so that the packages
+    they share compile once (the first takes minutes on two cores, each further one less)."""
+    version = _version_from_env(
+        "KPNG_KUBERNETES_VERSION", kubernetes_version or KUBERNETES_VERSION
+    )
+    assert version is not None
+    unknown = sorted(set(names) - set(KUBERNETES_PROGRAMS))
+    if unknown:
+        raise ControlPlaneError(f"no such Kubernetes program: {', '.join(unknown)}")
+    directory = cache_root() / version / "programs"
+    paths = {name: directory / name for name in names}
+
+    def missing() -> list[str]:
+        return [name for name, path in paths.items() if not os.access(path, os.X_OK)]
+
+    if not missing():
+        return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        todo = missing()
+        if not todo:
+            return paths
+        with tempfile.TemporaryDirectory(prefix="kpng-kubernetes-build-") as tmp:
+            work = Path(tmp)
+            packages = [KUBERNETES_PROGRAMS[name] for name in todo]
+            module, _ = _kubernetes_module(version, packages, work)
+            ldflags = _kubernetes_ldflags(version)
+            for name, package in zip(todo, packages, strict=True):
+                started = time.monotonic()
+                log.info("building %s %s", name, version)
+                out = work / f"{name}.bin"
+                # e2e.test is the test binary of a package, not a command.
+                verb = ["test", "-c"] if name == "e2e.test" else ["build"]
+                _go([*verb, "-trimpath", f"-ldflags={ldflags}", "-o", str(out), package], module)
+                os.replace(out, paths[name])
+                log.info("built %s in %.0f s", name, time.monotonic() - started)
+    return paths
+
+
 # --- certificates
 
 
@@ -271,8 +329,10 @@ class Pki:
     service_account_pub: Path
 
 
-def make_pki(directory: Path) -> Pki:
-    """A CA, the apiserver's serving certificate, an admin client certificate, a SA key pair."""
+def make_pki(directory: Path, addresses: Sequence[str] = ("127.0.0.1",)) -> Pki:
+    """A CA, the apiserver's serving certificate (valid for ``addresses``, for localhost and for
+    the names and ClusterIP of the ``kubernetes`` Service), an admin client certificate, a SA key
+    pair."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -350,9 +410,14 @@ def make_pki(directory: Path) -> Pki:
         name("kube-apiserver"),
         ExtendedKeyUsageOID.SERVER_AUTH,
         [
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            *(x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys(addresses)),
+            # Pods reach the apiserver through the `kubernetes` Service, by name or ClusterIP.
+            x509.IPAddress(ipaddress.ip_network(SERVICE_CIDR)[1]),
             x509.DNSName("localhost"),
+            x509.DNSName("kubernetes"),
+            x509.DNSName("kubernetes.default"),
             x509.DNSName("kubernetes.default.svc"),
+            x509.DNSName("kubernetes.default.svc.cluster.local"),
         ],
     )
     admin, admin_key = leaf(
@@ -465,7 +530,10 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-class _Process:
+class Daemon:
+    """A long-running child whose output goes to ``logfile``; with ``detach=False`` it dies with
+    the process that started it."""
+
     def __init__(self, name: str, argv: list[str], logfile: Path, *, detach: bool) -> None:
         self.name = name
         self.logfile = logfile
@@ -526,6 +594,8 @@ class ControlPlane:
 
     ``watch_cache=False`` starts the apiserver with ``--watch-cache=false``, so that a watch from
     a compacted resourceVersion fails with 410 Gone as it would against etcd directly.
+    ``address`` is where the apiserver listens and what it advertises: loopback for tests of
+    kpng alone, a bridge address when real nodes (``kpng.testing.nodes``) must reach it.
     """
 
     def __init__(
@@ -536,20 +606,26 @@ class ControlPlane:
         watch_cache: bool = True,
         detach: bool = False,
         apiserver_args: Sequence[str] = (),
+        address: str = "127.0.0.1",
+        pki: Pki | None = None,
     ) -> None:
         self.binaries = binaries
+        self.address = address
         self.watch_cache = watch_cache
         self.apiserver_args = list(apiserver_args)
-        """Extra kube-apiserver flags (later flags win)."""
+        """Extra kube-apiserver flags (``--name=value``); each replaces the default flag of its
+        name, since list flags such as ``--authorization-mode`` would add up instead."""
         self._detach = detach
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kpng-control-plane-"))
         self.token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
         self.etcd_port = 0
         self.apiserver_port = 0
-        self._etcd: _Process | None = None
-        self._apiservers: dict[int, _Process] = {}
-        self._pki: Pki | None = None
+        self._etcd: Daemon | None = None
+        self._apiservers: dict[int, Daemon] = {}
+        self._pki = pki
+        """Made by ``start()`` unless given: a caller that needs certificates the apiserver's
+        flags name (its kubelet client certificate) makes it first."""
         self._ssl: ssl.SSLContext | None = None
 
     # The addresses and credentials a client needs.
@@ -558,9 +634,9 @@ class ControlPlane:
     def server(self) -> str:
         return self.server_at(self.apiserver_port)
 
-    @staticmethod
-    def server_at(port: int) -> str:
-        return f"https://127.0.0.1:{port}"
+    def server_at(self, port: int) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"https://{host}:{port}"
 
     @property
     def etcd_url(self) -> str:
@@ -585,7 +661,8 @@ class ControlPlane:
 
     def start(self) -> ControlPlane:
         try:
-            self._pki = make_pki(self.workdir)
+            if self._pki is None:
+                self._pki = make_pki(self.workdir, (self.address, "127.0.0.1"))
             (self.workdir / "tokens.csv").write_text(
                 f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
             )
@@ -630,7 +707,7 @@ class ControlPlane:
         self.etcd_port = free_port()
         peer = free_port()
         data = self.workdir / "etcd-data"
-        self._etcd = _Process(
+        self._etcd = Daemon(
             "etcd",
             [
                 str(self.binaries.etcd),
@@ -662,8 +739,8 @@ class ControlPlane:
         argv = [
             str(self.binaries.kube_apiserver),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
             f"--secure-port={port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.serving_cert}",
@@ -683,9 +760,13 @@ class ControlPlane:
             f"--watch-cache={'true' if self.watch_cache else 'false'}",
             "--profiling=false",
             "--v=0",
+        ]
+        overridden = {arg.split("=", 1)[0] for arg in self.apiserver_args}
+        argv = [
+            *(arg for arg in argv if arg.split("=", 1)[0] not in overridden),
             *self.apiserver_args,
         ]
-        process = _Process(
+        process = Daemon(
             f"kube-apiserver:{port}",
             argv,
             self.workdir / f"apiserver-{port}.log",
@@ -707,7 +788,7 @@ class ControlPlane:
         if process is not None:
             process.stop(sig)
 
-    def _wait(self, process: _Process, probe: Any, what: str) -> None:
+    def _wait(self, process: Daemon, probe: Any, what: str) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
         last = ""
         while time.monotonic() < deadline:

@@ -1,0 +1,850 @@
+"""Real Kubernetes nodes on one machine: a kubelet and a containerd per network namespace.
+
+``RealCluster`` starts what a kubeadm cluster runs, every program a real one:
+
+- the test control plane of ``kpng.testing.cluster`` (etcd, kube-apiserver), listening on a
+  bridge the nodes reach, with the Node authorizer and the lease endpoint reconciler, so that
+  the ``kubernetes`` Service has the apiserver's real address as its endpoint;
+- kube-controller-manager (EndpointSlices, service-account tokens, node IPAM, garbage
+  collection, namespaces, ...) and kube-scheduler;
+- per node, a network namespace joined to the bridge, with its own containerd (Debian's, with
+  its own root, state, socket and runc root) and its own kubelet (``cgroupRoot: /<node>``, the
+  cgroupfs driver, ``failCgroupV1: false`` since this machine mounts cgroup v1), both entered
+  with ``nsenter --net`` so that they share the machine's mounts: kubelet mounts volumes that
+  containerd must see;
+- pod networking from Debian's CNI plugins: ``ptp`` with ``host-local`` addresses from the
+  podCIDR kube-controller-manager allocated to the node (written once the Node has one, as
+  kind's kindnet does), and routes of our own between nodes. With ``ptp`` every pod packet
+  crosses its node's IP stack, so a service proxy sees both directions without br_netfilter.
+
+No service proxy runs until a test deploys one (kpng's DaemonSet or kube-proxy's): then the
+cluster is what a user has after ``kubeadm init --skip-phases=addon/kube-proxy``.
+
+Addresses: the bridge ``kpngn0`` is ``10.253.0.1/24`` in the machine's namespace, node *i* is
+``10.253.0.(10+i)``, pods come from ``10.245.0.0/16``, services from ``10.96.0.0/16``. Nodes
+route everything else to the bridge address, where the machine does not forward it
+(``net.ipv4.conf.kpngn0.forwarding=0``): no packet of the cluster leaves the machine.
+
+One cluster at a time per machine (the bridge has a fixed name); ``stop()`` (and ``python -m
+kpng.testing.nodes down``) kills every process of the nodes, containers included, unmounts,
+and removes namespaces, cgroups and files, also after a crash of the process that started it.
+Needs root, iproute2, nsenter, containerd, runc and the CNI plugins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from kpng.testing.cluster import (
+    SERVICE_CIDR,
+    ControlPlane,
+    ControlPlaneError,
+    Daemon,
+    Pki,
+    ensure_binaries,
+    ensure_programs,
+    free_port,
+    issue_client_cert,
+    make_pki,
+)
+
+log = logging.getLogger(__name__)
+
+BRIDGE = "kpngn0"
+BRIDGE_NETWORK = ipaddress.ip_network("10.253.0.0/24")
+HOST_IP = "10.253.0.1"
+CLUSTER_CIDR = "10.245.0.0/16"
+CLUSTER_DOMAIN = "cluster.local"
+CLUSTER_DNS = str(ipaddress.ip_network(SERVICE_CIDR)[10])
+CNI_BIN_DIR = Path("/usr/lib/cni")
+NETNS_PREFIX = "kpng-"
+NODE_PROGRAMS = ("kubelet", "kube-controller-manager", "kube-scheduler", "kubectl")
+_READY_TIMEOUT_S = 180.0
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class NodeError(ControlPlaneError):
+    """A node could not be set up, reached or cleaned up."""
+
+
+def _run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
+    proc = subprocess.run(
+        list(argv), input=input, capture_output=True, text=True, check=False, timeout=120
+    )
+    if check and proc.returncode != 0:
+        raise NodeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _in_netns(netns: str, argv: Sequence[str]) -> list[str]:
+    # --net only: the node's programs keep the machine's mount namespace, so volumes kubelet
+    # mounts are seen by containerd and the shims it starts.
+    return ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
+
+
+def _wait_for(what: str, probe: Callable[[], bool], timeout: float = _READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise NodeError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+# --- cgroups (v1 here: one hierarchy per controller)
+
+
+def _hierarchies() -> list[Path]:
+    if not _CGROUP_ROOT.is_dir():
+        return []
+    return sorted(
+        d for d in _CGROUP_ROOT.iterdir() if d.name != "unified" and (d / "cgroup.procs").exists()
+    )
+
+
+def _make_cgroup(name: str) -> None:
+    """``/<name>`` in every hierarchy, which kubelet's ``cgroupRoot`` must find existing."""
+    for hierarchy in _hierarchies():
+        path = hierarchy / name
+        path.mkdir(exist_ok=True)
+        if hierarchy.name == "cpuset":  # a new cpuset has no CPUs until it is given some
+            for knob in ("cpuset.cpus", "cpuset.mems"):
+                (path / knob).write_text((hierarchy / knob).read_text())
+
+
+def _cgroup_pids(name: str) -> set[int]:
+    pids: set[int] = set()
+    for hierarchy in _hierarchies():
+        for procs in (hierarchy / name).rglob("cgroup.procs"):
+            with contextlib.suppress(OSError):
+                pids.update(int(p) for p in procs.read_text().split())
+    return pids
+
+
+def _remove_cgroup(name: str) -> None:
+    for hierarchy in _hierarchies():
+        root = hierarchy / name
+        if not root.exists():
+            continue
+        for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
+
+# --- processes and mounts left by containers
+
+
+def _pids_with_argument(argument: str) -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argument.encode() in argv:
+            pids.add(int(entry.name))
+    return pids
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _mounts_under(prefixes: Sequence[str]) -> list[str]:
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].replace("\\040", " ")
+        if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
+            mounts.append(point)
+    return mounts
+
+
+def _unmount_under(prefixes: Sequence[str]) -> None:
+    for point in sorted(set(_mounts_under(prefixes)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
+# --- one node
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where one node lives: names, addresses and files, all derived from its index."""
+
+    name: str
+    index: int
+    workdir: Path
+
+    @property
+    def netns(self) -> str:
+        return f"{NETNS_PREFIX}{self.name}"
+
+    @property
+    def ip(self) -> str:
+        return str(BRIDGE_NETWORK[10 + self.index])
+
+    @property
+    def veth(self) -> str:
+        return f"kpngv{self.index}"
+
+    @property
+    def cgroup(self) -> str:
+        return f"kpng-{self.name}"
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.workdir / "containerd.sock"
+
+    @property
+    def cni_conf_dir(self) -> Path:
+        return self.workdir / "cni"
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.workdir / "kubelet"
+
+
+def containerd_config(node: NodeLayout, pause_image: str) -> str:
+    state = node.workdir / "containerd"
+    return f"""\
+version = 2
+root = "{state}/root"
+state = "{state}/state"
+
+[grpc]
+  address = "{node.containerd_socket}"
+
+[ttrpc]
+  address = "{node.containerd_socket}.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{state}/opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause_image}"
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN_DIR}"
+    conf_dir = "{node.cni_conf_dir}"
+
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      SystemdCgroup = false
+      # Each node's containers under its own runc root, so that nodes never see each other's.
+      Root = "{state}/runc"
+"""
+
+
+def kubelet_config(node: NodeLayout, ca_cert: Path) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        # This machine mounts cgroup v1, which kubelet 1.35 refuses unless told otherwise.
+        "failCgroupV1": False,
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": f"/{node.cgroup}",
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
+        "address": node.ip,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": False},
+            "x509": {"clientCAFile": str(ca_cert)},
+        },
+        # The apiserver's kubelet client certificate is the only one the CA signs that reaches
+        # a node's port, so authenticating it is enough for a test cluster.
+        "authorization": {"mode": "AlwaysAllow"},
+        "clusterDNS": [CLUSTER_DNS],
+        "clusterDomain": CLUSTER_DOMAIN,
+        # Pods get the cluster's DNS only, never the machine's resolvers (nothing leaves).
+        "resolvConf": str(node.workdir / "resolv.conf"),
+        "podLogsDir": str(node.workdir / "pod-logs"),
+        # Nodes share one disk: evicting pods because the machine's disk is 85 % full would
+        # fail tests that have nothing to do with it.
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+            "nodefs.inodesFree": "1%",
+        },
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+        "rotateCertificates": False,
+    }
+
+
+def cni_config(pod_cidr: str) -> dict[str, Any]:
+    return {
+        "cniVersion": "0.4.0",
+        "name": "kpng-nodes",
+        "plugins": [
+            {
+                "type": "ptp",
+                "ipMasq": False,
+                "mtu": 1500,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": pod_cidr}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            }
+        ],
+    }
+
+
+class RealNode:
+    """One node's namespace, containerd and kubelet."""
+
+    def __init__(self, layout: NodeLayout, *, detach: bool) -> None:
+        self.layout = layout
+        self.name = layout.name
+        self.ip = layout.ip
+        self._detach = detach
+        self.containerd: Daemon | None = None
+        self.kubelet: Daemon | None = None
+        self._kubelet_argv: list[str] = []
+
+    def netns_argv(self, argv: Sequence[str]) -> list[str]:
+        return _in_netns(self.layout.netns, argv)
+
+    def exec(self, *argv: str, check: bool = True) -> str:
+        """Runs a command in the node's network namespace (as the node's own programs do)."""
+        return _run(self.netns_argv(argv), check=check)
+
+    def create_network(self) -> None:
+        n = self.layout
+        _run(["ip", "netns", "add", n.netns])
+        _run(
+            ["ip", "link", "add", n.veth, "type", "veth", "peer", "name", "eth0", "netns", n.netns]
+        )
+        _run(["ip", "link", "set", n.veth, "master", BRIDGE, "up"])
+        for argv in (
+            ["ip", "link", "set", "lo", "up"],
+            ["ip", "addr", "add", f"{n.ip}/{BRIDGE_NETWORK.prefixlen}", "dev", "eth0"],
+            ["ip", "link", "set", "eth0", "up"],
+            ["ip", "route", "add", "default", "via", HOST_IP],
+            ["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+        ):
+            self.exec(*argv)
+
+    def start_containerd(self, containerd: str, pause_image: str) -> None:
+        n = self.layout
+        n.workdir.mkdir(parents=True, exist_ok=True)
+        n.cni_conf_dir.mkdir(exist_ok=True)
+        config = n.workdir / "containerd.toml"
+        config.write_text(containerd_config(n, pause_image))
+        self.containerd = Daemon(
+            f"containerd:{n.name}",
+            self.netns_argv([containerd, "--config", str(config)]),
+            n.workdir / "containerd.log",
+            detach=self._detach,
+        )
+
+        def serving() -> bool:
+            assert self.containerd is not None
+            self.containerd.check_alive()
+            return self.ctr("version", check=False) != ""
+
+        _wait_for(f"containerd of {n.name}", serving, 30)
+
+    def ctr(self, *args: str, check: bool = True) -> str:
+        argv = ["ctr", "--address", str(self.layout.containerd_socket), "-n", "k8s.io", *args]
+        return _run(argv, check=check)
+
+    def import_image(self, archive: Path) -> None:
+        self.ctr("images", "import", "--no-unpack", str(archive))
+
+    def start_kubelet(self, kubelet: str, kubeconfig: Path, ca_cert: Path) -> None:
+        n = self.layout
+        _make_cgroup(n.cgroup)
+        (n.workdir / "resolv.conf").write_text(f"nameserver {CLUSTER_DNS}\n")
+        config = n.workdir / "kubelet.yaml"
+        config.write_text(yaml.safe_dump(kubelet_config(n, ca_cert), sort_keys=False))
+        self._kubelet_argv = self.netns_argv(
+            [
+                kubelet,
+                f"--config={config}",
+                f"--kubeconfig={kubeconfig}",
+                f"--root-dir={n.kubelet_dir}",
+                f"--hostname-override={n.name}",
+                f"--node-ip={n.ip}",
+                "--v=1",
+            ]
+        )
+        self._spawn_kubelet()
+
+    def _spawn_kubelet(self) -> None:
+        self.kubelet = Daemon(
+            f"kubelet:{self.name}",
+            self._kubelet_argv,
+            self.layout.workdir / "kubelet.log",
+            detach=self._detach,
+        )
+
+    def restart_kubelet(self) -> None:
+        """Stops kubelet and starts it again; pods (and their traffic) live on meanwhile."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+        self._spawn_kubelet()
+
+    def write_cni_config(self, pod_cidr: str) -> None:
+        path = self.layout.cni_conf_dir / "10-kpng-nodes.conflist"
+        path.write_text(json.dumps(cni_config(pod_cidr), indent=2) + "\n")
+
+    def pids(self) -> list[int]:
+        return [d.pid for d in (self.kubelet, self.containerd) if d is not None]
+
+
+def remove_node(layout: NodeLayout) -> None:
+    """Everything a node made, gone: kubelet, containers and shims, containerd, mounts,
+    cgroups, network namespaces (its own and its pods'). Safe to repeat."""
+    socket = str(layout.containerd_socket)
+    kubelet_config_path = str(layout.workdir / "kubelet.yaml")
+    _kill(_pids_with_argument(f"--config={kubelet_config_path}"))
+    # Shims name their containerd's socket; containers live in the node's cgroups. Repeated,
+    # because a shim may start a process while the first pass kills.
+    for _ in range(3):
+        _kill(_pids_with_argument(socket) | _cgroup_pids(layout.cgroup))
+        time.sleep(0.2)
+    _kill(_pids_with_argument(str(layout.workdir / "containerd.toml")))
+    # Pods' network namespaces are bind mounts that containerd made under /run/netns.
+    pod_netns = []
+    for point in _mounts_under(["/run/netns"]):
+        name = Path(point).name
+        if name.startswith("cni-") and not _netns_in_use(point):
+            pod_netns.append(point)
+    _unmount_under([str(layout.workdir), *pod_netns])
+    for point in pod_netns:
+        with contextlib.suppress(OSError):
+            Path(point).unlink()
+    _remove_cgroup(layout.cgroup)
+    subprocess.run(["ip", "netns", "delete", layout.netns], capture_output=True, check=False)
+    shutil.rmtree(layout.workdir, ignore_errors=True)
+
+
+def _netns_in_use(path: str) -> bool:
+    try:
+        target = os.stat(path).st_ino
+    except OSError:
+        return False
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(entry / "ns" / "net").st_ino == target:
+                    return True
+    return False
+
+
+# --- the cluster
+
+
+@dataclass(frozen=True)
+class ImageArchive:
+    """An OCI archive to import into every node, and the reference it is known by."""
+
+    reference: str
+    path: Path
+
+
+class RealCluster:
+    """A control plane, controllers and ``nodes`` real nodes; a context manager that removes
+    everything on exit. ``images`` are imported into every node before kubelet starts;
+    ``pause_image`` (one of them) is containerd's sandbox image."""
+
+    def __init__(
+        self,
+        *,
+        nodes: int = 2,
+        images: Sequence[ImageArchive] = (),
+        pause_image: str,
+        workdir: Path | None = None,
+        detach: bool = False,
+    ) -> None:
+        if not 1 <= nodes <= 200:
+            raise NodeError(f"{nodes} nodes: between 1 and 200")
+        self._detach = detach
+        self._own_workdir = workdir is None
+        # Not /tmp's default: containerd's overlay snapshots need a real file system, and the
+        # path must be short (unix sockets are limited to 107 bytes).
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kpng-nodes-", dir="/var/tmp"))
+        self.images = list(images)
+        self.pause_image = pause_image
+        self.layouts = [
+            NodeLayout(f"node-{i}", i, self.workdir / f"node-{i}") for i in range(1, nodes + 1)
+        ]
+        self.nodes = [RealNode(layout, detach=detach) for layout in self.layouts]
+        self.plane: ControlPlane | None = None
+        self.pki: Pki
+        self._controllers: list[Daemon] = []
+        self.programs: dict[str, Path] = {}
+
+    @property
+    def kubeconfig(self) -> Path:
+        assert self.plane is not None, "start() the cluster first"
+        return self.plane.kubeconfig
+
+    @property
+    def server(self) -> str:
+        assert self.plane is not None, "start() the cluster first"
+        return self.plane.server
+
+    def node(self, name: str) -> RealNode:
+        return next(n for n in self.nodes if n.name == name)
+
+    # Lifecycle.
+
+    def start(self) -> RealCluster:
+        for tool in ("nsenter", "ip", "containerd", "ctr", "runc"):
+            if shutil.which(tool) is None:
+                raise NodeError(f"`{tool}` is not on PATH; real nodes need it")
+        if os.geteuid() != 0:
+            raise NodeError("real nodes need root")
+        try:
+            self.programs = ensure_programs(NODE_PROGRAMS)
+            self._create_bridge()
+            directory = self.workdir / "control-plane"
+            directory.mkdir(parents=True, exist_ok=True)
+            self.pki = make_pki(directory, (HOST_IP, "127.0.0.1"))
+            kubelet_client = self._write_cert(
+                "kubelet-client", "kube-apiserver-kubelet-client", "system:masters"
+            )
+            self.plane = ControlPlane(
+                ensure_binaries(),
+                workdir=directory,
+                detach=self._detach,
+                address=HOST_IP,
+                pki=self.pki,
+                apiserver_args=self._apiserver_args(*kubelet_client),
+            )
+            self.plane.start()
+            self._start_controllers()
+            containerd = shutil.which("containerd")
+            assert containerd is not None
+            for node in self.nodes:
+                node.create_network()
+                node.start_containerd(containerd, self.pause_image)
+                for image in self.images:
+                    node.import_image(image.path)
+                node.start_kubelet(
+                    str(self.programs["kubelet"]), self._node_kubeconfig(node), self.pki.ca_cert
+                )
+            self._connect_pod_networks()
+            self.wait_nodes_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.layouts:
+            remove_node(node)
+        for daemon in self._controllers:
+            daemon.stop()
+        self._controllers.clear()
+        if self.plane is not None:
+            self.plane.stop()
+        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RealCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def pids(self) -> list[int]:
+        """Nodes first, then controllers, then the control plane: the order to stop them."""
+        plane = self.plane.pids() if self.plane is not None else []
+        return [
+            *(p for n in self.nodes for p in n.pids()),
+            *(d.pid for d in self._controllers),
+            *plane,
+        ]
+
+    # Using it.
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        argv = [str(self.programs["kubectl"]), f"--kubeconfig={self.kubeconfig}", *args]
+        return _run(argv, input=input, check=check)
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", "-o", "json", *args))
+
+    def wait_nodes_ready(self, timeout: float = _READY_TIMEOUT_S) -> None:
+        def ready() -> bool:
+            for node in self.nodes:
+                if node.kubelet is not None:
+                    node.kubelet.check_alive()
+            items = self.get("nodes")["items"]
+            ready = {
+                item["metadata"]["name"]
+                for item in items
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in item.get("status", {}).get("conditions", [])
+                )
+            }
+            return ready >= {n.name for n in self.nodes}
+
+        _wait_for("every node Ready", ready, timeout)
+
+    # Setting up.
+
+    @staticmethod
+    def _apiserver_args(kubelet_client_cert: Path, kubelet_client_key: Path) -> list[str]:
+        return [
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            # The `kubernetes` Service's endpoint is the apiserver's real address, as in kubeadm.
+            "--endpoint-reconciler-type=lease",
+            "--allow-privileged=true",
+            f"--kubelet-client-certificate={kubelet_client_cert}",
+            f"--kubelet-client-key={kubelet_client_key}",
+            "--enable-priority-and-fairness=true",
+        ]
+
+    def _create_bridge(self) -> None:
+        # A previous run killed hard may have left nodes behind.
+        for layout in self.layouts:
+            remove_node(layout)
+        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{HOST_IP}/{BRIDGE_NETWORK.prefixlen}", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+        # Nodes route what is not theirs here; the machine must not forward it anywhere.
+        _run(["sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.forwarding=0"])
+
+    def _write_cert(self, stem: str, common_name: str, organization: str) -> tuple[Path, Path]:
+        cert = issue_client_cert(
+            self.pki,
+            common_name=common_name,
+            organization=organization,
+        )
+        directory = self.workdir / "control-plane"
+        crt, key = directory / f"{stem}.crt", directory / f"{stem}.key"
+        crt.write_bytes(cert.cert_pem)
+        key.write_bytes(cert.key_pem)
+        key.chmod(0o600)
+        return crt, key
+
+    def _user_kubeconfig(self, stem: str, common_name: str, organization: str) -> Path:
+        assert self.plane is not None
+        crt, key = self._write_cert(stem, common_name, organization)
+        path = self.workdir / "control-plane" / f"{stem}.kubeconfig"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "c",
+            "clusters": [
+                {
+                    "name": "c",
+                    "cluster": {
+                        "server": self.plane.server,
+                        "certificate-authority": str(self.pki.ca_cert),
+                    },
+                }
+            ],
+            "users": [
+                {"name": "u", "user": {"client-certificate": str(crt), "client-key": str(key)}}
+            ],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        }
+        path.write_text(json.dumps(config))
+        path.chmod(0o600)
+        return path
+
+    def _node_kubeconfig(self, node: RealNode) -> Path:
+        return self._user_kubeconfig(node.name, f"system:node:{node.name}", "system:nodes")
+
+    def _start_controllers(self) -> None:
+        pki = self.pki
+        kcm = self._user_kubeconfig("controller-manager", "system:kube-controller-manager", "")
+        scheduler = self._user_kubeconfig("scheduler", "system:kube-scheduler", "")
+        logs = self.workdir / "control-plane"
+        self._controllers.append(
+            Daemon(
+                "kube-controller-manager",
+                [
+                    str(self.programs["kube-controller-manager"]),
+                    f"--kubeconfig={kcm}",
+                    f"--authentication-kubeconfig={kcm}",
+                    f"--authorization-kubeconfig={kcm}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={free_port()}",
+                    "--leader-elect=false",
+                    "--use-service-account-credentials=true",
+                    f"--service-account-private-key-file={pki.service_account_key}",
+                    f"--root-ca-file={pki.ca_cert}",
+                    f"--cluster-signing-cert-file={pki.ca_cert}",
+                    f"--cluster-signing-key-file={pki.ca_key}",
+                    "--allocate-node-cidrs=true",
+                    f"--cluster-cidr={CLUSTER_CIDR}",
+                    "--node-cidr-mask-size=24",
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    "--controllers=*,bootstrapsigner,tokencleaner",
+                    "--v=1",
+                ],
+                logs / "kube-controller-manager.log",
+                detach=self._detach,
+            )
+        )
+        self._controllers.append(
+            Daemon(
+                "kube-scheduler",
+                [
+                    str(self.programs["kube-scheduler"]),
+                    f"--kubeconfig={scheduler}",
+                    f"--authentication-kubeconfig={scheduler}",
+                    f"--authorization-kubeconfig={scheduler}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={free_port()}",
+                    "--leader-elect=false",
+                    "--v=1",
+                ],
+                logs / "kube-scheduler.log",
+                detach=self._detach,
+            )
+        )
+
+    def _connect_pod_networks(self) -> None:
+        """Once kube-controller-manager gave each Node a podCIDR: each node's CNI configuration,
+        and routes to every pod CIDR from the other nodes and from the machine."""
+        cidrs: dict[str, str] = {}
+
+        def allocated() -> bool:
+            for controller in self._controllers:
+                controller.check_alive()
+            for item in self.get("nodes")["items"]:
+                cidr = item["spec"].get("podCIDR")
+                if cidr:
+                    cidrs[item["metadata"]["name"]] = cidr
+            return set(cidrs) >= {n.name for n in self.nodes}
+
+        _wait_for("a podCIDR for every node", allocated)
+        for node in self.nodes:
+            node.write_cni_config(cidrs[node.name])
+            for other in self.nodes:
+                if other is not node:
+                    node.exec("ip", "route", "replace", cidrs[other.name], "via", other.ip)
+            _run(["ip", "route", "replace", cidrs[node.name], "via", node.ip])
+
+
+# --- the command
+
+
+def _state_dir(arg: Path | None) -> Path:
+    return arg or Path("/var/tmp/kpng-nodes")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kpng.testing.nodes",
+        description="start and stop a real cluster: control plane, controllers, kubelets",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start in the background; prints `export KUBECONFIG=...`")
+    up.add_argument("--nodes", type=int, default=2)
+    sub.add_parser("env", help="print `export KUBECONFIG=...` of the running cluster")
+    sub.add_parser("down", help="stop everything `up` started and remove it")
+    parser.add_argument("--dir", type=Path, help="state directory (default /var/tmp/kpng-nodes)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    directory = _state_dir(args.dir)
+    state_file = directory / "state.json"
+    try:
+        if args.command == "up":
+            if state_file.exists():
+                print(f"already up (state in {directory}); `down` first", file=sys.stderr)
+                return 1
+            from kpng.testing import images
+
+            directory.mkdir(parents=True, exist_ok=True)
+            cluster = RealCluster(
+                nodes=args.nodes,
+                images=images.test_images(),
+                pause_image=images.PAUSE_REFERENCE,
+                workdir=directory,
+                detach=True,
+            )
+            cluster.start()
+            state = {"pids": cluster.pids(), "nodes": args.nodes, "server": cluster.server}
+            state_file.write_text(json.dumps(state) + "\n")
+            print(f"{args.nodes} nodes Ready; API server {cluster.server}")
+            print(f"export KUBECONFIG={cluster.kubeconfig}")
+        elif args.command == "env":
+            if not state_file.exists():
+                print(f"not up (no state in {directory})", file=sys.stderr)
+                return 1
+            print(f"export KUBECONFIG={directory / 'control-plane' / 'kubeconfig'}")
+        else:
+            if not state_file.exists():
+                print(f"not up (no state in {directory})", file=sys.stderr)
+                return 1
+            down(directory)
+    except ControlPlaneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def down(directory: Path) -> None:
+    """Stops and removes a cluster started with ``up`` (or left by a crashed process)."""
+    state = json.loads((directory / "state.json").read_text())
+    for i in range(1, int(state["nodes"]) + 1):
+        remove_node(NodeLayout(f"node-{i}", i, directory / f"node-{i}"))
+    for pid in state["pids"]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running(**kwargs: Any) -> Iterator[RealCluster]:
+    with RealCluster(**kwargs) as cluster:
+        yield cluster
+
+
+if __name__ == "__main__":
+    sys.exit(main())
