@@ -181,7 +181,8 @@ def _kubernetes_module(version: str, packages: Sequence[str], workdir: Path) -> 
     module = workdir / "kubernetes"
     module.mkdir()
     (module / "go.mod").write_text(build_module_go_mod(kubernetes_go_mod, version))
-    _go(["get", *(f"{p}@{version}" for p in packages)], module)
+    ours = [f"{p}@{version}" for p in packages if p.startswith("k8s.io/kubernetes/")]
+    _go(["get", *ours], module)
     return module, kubernetes_go_mod
 
 
@@ -267,6 +268,8 @@ KUBERNETES_PROGRAMS = {
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     "agnhost": "k8s.io/kubernetes/test/images/agnhost",
     "e2e.test": "k8s.io/kubernetes/test/e2e",
+    # At the version kubernetes requires: the runner that splits e2e.test over processes.
+    "ginkgo": "github.com/onsi/ginkgo/v2/ginkgo",
 }
 """What ``ensure_programs`` builds, by name: every program of a real cluster and its e2e suite."""
 
@@ -275,9 +278,7 @@ def ensure_programs(names: Sequence[str], kubernetes_version: str | None = None)
     """The named Kubernetes programs (``KUBERNETES_PROGRAMS``) of one release, cached beside the
     control plane's and built first if absent: several in one Go module, so that the packages
     they share compile once (the first takes minutes on two cores, each further one less)."""
-    version = _version_from_env(
-        "KPNG_KUBERNETES_VERSION", kubernetes_version or KUBERNETES_VERSION
-    )
+    version = _version_from_env("KPNG_KUBERNETES_VERSION", kubernetes_version or KUBERNETES_VERSION)
     assert version is not None
     unknown = sorted(set(names) - set(KUBERNETES_PROGRAMS))
     if unknown:
@@ -311,6 +312,33 @@ def ensure_programs(names: Sequence[str], kubernetes_version: str | None = None)
                 os.replace(out, paths[name])
                 log.info("built %s in %.0f s", name, time.monotonic() - started)
     return paths
+
+
+COREDNS_VERSION = "v1.14.7"
+"""The cluster DNS of real-node tests: a recent release; the e2e suite needs only its
+``kubernetes`` plugin."""
+
+
+def ensure_go_program(module: str, version: str, package: str | None = None) -> Path:
+    """A static build of ``package`` (default: the module's root) of a Go module outside
+    Kubernetes, such as CoreDNS, cached under ``<cache>/go/``."""
+    package = package or module
+    path = cache_root() / "go" / f"{package.rsplit('/', 1)[-1]}-{version}"
+    if os.access(path, os.X_OK):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.access(path, os.X_OK):
+            return path
+        with tempfile.TemporaryDirectory(prefix="kpng-go-build-") as tmp:
+            work = Path(tmp)
+            (work / "go.mod").write_text("module kpng.local/build\n")
+            log.info("building %s %s", package, version)
+            _go(["get", f"{module}@{version}"], work)
+            _go(["build", *_GO_BUILD_FLAGS, "-o", str(work / "out"), package], work)
+            os.replace(work / "out", path)
+    return path
 
 
 # --- certificates
