@@ -28,6 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "apiserver: runs against a real kube-apiserver (kpng.testing.cluster)"
     )
+    config.addinivalue_line(
+        "markers", "realcluster: runs real nodes, kubelets and containerds (kpng.testing.nodes)"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -85,9 +85,11 @@ class NodeError(ControlPlaneError):
     """A node could not be set up, reached or cleaned up."""
 
 
-def _run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
+def _run(
+    argv: Sequence[str], *, check: bool = True, input: str | None = None, timeout: float = 300
+) -> str:
     proc = subprocess.run(
-        list(argv), input=input, capture_output=True, text=True, check=False, timeout=120
+        list(argv), input=input, capture_output=True, text=True, check=False, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise NodeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -245,6 +247,9 @@ state = "{state}/state"
 
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{pause_image}"
+  # This machine gives root no CAP_SYS_RESOURCE, so runc may not lower a container's
+  # oom_score_adj below containerd's (kubelet asks -998 for sandboxes).
+  restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 
@@ -424,6 +429,12 @@ class RealNode:
     def pids(self) -> list[int]:
         return [d.pid for d in (self.kubelet, self.containerd) if d is not None]
 
+    def reap(self) -> None:
+        """Collects the exit of the node's daemons (``remove_node`` killed them)."""
+        for daemon in (self.kubelet, self.containerd):
+            if daemon is not None:
+                daemon.stop()
+
 
 def remove_node(layout: NodeLayout) -> None:
     """Everything a node made, gone: kubelet, containers and shims, containerd, mounts,
@@ -566,8 +577,9 @@ class RealCluster:
         return self
 
     def stop(self) -> None:
-        for node in self.layouts:
-            remove_node(node)
+        for node in self.nodes:
+            remove_node(node.layout)
+            node.reap()
         for daemon in self._controllers:
             daemon.stop()
         self._controllers.clear()
@@ -634,6 +646,8 @@ class RealCluster:
             # The `kubernetes` Service's endpoint is the apiserver's real address, as in kubeadm.
             "--endpoint-reconciler-type=lease",
             "--allow-privileged=true",
+            # Node names resolve nowhere; kubectl exec and logs go to the node's address.
+            "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-client-certificate={kubelet_client_cert}",
             f"--kubelet-client-key={kubelet_client_key}",
             "--enable-priority-and-fairness=true",
@@ -797,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             directory.mkdir(parents=True, exist_ok=True)
             cluster = RealCluster(
                 nodes=args.nodes,
-                images=images.test_images(),
+                images=images.node_images(),
                 pause_image=images.PAUSE_REFERENCE,
                 workdir=directory,
                 detach=True,

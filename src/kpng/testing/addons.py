@@ -1,0 +1,327 @@
+"""What a real cluster runs in kube-system once its nodes are up: a service proxy (kpng from
+``deploy/``, or upstream kube-proxy as the baseline), as a kubeadm user would deploy them.
+
+Both proxies run as DaemonSets from images imported into every node (no registry here), reach
+the API server by its real address (the ``kubernetes`` Service needs a proxy first), and are
+Ready when their ``/healthz`` says the node's rules are programmed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from kpng.testing.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
+
+DEPLOY_DIR = Path(__file__).resolve().parents[3] / "deploy"
+"""The manifests a cluster operator applies; present in a source checkout."""
+
+_PLACEHOLDER = re.compile(r"\$\{(KPNG_[A-Z_]+)\}")
+
+
+def render(template: str, values: dict[str, str]) -> str:
+    """``envsubst`` restricted to ``${KPNG_...}``, as deploy/kpng.yaml tells users to run it: the
+    manifest's own ``$(NODE_NAME)`` expansions are Kubernetes', left alone."""
+    missing = sorted(set(_PLACEHOLDER.findall(template)) - set(values))
+    if missing:
+        raise NodeError(f"no value for {', '.join(missing)}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _deploy_file(name: str) -> str:
+    path = DEPLOY_DIR / name
+    if not path.is_file():
+        raise NodeError(f"{path} is missing: deploying needs kpng's source checkout")
+    return path.read_text()
+
+
+def deploy_kpng(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
+    """deploy/rbac.yaml and deploy/kpng.yaml, applied as the operator would; returns once
+    every node's kpng pod is Ready."""
+    manifest = render(
+        _deploy_file("kpng.yaml"),
+        {
+            "KPNG_API_SERVER": cluster.server,
+            "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
+            "KPNG_IMAGE": image,
+        },
+    )
+    cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
+    cluster.kubectl("apply", "-f", "-", input=manifest)
+    wait_rollout(cluster, "kpng", timeout_s)
+
+
+def wait_rollout(cluster: RealCluster, daemonset: str, timeout_s: int) -> None:
+    cluster.kubectl(
+        "-n",
+        "kube-system",
+        "rollout",
+        "status",
+        f"daemonset/{daemonset}",
+        f"--timeout={timeout_s}s",
+    )
+
+
+def kube_proxy_manifests(server: str, image: str) -> str:
+    """kubeadm's kube-proxy add-on, in nftables mode: its ServiceAccount and RBAC, a ConfigMap
+    with a KubeProxyConfiguration and a kubeconfig, and a privileged DaemonSet."""
+    config = {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "nftables",
+        "clusterCIDR": CLUSTER_CIDR,
+        "clientConnection": {"kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf"},
+        "healthzBindAddress": "0.0.0.0:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
+        # Nodes are network namespaces of one machine: kube-proxy must not size the machine's
+        # conntrack table. Its timeouts are per namespace, so those keep their defaults.
+        "conntrack": {"maxPerCore": 0, "min": 0},
+    }
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "default",
+                "cluster": {
+                    "certificate-authority": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                    "server": server,
+                },
+            }
+        ],
+        "users": [
+            {
+                "name": "default",
+                "user": {"tokenFile": "/var/run/secrets/kubernetes.io/serviceaccount/token"},
+            }
+        ],
+        "contexts": [{"name": "default", "context": {"cluster": "default", "user": "default"}}],
+        "current-context": "default",
+    }
+    documents = [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "kube-proxy", "namespace": "kube-system"},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kubeadm:node-proxier"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:node-proxier",
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": "kube-proxy", "namespace": "kube-system"}
+            ],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "kube-proxy", "namespace": "kube-system"},
+            "data": {
+                "config.conf": yaml.safe_dump(config, sort_keys=False),
+                "kubeconfig.conf": yaml.safe_dump(kubeconfig, sort_keys=False),
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {
+                "name": "kube-proxy",
+                "namespace": "kube-system",
+                "labels": {"k8s-app": "kube-proxy"},
+            },
+            "spec": {
+                "selector": {"matchLabels": {"k8s-app": "kube-proxy"}},
+                "template": {
+                    "metadata": {"labels": {"k8s-app": "kube-proxy"}},
+                    "spec": {
+                        "priorityClassName": "system-node-critical",
+                        "serviceAccountName": "kube-proxy",
+                        "hostNetwork": True,
+                        "nodeSelector": {"kubernetes.io/os": "linux"},
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [
+                            {
+                                "name": "kube-proxy",
+                                "image": image,
+                                "imagePullPolicy": "IfNotPresent",
+                                "command": [
+                                    "/usr/local/bin/kube-proxy",
+                                    "--config=/var/lib/kube-proxy/config.conf",
+                                    "--hostname-override=$(NODE_NAME)",
+                                ],
+                                "env": [
+                                    {
+                                        "name": "NODE_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                                    }
+                                ],
+                                "securityContext": {"privileged": True},
+                                "volumeMounts": [
+                                    {"name": "kube-proxy", "mountPath": "/var/lib/kube-proxy"}
+                                ],
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/healthz", "port": 10256},
+                                    "periodSeconds": 5,
+                                },
+                            }
+                        ],
+                        "volumes": [{"name": "kube-proxy", "configMap": {"name": "kube-proxy"}}],
+                    },
+                },
+            },
+        },
+    ]
+    return yaml.safe_dump_all(documents, sort_keys=False)
+
+
+def deploy_kube_proxy(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
+    cluster.kubectl("apply", "-f", "-", input=kube_proxy_manifests(cluster.server, image))
+    wait_rollout(cluster, "kube-proxy", timeout_s)
+
+
+COREFILE = """\
+.:53 {
+    errors
+    health {
+        lameduck 5s
+    }
+    ready
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 30
+    }
+    cache 30
+    loop
+    loadbalance
+}
+"""
+"""kubeadm's Corefile without ``forward``: names outside the cluster get no answer, so no query
+leaves the machine."""
+
+
+def coredns_manifests(image: str, cluster_ip: str) -> str:
+    """kubeadm's CoreDNS add-on: the ``kube-dns`` Service at the kubelets' clusterDNS address,
+    a Deployment of two replicas, and the rights to list and watch what it serves."""
+    labels = {"k8s-app": "kube-dns"}
+    documents: list[dict[str, object]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "coredns", "namespace": "kube-system"},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "system:coredns"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["endpoints", "services", "pods", "namespaces"],
+                    "verbs": ["list", "watch"],
+                },
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["list", "watch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "system:coredns"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:coredns",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "coredns", "namespace": "kube-system"}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "coredns", "namespace": "kube-system"},
+            "data": {"Corefile": COREFILE},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "coredns", "namespace": "kube-system", "labels": labels},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "priorityClassName": "system-cluster-critical",
+                        "serviceAccountName": "coredns",
+                        "dnsPolicy": "Default",
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [
+                            {
+                                "name": "coredns",
+                                "image": image,
+                                "imagePullPolicy": "IfNotPresent",
+                                "args": ["-conf", "/etc/coredns/Corefile"],
+                                "ports": [
+                                    {"name": "dns", "containerPort": 53, "protocol": "UDP"},
+                                    {"name": "dns-tcp", "containerPort": 53, "protocol": "TCP"},
+                                ],
+                                "securityContext": {
+                                    "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True,
+                                },
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/ready", "port": 8181},
+                                    "periodSeconds": 2,
+                                },
+                                "livenessProbe": {
+                                    "httpGet": {"path": "/health", "port": 8080},
+                                    "initialDelaySeconds": 60,
+                                },
+                                "volumeMounts": [
+                                    {
+                                        "name": "config",
+                                        "mountPath": "/etc/coredns",
+                                        "readOnly": True,
+                                    }
+                                ],
+                            }
+                        ],
+                        "volumes": [{"name": "config", "configMap": {"name": "coredns"}}],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": labels},
+            "spec": {
+                "selector": labels,
+                "clusterIP": cluster_ip,
+                "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+                ],
+            },
+        },
+    ]
+    return yaml.safe_dump_all(documents, sort_keys=False)
+
+
+def deploy_coredns(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
+    """CoreDNS, Ready: it reaches the API server through the ``kubernetes`` Service, so this
+    also proves the proxy deployed before it works."""
+    cluster.kubectl("apply", "-f", "-", input=coredns_manifests(image, CLUSTER_DNS))
+    cluster.kubectl(
+        "-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={timeout_s}s"
+    )

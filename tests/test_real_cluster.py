@@ -1,0 +1,319 @@
+"""kpng deployed as users deploy it, on real nodes: deploy/'s DaemonSet, started by real kubelets
+from the locally built image, serving pods that real controllers publish.
+
+The CI smoke part of the real-cluster work; upstream's e2e suite runs with ``make e2e``.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kpng.testing import addons, images
+from kpng.testing.nodes import RealCluster
+from tests.waiting import until
+
+_TOOLS = ("containerd", "ctr", "runc", "nsenter", "mmdebstrap")
+
+pytestmark = [
+    pytest.mark.realcluster,
+    pytest.mark.skipif(os.geteuid() != 0, reason="real nodes need root"),
+    pytest.mark.skipif(
+        any(shutil.which(t) is None for t in _TOOLS),
+        reason=f"real nodes need {', '.join(_TOOLS)}",
+    ),
+    pytest.mark.timeout(900),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RealCluster]:
+    with RealCluster(
+        nodes=2, images=images.node_images(), pause_image=images.PAUSE_REFERENCE
+    ) as cluster:
+        addons.deploy_kpng(cluster, images.KPNG_REFERENCE)
+        yield cluster
+
+
+def _apply(cluster: RealCluster, *documents: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in documents))
+
+
+def _pod(name: str, node: str, args: list[str], labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "agnhost", "image": images.AGNHOST_REFERENCE, "args": args}],
+        },
+    }
+
+
+def _answered_by(get: Callable[[str], str], url: str, expected: str) -> bool:
+    return get(url) == expected
+
+
+def _http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=3) as response:
+        body: bytes = response.read()
+        return body.decode()
+
+
+def test_the_daemonset_runs_kpng_from_the_local_image_on_every_node(
+    cluster: RealCluster,
+) -> None:
+    pods = cluster.get("pods", "-n", "kube-system", "-l", "k8s-app=kpng")["items"]
+    assert sorted(p["spec"]["nodeName"] for p in pods) == ["node-1", "node-2"]
+    for pod in pods:
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["image"] == images.KPNG_REFERENCE
+        assert status["ready"] is True
+        assert status["restartCount"] == 0
+    for node in cluster.nodes:
+        # kube-proxy's health port, on the node's address, answered by the pod (hostNetwork).
+        health = json.loads(_http_get(f"http://{node.ip}:10256/healthz"))
+        assert "lastUpdated" in health
+
+
+def test_a_pod_reaches_a_pod_on_the_other_node_through_a_cluster_ip_and_a_node_port(
+    cluster: RealCluster,
+) -> None:
+    labels = {"app": "smoke-server"}
+    _apply(
+        cluster,
+        _pod("smoke-server", "node-2", ["netexec", "--http-port=8080"], labels),
+        _pod("smoke-client", "node-1", ["pause"], {"app": "smoke-client"}),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "smoke", "namespace": "default"},
+            "spec": {
+                "type": "NodePort",
+                "selector": labels,
+                "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
+            },
+        },
+    )
+    cluster.kubectl("wait", "--for=condition=Ready", "pod/smoke-server", "pod/smoke-client")
+    service = cluster.get("service", "smoke")
+    cluster_ip = service["spec"]["clusterIP"]
+    node_port = service["spec"]["ports"][0]["nodePort"]
+
+    def from_client(url: str) -> str:
+        return cluster.kubectl(
+            "exec", "smoke-client", "--", "curl", "-sS", "--max-time", "3", url, check=False
+        )
+
+    targets = [
+        f"http://{cluster_ip}/hostname",
+        # Both nodes' node ports: the client's own node sends it across to node-2.
+        *(f"http://{node.ip}:{node_port}/hostname" for node in cluster.nodes),
+    ]
+    for url in targets:
+        until(functools.partial(_answered_by, from_client, url, "smoke-server"), url, within=60)
+    # And from outside the cluster: the machine, on the bridge, to node-1's node port.
+    assert _http_get(f"http://{cluster.nodes[0].ip}:{node_port}/hostname") == "smoke-server"
+
+
+class Traffic:
+    """HTTP requests from the machine to node ports while something happens, counted: one
+    keep-alive connection (established traffic) and a new connection per request, in a thread,
+    bounded in count and time."""
+
+    def __init__(self, targets: list[tuple[str, int]], *, max_requests: int = 5000) -> None:
+        self.targets = targets
+        self.max_requests = max_requests
+        self.new_ok = 0
+        self.new_failed: list[str] = []
+        self.kept_ok = 0
+        self.kept_failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        host, port = self.targets[0]
+        kept = http.client.HTTPConnection(host, port, timeout=3)
+        deadline = time.monotonic() + 600
+        for i in range(self.max_requests):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                break
+            try:
+                kept.request("GET", "/hostname")
+                response = kept.getresponse()
+                response.read()
+                self.kept_ok += 1
+            except (OSError, http.client.HTTPException) as exc:
+                self.kept_failed.append(f"{time.monotonic():.1f} {exc!r}")
+                kept.close()
+                kept = http.client.HTTPConnection(host, port, timeout=3)
+            target = self.targets[i % len(self.targets)]
+            try:
+                _http_get(f"http://{target[0]}:{target[1]}/hostname")
+                self.new_ok += 1
+            except OSError as exc:
+                self.new_failed.append(f"{target} {exc!r}")
+            time.sleep(0.05)
+        kept.close()
+
+
+@pytest.fixture(scope="module")
+def web(cluster: RealCluster) -> int:
+    """Two netexec pods behind a NodePort Service; its node port."""
+    labels = {"app": "web"}
+    _apply(
+        cluster,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "agnhost",
+                                "image": images.AGNHOST_REFERENCE,
+                                "args": ["netexec", "--http-port=8080"],
+                            }
+                        ]
+                    },
+                },
+            },
+        },
+        _node_port_service("web", labels),
+    )
+    cluster.kubectl("rollout", "status", "deployment/web", "--timeout=120s")
+    node_port: int = cluster.get("service", "web")["spec"]["ports"][0]["nodePort"]
+    for node in cluster.nodes:
+        until(functools.partial(_answers, node.ip, node_port), f"web on {node.name}", within=60)
+    return node_port
+
+
+def _node_port_service(name: str, selector: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "type": "NodePort",
+            "selector": selector,
+            "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
+        },
+    }
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        _http_get(f"http://{host}:{port}/hostname")
+    except OSError:
+        return False
+    return True
+
+
+def _check(traffic: Traffic) -> None:
+    assert traffic.new_failed == []
+    assert traffic.kept_failed == []
+    # Enough traffic went through to mean something.
+    assert traffic.new_ok >= 20
+    assert traffic.kept_ok >= 20
+
+
+def test_rolling_the_daemonset_breaks_no_connection(cluster: RealCluster, web: int) -> None:
+    before = {p["metadata"]["uid"] for p in cluster.get("pods", "-n", "kube-system")["items"]}
+    with Traffic([(n.ip, web) for n in cluster.nodes]) as traffic:
+        time.sleep(2)
+        cluster.kubectl("-n", "kube-system", "rollout", "restart", "daemonset/kpng")
+        addons.wait_rollout(cluster, "kpng", 180)
+        time.sleep(2)
+    after = cluster.get("pods", "-n", "kube-system", "-l", "k8s-app=kpng")["items"]
+    assert len(after) == 2
+    assert not {p["metadata"]["uid"] for p in after} & before
+    _check(traffic)
+
+
+def test_traffic_flows_while_kubelets_and_the_api_server_restart(
+    cluster: RealCluster, web: int
+) -> None:
+    plane = cluster.plane
+    assert plane is not None
+    with Traffic([(n.ip, web) for n in cluster.nodes]) as traffic:
+        for node in cluster.nodes:
+            node.restart_kubelet()
+        cluster.wait_nodes_ready()
+        port = plane.apiserver_port
+        plane.stop_apiserver()
+        time.sleep(5)
+        plane.start_apiserver(port)
+        time.sleep(2)
+    _check(traffic)
+    # kpng followed the API server back: a Service made afterwards is programmed.
+    _apply(cluster, _node_port_service("after-restart", {"app": "web"}))
+    node_port = cluster.get("service", "after-restart")["spec"]["ports"][0]["nodePort"]
+    host = cluster.nodes[0].ip
+    until(lambda: _answers(host, node_port), "a Service made after the restart", within=60)
+
+
+def test_a_deleted_pod_is_served_while_it_terminates_then_rejected(
+    cluster: RealCluster,
+) -> None:
+    """With no other endpoint, traffic falls back to the serving, terminating one, and the
+    Service rejects connections at once when it is gone."""
+    labels = {"app": "lame"}
+    pod = _pod("lame", "node-2", ["netexec", "--http-port=8080"], labels)
+    pod["spec"]["terminationGracePeriodSeconds"] = 60
+    pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", "20"]}}}
+    _apply(cluster, pod, _node_port_service("lame", labels))
+    cluster.kubectl("wait", "--for=condition=Ready", "pod/lame")
+    node_port = cluster.get("service", "lame")["spec"]["ports"][0]["nodePort"]
+    host = cluster.nodes[0].ip
+    until(lambda: _answers(host, node_port), "lame's node port", within=60)
+
+    with Traffic([(host, node_port)]) as traffic:
+        cluster.kubectl("delete", "pod", "lame", "--wait=false")
+
+        def terminating() -> bool:
+            slices = cluster.get("endpointslices", "-l", "kubernetes.io/service-name=lame")
+            conditions = [
+                e["conditions"] for s in slices["items"] for e in s.get("endpoints") or []
+            ]
+            return conditions == [{"ready": False, "serving": True, "terminating": True}]
+
+        until(terminating, "lame's endpoint serving and terminating", within=30)
+        time.sleep(5)  # new connections keep reaching it through the fallback
+    _check(traffic)
+    cluster.kubectl("wait", "--for=delete", "pod/lame", "--timeout=90s")
+
+    def refused() -> bool:
+        try:
+            _http_get(f"http://{host}:{node_port}/hostname")
+        except urllib.error.URLError as exc:
+            return isinstance(exc.reason, ConnectionRefusedError)
+        except OSError:
+            return False
+        return False
+
+    until(refused, "connection refused (REJECT) once no endpoint is left", within=30)
