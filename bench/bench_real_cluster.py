@@ -1,0 +1,159 @@
+"""Network programming latency on real nodes: kpng against kube-proxy, in the same harness.
+
+For each proxy, a real cluster (``kpng.testing.nodes``: two kubelets, containerd, the
+controllers) with that proxy deployed as a DaemonSet. Then ``--runs`` times: a ClusterIP Service
+is created, a client pod on node-1 starts trying it every 50 ms, and a Deployment of 10 netexec
+pods behind the Service is created; the figure is the time from the Deployment's creation to the
+client's first successful HTTP request through the ClusterIP. It includes scheduling and
+starting the pods (the same for both proxies); what differs is how soon each proxy programs the
+endpoints once the EndpointSlice controller publishes them. sig-scalability's network
+programming latency SLO measures that last part.
+
+    sudo .venv/bin/python bench/bench_real_cluster.py [--runs 10] [--proxy kpng --proxy kube-proxy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kpng.testing import e2e, images
+from kpng.testing.nodes import RealCluster
+
+REPLICAS = 10
+TRY_TIMEOUT_S = 120
+
+
+def _apply(cluster: RealCluster, *documents: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in documents))
+
+
+def _deployment(name: str) -> dict[str, Any]:
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "replicas": REPLICAS,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "agnhost",
+                            "image": images.AGNHOST_REFERENCE,
+                            "args": ["netexec", "--http-port=8080"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _service(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"selector": {"app": name}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+
+
+def one_run(cluster: RealCluster, index: int) -> float:
+    name = f"bench-{index}"
+    _apply(cluster, _service(name))
+    cluster_ip = cluster.get("service", name)["spec"]["clusterIP"]
+    # The client prints the wall-clock time of its first success; pods share the machine's
+    # clock, so it compares with the creation time taken here.
+    script = (
+        f"end=$(( $(date +%s) + {TRY_TIMEOUT_S} )); "
+        f"while [ $(date +%s) -lt $end ]; do "
+        f"if curl -s -o /dev/null --max-time 1 http://{cluster_ip}/hostname; then "
+        f"date +%s.%N; exit 0; fi; sleep 0.05; done; exit 1"
+    )
+    client = subprocess.Popen(
+        [
+            str(cluster.programs["kubectl"]),
+            f"--kubeconfig={cluster.kubeconfig}",
+            "exec",
+            "bench-client",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)  # the loop is running (and failing: no endpoints yet)
+    created = time.time()
+    _apply(cluster, _deployment(name))
+    out, _ = client.communicate(timeout=TRY_TIMEOUT_S + 30)
+    if client.returncode != 0:
+        raise RuntimeError(f"run {index}: no connection through {cluster_ip} in time")
+    latency = float(out.strip()) - created
+    cluster.kubectl("delete", "deployment", name, "--wait=false")
+    cluster.kubectl("delete", "service", name)
+    cluster.kubectl("wait", "--for=delete", "pod", "-l", f"app={name}", "--timeout=120s")
+    return latency
+
+
+def measure(proxy: str, runs: int) -> list[float]:
+    cluster = e2e.start_cluster(proxy, with_dns=False)
+    try:
+        client = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "bench-client", "namespace": "default"},
+            "spec": {
+                "nodeName": "node-1",
+                "containers": [
+                    {"name": "agnhost", "image": images.AGNHOST_REFERENCE, "args": ["pause"]}
+                ],
+            },
+        }
+        _apply(cluster, client)
+        cluster.kubectl("wait", "--for=condition=Ready", "pod/bench-client", "--timeout=120s")
+        latencies = []
+        for i in range(runs):
+            latency = one_run(cluster, i)
+            print(f"  {proxy} run {i + 1}: {latency:.2f} s", flush=True)
+            latencies.append(latency)
+        return latencies
+    finally:
+        cluster.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--proxy", choices=e2e.PROXIES, action="append")
+    args = parser.parse_args(argv)
+    results = {}
+    for proxy in args.proxy or e2e.PROXIES:
+        print(f"{proxy}: Deployment of {REPLICAS} pods → first connection through the ClusterIP")
+        results[proxy] = measure(proxy, args.runs)
+    print("\n| proxy | median | min | max | runs |\n|---|---|---|---|---|")
+    for proxy, latencies in results.items():
+        print(
+            f"| {proxy} | {statistics.median(latencies):.2f} s | {min(latencies):.2f} s "
+            f"| {max(latencies):.2f} s | {len(latencies)} |"
+        )
+    if len(results) == 2:
+        kpng, baseline = (statistics.median(results[p]) for p in e2e.PROXIES)
+        print(f"\nkpng / kube-proxy (medians): {kpng / baseline:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
