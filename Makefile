@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint typecheck unit control-plane protos bench clean
+.PHONY: example test lint typecheck unit control-plane protos bench e2e image clean
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ unit: $(BIN)/kpng control-plane
 # minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.cluster build
+
+# Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
+# (needs root; about an hour on two cores). Results in e2e-results/, the table in its summary.md.
+e2e: $(BIN)/kpng
+	$(BIN)/python -m kpng.testing.e2e --report-dir e2e-results
+
+# kpng's image as an OCI archive, built without a registry (see deploy/build-image).
+image: $(BIN)/kpng
+	$(BIN)/python -m kpng.testing.images kpng --output kpng.oci.tar
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
 protos: $(BIN)/kpng

@@ -159,18 +159,11 @@ def tar_directory(root: Path) -> bytes:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    for directory, dirs, files in os.walk(root):
-        dirs.sort()
-        base = Path(directory)
-        if base != root:
-            yield base
-        for name in sorted(files):
-            yield base / name
-        # os.walk lists symlinks to directories among dirs without entering them.
-        for name in dirs:
-            if (base / name).is_symlink():
-                yield base / name
-        dirs[:] = [d for d in dirs if not (base / d).is_symlink()]
+    """Every path under ``root`` in sorted order, parents first; links are not followed."""
+    for path in sorted(root.iterdir()):
+        yield path
+        if path.is_dir() and not path.is_symlink():
+            yield from _walk(path)
 
 
 def _blob(data: bytes) -> tuple[str, int]:
