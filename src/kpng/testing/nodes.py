@@ -10,8 +10,8 @@
 - per node, a network namespace joined to the bridge, with its own containerd (Debian's, with
   its own root, state, socket and runc root) and its own kubelet (``cgroupRoot: /<node>``, the
   cgroupfs driver, ``failCgroupV1: false`` since this machine mounts cgroup v1), both entered
-  with ``nsenter --net`` so that they share the machine's mounts: kubelet mounts volumes that
-  containerd must see;
+  with ``nsenter --net --uts``: the node's network and host name, but the machine's mounts,
+  since kubelet mounts volumes that containerd must see;
 - pod networking from Debian's CNI plugins: ``ptp`` with ``host-local`` addresses from the
   podCIDR kube-controller-manager allocated to the node (written once the Node has one, as
   kind's kindnet does), and routes of our own between nodes. With ``ptp`` every pod packet
@@ -96,10 +96,23 @@ def _run(
     return proc.stdout
 
 
-def _in_netns(netns: str, argv: Sequence[str]) -> list[str]:
-    # --net only: the node's programs keep the machine's mount namespace, so volumes kubelet
-    # mounts are seen by containerd and the shims it starts.
-    return ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
+UTS_DIR = Path("/run/kpng-nodes")
+"""Where nodes' UTS namespaces are pinned: a private mount, as iproute2 makes /run/netns, since
+a namespace cannot be bind-mounted where mounts propagate."""
+
+
+def _in_node(netns: str, uts: Path, argv: Sequence[str]) -> list[str]:
+    # The node's network and host name (hostNetwork pods answer with the node's name, as e2e
+    # tests expect), but the machine's mounts: volumes kubelet mounts must be seen by containerd
+    # and the shims it starts.
+    return ["nsenter", f"--net=/run/netns/{netns}", f"--uts={uts}", "--", *argv]
+
+
+def _private_uts_dir() -> None:
+    UTS_DIR.mkdir(parents=True, exist_ok=True)
+    if str(UTS_DIR) not in _mounts_under([str(UTS_DIR)]):
+        _run(["mount", "--bind", str(UTS_DIR), str(UTS_DIR)])
+        _run(["mount", "--make-private", str(UTS_DIR)])
 
 
 def _wait_for(what: str, probe: Callable[[], bool], timeout: float = _READY_TIMEOUT_S) -> None:
@@ -207,6 +220,10 @@ class NodeLayout:
     @property
     def ip(self) -> str:
         return str(BRIDGE_NETWORK[10 + self.index])
+
+    @property
+    def uts(self) -> Path:
+        return UTS_DIR / f"{self.name}.uts"
 
     @property
     def veth(self) -> str:
@@ -340,7 +357,7 @@ class RealNode:
         self._kubelet_argv: list[str] = []
 
     def netns_argv(self, argv: Sequence[str]) -> list[str]:
-        return _in_netns(self.layout.netns, argv)
+        return _in_node(self.layout.netns, self.layout.uts, argv)
 
     def exec(self, *argv: str, check: bool = True) -> str:
         """Runs a command in the node's network namespace (as the node's own programs do)."""
@@ -348,6 +365,9 @@ class RealNode:
 
     def create_network(self) -> None:
         n = self.layout
+        _private_uts_dir()
+        n.uts.touch()
+        _run(["unshare", f"--uts={n.uts}", "hostname", n.name])
         _run(["ip", "netns", "add", n.netns])
         _run(
             ["ip", "link", "add", n.veth, "type", "veth", "peer", "name", "eth0", "netns", n.netns]
@@ -460,6 +480,8 @@ def remove_node(layout: NodeLayout) -> None:
             Path(point).unlink()
     _remove_cgroup(layout.cgroup)
     subprocess.run(["ip", "netns", "delete", layout.netns], capture_output=True, check=False)
+    subprocess.run(["umount", str(layout.uts)], capture_output=True, check=False)
+    layout.uts.unlink(missing_ok=True)
     shutil.rmtree(layout.workdir, ignore_errors=True)
 
 
