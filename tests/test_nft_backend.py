@@ -565,8 +565,38 @@ def test_udp_entries_of_a_refused_change_are_cleaned_once_a_sync_gets_through() 
             await asyncio.sleep(0.01)
         assert [
             "-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
-            "--dst-nat", "10.244.1.2",
+            "--dst-nat", "10.244.1.2", "--reply-port-src", "5353",
         ] in conntrack.deleted  # fmt: skip
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_target_port_deletes_the_udp_entries_to_the_old_one() -> None:
+    """Upstream e2e "should be able to cleanup conntrack entries when UDP service target port
+    changes" (v1.35): the endpoint's address stays, its port changes, and a client that keeps
+    sending from one source port would otherwise keep reaching the old port."""
+
+    async def scenario() -> None:
+        nft, conntrack = FlakyNft(), RecordingConntrack()
+        backend = NftBackend(nft=nft, options=Options(), conntrack=conntrack, sleep=_no_sleep)
+        service = _service(protocol="UDP", port=53, node_port=30053)
+        old = _udp_ep("10.244.1.2")
+        await backend.apply(_state(1, {WEB: ServiceEndpoints(service, (old,))}))
+        conntrack.deleted.clear()
+        moved = Endpoint(
+            IPs=old.IPs,
+            PortOverrides=(PortName(Name="p", Port=9090, Protocol="UDP"),),
+            Scopes=ALL,
+            Ready=True,
+        )
+        await backend.apply(_state(2, {WEB: ServiceEndpoints(service, (moved,))}))
+        assert sorted(conntrack.deleted) == [
+            ["-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
+             "--dst-nat", "10.244.1.2", "--reply-port-src", "5353"],
+            ["-p", "udp", "--orig-port-dst", "30053",
+             "--dst-nat", "10.244.1.2", "--reply-port-src", "5353"],
+        ]  # fmt: skip
         await backend.close()
 
     asyncio.run(scenario())

@@ -82,14 +82,15 @@ KPNG_PACKAGES = ("python3", "nftables", "libnftables1", "conntrack", "iproute2",
 cleanup), iproute2 for whoever debugs the node from the pod."""
 
 AGNHOST_PACKAGES = (
-    # What upstream's agnhost image adds to Alpine, in Debian's names, plus busybox for the
-    # single-try `wget` the tests expect (GNU wget retries twenty times).
+    # What upstream's agnhost image adds to Alpine, in Debian's names, and wget: Alpine's is
+    # busybox's, whose -T crashes in Debian's build, so GNU wget told to try once, as busybox
+    # does (it retries twenty times by default, which the tests' loops of 150 cannot afford).
     "bash",
     "curl",
+    "wget",
     "netcat-openbsd",
     "iproute2",
     "bind9-dnsutils",
-    "busybox",
     "procps",
     "util-linux",
     "conntrack",
@@ -304,8 +305,9 @@ def debian_layer(packages: Sequence[str]) -> Layer:
     return compress(cached.read_bytes())
 
 
-def _files_layer(files: dict[str, Path | str], *, mode: int = 0o755) -> Layer:
-    """A layer of single files: path in the image → a file to copy, or a symlink target."""
+def _files_layer(files: dict[str, Path | str | bytes], *, mode: int = 0o755) -> Layer:
+    """A layer of single files: path in the image → a file to copy, a symlink target, or the
+    content of a file (mode 0644)."""
     with tempfile.TemporaryDirectory(prefix="kpng-layer-") as tmp:
         root = Path(tmp)
         for name, source in files.items():
@@ -313,6 +315,9 @@ def _files_layer(files: dict[str, Path | str], *, mode: int = 0o755) -> Layer:
             target.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(source, str):
                 target.symlink_to(source)
+            elif isinstance(source, bytes):
+                target.write_bytes(source)
+                target.chmod(0o644)
             else:
                 shutil.copyfile(source, target)
                 target.chmod(mode)
@@ -406,9 +411,7 @@ def agnhost_image() -> ImageArchive:
     agnhost = ensure_programs(["agnhost"])["agnhost"]
     layers = [
         debian_layer(AGNHOST_PACKAGES),
-        _files_layer(
-            {"/agnhost": agnhost, "/agnhost-2": "agnhost", "/usr/local/bin/wget": "/bin/busybox"}
-        ),
+        _files_layer({"/agnhost": agnhost, "/agnhost-2": "agnhost", "/etc/wgetrc": b"tries = 1\n"}),
     ]
     config = ImageConfig(entrypoint=["/agnhost"], cmd=["pause"])
     refs = [AGNHOST_REFERENCE, *AGNHOST_ALIASES]

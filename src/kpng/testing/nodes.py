@@ -849,8 +849,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             print(f"export KUBECONFIG={directory / 'control-plane' / 'kubeconfig'}")
         else:
-            if not state_file.exists():
-                print(f"not up (no state in {directory})", file=sys.stderr)
+            if not directory.is_dir():
+                print(f"not up (nothing in {directory})", file=sys.stderr)
                 return 1
             down(directory)
     except ControlPlaneError as exc:
@@ -860,10 +860,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def down(directory: Path) -> None:
-    """Stops and removes a cluster started with ``up`` (or left by a crashed process)."""
-    state = json.loads((directory / "state.json").read_text())
-    for i in range(1, int(state["nodes"]) + 1):
-        remove_node(NodeLayout(f"node-{i}", i, directory / f"node-{i}"))
+    """Stops and removes a cluster started with ``up``, or what a killed process left in its
+    working directory."""
+    state_file = directory / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {"pids": []}
+    for node_dir in sorted(directory.glob("node-*")):
+        index = int(node_dir.name.removeprefix("node-"))
+        remove_node(NodeLayout(node_dir.name, index, node_dir))
     for pid in state["pids"]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

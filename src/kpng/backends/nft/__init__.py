@@ -250,11 +250,22 @@ class NftBackend:
         there, and entries made while a service had no endpoint would keep bypassing it."""
         if self._conntrack is None:
             return
-        for svc, port, ep in sorted(touched.udp_gone):
+        for svc, port, ep, ep_port in sorted(touched.udp_gone):
             family = ["-f", "ipv6"] if ":" in ep else []
             target = ["--orig-dst", svc] if svc else []
             await self._conntrack.delete(
-                [*family, "-p", "udp", *target, "--orig-port-dst", port, "--dst-nat", ep]
+                [
+                    *family,
+                    "-p",
+                    "udp",
+                    *target,
+                    "--orig-port-dst",
+                    port,
+                    "--dst-nat",
+                    ep,
+                    "--reply-port-src",
+                    ep_port,
+                ]
             )
         for svc, port in sorted(touched.udp_new_services):
             if svc:

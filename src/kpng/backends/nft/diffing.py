@@ -54,7 +54,7 @@ class Touched:
     maps: set[str] = field(default_factory=set)
     shared: set[ElementKey] = field(default_factory=set)
     """Touched elements left with more than one owner: the only ones that can conflict."""
-    udp_gone: set[tuple[str, str, str]] = field(default_factory=set)
+    udp_gone: set[tuple[str, str, str, str]] = field(default_factory=set)
     udp_new_services: set[tuple[str, str]] = field(default_factory=set)
 
     def __bool__(self) -> bool:
@@ -138,8 +138,8 @@ class DiffStore:
                     touched.maps.add(name)
         if old.udp_endpoints or new.udp_endpoints:
             touched.udp_gone |= old.udp_endpoints - new.udp_endpoints
-            old_services = {(a, p) for a, p, _ in old.udp_endpoints}
-            touched.udp_new_services |= {(a, p) for a, p, _ in new.udp_endpoints} - old_services
+            old_services = {(a, p) for a, p, *_ in old.udp_endpoints}
+            touched.udp_new_services |= {(a, p) for a, p, *_ in new.udp_endpoints} - old_services
 
     def _own(self, ek: ElementKey, key: ServiceKey, value: tuple[str, ...], t: Touched) -> None:
         """Make ``key`` an owner of ``ek`` wanting ``value`` (its contribution is recorded)."""

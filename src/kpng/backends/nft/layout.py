@@ -290,9 +290,10 @@ class Contribution:
     maps: dict[str, Map | Set] = field(default_factory=dict)
     """Named sets and maps, by name."""
     problems: list[str] = field(default_factory=list)
-    udp_endpoints: set[tuple[str, str, str]] = field(default_factory=set)
-    """(service address, port, endpoint address) of UDP traffic: the conntrack entries to delete
-    when the pair goes away."""
+    udp_endpoints: set[tuple[str, str, str, str]] = field(default_factory=set)
+    """(service address, port, endpoint address, endpoint port) of UDP traffic: the conntrack
+    entries to delete when the pair goes away, also when only the endpoint's port changed (a
+    new targetPort: the flow would keep going to the old one)."""
 
 
 EndpointValue = tuple[str, str]
@@ -458,7 +459,7 @@ def _dispatch(
         elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
     if proto == "udp":
         address = key[0] if len(key) == 3 else ""
-        out.udp_endpoints.update((address, key[-1], addr) for addr, _ in eps)
+        out.udp_endpoints.update((address, key[-1], addr, eport) for addr, eport in eps)
 
 
 _SCOPES: dict[Kind, str] = {
@@ -528,4 +529,4 @@ def _remember(
     out.elements[(f"{kind}-{fam}", key)] = (f"goto {name}",)
     if proto == "udp":
         address = key[0] if len(key) == 3 else ""
-        out.udp_endpoints.update((address, key[-1], addr) for addr, _ in eps)
+        out.udp_endpoints.update((address, key[-1], addr, eport) for addr, eport in eps)
