@@ -290,6 +290,8 @@ def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
         assert samples[("kpng_backend_pending_seconds", gone)] > 1
         assert samples[("kpng_backend_pending_seconds", (("backend", "to-json"),))] == 0
         assert samples[("kpng_healthy", ())] == 0
+        # kube-proxy's /proxyMode, on the metrics address: kpng's backends.
+        assert _get(f"{base}/proxyMode") == (200, "to-json,to-plugin")
     finally:
         _stop(proc, log)
 

@@ -44,6 +44,10 @@ class Status:
         self.fanouts.append(fanout)
         return fanout
 
+    def fanout_names(self) -> list[str]:
+        """The backends fed directly, in command-line order (``to-nft``, ``to-plugin``...)."""
+        return [feeder.name for fanout in self.fanouts for feeder in fanout.feeders]
+
     @property
     def backends(self) -> Mapping[str, FeederStats]:
         """Every feeder's stats by name, those of composite backends' own feeders included."""

@@ -68,6 +68,14 @@ def _metrics_handler(status: Status) -> _Handler:
     return handle
 
 
+def _proxy_mode_handler(status: Status) -> _Handler:
+    async def handle(_: web.Request) -> web.Response:
+        # kube-proxy answers its mode ("nftables"); kpng's mode is its backends.
+        return web.Response(text=",".join(status.fanout_names()) or "none")
+
+    return handle
+
+
 async def serve(
     status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
 ) -> None:
@@ -81,7 +89,13 @@ async def serve(
             ]
         )
     if metrics is not None:
-        routes.setdefault(metrics, []).append(web.get("/metrics", _metrics_handler(status)))
+        routes.setdefault(metrics, []).extend(
+            [
+                web.get("/metrics", _metrics_handler(status)),
+                # Where kube-proxy tells its mode; scripts and upstream's e2e tests read it.
+                web.get("/proxyMode", _proxy_mode_handler(status)),
+            ]
+        )
     runners: list[web.AppRunner] = []
     try:
         for address, defs in routes.items():
