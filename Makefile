@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint typecheck unit control-plane protos bench e2e image clean
+.PHONY: example test lint typecheck unit control-plane real-nodes protos bench e2e image clean
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ lint: $(BIN)/kpng
 typecheck: $(BIN)/kpng
 	$(BIN)/mypy
 
-unit: $(BIN)/kpng control-plane
+unit: $(BIN)/kpng control-plane real-nodes
 	$(BIN)/pytest
 
 # The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
@@ -43,6 +43,12 @@ e2e: $(BIN)/kpng
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.images kpng --output kpng.oci.tar
+
+# What the real-node tests run: kubelet, controllers, kubectl, agnhost, CoreDNS (Go builds,
+# cached beside the control plane) and the images (Debian packages). Skipped without root,
+# containerd, runc, mmdebstrap or the CNI plugins, as those tests are.
+real-nodes: $(BIN)/kpng
+	$(BIN)/python -m kpng.testing.nodes build
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
 protos: $(BIN)/kpng

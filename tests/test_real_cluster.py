@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import http.client
 import json
-import os
-import shutil
 import threading
 import time
 import urllib.error
@@ -21,18 +19,12 @@ from typing import Any
 import pytest
 
 from kpng.testing import addons, images
-from kpng.testing.nodes import RealCluster
+from kpng.testing.nodes import RealCluster, missing_requirements
 from tests.waiting import until
-
-_TOOLS = ("containerd", "ctr", "runc", "nsenter", "mmdebstrap")
 
 pytestmark = [
     pytest.mark.realcluster,
-    pytest.mark.skipif(os.geteuid() != 0, reason="real nodes need root"),
-    pytest.mark.skipif(
-        any(shutil.which(t) is None for t in _TOOLS),
-        reason=f"real nodes need {', '.join(_TOOLS)}",
-    ),
+    pytest.mark.skipif(bool(missing_requirements()), reason=missing_requirements() or "-"),
     pytest.mark.timeout(900),
 ]
 

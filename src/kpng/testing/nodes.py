@@ -501,6 +501,19 @@ def _netns_in_use(path: str) -> bool:
 # --- the cluster
 
 
+REQUIRED_TOOLS = ("nsenter", "unshare", "ip", "containerd", "ctr", "runc", "mmdebstrap")
+
+
+def missing_requirements() -> str:
+    """Why real nodes cannot run on this machine, or "" if they can."""
+    if os.geteuid() != 0:
+        return "they need root"
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if not (CNI_BIN_DIR / "ptp").exists():
+        missing.append(f"the CNI plugins in {CNI_BIN_DIR}")
+    return f"missing {', '.join(missing)}" if missing else ""
+
+
 @dataclass(frozen=True)
 class ImageArchive:
     """An OCI archive to import into every node, and the reference it is known by."""
@@ -557,11 +570,9 @@ class RealCluster:
     # Lifecycle.
 
     def start(self) -> RealCluster:
-        for tool in ("nsenter", "ip", "containerd", "ctr", "runc"):
-            if shutil.which(tool) is None:
-                raise NodeError(f"`{tool}` is not on PATH; real nodes need it")
-        if os.geteuid() != 0:
-            raise NodeError("real nodes need root")
+        missing = missing_requirements()
+        if missing:
+            raise NodeError(f"real nodes cannot run here: {missing}")
         try:
             self.programs = ensure_programs(NODE_PROGRAMS)
             self._create_bridge()
@@ -814,6 +825,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="start and stop a real cluster: control plane, controllers, kubelets",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "build", help="build (or find) the programs and images real nodes need, if they can run"
+    )
     up = sub.add_parser("up", help="start in the background; prints `export KUBECONFIG=...`")
     up.add_argument("--nodes", type=int, default=2)
     sub.add_parser("env", help="print `export KUBECONFIG=...` of the running cluster")
@@ -824,7 +838,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     directory = _state_dir(args.dir)
     state_file = directory / "state.json"
     try:
-        if args.command == "up":
+        if args.command == "build":
+            missing = missing_requirements()
+            if missing:
+                print(f"real nodes cannot run here ({missing}): nothing to build")
+                return 0
+            from kpng.testing import images
+
+            started = time.monotonic()
+            ensure_programs(NODE_PROGRAMS)
+            for image in images.node_images():
+                print(f"{image.reference}: {image.path}")
+            print(f"ready in {time.monotonic() - started:.1f} s")
+        elif args.command == "up":
             if state_file.exists():
                 print(f"already up (state in {directory}); `down` first", file=sys.stderr)
                 return 1
