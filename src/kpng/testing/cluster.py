@@ -267,6 +267,7 @@ KUBERNETES_PROGRAMS = {
     "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     "agnhost": "k8s.io/kubernetes/test/images/agnhost",
+    "regression-issue-74839": "k8s.io/kubernetes/test/images/regression-issue-74839",
     "e2e.test": "k8s.io/kubernetes/test/e2e",
     # At the version kubernetes requires: the runner that splits e2e.test over processes.
     "ginkgo": "github.com/onsi/ginkgo/v2/ginkgo",

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,7 @@ E2E_REPO_LIST = {
 """``KUBE_TEST_REPO_LIST`` for e2e.test: the registries its images come from, all local."""
 
 AGNHOST_REFERENCE = f"{LOCAL_REGISTRY}/e2e-test-images/agnhost:2.59"
+REGRESSION_74839_REFERENCE = f"{LOCAL_REGISTRY}/e2e-test-images/regression-issue-74839:1.4"
 PAUSE_REFERENCE = f"{LOCAL_REGISTRY}/pause:3.10.1"
 # The e2e suite of 1.35 runs these (test/utils/image/manifest.go) for tests that only need a
 # shell, sleep and nc, or conntrack: the agnhost image has all of them.
@@ -268,6 +269,9 @@ def debian_layer(packages: Sequence[str]) -> Layer:
     """A Debian root file system with ``packages`` (minbase), as a layer; cached by the list."""
     key = _digest_of(SUITE, *sorted(packages))
     cached = images_cache() / "debian" / f"{key}.tar"
+    blob, diff_id = cached.with_suffix(".tar.gz"), cached.with_suffix(".diff_id")
+    if blob.exists() and diff_id.exists():
+        return Layer(blob.read_bytes(), diff_id.read_text())
     if not cached.exists():
         if shutil.which("mmdebstrap") is None:
             raise ImageError("`mmdebstrap` (Debian's package) builds the images' root file systems")
@@ -302,12 +306,37 @@ def debian_layer(packages: Sequence[str]) -> Layer:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise ImageError(f"mmdebstrap failed ({proc.returncode}):\n{tail}")
         partial.replace(cached)
-    return compress(cached.read_bytes())
+    layer = compress(cached.read_bytes())
+    blob.write_bytes(layer.blob)
+    diff_id.write_text(layer.diff_id)
+    cached.unlink()
+    return layer
+
+
+def _cached_layer(name: str, key: str, build: Callable[[], Layer]) -> Layer:
+    """A layer built once for its inputs' digest ``key``: compressing a few hundred MB takes
+    seconds that a test run should not pay again."""
+    stem = images_cache() / "layers" / f"{name}-{key}"
+    blob, diff_id = stem.with_suffix(".tar.gz"), stem.with_suffix(".diff_id")
+    if blob.exists() and diff_id.exists():
+        return Layer(blob.read_bytes(), diff_id.read_text())
+    layer = build()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(layer.blob)
+    diff_id.write_text(layer.diff_id)
+    return layer
 
 
 def _files_layer(files: dict[str, Path | str | bytes], *, mode: int = 0o755) -> Layer:
     """A layer of single files: path in the image → a file to copy, a symlink target, or the
     content of a file (mode 0644)."""
+    parts: list[bytes | str] = [oct(mode)]
+    for name, source in sorted(files.items()):
+        parts += [name, source.read_bytes() if isinstance(source, Path) else source]
+    return _cached_layer("files", _digest_of(*parts), lambda: _build_files_layer(files, mode))
+
+
+def _build_files_layer(files: dict[str, Path | str | bytes], mode: int) -> Layer:
     with tempfile.TemporaryDirectory(prefix="kpng-layer-") as tmp:
         root = Path(tmp)
         for name, source in files.items():
@@ -334,12 +363,30 @@ def _cached_archive(
     return out
 
 
+def _source_digest(project: Path) -> str:
+    """What kpng's layer is made from: the package's files and its project metadata."""
+    files = [project / "pyproject.toml", project / "README.md"]
+    files += sorted(
+        f
+        for f in (project / "src" / "kpng").rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts
+    )
+    parts: list[bytes | str] = []
+    for f in files:
+        parts += [str(f.relative_to(project)), f.read_bytes()]
+    return _digest_of(*parts)
+
+
 def kpng_layer(project: Path | None = None) -> Layer:
     """kpng and its runtime dependencies in a virtualenv at /opt/kpng, for the image's
-    /usr/bin/python3, with `kpng` on PATH."""
+    /usr/bin/python3, with `kpng` on PATH; cached by the source tree's digest."""
     project = project or Path(__file__).resolve().parents[3]
     if not (project / "pyproject.toml").exists():
         raise ImageError(f"{project} is not kpng's source tree")
+    return _cached_layer("kpng", _source_digest(project), lambda: _build_kpng_layer(project))
+
+
+def _build_kpng_layer(project: Path) -> Layer:
     with tempfile.TemporaryDirectory(prefix="kpng-image-") as tmp:
         work = Path(tmp)
         wheels = work / "wheels"
@@ -481,6 +528,16 @@ def coredns_image() -> ImageArchive:
     )
 
 
+def regression_74839_image() -> ImageArchive:
+    """The e2e suite's server for "proxy implementation should not be vulnerable to the
+    invalid conntrack state bug": it sends out-of-window TCP packets a proxy must drop."""
+    binary = ensure_programs(["regression-issue-74839"])["regression-issue-74839"]
+    layers = [_files_layer({"/regression-issue-74839": binary})]
+    config = ImageConfig(entrypoint=["/regression-issue-74839"], env=[])
+    refs = [REGRESSION_74839_REFERENCE]
+    return ImageArchive(refs[0], _cached_archive("regression-74839", layers, config, refs))
+
+
 def kube_proxy_image() -> ImageArchive:
     binary = ensure_programs(["kube-proxy"])["kube-proxy"]
     reference = kube_proxy_reference()
@@ -495,7 +552,13 @@ def kube_proxy_image() -> ImageArchive:
 def node_images(*, with_kube_proxy: bool = False) -> list[ImageArchive]:
     """What a real-node cluster imports into every node: the sandbox image, the e2e suite's,
     CoreDNS, kpng, and kube-proxy when it is the proxy under test."""
-    archives = [pause_image(), agnhost_image(), coredns_image(), kpng_image()]
+    archives = [
+        pause_image(),
+        agnhost_image(),
+        regression_74839_image(),
+        coredns_image(),
+        kpng_image(),
+    ]
     if with_kube_proxy:
         archives.append(kube_proxy_image())
     return archives
