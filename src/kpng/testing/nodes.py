@@ -12,7 +12,8 @@
   cgroupfs driver, ``failCgroupV1: false`` since this machine mounts cgroup v1), both entered
   with ``nsenter --net --uts``: the node's network and host name, but the machine's mounts,
   since kubelet mounts volumes that containerd must see;
-- pod networking from Debian's CNI plugins: ``ptp`` with ``host-local`` addresses from the
+- pod networking from Debian's CNI plugins: ``ptp`` (and ``portmap`` for hostPorts) with
+  ``host-local`` addresses from the
   podCIDR kube-controller-manager allocated to the node (written once the Node has one, as
   kind's kindnet does), and routes of our own between nodes. With ``ptp`` every pod packet
   crosses its node's IP stack, so a service proxy sees both directions without br_netfilter.
@@ -339,7 +340,9 @@ def cni_config(pod_cidr: str) -> dict[str, Any]:
                     "ranges": [[{"subnet": pod_cidr}]],
                     "routes": [{"dst": "0.0.0.0/0"}],
                 },
-            }
+            },
+            # hostPort, as kind's CNI configuration has it (e2e's CLOSE_WAIT test uses one).
+            {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
 
@@ -501,7 +504,7 @@ def _netns_in_use(path: str) -> bool:
 # --- the cluster
 
 
-REQUIRED_TOOLS = ("nsenter", "unshare", "ip", "containerd", "ctr", "runc", "mmdebstrap")
+REQUIRED_TOOLS = ("nsenter", "unshare", "ip", "iptables", "containerd", "ctr", "runc", "mmdebstrap")
 
 
 def missing_requirements() -> str:
