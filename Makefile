@@ -36,7 +36,7 @@ control-plane: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.cluster build
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
-# (needs root; about an hour on two cores). Results in e2e-results/, the table in its summary.md.
+# (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
 e2e: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.e2e --report-dir e2e-results
 

@@ -1,7 +1,6 @@
 """Upstream's e2e tests on a real cluster of this machine, with kpng or kube-proxy as its proxy.
 
-    python -m kpng.testing.e2e --proxy kpng                 # the proxy selection, ~1 h
-    python -m kpng.testing.e2e --proxy kube-proxy           # the same, upstream's proxy
+    python -m kpng.testing.e2e                      # kpng, then kube-proxy: ~15 min each
     python -m kpng.testing.e2e --proxy kpng --focus 'should serve a basic endpoint'
 
 Each run starts a ``RealCluster`` (``kpng.testing.nodes``), imports the locally built images into

@@ -13,9 +13,9 @@
   with ``nsenter --net --uts``: the node's network and host name, but the machine's mounts,
   since kubelet mounts volumes that containerd must see;
 - pod networking from Debian's CNI plugins: ``ptp`` (and ``portmap`` for hostPorts) with
-  ``host-local`` addresses from the
-  podCIDR kube-controller-manager allocated to the node (written once the Node has one, as
-  kind's kindnet does), and routes of our own between nodes. With ``ptp`` every pod packet
+  ``host-local`` addresses from the podCIDR kube-controller-manager allocated to the node
+  (written once the Node has one, as kind's kindnet does), and routes of our own between
+  nodes. With ``ptp`` every pod packet
   crosses its node's IP stack, so a service proxy sees both directions without br_netfilter.
 
 No service proxy runs until a test deploys one (kpng's DaemonSet or kube-proxy's): then the
@@ -29,7 +29,8 @@ route everything else to the bridge address, where the machine does not forward 
 One cluster at a time per machine (the bridge has a fixed name); ``stop()`` (and ``python -m
 kpng.testing.nodes down``) kills every process of the nodes, containers included, unmounts,
 and removes namespaces, cgroups and files, also after a crash of the process that started it.
-Needs root, iproute2, nsenter, containerd, runc and the CNI plugins.
+Needs root and ``REQUIRED_TOOLS``, with the CNI plugins (``missing_requirements()`` says what
+is missing).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -567,9 +568,6 @@ class RealCluster:
         assert self.plane is not None, "start() the cluster first"
         return self.plane.server
 
-    def node(self, name: str) -> RealNode:
-        return next(n for n in self.nodes if n.name == name)
-
     # Lifecycle.
 
     def start(self) -> RealCluster:
@@ -906,12 +904,6 @@ def down(directory: Path) -> None:
             os.kill(pid, signal.SIGKILL)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def running(**kwargs: Any) -> Iterator[RealCluster]:
-    with RealCluster(**kwargs) as cluster:
-        yield cluster
 
 
 if __name__ == "__main__":
