@@ -78,6 +78,11 @@ def test_the_daemonset_runs_kpng_from_the_local_image_on_every_node(
         # kube-proxy's health port, on the node's address, answered by the pod (hostNetwork).
         health = json.loads(_http_get(f"http://{node.ip}:10256/healthz"))
         assert "lastUpdated" in health
+        # The init container set the node's conntrack timeouts, kube-proxy's defaults.
+        netfilter = "/proc/sys/net/netfilter"
+        close_wait = node.exec("cat", f"{netfilter}/nf_conntrack_tcp_timeout_close_wait")
+        established = node.exec("cat", f"{netfilter}/nf_conntrack_tcp_timeout_established")
+        assert (close_wait.strip(), established.strip()) == ("3600", "86400")
 
 
 def test_a_pod_reaches_a_pod_on_the_other_node_through_a_cluster_ip_and_a_node_port(

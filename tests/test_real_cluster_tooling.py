@@ -46,6 +46,10 @@ def test_the_daemonset_is_what_the_readme_promises() -> None:
     assert container["image"] == "registry.example/kpng:1"
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
     assert "privileged" not in container["securityContext"]
+    # Only the init container that sets the conntrack sysctls is privileged.
+    (init,) = spec["initContainers"]
+    assert init["securityContext"] == {"privileged": True}
+    assert init["image"] == container["image"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     env = {e["name"]: e["valueFrom"] for e in container["env"]}
