@@ -15,63 +15,24 @@ programming latency SLO measures that last part.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kpng.testing import e2e, images
+from kpng.testing import kubeapi as k
 from kpng.testing.nodes import RealCluster
 
 REPLICAS = 10
 TRY_TIMEOUT_S = 120
 
 
-def _apply(cluster: RealCluster, *documents: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in documents))
-
-
-def _deployment(name: str) -> dict[str, Any]:
-    labels = {"app": name}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "replicas": REPLICAS,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "agnhost",
-                            "image": images.AGNHOST_REFERENCE,
-                            "args": ["netexec", "--http-port=8080"],
-                        }
-                    ],
-                },
-            },
-        },
-    }
-
-
-def _service(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"selector": {"app": name}, "ports": [{"port": 80, "targetPort": 8080}]},
-    }
-
-
 def one_run(cluster: RealCluster, index: int) -> float:
     name = f"bench-{index}"
-    _apply(cluster, _service(name))
+    ports = [{"port": 80, "targetPort": 8080, "protocol": "TCP"}]
+    cluster.apply(k.service(name, "default", ports=ports, selector={"app": name}))
     cluster_ip = cluster.get("service", name)["spec"]["clusterIP"]
     # The client prints the wall-clock time of its first success; pods share the machine's
     # clock, so it compares with the creation time taken here.
@@ -97,7 +58,16 @@ def one_run(cluster: RealCluster, index: int) -> float:
     )
     time.sleep(2)  # the loop is running (and failing: no endpoints yet)
     created = time.time()
-    _apply(cluster, _deployment(name))
+    netexec = ["netexec", "--http-port=8080"]
+    deployment = k.deployment(
+        name,
+        "default",
+        images.AGNHOST_REFERENCE,
+        netexec,
+        replicas=REPLICAS,
+        terminationGracePeriodSeconds=1,
+    )
+    cluster.apply(deployment)
     out, _ = client.communicate(timeout=TRY_TIMEOUT_S + 30)
     if client.returncode != 0:
         raise RuntimeError(f"run {index}: no connection through {cluster_ip} in time")
@@ -111,18 +81,8 @@ def one_run(cluster: RealCluster, index: int) -> float:
 def measure(proxy: str, runs: int) -> list[float]:
     cluster = e2e.start_cluster(proxy, with_dns=False)
     try:
-        client = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "bench-client", "namespace": "default"},
-            "spec": {
-                "nodeName": "node-1",
-                "containers": [
-                    {"name": "agnhost", "image": images.AGNHOST_REFERENCE, "args": ["pause"]}
-                ],
-            },
-        }
-        _apply(cluster, client)
+        image = images.AGNHOST_REFERENCE
+        cluster.apply(k.pod("bench-client", "default", image, ["pause"], node="node-1"))
         cluster.kubectl("wait", "--for=condition=Ready", "pod/bench-client", "--timeout=120s")
         latencies = []
         for i in range(runs):

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kpng.testing import addons, images
+from kpng.testing import kubeapi as k
 from kpng.testing.nodes import RealCluster, missing_requirements
 from tests.waiting import until
 
@@ -38,20 +39,11 @@ def cluster() -> Iterator[RealCluster]:
         yield cluster
 
 
-def _apply(cluster: RealCluster, *documents: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in documents))
-
-
-def _pod(name: str, node: str, args: list[str], labels: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": labels},
-        "spec": {
-            "nodeName": node,
-            "containers": [{"name": "agnhost", "image": images.AGNHOST_REFERENCE, "args": args}],
-        },
-    }
+def _pod(
+    name: str, node: str, args: list[str], labels: dict[str, str], **spec: Any
+) -> dict[str, Any]:
+    image = images.AGNHOST_REFERENCE
+    return k.pod(name, "default", image, args, node=node, labels=labels, **spec)
 
 
 def _answered_by(get: Callable[[str], str], url: str, expected: str) -> bool:
@@ -89,20 +81,10 @@ def test_a_pod_reaches_a_pod_on_the_other_node_through_a_cluster_ip_and_a_node_p
     cluster: RealCluster,
 ) -> None:
     labels = {"app": "smoke-server"}
-    _apply(
-        cluster,
+    cluster.apply(
         _pod("smoke-server", "node-2", ["netexec", "--http-port=8080"], labels),
         _pod("smoke-client", "node-1", ["pause"], {"app": "smoke-client"}),
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": "smoke", "namespace": "default"},
-            "spec": {
-                "type": "NodePort",
-                "selector": labels,
-                "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
-            },
-        },
+        _node_port_service("smoke", labels),
     )
     cluster.kubectl("wait", "--for=condition=Ready", "pod/smoke-server", "pod/smoke-client")
     service = cluster.get("service", "smoke")
@@ -178,29 +160,9 @@ class Traffic:
 def web(cluster: RealCluster) -> int:
     """Two netexec pods behind a NodePort Service; its node port."""
     labels = {"app": "web"}
-    _apply(
-        cluster,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "web", "namespace": "default"},
-            "spec": {
-                "replicas": 2,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "agnhost",
-                                "image": images.AGNHOST_REFERENCE,
-                                "args": ["netexec", "--http-port=8080"],
-                            }
-                        ]
-                    },
-                },
-            },
-        },
+    netexec = ["netexec", "--http-port=8080"]
+    cluster.apply(
+        k.deployment("web", "default", images.AGNHOST_REFERENCE, netexec, replicas=2),
         _node_port_service("web", labels),
     )
     cluster.kubectl("rollout", "status", "deployment/web", "--timeout=120s")
@@ -211,16 +173,8 @@ def web(cluster: RealCluster) -> int:
 
 
 def _node_port_service(name: str, selector: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "type": "NodePort",
-            "selector": selector,
-            "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
-        },
-    }
+    ports = [{"port": 80, "targetPort": 8080, "protocol": "TCP"}]
+    return k.service(name, "default", type="NodePort", ports=ports, selector=selector)
 
 
 def _answers(host: str, port: int) -> bool:
@@ -244,7 +198,7 @@ def test_rolling_the_daemonset_breaks_no_connection(cluster: RealCluster, web: i
     with Traffic([(n.ip, web) for n in cluster.nodes]) as traffic:
         time.sleep(2)
         cluster.kubectl("-n", "kube-system", "rollout", "restart", "daemonset/kpng")
-        addons.wait_rollout(cluster, "kpng", 180)
+        addons.wait_rollout(cluster, "daemonset/kpng", 180)
         time.sleep(2)
     after = cluster.get("pods", "-n", "kube-system", "-l", "k8s-app=kpng")["items"]
     assert len(after) == 2
@@ -268,7 +222,7 @@ def test_traffic_flows_while_kubelets_and_the_api_server_restart(
         time.sleep(2)
     _check(traffic)
     # kpng followed the API server back: a Service made afterwards is programmed.
-    _apply(cluster, _node_port_service("after-restart", {"app": "web"}))
+    cluster.apply(_node_port_service("after-restart", {"app": "web"}))
     node_port = cluster.get("service", "after-restart")["spec"]["ports"][0]["nodePort"]
     host = cluster.nodes[0].ip
     until(lambda: _answers(host, node_port), "a Service made after the restart", within=60)
@@ -280,10 +234,11 @@ def test_a_deleted_pod_is_served_while_it_terminates_then_rejected(
     """With no other endpoint, traffic falls back to the serving, terminating one, and the
     Service rejects connections at once when it is gone."""
     labels = {"app": "lame"}
-    pod = _pod("lame", "node-2", ["netexec", "--http-port=8080"], labels)
-    pod["spec"]["terminationGracePeriodSeconds"] = 60
+    pod = _pod(
+        "lame", "node-2", ["netexec", "--http-port=8080"], labels, terminationGracePeriodSeconds=60
+    )
     pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", "20"]}}}
-    _apply(cluster, pod, _node_port_service("lame", labels))
+    cluster.apply(pod, _node_port_service("lame", labels))
     cluster.kubectl("wait", "--for=condition=Ready", "pod/lame")
     node_port = cluster.get("service", "lame")["spec"]["ports"][0]["nodePort"]
     host = cluster.nodes[0].ip

@@ -50,18 +50,12 @@ def deploy_kpng(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> No
     )
     cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
     cluster.kubectl("apply", "-f", "-", input=manifest)
-    wait_rollout(cluster, "kpng", timeout_s)
+    wait_rollout(cluster, "daemonset/kpng", timeout_s)
 
 
-def wait_rollout(cluster: RealCluster, daemonset: str, timeout_s: int) -> None:
-    cluster.kubectl(
-        "-n",
-        "kube-system",
-        "rollout",
-        "status",
-        f"daemonset/{daemonset}",
-        f"--timeout={timeout_s}s",
-    )
+def wait_rollout(cluster: RealCluster, workload: str, timeout_s: int) -> None:
+    """Until every pod of a kube-system ``workload`` (``daemonset/kpng``) is updated and Ready."""
+    cluster.kubectl("-n", "kube-system", "rollout", "status", workload, f"--timeout={timeout_s}s")
 
 
 def kube_proxy_manifests(server: str, image: str) -> str:
@@ -183,7 +177,7 @@ def kube_proxy_manifests(server: str, image: str) -> str:
 
 def deploy_kube_proxy(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
     cluster.kubectl("apply", "-f", "-", input=kube_proxy_manifests(cluster.server, image))
-    wait_rollout(cluster, "kube-proxy", timeout_s)
+    wait_rollout(cluster, "daemonset/kube-proxy", timeout_s)
 
 
 COREFILE = """\
@@ -322,6 +316,4 @@ def deploy_coredns(cluster: RealCluster, image: str, *, timeout_s: int = 180) ->
     """CoreDNS, Ready: it reaches the API server through the ``kubernetes`` Service, so this
     also proves the proxy deployed before it works."""
     cluster.kubectl("apply", "-f", "-", input=coredns_manifests(image, CLUSTER_DNS))
-    cluster.kubectl(
-        "-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={timeout_s}s"
-    )
+    wait_rollout(cluster, "deployment/coredns", timeout_s)

@@ -96,6 +96,14 @@ def _version_from_env(name: str, default: str | None) -> str | None:
     return value
 
 
+def kubernetes_release(explicit: str | None = None) -> str:
+    """The release to build and run: $KPNG_KUBERNETES_VERSION, else ``explicit``, else
+    ``KUBERNETES_VERSION``."""
+    version = _version_from_env("KPNG_KUBERNETES_VERSION", explicit or KUBERNETES_VERSION)
+    assert version is not None
+    return version
+
+
 def _go_env() -> dict[str, str]:
     # GOTOOLCHAIN=local: the machine's toolchain, never a downloaded one. -p=2: two cores here;
     # more parallel compiles only add memory pressure.
@@ -227,8 +235,7 @@ def ensure_binaries(
 ) -> Binaries:
     """The cached binaries, built first if absent. Versions default to $KPNG_KUBERNETES_VERSION
     (else ``KUBERNETES_VERSION``) and $KPNG_ETCD_VERSION (else what kubernetes requires)."""
-    kube = _version_from_env("KPNG_KUBERNETES_VERSION", kubernetes_version or KUBERNETES_VERSION)
-    assert kube is not None
+    kube = kubernetes_release(kubernetes_version)
     etcd = _version_from_env("KPNG_ETCD_VERSION", etcd_version)
     directory = cache_root() / (kube if etcd is None else f"{kube}-etcd-{etcd}")
     found = _read_manifest(directory)
@@ -279,8 +286,7 @@ def ensure_programs(names: Sequence[str], kubernetes_version: str | None = None)
     """The named Kubernetes programs (``KUBERNETES_PROGRAMS``) of one release, cached beside the
     control plane's and built first if absent: several in one Go module, so that the packages
     they share compile once (the first takes minutes on two cores, each further one less)."""
-    version = _version_from_env("KPNG_KUBERNETES_VERSION", kubernetes_version or KUBERNETES_VERSION)
-    assert version is not None
+    version = kubernetes_release(kubernetes_version)
     unknown = sorted(set(names) - set(KUBERNETES_PROGRAMS))
     if unknown:
         raise ControlPlaneError(f"no such Kubernetes program: {', '.join(unknown)}")

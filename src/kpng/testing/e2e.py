@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from kpng.testing import addons, images
-from kpng.testing.cluster import KUBERNETES_VERSION, ControlPlaneError, ensure_programs
+from kpng.testing.cluster import ControlPlaneError, ensure_programs, kubernetes_release
 from kpng.testing.nodes import RealCluster
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def run_suite(
         raise ControlPlaneError(f"e2e.test wrote no report; see {report_dir / 'e2e.log'}")
     report = Report(
         proxy=proxy,
-        kubernetes_version=os.environ.get("KPNG_KUBERNETES_VERSION", KUBERNETES_VERSION),
+        kubernetes_version=kubernetes_release(),
         focus=focus,
         skip=skip,
         seconds=seconds,

@@ -38,11 +38,11 @@ from pathlib import Path
 import kpng
 from kpng.testing.cluster import (
     COREDNS_VERSION,
-    KUBERNETES_VERSION,
     _go,
     cache_root,
     ensure_go_program,
     ensure_programs,
+    kubernetes_release,
 )
 from kpng.testing.nodes import ImageArchive
 
@@ -74,8 +74,9 @@ KPNG_REFERENCE = f"{LOCAL_REGISTRY}/kpng:{kpng.__version__}"
 COREDNS_REFERENCE = f"{LOCAL_REGISTRY}/coredns:{COREDNS_VERSION}"
 
 
-def kube_proxy_reference(version: str = KUBERNETES_VERSION) -> str:
-    return f"{LOCAL_REGISTRY}/kube-proxy:{version}"
+def kube_proxy_reference() -> str:
+    """Tagged with the release kube-proxy is built from (``KPNG_KUBERNETES_VERSION`` too)."""
+    return f"{LOCAL_REGISTRY}/kube-proxy:{kubernetes_release()}"
 
 
 KPNG_PACKAGES = ("python3", "nftables", "libnftables1", "conntrack", "iproute2", "ca-certificates")
@@ -268,16 +269,15 @@ def _digest_of(*parts: bytes | str) -> str:
 def debian_layer(packages: Sequence[str]) -> Layer:
     """A Debian root file system with ``packages`` (minbase), as a layer; cached by the list."""
     key = _digest_of(SUITE, *sorted(packages))
-    cached = images_cache() / "debian" / f"{key}.tar"
-    blob, diff_id = cached.with_suffix(".tar.gz"), cached.with_suffix(".diff_id")
-    if blob.exists() and diff_id.exists():
-        return Layer(blob.read_bytes(), diff_id.read_text())
-    if not cached.exists():
-        if shutil.which("mmdebstrap") is None:
-            raise ImageError("`mmdebstrap` (Debian's package) builds the images' root file systems")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        log.info("making a Debian %s root file system with %s", SUITE, ", ".join(packages))
-        partial = cached.with_suffix(".partial")
+    return _cached_layer("debian", key, lambda: _build_debian_layer(packages))
+
+
+def _build_debian_layer(packages: Sequence[str]) -> Layer:
+    if shutil.which("mmdebstrap") is None:
+        raise ImageError("`mmdebstrap` (Debian's package) builds the images' root file systems")
+    log.info("making a Debian %s root file system with %s", SUITE, ", ".join(packages))
+    with tempfile.TemporaryDirectory(prefix="kpng-rootfs-", dir="/var/tmp") as tmp:
+        out = Path(tmp) / "rootfs.tar"
         argv = [
             "mmdebstrap",
             "--variant=minbase",
@@ -293,7 +293,7 @@ def debian_layer(packages: Sequence[str]) -> Layer:
             "--dpkgopt=path-exclude=/usr/share/info/*",
             "--customize-hook=rm -rf $1/var/lib/apt/lists/* $1/var/cache/apt/* $1/var/log/*",
             SUITE,
-            str(partial),
+            str(out),
         ]
         proc = subprocess.run(
             argv,
@@ -305,12 +305,7 @@ def debian_layer(packages: Sequence[str]) -> Layer:
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise ImageError(f"mmdebstrap failed ({proc.returncode}):\n{tail}")
-        partial.replace(cached)
-    layer = compress(cached.read_bytes())
-    blob.write_bytes(layer.blob)
-    diff_id.write_text(layer.diff_id)
-    cached.unlink()
-    return layer
+        return compress(out.read_bytes())
 
 
 def _cached_layer(name: str, key: str, build: Callable[[], Layer]) -> Layer:

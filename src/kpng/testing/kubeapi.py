@@ -226,3 +226,43 @@ def endpoint_slice(
 def node(name: str, *, zone: str | None = None) -> Obj:
     labels = {"topology.kubernetes.io/zone": zone} if zone else {}
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+
+
+def pod(
+    name: str,
+    namespace: str,
+    image: str,
+    args: list[str],
+    *,
+    node: str | None = None,
+    labels: dict[str, str] | None = None,
+    **spec: Any,
+) -> Obj:
+    """A pod of one container, ``agnhost`` as upstream's tests name it; ``node`` pins it."""
+    body: Obj = {"containers": [{"name": "agnhost", "image": image, "args": args}], **spec}
+    if node is not None:
+        body["nodeName"] = node
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
+        "spec": body,
+    }
+
+
+def deployment(
+    name: str, namespace: str, image: str, args: list[str], *, replicas: int, **spec: Any
+) -> Obj:
+    """``replicas`` pods as ``pod`` makes them, labelled ``app: name``."""
+    labels = {"app": name}
+    template = pod(name, namespace, image, args, labels=labels, **spec)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": template["spec"]},
+        },
+    }

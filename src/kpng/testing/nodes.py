@@ -67,6 +67,7 @@ from kpng.testing.cluster import (
     issue_client_cert,
     make_pki,
 )
+from kpng.testing.kubeapi import write_kubeconfig
 
 log = logging.getLogger(__name__)
 
@@ -649,6 +650,10 @@ class RealCluster:
         argv = [str(self.programs["kubectl"]), f"--kubeconfig={self.kubeconfig}", *args]
         return _run(argv, input=input, check=check)
 
+    def apply(self, *documents: dict[str, Any]) -> None:
+        """``kubectl apply`` of the objects, as a user applies manifests."""
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in documents))
+
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", "-o", "json", *args))
 
@@ -714,26 +719,12 @@ class RealCluster:
     def _user_kubeconfig(self, stem: str, common_name: str, organization: str) -> Path:
         assert self.plane is not None
         crt, key = self._write_cert(stem, common_name, organization)
-        path = self.workdir / "control-plane" / f"{stem}.kubeconfig"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "current-context": "c",
-            "clusters": [
-                {
-                    "name": "c",
-                    "cluster": {
-                        "server": self.plane.server,
-                        "certificate-authority": str(self.pki.ca_cert),
-                    },
-                }
-            ],
-            "users": [
-                {"name": "u", "user": {"client-certificate": str(crt), "client-key": str(key)}}
-            ],
-            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        }
-        path.write_text(json.dumps(config))
+        path = write_kubeconfig(
+            self.workdir / "control-plane" / f"{stem}.kubeconfig",
+            server=self.plane.server,
+            ca=self.pki.ca_cert,
+            user={"client-certificate": str(crt), "client-key": str(key)},
+        )
         path.chmod(0o600)
         return path
 
