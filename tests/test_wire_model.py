@@ -218,6 +218,11 @@ def test_every_model_message_has_its_codec() -> None:
                     Name="n1",
                     Labels={"a": "b"},
                     Topology=messages.TopologyInfo(Node="n1", Zone="z"),
+                    Addresses=(
+                        messages.NodeAddress(Type="InternalIP", Address="10.0.0.1"),
+                        messages.NodeAddress(Type="InternalIP", Address="fd00::1"),
+                    ),
+                    PodCIDRs=("10.244.1.0/24", "fd00:10:244:1::/64"),
                 ),
             ),
         ),

@@ -113,6 +113,7 @@ PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.TopologyInfo, globalv1_pb2.TopologyInfo),
     (messages.TopologyHints, globalv1_pb2.TopologyHints),
     (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
+    (messages.NodeAddress, globalv1_pb2.NodeAddress),
     (messages.Node, globalv1_pb2.Node),
     (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
     (messages.EndpointInfo, globalv1_pb2.EndpointInfo),

@@ -254,6 +254,8 @@ class Node(_message.Message):
     ANNOTATIONS_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    PODCIDRS_FIELD_NUMBER: _builtins.int
     Name: _builtins.str
     Draining: _builtins.bool
     """kpng: the node is being deleted, or tainted ToBeDeletedByClusterAutoscaler. Its proxy's
@@ -265,6 +267,14 @@ class Node(_message.Message):
     def Annotations(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def Topology(self) -> Global___TopologyInfo: ...
+    @_builtins.property
+    def Addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeAddress]:
+        """kpng: status.addresses, in the API server's order (kube-proxy takes the node's primary IPs
+        from them), and spec.podCIDRs (for --detect-local-mode NodeCIDR).
+        """
+
+    @_builtins.property
+    def PodCIDRs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -273,11 +283,36 @@ class Node(_message.Message):
         Annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         Topology: Global___TopologyInfo | None = ...,
         Draining: _builtins.bool = ...,
+        Addresses: _abc.Iterable[Global___NodeAddress] | None = ...,
+        PodCIDRs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["Topology", b"Topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Annotations", b"Annotations", "Draining", b"Draining", "Labels", b"Labels", "Name", b"Name", "Topology", b"Topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Addresses", b"Addresses", "Annotations", b"Annotations", "Draining", b"Draining", "Labels", b"Labels", "Name", b"Name", "PodCIDRs", b"PodCIDRs", "Topology", b"Topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Node: _TypeAlias = Node  # noqa: Y015
+
+@_typing.final
+class NodeAddress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    Type: _builtins.str
+    """InternalIP, ExternalIP, Hostname..."""
+    Address: _builtins.str
+    def __init__(
+        self,
+        *,
+        Type: _builtins.str = ...,
+        Address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Address", b"Address", "Type", b"Type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeAddress: _TypeAlias = NodeAddress  # noqa: Y015

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import msgspec
+
 from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
 from kpng.errors import KpngError
@@ -97,13 +99,7 @@ class Feeder:
         latest = self._latest
         assert latest is not None
         updated = frozenset(latest.services) if self._resync else frozenset(self._updated)
-        state = NodeState(
-            node=latest.node,
-            revision=latest.revision,
-            services=latest.services,
-            updated=updated,
-            deleted=frozenset(self._deleted),
-        )
+        state = msgspec.structs.replace(latest, updated=updated, deleted=frozenset(self._deleted))
         self._latest = None
         self._queued_at = None
         self._updated.clear()
@@ -192,13 +188,7 @@ class Fanout:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._run(f), name=f.name) for f in self.feeders]
         # The caller's mapping changes with its next state; each backend keeps its own.
-        snapshot = NodeState(
-            node=state.node,
-            revision=state.revision,
-            services=dict(state.services),
-            updated=state.updated,
-            deleted=state.deleted,
-        )
+        snapshot = msgspec.structs.replace(state, services=dict(state.services))
         for feeder in self.feeders:
             if not feeder.done:
                 feeder.offer(snapshot)

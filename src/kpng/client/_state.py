@@ -17,6 +17,9 @@ class NodeState(msgspec.Struct, frozen=True):
     services that changed since the previous state, so a backend can do work proportional to
     the change; the first state names every service in ``updated``. ``revision`` grows with each
     state: the store's revision in process, the count of change sets over the network.
+    ``node_ips`` (the node's primary IPs, one per family, as kube-proxy finds them in its
+    status) and ``pod_cidrs`` (its ``spec.podCIDRs``) are empty while the source does not
+    know the node.
     """
 
     node: str
@@ -24,6 +27,8 @@ class NodeState(msgspec.Struct, frozen=True):
     services: Mapping[ServiceKey, ServiceEndpoints]
     updated: frozenset[ServiceKey]
     deleted: frozenset[ServiceKey]
+    node_ips: tuple[str, ...] = ()
+    pod_cidrs: tuple[str, ...] = ()
 
 
 class Backend(Protocol):

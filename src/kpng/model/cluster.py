@@ -60,3 +60,18 @@ class Slice(msgspec.Struct, frozen=True, gc=False):
 
 def node_zone(node: Node | None) -> str:
     return node.Topology.Zone if node is not None and node.Topology is not None else ""
+
+
+def node_ips(node: Node | None) -> tuple[str, ...]:
+    """The node's primary IPs, as kube-proxy finds them: the first InternalIP (else ExternalIP),
+    then the first address of the other family, if any."""
+    if node is None:
+        return ()
+    ordered = [
+        a.Address for t in ("InternalIP", "ExternalIP") for a in node.Addresses if a.Type == t
+    ]
+    if not ordered:
+        return ()
+    first = ordered[0]
+    other = next((ip for ip in ordered if (":" in ip) != (":" in first)), None)
+    return (first,) if other is None else (first, other)

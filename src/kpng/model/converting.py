@@ -8,6 +8,7 @@ not an error: a labelled or headless object is simply not kpng's). Objects kpng 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kpng.errors import InvalidObject
 from kpng.model import k8s
@@ -18,6 +19,7 @@ from kpng.model.messages import (
     IPFilter,
     IPSet,
     Node,
+    NodeAddress,
     PortMapping,
     Service,
     ServiceIPs,
@@ -328,4 +330,28 @@ def node_from_k8s(obj: k8s.Node) -> Node:
         Topology=TopologyInfo(Node=name, Zone=labels.get(LABEL_ZONE, "")),
         Draining=obj.metadata.deletion_timestamp is not None
         or any(t.key == TAINT_TO_BE_DELETED for t in obj.spec.taints or ()),
+        Addresses=_node_addresses(obj, invalid),
+        PodCIDRs=tuple(_checked(parse_cidr, c, invalid) for c in obj.spec.pod_cidrs or ()),
     )
+
+
+NODE_IP_TYPES = ("InternalIP", "ExternalIP")
+"""The node address types that are IPs, in kube-proxy's order of preference."""
+
+
+def _node_addresses(obj: k8s.Node, invalid: InvalidObjectFactory) -> tuple[NodeAddress, ...]:
+    # Host names (type Hostname, InternalDNS...) name no address a rule can match: left out.
+    return tuple(
+        NodeAddress(Type=a.type, Address=_checked(parse_ip, a.address, invalid))
+        for a in obj.status.addresses or ()
+        if a.type in NODE_IP_TYPES
+    )
+
+
+def _checked(
+    parse: Callable[[str], tuple[bool, str]], text: str, invalid: InvalidObjectFactory
+) -> str:
+    try:
+        return parse(text)[1]
+    except BadAddress as exc:
+        raise invalid(str(exc)) from None

@@ -140,12 +140,23 @@ class Taint(_Raw):
 
 class NodeSpec(_Raw):
     taints: list[Taint] | None = None
+    pod_cidrs: list[str] | None = msgspec.field(default=None, name="podCIDRs")
+
+
+class NodeAddress(_Raw):
+    type: str = ""
+    address: str = ""
+
+
+class NodeStatus(_Raw):
+    addresses: list[NodeAddress] | None = None
 
 
 class Node(_Raw, tag_field="kind", tag="Node"):
     api_version: str = "v1"
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
     spec: NodeSpec = msgspec.field(default_factory=NodeSpec)
+    status: NodeStatus = msgspec.field(default_factory=NodeStatus)
 
 
 Object = Service | EndpointSlice | Node

@@ -144,6 +144,13 @@ class Node(_Message, frozen=True):
     Annotations: dict[str, str] = {}
     Topology: TopologyInfo | None = None
     Draining: bool = False
+    Addresses: tuple[NodeAddress, ...] = ()
+    PodCIDRs: tuple[str, ...] = ()
+
+
+class NodeAddress(_Message, frozen=True):
+    Type: str = ""
+    Address: str = ""
 
 
 class NodeInfo(_Message, frozen=True):

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from kpng.backends.registry import Backend, NodeState
 from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
+from kpng.model.cluster import node_ips
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
@@ -34,18 +35,24 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
     resolver = NodeResolver(node_name)
     subscription = store.subscribe()
     first = True
+    sent_node_info: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     try:
         async for delta in subscription:
             apply_delta(resolver, store, delta)
             changes = resolver.resolve()
-            if not (changes or first):
+            node = store.nodes.get(node_name)
+            node_info = (node_ips(node), node.PodCIDRs if node else ())
+            if not (changes or first or node_info != sent_node_info):
                 continue
+            sent_node_info = node_info
             state = NodeState(
                 node=node_name,
                 revision=delta.revision,
                 services=resolver.state,
                 updated=frozenset(changes.updated),
                 deleted=changes.deleted,
+                node_ips=node_info[0],
+                pod_cidrs=node_info[1],
             )
             log.debug(
                 "revision %d: %d services updated, %d deleted",

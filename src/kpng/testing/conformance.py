@@ -37,6 +37,7 @@ from kpng.testing.netns import (
     CLUSTER_CIDRS,
     EXTERNAL_V4,
     ClusterSpec,
+    Node,
     TestBed,
     available,
     wait_until,
@@ -118,11 +119,24 @@ class Cluster:
         return last
 
 
-def _node_objects() -> list[Json]:
-    return [
-        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": n.name, "labels": {}}}
-        for n in SPEC.nodes
-    ]
+def node_object(node: Node, *, pod_cidrs: Sequence[str] | None = None) -> Json:
+    """``node`` as the API server has it: its addresses, and its pod CIDRs (by default the
+    ones the bed routes to it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node.name, "labels": {}},
+        "spec": {
+            "podCIDRs": list(pod_cidrs if pod_cidrs is not None else node.pod_cidrs),
+        },
+        "status": {
+            "addresses": [
+                {"type": "InternalIP", "address": node.ip4},
+                {"type": "InternalIP", "address": node.ip6},
+                {"type": "Hostname", "address": node.name},
+            ]
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +149,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with TestBed(SPEC) as bed:
         logs = tmp_path_factory.mktemp("logs")
         c = Cluster(bed, manifests, logs, backend)
-        c.write("nodes", *_node_objects())
+        c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
         for node in bed.nodes:
             c.start_backend(node)
         yield c
@@ -301,6 +315,82 @@ def test_nodeport_addresses_serve_only_local_addresses_inside_them(cluster: Clus
         cluster.eventually("node-3", "tcp", outside, 30087, answered)
         cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
         cluster.remove("nodeport-addresses")
+
+
+def test_nodeport_addresses_primary_serves_only_the_nodes_primary_ips(cluster: Cluster) -> None:
+    """``--nodeport-addresses primary`` (kube-proxy's nftables default): the InternalIPs of
+    node-3's Node object, not its other local addresses."""
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "nodeport-primary",
+        service("npp", ip, [port("http", 80, nodePort=30088)], type="NodePort"),
+        endpoint_slice(cluster, "npp", ["a1"]),
+    )
+    node3 = cluster.bed.nodes["node-3"]
+    outside = "192.0.2.4"
+    cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{outside}/32", "dev", "eth0"])
+    try:
+        cluster.eventually("node-3", "tcp", outside, 30088, answered)
+        cluster.start_backend("node-3", "--nodeport-addresses", "primary")
+        cluster.eventually("node-3", "tcp", outside, 30088, lambda r: r == ["refused"])
+        assert names(cluster.eventually("external", "tcp", node3.ip4, 30088, answered)) == {"a1"}
+    finally:
+        cluster.start_backend("node-3")
+        cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
+        cluster.remove("nodeport-primary")
+
+
+@pytest.mark.parametrize(
+    ("flags", "masqueraded"),
+    [
+        (["--masquerade-all"], True),
+        (["--detect-local-mode", "NodeCIDR"], False),
+        (
+            ["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "vp"],
+            False,
+        ),
+        (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "xx"], True),
+        (["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"], True),
+    ],
+)
+def test_local_traffic_detection_decides_what_is_masqueraded(
+    cluster: Cluster, flags: list[str], masqueraded: bool
+) -> None:
+    """kube-proxy's --detect-local-mode and --masquerade-all: pod c1 reaches b1 through a
+    ClusterIP with its own address unless node-3 does not see it as one of its pods."""
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "detect-local", service("dl", ip, [port("http", 80)]), endpoint_slice(cluster, "dl", ["b1"])
+    )
+    node3, c1 = cluster.bed.nodes["node-3"], cluster.bed.pods["c1"]
+    try:
+        cluster.start_backend("node-3", *flags)
+        source = node3.ip4 if masqueraded else c1.ip4
+        cluster.eventually("c1", "tcp", ip, 80, lambda r: r == [f"b1 {source}"])
+    finally:
+        cluster.start_backend("node-3")
+        cluster.remove("detect-local")
+
+
+def test_node_cidr_detection_follows_the_node_object(cluster: Cluster) -> None:
+    """--detect-local-mode NodeCIDR reads spec.podCIDRs of the Node, and follows a change."""
+    ip = cluster.cluster_ip()
+    cluster.write(
+        "node-cidr", service("nc", ip, [port("http", 80)]), endpoint_slice(cluster, "nc", ["b1"])
+    )
+    nodes = cluster.bed.nodes
+    node3, c1 = nodes["node-3"], cluster.bed.pods["c1"]
+    try:
+        cluster.start_backend("node-3", "--detect-local-mode", "NodeCIDR")
+        cluster.eventually("c1", "tcp", ip, 80, lambda r: r == [f"b1 {c1.ip4}"])
+        others = [node_object(n) for n in nodes.values() if n is not node3]
+        moved = node_object(node3, pod_cidrs=["10.99.0.0/24"])
+        cluster.write("nodes", *others, moved)
+        cluster.eventually("c1", "tcp", ip, 80, lambda r: r == [f"b1 {node3.ip4}"])
+    finally:
+        cluster.write("nodes", *(node_object(n) for n in nodes.values()))
+        cluster.start_backend("node-3")
+        cluster.remove("node-cidr")
 
 
 def test_external_ip_from_external_client(cluster: Cluster) -> None:

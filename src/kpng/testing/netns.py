@@ -78,6 +78,10 @@ class Node:
     pod_cidr4: str
     pod_cidr6: str
 
+    @property
+    def pod_cidrs(self) -> tuple[str, str]:
+        return (self.pod_cidr4, self.pod_cidr6)
+
 
 @dataclass
 class Pod:

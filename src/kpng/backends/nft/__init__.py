@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import ipaddress
 import logging
+import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,9 +26,10 @@ from typing import TextIO
 from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.health import HealthServers
-from kpng.backends.nft.layout import TABLE, Options, contribute
+from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
+from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
@@ -59,6 +62,8 @@ class NftBackend:
         *,
         nft: Nft,
         options: Options,
+        from_node: FromNode | None = None,
+        min_sync_period: float = 0.0,
         conntrack: Conntrack | None = None,
         health: HealthServers | None = None,
         once: bool = False,
@@ -77,6 +82,10 @@ class NftBackend:
         self._output = output or sys.stdout
         self._sleep = sleep
         self.store = DiffStore(options)
+        self._options = options
+        self._from_node = from_node or FromNode()
+        self._min_sync_period = min_sync_period
+        self._last_sync = -math.inf
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._unclean = Touched()
         """UDP conntrack cleanup owed by changes whose transaction was refused."""
@@ -85,6 +94,12 @@ class NftBackend:
         self._retry: asyncio.Task[None] | None = None
 
     async def apply(self, state: NodeState) -> bool:
+        self._follow_node(state)
+        # kube-proxy's --min-sync-period: the feeder coalesces the states that arrive meanwhile.
+        wait = self._last_sync + self._min_sync_period - time.monotonic()
+        if wait > 0 and not self._dry_run:
+            await self._sleep(wait)
+        self._last_sync = time.monotonic()
         with _collector_paused():
             touched = self._record(state)
         if self._retry is not None:
@@ -105,6 +120,28 @@ class NftBackend:
         if self._health is not None:
             await self._health.update(state.services)
         return self._once and applied
+
+    def _follow_node(self, state: NodeState) -> None:
+        """Re-render the skeleton (a full sync) when the node's IPs or pod CIDRs change what it
+        holds: kube-proxy restarts for that."""
+        options = self._from_node.resolve(self._options, state.node_ips, state.pod_cidrs)
+        if self._from_node.primary_nodeports and not state.node_ips:
+            log.warning(
+                "node %s has no InternalIP or ExternalIP known to the source: node ports are "
+                "served on every local address until it has",
+                state.node,
+            )
+        if self._from_node.pod_cidrs and not state.pod_cidrs:
+            log.warning(
+                "node %s has no pod CIDRs known to the source: no traffic is detected as local "
+                "(--detect-local-mode NodeCIDR) until it has",
+                state.node,
+            )
+        if options != self.store.options:
+            if self.store.contributions:
+                log.info("node %s changed its addresses or pod CIDRs: full resync", state.node)
+            self.store.options = options
+            self._needs_full = True
 
     def _record(self, state: NodeState) -> Touched:
         """Record the services of ``state`` that changed in the store; what they touched."""
@@ -305,9 +342,15 @@ async def cleanup(nft: Nft | None = None) -> bool:
     return await (nft or default_nft()).delete_table(TABLE)
 
 
-def _cidr_list(value: str) -> tuple[str, ...]:
+PRIMARY = "primary"
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+
+
+def _cidr_list(value: str, *, primary: bool = False) -> tuple[str, ...]:
     cidrs = tuple(c.strip() for c in value.split(",") if c.strip())
     for c in cidrs:
+        if primary and c == PRIMARY:
+            continue
         try:
             ipaddress.ip_network(c, strict=False)
         except ValueError as exc:
@@ -315,7 +358,21 @@ def _cidr_list(value: str) -> tuple[str, ...]:
     return cidrs
 
 
+def _duration(value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _masquerade_bit(value: str) -> int:
+    if not value.isdigit() or int(value) > 31:
+        raise argparse.ArgumentTypeError(f"a bit number from 0 to 31, not {value!r}")
+    return int(value)
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    # kube-proxy's flag names, meaning what they mean there.
     parser.add_argument(
         "--cluster-cidr",
         type=_cidr_list,
@@ -325,13 +382,45 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "masqueraded, and pods inside are short-circuited under externalTrafficPolicy Local",
     )
     parser.add_argument(
+        "--detect-local-mode",
+        choices=DETECT_LOCAL_MODES,
+        default="ClusterCIDR",
+        help="what traffic comes from this node's pods: sources in --cluster-cidr, sources in "
+        "the node's spec.podCIDRs (NodeCIDR), what arrives on --pod-bridge-interface, or on "
+        "interfaces named --pod-interface-name-prefix* (default: ClusterCIDR)",
+    )
+    parser.add_argument("--pod-bridge-interface", metavar="NAME", default="")
+    parser.add_argument("--pod-interface-name-prefix", metavar="PREFIX", default="")
+    parser.add_argument(
+        "--masquerade-all",
+        action="store_true",
+        help="masquerade all traffic to ClusterIPs, pods' included",
+    )
+    parser.add_argument(
+        "--masquerade-bit",
+        "--iptables-masquerade-bit",
+        type=_masquerade_bit,
+        default=MASQUERADE_BIT,
+        metavar="BIT",
+        help=f"the packet mark bit that asks for masquerade (default: {MASQUERADE_BIT})",
+    )
+    parser.add_argument(
         "--nodeport-addresses",
-        type=_cidr_list,
+        type=functools.partial(_cidr_list, primary=True),
         default=(),
-        metavar="CIDR[,CIDR]",
-        help="serve node ports only on the node's addresses in these CIDRs; a family without "
-        "one keeps every local address, and loopback never serves them (default: every local "
-        "address but loopback; kube-proxy's nftables mode defaults to the node's primary IPs)",
+        metavar="CIDR[,CIDR]|primary",
+        help="serve node ports only on the node's addresses in these CIDRs, or on its primary "
+        "IPs (primary, from the Node's status); a family without one keeps every local "
+        "address, and loopback never serves them (default: every local address but loopback; "
+        "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
+    )
+    parser.add_argument(
+        "--min-sync-period",
+        type=_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="least time between two transactions; changes meanwhile are applied together "
+        "(e.g. 1s; default: 0, each change as soon as the previous one is applied)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print each transaction instead of applying it"
@@ -347,8 +436,33 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
+    """The layout's options, and what is filled in from the node, that these flags ask for."""
+    mode = args.detect_local_mode
+    interface = {
+        "BridgeInterface": ("--pod-bridge-interface", args.pod_bridge_interface),
+        "InterfaceNamePrefix": ("--pod-interface-name-prefix", args.pod_interface_name_prefix),
+    }.get(mode)
+    if interface is not None and not interface[1]:
+        raise UsageError(f"--detect-local-mode {mode} needs {interface[0]}")
+    pod_interface = ""
+    if interface is not None:
+        pod_interface = interface[1] + ("*" if mode == "InterfaceNamePrefix" else "")
+    options = Options(
+        cluster_cidrs=args.cluster_cidr if mode == "ClusterCIDR" else (),
+        pod_interface=pod_interface,
+        nodeport_addresses=tuple(c for c in args.nodeport_addresses if c != PRIMARY),
+        masquerade_all=args.masquerade_all,
+        masquerade_bit=args.masquerade_bit,
+    )
+    from_node = FromNode(
+        primary_nodeports=PRIMARY in args.nodeport_addresses, pod_cidrs=mode == "NodeCIDR"
+    )
+    return options, from_node
+
+
 def _create(args: argparse.Namespace) -> Backend:
-    options = Options(cluster_cidrs=args.cluster_cidr, nodeport_addresses=args.nodeport_addresses)
+    options, from_node = options_from_args(args)
     if args.dry_run and args.once is False and sys.stdout.isatty():
         log.info("dry run: transactions are printed, nothing is applied")
     nft: Nft = KernelNft()  # a dry run never calls it
@@ -361,6 +475,8 @@ def _create(args: argparse.Namespace) -> Backend:
     return NftBackend(
         nft=nft,
         options=options,
+        from_node=from_node,
+        min_sync_period=args.min_sync_period,
         conntrack=None if args.no_conntrack or args.dry_run else Conntrack(),
         health=None if args.no_health_check or args.dry_run else HealthServers(),
         once=args.once,

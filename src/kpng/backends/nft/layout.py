@@ -74,8 +74,9 @@ dynamic maps and a set per service port and group of traffic, all emptied on any
 1.7 s and 2.1 s). Only affinity services pay it, and an incremental change names only the sets of
 the services it touches.
 
-Masquerade (``MASQUERADE_MARK`` set in the ``services`` chain, SNAT in ``masquerading``):
-traffic to a ClusterIP from outside ``--cluster-cidr``; external traffic of eTP=Cluster
+Masquerade (the mark bit ``Options.masquerade_bit`` set in the ``services`` chain, SNAT in
+``masquerading``): traffic to a ClusterIP from outside ``--cluster-cidr`` (or from elsewhere than
+the pods' interfaces; all of it with ``--masquerade-all``); external traffic of eTP=Cluster
 services; node-originated short-circuited traffic; hairpin (a pod reaching itself, found with the
 ``hairpin-<f>`` set of ``addr . addr`` pairs, one per local endpoint address). With
 ``fully-random`` source ports, as kube-proxy: the kernel otherwise keeps each client's port
@@ -91,6 +92,7 @@ non-loopback address, where kube-proxy's nftables mode defaults to the node's pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import ipaddress
@@ -105,9 +107,9 @@ TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by
 CHECK_TABLE = Table("inet", "kpng-check")
 """Where kpng asks the kernel whether it takes some services' rules: made and deleted in the
 same transaction, without hooks."""
-MASQUERADE_MARK = 0x4000
-"""The packet mark bit asking for masquerade: the bit kube-proxy uses, so that CNI plugins that
-know it keep working."""
+MASQUERADE_BIT = 14
+"""The packet mark bit asking for masquerade by default: kube-proxy's, so that CNI plugins that
+know it keep working (``--masquerade-bit`` changes it, as kube-proxy's does)."""
 DEFAULT_AFFINITY_TIMEOUT_S = 10800
 
 Fam = Literal["v4", "v6"]
@@ -131,18 +133,64 @@ class Options:
 
     cluster_cidrs: tuple[str, ...] = ()
     """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
-    short-circuit); sources outside reaching a ClusterIP are masqueraded."""
+    short-circuit); sources outside reaching a ClusterIP are masqueraded. kube-proxy's
+    ``--detect-local-mode`` ClusterCIDR, or NodeCIDR when they are the node's own."""
+    pod_interface: str = ""
+    """Instead of CIDRs, pods are whatever arrives on this interface (``cbr0``: kube-proxy's
+    BridgeInterface mode) or on interfaces named with this prefix (``veth*``:
+    InterfaceNamePrefix)."""
     nodeport_addresses: tuple[str, ...] = ()
     """CIDRs of the node addresses that serve node ports: local addresses inside them, never
     loopback; a family with none of them: every local address of it but loopback."""
+    masquerade_all: bool = False
+    """Masquerade all traffic to ClusterIPs, pods' included (kube-proxy's --masquerade-all)."""
+    masquerade_bit: int = MASQUERADE_BIT
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6
         return [c for c in values if ipaddress.ip_network(c, strict=False).version == want]
 
+    @property
+    def mark(self) -> int:
+        return 1 << self.masquerade_bit
 
-def _mark(expr: str) -> str:
-    return f"{expr} meta mark set meta mark | {MASQUERADE_MARK:#x}"
+    def local_source(self, fam: Fam, *, negate: bool = False) -> str | None:
+        """The match for traffic from this node's pods, or from anything else (``negate``);
+        None when kpng is not told what is local for ``fam``."""
+        op = "!= " if negate else ""
+        if self.pod_interface:
+            return f'iifname {op}"{self.pod_interface}"'
+        if self.cidrs(self.cluster_cidrs, fam):
+            return f"{_IP[fam]} saddr {op}@cluster-cidrs-{fam}"
+        return None
+
+
+@dataclass(frozen=True)
+class FromNode:
+    """Options kube-proxy takes from its Node object, filled in from each state."""
+
+    primary_nodeports: bool = False
+    """``--nodeport-addresses primary``: node ports on the node's primary IPs."""
+    pod_cidrs: bool = False
+    """``--detect-local-mode NodeCIDR``: the node's pod CIDRs are the local pods."""
+
+    def resolve(
+        self, options: Options, node_ips: Sequence[str], pod_cidrs: Sequence[str]
+    ) -> Options:
+        """``options`` for a node with these primary IPs and pod CIDRs (either may be unknown:
+        empty, and then node ports stay on every local address, and no source is local)."""
+        if self.primary_nodeports:
+            hosts = tuple(f"{ip}/{128 if ':' in ip else 32}" for ip in node_ips)
+            options = dataclasses.replace(
+                options, nodeport_addresses=(*options.nodeport_addresses, *hosts)
+            )
+        if self.pod_cidrs:
+            options = dataclasses.replace(options, cluster_cidrs=tuple(pod_cidrs))
+        return options
+
+
+def _mark(options: Options, expr: str) -> str:
+    return f"{expr} meta mark set meta mark | {options.mark:#x}"
 
 
 def _tuple(fam: Fam) -> str:
@@ -218,20 +266,22 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             rules.append(Rule("services", expr))
 
         np = _nodeport_match(options, fam)
-        has_cidr = bool(options.cidrs(options.cluster_cidrs, fam))
+        mark = functools.partial(_mark, options)
+        remote = options.local_source(fam, negate=True)
         # Masquerade marks first: the DNAT below ends the chain.
-        if has_cidr:
-            svc(_mark(f"{ip} saddr != @cluster-cidrs-{fam} {tup} @cluster-{fam}"))
-        svc(_mark(f"{tup} @external-masq-{fam}"))
-        svc(_mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
+        if options.masquerade_all:
+            svc(mark(f"{tup} @cluster-{fam}"))
+        elif remote is not None:
+            svc(mark(f"{remote} {tup} @cluster-{fam}"))
+        svc(mark(f"{tup} @external-masq-{fam}"))
+        svc(mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
         # loadBalancerSourceRanges, on LB IPs only, of the families ranges are given in.
         svc(f"{tup} @firewall-{fam} {tup} . {ip} saddr != @firewall-allow-{fam} drop")
         # eTP=Local short-circuit: the node's own traffic is masqueraded, as kube-proxy does.
-        svc(_mark(f"fib saddr type local {tup} @external-sc-{fam}"))
-        svc(_mark(f"fib saddr type local {np} meta l4proto . th dport @nodeport-sc-{fam}"))
-        for source in ([f"{ip} saddr @cluster-cidrs-{fam}"] if has_cidr else []) + [
-            "fib saddr type local"
-        ]:
+        svc(mark(f"fib saddr type local {tup} @external-sc-{fam}"))
+        svc(mark(f"fib saddr type local {np} meta l4proto . th dport @nodeport-sc-{fam}"))
+        local = options.local_source(fam)
+        for source in ([local] if local is not None else []) + ["fib saddr type local"]:
             svc(f"{source} {tup} vmap @external-sc-{fam}")
             svc(f"{source} {np} meta l4proto . th dport vmap @nodeport-sc-{fam}")
         svc(f"{tup} vmap @cluster-{fam}")
@@ -243,8 +293,8 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
     rules.append(
         Rule(
             "masquerading",
-            f"meta mark & {MASQUERADE_MARK:#x} == {MASQUERADE_MARK:#x} "
-            f"meta mark set meta mark & {0xFFFFFFFF ^ MASQUERADE_MARK:#x} masquerade fully-random",
+            f"meta mark & {options.mark:#x} == {options.mark:#x} "
+            f"meta mark set meta mark & {0xFFFFFFFF ^ options.mark:#x} masquerade fully-random",
         )
     )
     return objects, rules, elements

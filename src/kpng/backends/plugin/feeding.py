@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from kpng.backends.plugin.config import PluginSpec, plugins_in_directory
 from kpng.backends.plugin.connection import PluginBackend
 from kpng.client import Backoff, Feeder, NodeState
@@ -72,13 +74,7 @@ class PluginsBackend:
     async def apply(self, state: NodeState) -> bool:
         # The caller's mapping changes with its next state; the plugins are fed later, at their
         # own pace, and a plugin found later needs this one whole.
-        self._latest = NodeState(
-            node=state.node,
-            revision=state.revision,
-            services=dict(state.services),
-            updated=state.updated,
-            deleted=state.deleted,
-        )
+        self._latest = msgspec.structs.replace(state, services=dict(state.services))
         if self._scanner is None:
             for spec in self._named:
                 self._add(spec)
@@ -108,12 +104,8 @@ class PluginsBackend:
         latest = self._latest
         if latest is not None:
             member.feeder.offer(
-                NodeState(
-                    node=latest.node,
-                    revision=latest.revision,
-                    services=latest.services,
-                    updated=frozenset(latest.services),
-                    deleted=frozenset(),
+                msgspec.structs.replace(
+                    latest, updated=frozenset(latest.services), deleted=frozenset()
                 )
             )
 

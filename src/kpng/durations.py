@@ -1,0 +1,35 @@
+"""Durations as Kubernetes components write them (Go's ``time.Duration``: ``1h0m0s``, ``500ms``,
+``1.5s``), also accepted as plain seconds where kpng took seconds before."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_DURATION = re.compile(r"-?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+|-?0")
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``, a Go duration or a number of seconds; ValueError if it is neither
+    or is negative."""
+    text = text.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        if not _GO_DURATION.fullmatch(text):
+            raise ValueError(f"not a duration: {text!r} (e.g. 1s, 1m30s, 24h0m0s)") from None
+        magnitude = sum(float(n) * _UNITS_S[unit] for n, unit in _PART.findall(text))
+        seconds = -magnitude if text.startswith("-") else magnitude
+    if seconds < 0:
+        raise ValueError(f"negative duration: {text!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Go's spelling (``1h0m0s``), the one kubeadm and kubectl show."""
+    if seconds != int(seconds):
+        return f"{seconds:g}s"
+    h, rest = divmod(int(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m}m{s}s" if h else f"{m}m{s}s" if m else f"{s}s"
