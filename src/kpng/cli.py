@@ -78,7 +78,9 @@ def _main_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="kpng [--log-level LEVEL] <source> [flags] <sink> [flags] [<backend> [flags]]\n"
         "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
-        "       (before the source: --healthz-address, --metrics-address, --healthz-timeout)",
+        "       kpng kube-proxy [kube-proxy's flags]   (a drop-in for kube-proxy)\n"
+        "       (before the source: --healthz-bind-address, --metrics-bind-address, "
+        "--healthz-timeout)",
         description="kpng: a pluggable Kubernetes service proxy.",
     )
     parser.add_argument(
@@ -93,14 +95,21 @@ def _main_parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
         help="text lines, or one JSON object a line (default: text)",
     )
+    # kube-proxy's names first; kpng's earlier ones stay as aliases.
     parser.add_argument(
+        "--healthz-bind-address",
         "--healthz-address",
+        dest="healthz_address",
         metavar="HOST:PORT",
         help="serve /healthz and /livez here (kube-proxy's contract: 503 when a change has "
         "waited longer than --healthz-timeout, or before the first state is programmed)",
     )
     parser.add_argument(
-        "--metrics-address", metavar="HOST:PORT", help="serve Prometheus /metrics here"
+        "--metrics-bind-address",
+        "--metrics-address",
+        dest="metrics_address",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics here",
     )
     parser.add_argument(
         "--healthz-timeout",
@@ -216,8 +225,8 @@ def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) 
     healthz, metrics = (
         HttpAddress.parse(value, flag=flag) if value is not None else None
         for value, flag in (
-            (options.healthz_address, "--healthz-address"),
-            (options.metrics_address, "--metrics-address"),
+            (options.healthz_address, "--healthz-bind-address"),
+            (options.metrics_address, "--metrics-bind-address"),
         )
     )
     server = functools.partial(serve, status, healthz=healthz, metrics=metrics)
@@ -307,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cleanup"]:
         return cleanup(argv[1:])
+    if argv[:1] == ["kube-proxy"]:
+        from kpng.kubeproxy.command import main as kube_proxy
+
+        return kube_proxy(argv[1:])
     try:
         options, pipeline = build(argv)
     except KpngError as exc:

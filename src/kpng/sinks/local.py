@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 from kpng.backends.registry import Backend, NodeState
@@ -82,7 +83,15 @@ async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
 
 
 def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node-name", required=True, help="the node whose state to compute")
+    parser.add_argument(
+        "--hostname-override",
+        "--node-name",
+        dest="node_name",
+        type=lambda name: name.strip().lower(),
+        default=socket.gethostname().strip().lower(),
+        metavar="NAME",
+        help="the node whose state to compute (kube-proxy's default: the host name, lowercased)",
+    )
 
 
 def _create(

@@ -48,6 +48,11 @@ def deploy_kpng(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> No
             "KPNG_IMAGE": image,
         },
     )
+    # Nodes are network namespaces of one machine, where only the first may size the machine's
+    # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
+    sized = "      maxPerCore: null\n"
+    assert sized in manifest, "deploy/kpng.yaml no longer sets conntrack.maxPerCore"
+    manifest = manifest.replace(sized, "      maxPerCore: 0\n")
     cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
     cluster.kubectl("apply", "-f", "-", input=manifest)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)

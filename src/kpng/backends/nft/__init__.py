@@ -358,6 +358,13 @@ def _cidr_list(value: str, *, primary: bool = False) -> tuple[str, ...]:
     return cidrs
 
 
+def _ip(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from exc
+
+
 def _duration(value: str) -> float:
     try:
         return parse_duration(value)
@@ -415,6 +422,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
     )
     parser.add_argument(
+        "--bind-address",
+        metavar="IP",
+        type=_ip,
+        help="this node's primary IP of its family, in place of the Node's (for primary)",
+    )
+    parser.add_argument(
         "--min-sync-period",
         type=_duration,
         default=0.0,
@@ -456,7 +469,9 @@ def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
         masquerade_bit=args.masquerade_bit,
     )
     from_node = FromNode(
-        primary_nodeports=PRIMARY in args.nodeport_addresses, pod_cidrs=mode == "NodeCIDR"
+        primary_nodeports=PRIMARY in args.nodeport_addresses,
+        pod_cidrs=mode == "NodeCIDR",
+        bind_address=args.bind_address or "",
     )
     return options, from_node
 

@@ -173,6 +173,8 @@ class FromNode:
     """``--nodeport-addresses primary``: node ports on the node's primary IPs."""
     pod_cidrs: bool = False
     """``--detect-local-mode NodeCIDR``: the node's pod CIDRs are the local pods."""
+    bind_address: str = ""
+    """kube-proxy's ``--bind-address``: the primary IP of its family, in place of the Node's."""
 
     def resolve(
         self, options: Options, node_ips: Sequence[str], pod_cidrs: Sequence[str]
@@ -180,6 +182,9 @@ class FromNode:
         """``options`` for a node with these primary IPs and pod CIDRs (either may be unknown:
         empty, and then node ports stay on every local address, and no source is local)."""
         if self.primary_nodeports:
+            if self.bind_address and not ipaddress.ip_address(self.bind_address).is_unspecified:
+                v6 = ":" in self.bind_address
+                node_ips = [self.bind_address, *(ip for ip in node_ips if (":" in ip) != v6)]
             hosts = tuple(f"{ip}/{128 if ':' in ip else 32}" for ip in node_ips)
             options = dataclasses.replace(
                 options, nodeport_addresses=(*options.nodeport_addresses, *hosts)

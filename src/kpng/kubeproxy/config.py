@@ -1,0 +1,396 @@
+"""kube-proxy's configuration, as kpng reads it (pure): the ``KubeProxyConfiguration`` file of
+``--config`` (``kubeproxy.config.k8s.io/v1alpha1``, what kubeadm writes) and kube-proxy's flags,
+with kube-proxy's defaults, turned into kpng's own command line.
+
+Every field of the file is known here. A field kube-proxy would refuse (unknown, misspelt) is an
+error naming it, as kube-proxy's strict decoding is. A field kpng does not act on is a warning
+naming it, unless it holds its default (kubeadm writes every field, most of them empty): nothing
+is ignored silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from kpng.durations import format_duration, parse_duration
+from kpng.errors import UsageError
+
+API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+KIND = "KubeProxyConfiguration"
+HEALTHZ_PORT = 10256
+METRICS_PORT = 10249
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+
+_ANY = None
+"""A field whose value is not walked further (a map of user-chosen keys)."""
+_FIELDS: dict[str, Any] = {
+    "apiVersion": {},
+    "kind": {},
+    "featureGates": _ANY,
+    "clientConnection": {
+        "kubeconfig": {},
+        "acceptContentTypes": {},
+        "contentType": {},
+        "qps": {},
+        "burst": {},
+    },
+    "logging": {
+        "format": {},
+        "flushFrequency": {},
+        "verbosity": {},
+        "vmodule": _ANY,
+        "options": _ANY,
+    },
+    "hostnameOverride": {},
+    "bindAddress": {},
+    "healthzBindAddress": {},
+    "metricsBindAddress": {},
+    "bindAddressHardFail": {},
+    "enableProfiling": {},
+    "showHiddenMetricsForVersion": {},
+    "mode": {},
+    "iptables": {
+        "masqueradeBit": {},
+        "masqueradeAll": {},
+        "localhostNodePorts": {},
+        "syncPeriod": {},
+        "minSyncPeriod": {},
+    },
+    "ipvs": {
+        "syncPeriod": {},
+        "minSyncPeriod": {},
+        "scheduler": {},
+        "excludeCIDRs": {},
+        "strictARP": {},
+        "tcpTimeout": {},
+        "tcpFinTimeout": {},
+        "udpTimeout": {},
+    },
+    "nftables": {"masqueradeBit": {}, "masqueradeAll": {}, "syncPeriod": {}, "minSyncPeriod": {}},
+    "winkernel": {
+        "networkName": {},
+        "sourceVip": {},
+        "enableDSR": {},
+        "rootHnsEndpointName": {},
+        "forwardHealthCheckVip": {},
+    },
+    "detectLocalMode": {},
+    "detectLocal": {"bridgeInterface": {}, "interfaceNamePrefix": {}},
+    "clusterCIDR": {},
+    "nodePortAddresses": {},
+    "oomScoreAdj": {},
+    "conntrack": {
+        "maxPerCore": {},
+        "min": {},
+        "tcpEstablishedTimeout": {},
+        "tcpCloseWaitTimeout": {},
+        "tcpBeLiberal": {},
+        "udpTimeout": {},
+        "udpStreamTimeout": {},
+    },
+    "configSyncPeriod": {},
+    "portRange": {},
+    "windowsRunAsService": {},
+}
+
+_NOT_ACTED_ON: dict[str, str] = {
+    "featureGates": "kpng has no feature gates: it implements the GA semantics",
+    "clientConnection.acceptContentTypes": "kpng's watches always read JSON",
+    "clientConnection.contentType": "kpng's watches always read JSON",
+    "clientConnection.qps": "kpng makes one list and one watch a resource, unthrottled",
+    "clientConnection.burst": "kpng makes one list and one watch a resource, unthrottled",
+    "logging.flushFrequency": "kpng's logs are not buffered",
+    "logging.vmodule": "kpng has levels, not per-file verbosity",
+    "logging.options": "kpng's logs are not buffered",
+    "enableProfiling": "kpng serves no /debug/pprof",
+    "showHiddenMetricsForVersion": "kpng hides no metric",
+    "ipvs": "kpng programs nftables, not IPVS",
+    "winkernel": "kpng runs on Linux only",
+    "windowsRunAsService": "kpng runs on Linux only",
+    "oomScoreAdj": "kubelet sets the OOM score of kpng's pod (by its priority class)",
+    "configSyncPeriod": "kpng follows watches and never relists on a timer",
+    "portRange": "deprecated in kube-proxy, and unused",
+    "iptables.localhostNodePorts": "kpng never serves node ports on localhost, as kube-proxy's "
+    "nftables mode",
+}
+_DEFAULTS: dict[str, tuple[object, ...]] = {
+    # Values that mean "the default" for fields kpng does not act on.
+    "clientConnection.contentType": ("application/vnd.kubernetes.protobuf",),
+    "clientConnection.qps": (5, 5.0),
+    "clientConnection.burst": (10,),
+    "logging.flushFrequency": ("5s", 5_000_000_000),
+    "configSyncPeriod": ("15m", "15m0s"),
+    "oomScoreAdj": (-999,),
+    "iptables.localhostNodePorts": (None,),
+}
+
+
+@dataclass(frozen=True)
+class Conntrack:
+    """The conntrack sysctls kube-proxy sets (0 / None: leave the kernel's value)."""
+
+    max_per_core: int = 32 * 1024
+    min: int = 128 * 1024
+    tcp_established_timeout_s: float = 24 * 3600.0
+    tcp_close_wait_timeout_s: float = 3600.0
+    tcp_be_liberal: bool = False
+    udp_timeout_s: float = 0.0
+    udp_stream_timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """kube-proxy's settings kpng acts on, with kube-proxy's defaults."""
+
+    kubeconfig: str = ""
+    hostname_override: str = ""
+    bind_address: str = "0.0.0.0"
+    healthz_bind_address: str = ""
+    """"" until defaulted from ``bind_address`` (``resolve``)."""
+    metrics_bind_address: str = ""
+    log_format: str = "text"
+    verbosity: int = 0
+    mode: str = ""
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    sync_period_s: float = 30.0
+    min_sync_period_s: float = 1.0
+    detect_local_mode: str = "ClusterCIDR"
+    bridge_interface: str = ""
+    interface_name_prefix: str = ""
+    cluster_cidrs: tuple[str, ...] = ()
+    nodeport_addresses: tuple[str, ...] = ()
+    conntrack: Conntrack = field(default_factory=Conntrack)
+
+    def resolve(self) -> ProxyConfig:
+        """Fill in and check what kube-proxy derives: the health and metrics addresses (of
+        ``bind_address``'s family, with their ports), the node-port addresses (``primary``,
+        nftables mode's default)."""
+        healthz, metrics = "0.0.0.0", "127.0.0.1"
+        if _is_v6(self.bind_address):
+            healthz, metrics = "::", "::1"
+        return dataclasses.replace(
+            self,
+            healthz_bind_address=_with_port(
+                self.healthz_bind_address or healthz, HEALTHZ_PORT, "healthzBindAddress"
+            ),
+            metrics_bind_address=_with_port(
+                self.metrics_bind_address or metrics, METRICS_PORT, "metricsBindAddress"
+            ),
+            nodeport_addresses=self.nodeport_addresses or ("primary",),
+        )
+
+    def node_name(self) -> str:
+        """kube-proxy's: ``hostnameOverride``, else the host name, lowercased."""
+        return (self.hostname_override or socket.gethostname()).strip().lower()
+
+
+def _is_v6(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).version == 6
+    except ValueError:
+        return False
+
+
+def _with_port(address: str, port: int, name: str) -> str:
+    """kube-proxy's AppendPortIfNeeded: a bare IP gets the default port."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        _, sep, text = address.rpartition(":")
+        if not sep or not text.isdigit():
+            raise UsageError(f"{name}: {address!r} is not IP:PORT") from None
+        return address
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+@dataclass
+class Loaded:
+    config: ProxyConfig
+    warnings: list[str]
+
+
+def load(text: str, *, source: str) -> Loaded:
+    """The configuration in ``text`` (the file ``source``); UsageError if kube-proxy would
+    refuse it."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{source}: not YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{source}: not a {KIND} (a mapping is expected)")
+    if raw.get("kind") != KIND or raw.get("apiVersion") != API_VERSION:
+        raise UsageError(
+            f"{source}: kind {raw.get('kind')!r}, apiVersion {raw.get('apiVersion')!r}: "
+            f"kpng reads {KIND} of {API_VERSION}"
+        )
+    flat: dict[str, Any] = {}
+    _walk(raw, _FIELDS, "", flat, source)
+    warnings = _not_acted_on(flat)
+    return Loaded(_from_fields(flat, warnings, source), warnings)
+
+
+def _walk(
+    raw: Mapping[str, Any], known: dict[str, Any], prefix: str, out: dict[str, Any], source: str
+) -> None:
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            raise UsageError(f'{source}: unknown field "{path}" (kube-proxy refuses it too)')
+        sub = known[key]
+        if sub and isinstance(value, dict):
+            _walk(value, sub, f"{path}.", out, source)
+        elif sub and value is not None:
+            raise UsageError(f'{source}: field "{path}" must be a mapping')
+        else:
+            out[path] = value
+
+
+def _zero(value: object) -> bool:
+    if isinstance(value, dict):
+        return all(_zero(v) for v in value.values())
+    if isinstance(value, list):
+        return not value
+    return value in (None, "", 0, False, "0", "0s")
+
+
+def _not_acted_on(flat: Mapping[str, Any]) -> list[str]:
+    warnings = []
+    for path, value in flat.items():
+        reason = _NOT_ACTED_ON.get(path) or _NOT_ACTED_ON.get(path.split(".")[0])
+        if reason is None or _zero(value) or value in _DEFAULTS.get(path, ()):
+            continue
+        warnings.append(f'field "{path}" ({value!r}) is not acted on: {reason}')
+    return warnings
+
+
+def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> ProxyConfig:
+    def get(path: str, kind: type, default: Any = None) -> Any:
+        value = flat.get(path)
+        if value is None:
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise UsageError(f'{source}: field "{path}" must be a {kind.__name__}, not {value!r}')
+        return value
+
+    def duration(path: str, default: float, *, zero_is_default: bool = True) -> float:
+        """kube-proxy's periods take their default when 0; its conntrack timeouts, when unset
+        (0 leaves the kernel's value)."""
+        text = get(path, str)
+        if text is None:
+            return default
+        try:
+            seconds = parse_duration(text)
+        except ValueError as exc:
+            raise UsageError(f'{source}: field "{path}": {exc}') from None
+        return seconds or (default if zero_is_default else 0.0)
+
+    mode = get("mode", str, "")
+    if mode not in ("", "iptables", "ipvs", "nftables"):
+        raise UsageError(f'{source}: field "mode": kpng programs nftables on Linux, not {mode!r}')
+    # kube-proxy's own choice of section for the settings every mode has.
+    section = {"nftables": "nftables", "ipvs": "ipvs"}.get(mode, "iptables")
+    bits = "nftables" if mode == "nftables" else "iptables"
+    if mode in ("iptables", "ipvs"):
+        warnings.append(
+            f'field "mode" is {mode!r}: kpng programs nftables (the {section}.* periods and the '
+            "iptables.* masquerade settings apply to it, as in kube-proxy); remove kube-proxy's "
+            "own rules once with `kube-proxy --cleanup`"
+        )
+    logging_format = get("logging.format", str, "text") or "text"
+    if logging_format not in ("text", "json"):
+        raise UsageError(
+            f'{source}: field "logging.format": "text" or "json", not {logging_format!r}'
+        )
+    detect = get("detectLocalMode", str, "") or "ClusterCIDR"
+    if detect not in DETECT_LOCAL_MODES:
+        raise UsageError(
+            f'{source}: field "detectLocalMode": one of {", ".join(DETECT_LOCAL_MODES)}, '
+            f"not {detect!r}"
+        )
+    ct = Conntrack()
+    conntrack = Conntrack(
+        max_per_core=get("conntrack.maxPerCore", int, ct.max_per_core),
+        min=get("conntrack.min", int, ct.min),
+        tcp_established_timeout_s=duration(
+            "conntrack.tcpEstablishedTimeout",
+            ct.tcp_established_timeout_s,
+            zero_is_default=False,
+        ),
+        tcp_close_wait_timeout_s=duration(
+            "conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout_s, zero_is_default=False
+        ),
+        tcp_be_liberal=get("conntrack.tcpBeLiberal", bool, False),
+        udp_timeout_s=duration("conntrack.udpTimeout", 0.0),
+        udp_stream_timeout_s=duration("conntrack.udpStreamTimeout", 0.0),
+    )
+    cluster_cidr = get("clusterCIDR", str, "")
+    nodeport = get("nodePortAddresses", list, [])
+    return ProxyConfig(
+        kubeconfig=get("clientConnection.kubeconfig", str, ""),
+        hostname_override=get("hostnameOverride", str, ""),
+        bind_address=get("bindAddress", str, "") or "0.0.0.0",
+        healthz_bind_address=get("healthzBindAddress", str, ""),
+        metrics_bind_address=get("metricsBindAddress", str, ""),
+        log_format=logging_format,
+        verbosity=get("logging.verbosity", int, 0),
+        mode=mode,
+        masquerade_all=get(f"{bits}.masqueradeAll", bool, False),
+        masquerade_bit=get(f"{bits}.masqueradeBit", int, 14),
+        sync_period_s=duration(f"{section}.syncPeriod", 30.0),
+        min_sync_period_s=duration(f"{section}.minSyncPeriod", 1.0),
+        detect_local_mode=detect,
+        bridge_interface=get("detectLocal.bridgeInterface", str, ""),
+        interface_name_prefix=get("detectLocal.interfaceNamePrefix", str, ""),
+        cluster_cidrs=tuple(c.strip() for c in cluster_cidr.split(",") if c.strip()),
+        nodeport_addresses=tuple(str(a) for a in nodeport),
+        conntrack=conntrack,
+    )
+
+
+def kpng_argv(config: ProxyConfig) -> list[str]:
+    """kpng's own command line for ``config`` (resolved): ``kpng kube ... to-local ...
+    to-nft ...``, what ``kpng kube-proxy`` runs."""
+    healthz_off = config.healthz_bind_address.endswith(":0")
+    metrics_off = config.metrics_bind_address.endswith(":0")
+    argv = [
+        "--log-level",
+        "debug" if config.verbosity >= 4 else "info",
+        "--log-format",
+        config.log_format,
+        # kube-proxy: unhealthy once a change has waited two sync periods.
+        "--healthz-timeout",
+        f"{2 * config.sync_period_s:g}",
+    ]
+    if not healthz_off:
+        argv += ["--healthz-bind-address", config.healthz_bind_address]
+    if not metrics_off:
+        argv += ["--metrics-bind-address", config.metrics_bind_address]
+    argv += ["kube"]
+    if config.kubeconfig:
+        argv += ["--kubeconfig", config.kubeconfig]
+    argv += ["to-local", "--hostname-override", config.node_name(), "to-nft"]
+    argv += ["--detect-local-mode", config.detect_local_mode]
+    if config.cluster_cidrs:
+        argv += ["--cluster-cidr", ",".join(config.cluster_cidrs)]
+    if config.bridge_interface:
+        argv += ["--pod-bridge-interface", config.bridge_interface]
+    if config.interface_name_prefix:
+        argv += ["--pod-interface-name-prefix", config.interface_name_prefix]
+    if config.masquerade_all:
+        argv += ["--masquerade-all"]
+    argv += ["--masquerade-bit", str(config.masquerade_bit)]
+    argv += ["--nodeport-addresses", ",".join(config.nodeport_addresses)]
+    if config.bind_address and not ipaddress.ip_address(config.bind_address).is_unspecified:
+        argv += ["--bind-address", config.bind_address]
+    argv += ["--min-sync-period", format_duration(config.min_sync_period_s)]
+    return argv

@@ -1,0 +1,340 @@
+"""``kpng kube-proxy``: kube-proxy's flags and KubeProxyConfiguration turned into kpng's pipeline
+(tables), the conntrack sysctls (on files standing in for /proc/sys), and node IPs and durations
+as kube-proxy reads them. The command runs on real nodes in tests/test_real_cluster.py, as
+deploy/kpng.yaml runs it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kpng.durations import format_duration, parse_duration
+from kpng.errors import UsageError
+from kpng.kubeproxy import conntrack
+from kpng.kubeproxy.command import build
+from kpng.kubeproxy.config import Conntrack, kpng_argv
+from kpng.model.cluster import node_ips
+from kpng.model.messages import Node, NodeAddress
+
+# What `kubeadm init` writes into kube-proxy's ConfigMap (config.conf), nftables mode.
+KUBEADM = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 0
+  contentType: ""
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+clusterCIDR: 10.244.0.0/16
+configSyncPeriod: 0s
+conntrack:
+  maxPerCore: null
+  min: null
+  tcpBeLiberal: false
+  tcpCloseWaitTimeout: null
+  tcpEstablishedTimeout: null
+  udpStreamTimeout: 0s
+  udpTimeout: 0s
+detectLocal:
+  bridgeInterface: ""
+  interfaceNamePrefix: ""
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: ""
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+ipvs:
+  excludeCIDRs: null
+  minSyncPeriod: 0s
+  scheduler: ""
+  strictARP: false
+  syncPeriod: 0s
+  tcpFinTimeout: 0s
+  tcpTimeout: 0s
+  udpTimeout: 0s
+kind: KubeProxyConfiguration
+logging:
+  flushFrequency: 0
+  options:
+    json:
+      infoBufferSize: "0"
+    text:
+      infoBufferSize: "0"
+  verbosity: 0
+metricsBindAddress: ""
+mode: nftables
+nftables:
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+nodePortAddresses: null
+oomScoreAdj: null
+portRange: ""
+showHiddenMetricsForVersion: ""
+winkernel:
+  enableDSR: false
+  forwardHealthCheckVip: false
+  networkName: ""
+  rootHnsEndpointName: ""
+  sourceVip: ""
+"""
+
+KUBEADM_ARGV = [
+    "--log-level", "info", "--log-format", "text", "--healthz-timeout", "60",
+    "--healthz-bind-address", "0.0.0.0:10256", "--metrics-bind-address", "127.0.0.1:10249",
+    "kube", "--kubeconfig", "/var/lib/kube-proxy/kubeconfig.conf",
+    "to-local", "--hostname-override", "node-1",
+    "to-nft", "--detect-local-mode", "ClusterCIDR", "--cluster-cidr", "10.244.0.0/16",
+    "--masquerade-bit", "14", "--nodeport-addresses", "primary", "--min-sync-period", "1s",
+]  # fmt: skip
+
+
+def _build(argv: list[str], config: str | None = None) -> tuple[list[str], list[str]]:
+    files = {"config.conf": config} if config is not None else {}
+    invocation = build(argv, read=lambda path: files[path])
+    return kpng_argv(invocation.config), invocation.warnings
+
+
+def test_kubeadms_configuration_runs_as_is_without_a_warning() -> None:
+    argv, warnings = _build(["--config=config.conf", "--hostname-override=Node-1"], KUBEADM)
+    assert argv == KUBEADM_ARGV
+    assert warnings == []
+
+
+def _edited(old: str, new: str) -> str:
+    assert old in KUBEADM
+    return KUBEADM.replace(old, new, 1)
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment", "value"),
+    [
+        (_edited("clusterCIDR: 10.244.0.0/16", "clusterCIDR: 10.1.0.0/16,fd00::/48"),
+         "--cluster-cidr", "10.1.0.0/16,fd00::/48"),
+        (_edited("  masqueradeBit: null\n  minSyncPeriod: 0s\n  syncPeriod: 0s\nnodePort",
+                 "  masqueradeBit: 3\n  minSyncPeriod: 5s\n  syncPeriod: 1m\nnodePort"),
+         "--masquerade-bit", "3"),
+        (_edited("  minSyncPeriod: 0s\n  syncPeriod: 0s\nnodePort",
+                 "  minSyncPeriod: 5s\n  syncPeriod: 1m\nnodePort"),
+         "--min-sync-period", "5s"),
+        (_edited("  minSyncPeriod: 0s\n  syncPeriod: 0s\nnodePort",
+                 "  minSyncPeriod: 5s\n  syncPeriod: 1m\nnodePort"),
+         "--healthz-timeout", "120"),
+        (_edited("detectLocalMode: \"\"", "detectLocalMode: InterfaceNamePrefix")
+         .replace('interfaceNamePrefix: ""', "interfaceNamePrefix: veth"),
+         "--pod-interface-name-prefix", "veth"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [10.0.0.0/8, primary]"),
+         "--nodeport-addresses", "10.0.0.0/8,primary"),
+        (_edited('healthzBindAddress: ""', "healthzBindAddress: 10.0.0.5"),
+         "--healthz-bind-address", "10.0.0.5:10256"),
+        (_edited("bindAddress: 0.0.0.0", "bindAddress: fd00::5"),
+         "--metrics-bind-address", "[::1]:10249"),
+        (_edited("bindAddress: 0.0.0.0", "bindAddress: 10.0.0.7"), "--bind-address", "10.0.0.7"),
+        (_edited("  verbosity: 0", "  verbosity: 4"), "--log-level", "debug"),
+        (_edited("  verbosity: 0", "  verbosity: 2\n  format: json"), "--log-format", "json"),
+    ],
+    ids=["cluster-cidr", "nftables-bit", "nftables-min-sync", "nftables-sync", "interface-prefix",
+         "nodeport-addresses",
+         "healthz-port-appended", "ipv6-bind-address", "bind-address", "verbosity", "json-logs"],
+)  # fmt: skip
+def test_configuration_fields_become_kpngs_flags(config: str, fragment: str, value: str) -> None:
+    argv, _ = _build(["--config=config.conf"], config)
+    assert argv[argv.index(fragment) + 1] == value
+
+
+def test_nftables_mode_reads_the_nftables_section_and_other_modes_the_iptables_one() -> None:
+    config = _edited(
+        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: false",
+        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: true",
+    )
+    argv, warnings = _build(["--config=config.conf"], config)
+    assert "--masquerade-all" not in argv
+    assert warnings == []
+    argv, warnings = _build(
+        ["--config=config.conf"], config.replace("mode: nftables", "mode: iptables")
+    )
+    assert "--masquerade-all" in argv
+    assert len(warnings) == 1
+    assert 'field "mode"' in warnings[0]
+    assert "kube-proxy --cleanup" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (_edited("enableProfiling: false", "enableProfiling: true"), "enableProfiling"),
+        (_edited("  qps: 0", "  qps: 50"), "clientConnection.qps"),
+        (_edited('  scheduler: ""', "  scheduler: rr"), "ipvs.scheduler"),
+        (_edited("oomScoreAdj: null", "oomScoreAdj: -500"), "oomScoreAdj"),
+        (_edited("configSyncPeriod: 0s", "configSyncPeriod: 1m"), "configSyncPeriod"),
+        (KUBEADM + "featureGates:\n  SomeGate: true\n", "featureGates"),
+    ],
+)
+def test_a_field_kpng_does_not_act_on_is_a_warning_naming_it(config: str, field: str) -> None:
+    _, warnings = _build(["--config=config.conf"], config)
+    assert len(warnings) == 1, warnings
+    assert f'field "{field}"' in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (KUBEADM + "masqueradeAll: true\n", 'unknown field "masqueradeAll"'),
+        (_edited("  min: null", "  minimum: 5"), 'unknown field "conntrack.minimum"'),
+        (_edited("mode: nftables", "mode: kernelspace"), 'field "mode"'),
+        (_edited("detectLocalMode: \"\"", "detectLocalMode: Everything"),
+         'field "detectLocalMode"'),
+        (_edited("  syncPeriod: 0s\nnodePort", "  syncPeriod: soon\nnodePort"),
+         'field "nftables.syncPeriod"'),
+        (_edited("  tcpBeLiberal: false", "  tcpBeLiberal: 3"),
+         'field "conntrack.tcpBeLiberal" must be a bool'),
+        (_edited("kind: KubeProxyConfiguration", "kind: KubeletConfiguration"),
+         "kind 'KubeletConfiguration'"),
+        ("clusterCIDR: [\n", "not YAML"),
+    ],
+)  # fmt: skip
+def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, message: str) -> None:
+    with pytest.raises(UsageError, match=r"^config\.conf: ") as raised:
+        _build(["--config=config.conf"], config)
+    assert message in str(raised.value)
+
+
+def test_flags_alone_take_kube_proxys_defaults() -> None:
+    argv, warnings = _build(
+        ["--kubeconfig=/k", "--hostname-override=N", "--cluster-cidr=10.0.0.0/8",
+         "--masquerade-all", "--iptables-min-sync-period=2s", "--detect-local-mode=NodeCIDR",
+         "--feature-gates=A=true", "--healthz-port=10300"]
+    )  # fmt: skip
+    assert argv == [
+        "--log-level", "info", "--log-format", "text", "--healthz-timeout", "60",
+        "--healthz-bind-address", "0.0.0.0:10300", "--metrics-bind-address", "127.0.0.1:10249",
+        "kube", "--kubeconfig", "/k", "to-local", "--hostname-override", "n",
+        "to-nft", "--detect-local-mode", "NodeCIDR", "--cluster-cidr", "10.0.0.0/8",
+        "--masquerade-all", "--masquerade-bit", "14", "--nodeport-addresses", "primary",
+        "--min-sync-period", "2s",
+    ]  # fmt: skip
+    assert warnings == ["--feature-gates is not acted on: kpng has no feature gates: it "
+                        "implements the GA semantics"]  # fmt: skip
+
+
+def test_flags_beside_config_are_ignored_as_kube_proxy_does_but_said() -> None:
+    argv, warnings = _build(
+        ["--config=config.conf", "--hostname-override=n2", "--masquerade-all", "--init-only"],
+        KUBEADM,
+    )
+    assert "--masquerade-all" not in argv
+    assert argv[argv.index("--hostname-override") + 1] == "n2"
+    assert warnings == ["--masquerade-all: ignored because --config is given, as kube-proxy does"]
+
+
+def test_init_only_and_an_unreadable_config_through_the_cli(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    done = subprocess.run(
+        [*kpng_command, "kube-proxy", f"--config={tmp_path}/missing.conf"],
+        capture_output=True, text=True, env=subprocess_env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "missing.conf: No such file or directory" in done.stderr
+    done = subprocess.run(
+        [*kpng_command, "kube-proxy", "--master=https://x"],
+        capture_output=True, text=True, env=subprocess_env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--master is not supported" in done.stderr
+
+
+def test_conntrack_settings_follow_kube_proxy() -> None:
+    root = Path("/proc/sys")
+    nf = root / "net" / "netfilter"
+    got = {(s.path, s.value) for s in conntrack.settings(Conntrack(), cpus=8, root=root)}
+    assert got == {
+        (nf / "nf_conntrack_max", 262144),  # 32768 a CPU
+        (nf / "nf_conntrack_tcp_timeout_established", 86400),
+        (nf / "nf_conntrack_tcp_timeout_close_wait", 3600),
+    }
+    small = Conntrack(max_per_core=0, tcp_established_timeout_s=0, tcp_be_liberal=True,
+                      udp_timeout_s=30, udp_stream_timeout_s=120)  # fmt: skip
+    named = {(s.path.name, s.value) for s in conntrack.settings(small, cpus=1, root=root)}
+    assert named == {
+        ("nf_conntrack_tcp_timeout_close_wait", 3600),
+        ("nf_conntrack_tcp_be_liberal", 1),
+        ("nf_conntrack_udp_timeout", 30),
+        ("nf_conntrack_udp_timeout_stream", 120),
+    }
+    # The floor: 2 CPUs x 32768 is under conntrack-min.
+    assert conntrack.settings(Conntrack(), cpus=2, root=root)[0].value == 131072
+
+
+def test_conntrack_apply_writes_only_what_differs_and_reports_what_it_cannot(
+    tmp_path: Path,
+) -> None:
+    nf = tmp_path / "net" / "netfilter"
+    nf.mkdir(parents=True)
+    (nf / "nf_conntrack_max").write_text("65536\n")
+    (nf / "nf_conntrack_tcp_timeout_established").write_text("86400\n")
+    hashsize = tmp_path / "hashsize"
+    hashsize.write_text("16384\n")
+    wanted = conntrack.settings(Conntrack(), cpus=4, root=tmp_path)
+    established = nf / "nf_conntrack_tcp_timeout_established"
+    before = established.stat().st_mtime_ns
+    # close_wait is missing: conntrack not loaded, a warning and no problem.
+    assert conntrack.apply(wanted, hashsize=hashsize) == []
+    assert (nf / "nf_conntrack_max").read_text() == "131072\n"
+    assert hashsize.read_text() == "32768\n"
+    assert established.stat().st_mtime_ns == before  # equal: not written
+    (nf / "nf_conntrack_max").write_text("1\n")
+    problems = conntrack.apply(wanted, hashsize=tmp_path / "absent")
+    assert problems == [f"cannot set {tmp_path}/absent to 32768: [Errno 2] No such file or "
+                        f"directory: '{tmp_path}/absent'"]  # fmt: skip
+    established.write_text("a day\n")
+    problems = conntrack.apply(wanted, hashsize=hashsize)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"cannot read {established}")
+
+
+@pytest.mark.parametrize(
+    ("addresses", "expected"),
+    [
+        ([], ()),
+        ([("ExternalIP", "1.2.3.4"), ("InternalIP", "10.0.0.1")], ("10.0.0.1",)),
+        ([("InternalIP", "fd00::1"), ("InternalIP", "10.0.0.1")], ("fd00::1", "10.0.0.1")),
+        ([("InternalIP", "10.0.0.1"), ("InternalIP", "10.0.0.2"), ("ExternalIP", "2001:db8::1")],
+         ("10.0.0.1", "2001:db8::1")),
+    ],
+)  # fmt: skip
+def test_node_ips_are_kube_proxys_primary_ips(
+    addresses: list[tuple[str, str]], expected: tuple[str, ...]
+) -> None:
+    node = Node(Name="n", Addresses=tuple(NodeAddress(Type=t, Address=a) for t, a in addresses))
+    assert node_ips(node) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("1h0m0s", 3600.0), ("500ms", 0.5), ("1.5s", 1.5), ("0", 0.0), ("2", 2.0), ("1m30s", 90.0)],
+)
+def test_durations_read_as_go_writes_them(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "-1s", "1x", "1s2", "soon"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_durations_are_written_as_go_writes_them() -> None:
+    assert [format_duration(s) for s in (86400, 3600, 90, 1, 0.5)] == [
+        "24h0m0s", "1h0m0s", "1m30s", "1s", "0.5s",
+    ]  # fmt: skip
