@@ -124,7 +124,8 @@ def test_a_draining_node_fails_healthz_but_stays_live() -> None:
     assert (verdict.live, verdict.healthy) == (True, False)
     assert verdict.body["nodeEligible"] is False
     assert verdict.body["reasons"] == [
-        "the node is being deleted or tainted ToBeDeletedByClusterAutoscaler"
+        "the node is unknown to the source, being deleted, or tainted "
+        "ToBeDeletedByClusterAutoscaler"
     ]
 
 
@@ -372,7 +373,7 @@ def test_a_bad_or_taken_address_is_a_clear_error(
         capture_output=True, text=True, env=subprocess_env, timeout=WAIT_S,
     )  # fmt: skip
     assert bad.returncode == 2
-    assert "--healthz-address wants HOST:PORT, got 'localhost'" in bad.stderr
+    assert "--healthz-bind-address wants HOST:PORT, got 'localhost'" in bad.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

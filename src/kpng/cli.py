@@ -190,6 +190,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
 
     store = status.store = Store()
     status.node = sink_spec.node(sink_args)
+    status.nodes_listed = source_spec.lists_nodes
     source_run = source_spec.create(source_args, store, status.node)
     sink_run = sink_spec.create(sink_args, store, backends, status)
     pipeline = _concurrently({"source": source_run, "sink": sink_run})

@@ -23,3 +23,6 @@ class SourceSpec:
     without them), and returns what runs the source until cancelled. The third argument names
     the one node the sink needs, when it needs only one (``to-local``): a source that can filter
     by it need not fetch the others."""
+    lists_nodes: bool = False
+    """Whether the source always lists every node, so that a node it does not list does not
+    exist (``/healthz`` then fails for it, as kube-proxy's)."""

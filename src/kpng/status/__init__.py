@@ -36,6 +36,8 @@ class Status:
     """The brain's store; ``None`` for ``kpng local``, whose source is a remote kpng."""
     node: str | None = None
     """The node whose rules this kpng programs (``to-local``): its draining drains kpng too."""
+    nodes_listed: bool = False
+    """The source lists every node (``kpng kube``): one it does not list does not exist."""
     fanouts: list[Fanout] = field(default_factory=list)
     samplers: list[Callable[[], Iterable[Sample]]] = field(default_factory=list)
     """What other parts (the to-api server) report, read at each scrape."""
@@ -69,12 +71,15 @@ class Status:
 
     @property
     def node_eligible(self) -> bool:
-        """False while this node is being deleted or about to be (``Node.Draining``). A node the
-        sources do not know is eligible: manifests need not list nodes."""
+        """False while this node is being deleted or about to be (``Node.Draining``), or does
+        not exist (as kube-proxy's). Manifests need not list nodes: with none listed, an unknown
+        node is eligible."""
         if self.store is None or self.node is None:
             return True
         node = self.store.nodes.get(self.node)
-        return node is None or not node.Draining
+        if node is None:
+            return not (self.nodes_listed or self.store.nodes)
+        return not node.Draining
 
     def verdict(self, backends: Mapping[str, FeederStats] | None = None) -> Verdict:
         """The verdict now; ``backends``, when the caller has just read them, spares a second

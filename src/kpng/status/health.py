@@ -90,7 +90,10 @@ def _reasons(
 ) -> list[str]:
     reasons = [] if sources_synced else ["the sources have not synced yet"]
     if not node_eligible:
-        reasons.append("the node is being deleted or tainted ToBeDeletedByClusterAutoscaler")
+        reasons.append(
+            "the node is unknown to the source, being deleted, or tainted "
+            "ToBeDeletedByClusterAutoscaler"
+        )
     reasons += [f"{name} has not applied a state yet" for name in never_applied if name not in late]
     reasons += [
         f"{name} has had a state waiting {waited:.1f} s (timeout {timeout:g} s)"

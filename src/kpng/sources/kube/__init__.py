@@ -79,4 +79,5 @@ SPEC = SourceSpec(
     help="list and watch Services, EndpointSlices and Nodes on a Kubernetes API server",
     add_arguments=_add_arguments,
     create=_create,
+    lists_nodes=True,
 )

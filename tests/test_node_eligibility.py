@@ -1,0 +1,34 @@
+"""Whether this node is eligible for load-balancer traffic (``/healthz``'s nodeEligible), as
+kube-proxy decides: a node being deleted, drained, or unknown to a source that lists nodes is
+not."""
+
+from __future__ import annotations
+
+import pytest
+
+from kpng.model.messages import Node
+from kpng.status import Status
+from kpng.store import Store
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nodes_listed", "eligible"),
+    [
+        ({"n1": Node(Name="n1")}, True, True),
+        ({"n1": Node(Name="n1", Draining=True)}, True, False),
+        ({"n2": Node(Name="n2")}, True, False),  # kpng kube, n1 not (or no longer) a node
+        ({}, True, False),
+        ({"n2": Node(Name="n2")}, False, False),  # manifests listing nodes, n1 not among them
+        ({}, False, True),  # manifests without nodes: nothing says n1 does not exist
+    ],
+    ids=["known", "draining", "unknown-listed", "none-listed", "unknown-in-files", "no-nodes"],
+)
+def test_node_eligibility(nodes: dict[str, Node], nodes_listed: bool, eligible: bool) -> None:
+    store = Store()
+    handle = store.source("nodes")
+    for name, node in nodes.items():
+        handle.set_node(name, node)
+    handle.mark_synced()
+    status = Status(timeout=60.0, store=store, node="n1", nodes_listed=nodes_listed)
+    assert status.node_eligible is eligible
+    assert status.verdict({}).body["nodeEligible"] is eligible
