@@ -178,6 +178,9 @@ class TimedNft:
     async def delete_table(self, table: Table) -> bool:
         return await self._nft.delete_table(table)
 
+    async def list_tables(self) -> list[Table]:
+        return await self._nft.list_tables()
+
 
 class FullSync(NamedTuple):
     seconds: float

@@ -267,12 +267,27 @@ async def _run_until_signalled(pipeline: Runner) -> None:
         await task
 
 
+KUBE_PROXY = "kube-proxy"
+
+
 def cleanup(argv: Sequence[str]) -> int:
-    """``kpng cleanup [BACKEND...]``: remove what backends leave on the node (all by default)."""
+    """``kpng cleanup [BACKEND...]``: remove what backends leave on the node (all by default);
+    ``kpng cleanup kube-proxy`` removes kube-proxy's nftables tables, after a migration."""
     parser = argparse.ArgumentParser(prog="kpng cleanup", description=cleanup.__doc__)
-    parser.add_argument("backends", nargs="*", metavar="BACKEND", help="e.g. nft or to-nft")
+    parser.add_argument(
+        "backends", nargs="*", metavar="BACKEND", help="e.g. nft or to-nft, or kube-proxy"
+    )
     args = parser.parse_args(argv)
     try:
+        if KUBE_PROXY in args.backends:
+            from kpng.backends.nft import cleanup_kube_proxy
+
+            removed = asyncio.run(cleanup_kube_proxy())
+            tables = ", ".join(f"table {t.family} {t.name}" for t in removed)
+            print(f"{KUBE_PROXY}: {'removed ' + tables if removed else 'nothing to remove'}")
+            args.backends.remove(KUBE_PROXY)
+            if not args.backends:
+                return 0
         wanted = [b.removeprefix("to-") for b in args.backends] or registry.names()
         specs = [registry.lookup(name) for name in wanted]
         for spec in specs:

@@ -27,7 +27,7 @@ from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transactio
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.health import HealthServers
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
-from kpng.backends.nft.nftables import Nft, NftError
+from kpng.backends.nft.nftables import Nft, NftError, Table
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
@@ -112,6 +112,9 @@ class NftBackend:
             self.store.commit(plan)
             self._needs_full = False
             return self._once
+        if not self._looked_for_kube_proxy:
+            self._looked_for_kube_proxy = True
+            await _warn_about_kube_proxy(self._nft)
         applied = await self._sync(touched)
         while not applied and self._once:
             applied = await self._sync(Touched(), backoff=True)
@@ -219,6 +222,7 @@ class NftBackend:
         return True
 
     _backoff = FIRST_BACKOFF_S
+    _looked_for_kube_proxy = False
 
     def _rules_current(self) -> bool:
         since = self.pending_since
@@ -340,6 +344,35 @@ def _collector_paused() -> Iterator[None]:
 async def cleanup(nft: Nft | None = None) -> bool:
     """Remove kpng's table; True if there was one."""
     return await (nft or default_nft()).delete_table(TABLE)
+
+
+KUBE_PROXY_TABLES = (Table("ip", "kube-proxy"), Table("ip6", "kube-proxy"))
+"""kube-proxy's nftables mode's tables."""
+
+
+async def _warn_about_kube_proxy(nft: Nft) -> None:
+    """Say so when kube-proxy's nftables tables are still there: their rules see packets before
+    kpng's DNAT (their filter chains reject traffic to services kube-proxy saw without
+    endpoints, their NAT chains DNAT by kube-proxy's last state)."""
+    try:
+        present = set(await nft.list_tables()) & set(KUBE_PROXY_TABLES)
+    except NftError as exc:
+        log.warning("cannot list the nftables tables to look for kube-proxy's: %s", exc)
+        return
+    if present:
+        names = ", ".join(f"{t.family} {t.name}" for t in sorted(present, key=str))
+        log.warning(
+            "kube-proxy's nftables tables are here (%s): their rules act before kpng's and "
+            "follow kube-proxy's last state. Once kube-proxy is stopped on this node, remove them "
+            "with `kpng cleanup kube-proxy`",
+            names,
+        )
+
+
+async def cleanup_kube_proxy(nft: Nft | None = None) -> list[Table]:
+    """Remove kube-proxy's nftables tables (after a migration); those that were there."""
+    nft = nft or default_nft()
+    return [table for table in KUBE_PROXY_TABLES if await nft.delete_table(table)]
 
 
 PRIMARY = "primary"

@@ -14,9 +14,16 @@ import re
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Literal, cast, overload
 
-from kpng.backends.nft.nftables import Nft, NftError, Table, Transaction, error_for_line
+from kpng.backends.nft.nftables import (
+    Nft,
+    NftError,
+    Table,
+    Transaction,
+    error_for_line,
+    parse_tables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +39,25 @@ TRIM_AFTER_BYTES = 1 << 20
 
 
 async def _run(argv: Sequence[str], stdin: bytes = b"") -> tuple[int, str]:
+    rc, _, err = await _run_output(argv, stdin, output=False)
+    return rc, err
+
+
+async def _run_output(
+    argv: Sequence[str], stdin: bytes = b"", *, output: bool = True
+) -> tuple[int, str, str]:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if output else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
     except OSError as exc:
         raise NftError(f"cannot run {argv[0]}: {exc}") from exc
-    _, err = await proc.communicate(stdin)
+    out, err = await proc.communicate(stdin)
     assert proc.returncode is not None
-    return proc.returncode, err.decode(errors="replace")
+    return proc.returncode, (out or b"").decode(errors="replace"), err.decode(errors="replace")
 
 
 def parse_error(tx: Transaction, stderr: str) -> NftError:
@@ -78,6 +92,12 @@ class KernelNft:
         if "No such file or directory" in err:
             return False
         raise NftError(err.strip())
+
+    async def list_tables(self) -> list[Table]:
+        rc, out, err = await _run_output([*self._command, "list", "tables"])
+        if rc != 0:
+            raise NftError(err.strip())
+        return parse_tables(out)
 
 
 class LibNft:
@@ -133,6 +153,14 @@ class LibNft:
             return False
         raise NftError(err.strip())
 
+    async def list_tables(self) -> list[Table]:
+        ok, err, out = await asyncio.to_thread(
+            self._call, self._lib.nft_run_cmd_from_buffer, b"list tables", output=True
+        )
+        if not ok:
+            raise NftError(err.strip())
+        return parse_tables(out)
+
     def close(self) -> None:
         """Free the context (also done when the executor is garbage-collected)."""
         self._free()
@@ -151,15 +179,28 @@ class LibNft:
             if len(text) >= TRIM_AFTER_BYTES and self._trim is not None:
                 self._trim(0)
 
-    def _call(self, command: Callable[[int, bytes], int], arg: bytes) -> tuple[bool, str]:
+    @overload
+    def _call(self, command: Callable[[int, bytes], int], arg: bytes) -> tuple[bool, str]: ...
+
+    @overload
+    def _call(
+        self, command: Callable[[int, bytes], int], arg: bytes, *, output: Literal[True]
+    ) -> tuple[bool, str, str]: ...
+
+    def _call(
+        self, command: Callable[[int, bytes], int], arg: bytes, *, output: bool = False
+    ) -> tuple[bool, str] | tuple[bool, str, str]:
         with self._lock:
             if not self._free.alive:
                 raise NftError("the libnftables context is closed")
             rc = command(self._ctx, arg)
             # Reading a buffer rewinds it: unread, the output would grow with every command.
-            self._lib.nft_ctx_get_output_buffer(self._ctx)
+            out: bytes | None = self._lib.nft_ctx_get_output_buffer(self._ctx)
             err: bytes | None = self._lib.nft_ctx_get_error_buffer(self._ctx)
-        return rc == 0, (err or b"").decode(errors="replace")
+        error = (err or b"").decode(errors="replace")
+        if output:
+            return rc == 0, error, (out or b"").decode(errors="replace")
+        return rc == 0, error
 
 
 def _declare(lib: ctypes.CDLL) -> None:

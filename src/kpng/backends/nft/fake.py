@@ -24,6 +24,7 @@ from kpng.backends.nft.nftables import (
     Set,
     Table,
     Transaction,
+    parse_tables,
 )
 
 _SET_REF = re.compile(r"@([A-Za-z][A-Za-z0-9_.-]*)")
@@ -83,6 +84,9 @@ class FakeNft:
 
     async def delete_table(self, table: Table) -> bool:
         return self.tables.pop((table.family, table.name), None) is not None
+
+    async def list_tables(self) -> list[Table]:
+        return parse_tables("".join(f"table {f} {n}\n" for f, n in sorted(self.tables)))
 
     def elements(self, table: Table, container: str) -> dict[tuple[str, ...], tuple[str, ...]]:
         """The elements of a set or map, key -> value (empty tuple for a set)."""

@@ -339,6 +339,21 @@ class Nft(Protocol):
         """Remove ``table`` if it exists; True if it did."""
         ...
 
+    async def list_tables(self) -> list[Table]:
+        """Every table of the network namespace, kpng's or not."""
+        ...
+
+
+def parse_tables(listing: str) -> list[Table]:
+    """The ``ip``, ``ip6`` and ``inet`` tables of ``nft list tables`` output (``table FAMILY
+    NAME`` lines)."""
+    found = []
+    for line in listing.splitlines():
+        match line.split():
+            case ["table", ("ip" | "ip6" | "inet") as family, name]:
+                found.append(Table(family, name))
+    return found
+
 
 def error_for_line(tx: Transaction, *, line_number: int, message: str) -> NftError:
     """The ``NftError`` naming rendered line ``line_number`` (1-based) of ``tx``."""
