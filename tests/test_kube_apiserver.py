@@ -95,6 +95,35 @@ def test_services_and_slices_created_updated_deleted(
     run(scenario)
 
 
+def test_service_cidrs_are_followed(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
+) -> None:
+    """The API server's own ServiceCIDR ("kubernetes", its --service-cluster-ip-range) and one
+    added and deleted later reach the store."""
+    from kpng.testing.cluster import SERVICE_CIDR
+
+    name = f"{kube_namespace}-extra"[-60:]
+
+    def cidrs(kpng: KpngUnderTest) -> dict[str, tuple[str, ...]]:
+        return {n: sc.cidrs for n, sc in kpng.store.service_cidrs.items()}
+
+    async def scenario() -> None:
+        async with KpngUnderTest.start(control_plane.kubeconfig, namespace=kube_namespace) as kpng:
+            await kpng.wait_for(lambda _: cidrs(kpng).get("kubernetes") == (SERVICE_CIDR,))
+            extra = {
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "ServiceCIDR",
+                "metadata": {"name": name},
+                "spec": {"cidrs": ["10.100.7.0/24"]},
+            }
+            await call(kube_api.create, extra)
+            await kpng.wait_for(lambda _: cidrs(kpng).get(name) == ("10.100.7.0/24",))
+            await call(kube_api.delete, "ServiceCIDR", "", name)
+            await kpng.wait_for(lambda _: name not in cidrs(kpng))
+
+    run(scenario)
+
+
 def test_service_label_flips_both_ways(
     control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
 ) -> None:

@@ -123,14 +123,14 @@ def test_selectors_are_kube_proxys() -> None:
     assert label_selector("mine") == (
         "service.kubernetes.io/service-proxy-name=mine,!service.kubernetes.io/headless"
     )
-    services, slices, nodes = resources(None)
+    services, slices, nodes, _ = resources(None)
     assert services.selectors() == {
         "labelSelector": label_selector(None),
         "fieldSelector": SERVICE_FIELD_SELECTOR,
     }
     assert slices.selectors() == {"labelSelector": label_selector(None)}
     assert nodes.selectors() == {}
-    _, _, only_n1 = resources(None, "n1")
+    _, _, only_n1, _ = resources(None, "n1")
     assert only_n1.selectors() == {"fieldSelector": "metadata.name=n1"}
 
 

@@ -19,7 +19,8 @@ class NodeState(msgspec.Struct, frozen=True):
     state: the store's revision in process, the count of change sets over the network.
     ``node_ips`` (the node's primary IPs, one per family, as kube-proxy finds them in its
     status) and ``pod_cidrs`` (its ``spec.podCIDRs``) are empty while the source does not
-    know the node.
+    know the node. ``service_cidrs``: the cluster's ServiceCIDRs (networking.k8s.io/v1), the
+    ranges ClusterIPs are allocated from, where the source knows them.
     """
 
     node: str
@@ -29,6 +30,7 @@ class NodeState(msgspec.Struct, frozen=True):
     deleted: frozenset[ServiceKey]
     node_ips: tuple[str, ...] = ()
     pod_cidrs: tuple[str, ...] = ()
+    service_cidrs: tuple[str, ...] = ()
 
 
 class Backend(Protocol):

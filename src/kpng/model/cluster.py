@@ -58,6 +58,13 @@ class Slice(msgspec.Struct, frozen=True, gc=False):
         return (self.namespace, self.service)
 
 
+class ServiceCIDR(msgspec.Struct, frozen=True, gc=False):
+    """A networking.k8s.io/v1 ServiceCIDR: ranges ClusterIPs are allocated from."""
+
+    name: str
+    cidrs: tuple[str, ...]
+
+
 def node_zone(node: Node | None) -> str:
     return node.Topology.Zone if node is not None and node.Topology is not None else ""
 

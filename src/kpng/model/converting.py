@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kpng.errors import InvalidObject
 from kpng.model import k8s
-from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
+from kpng.model.cluster import ServiceCIDR, Slice, SliceEndpoint, SlicePort
 from kpng.model.ips import BadAddress, parse_cidr, parse_ip
 from kpng.model.messages import (
     ClientIPAffinity,
@@ -332,6 +332,19 @@ def node_from_k8s(obj: k8s.Node) -> Node:
         or any(t.key == TAINT_TO_BE_DELETED for t in obj.spec.taints or ()),
         Addresses=_node_addresses(obj, invalid),
         PodCIDRs=tuple(_checked(parse_cidr, c, invalid) for c in obj.spec.pod_cidrs or ()),
+    )
+
+
+def service_cidr_from_k8s(obj: k8s.ServiceCIDR) -> ServiceCIDR:
+    """A networking.k8s.io/v1 ServiceCIDR's ranges, canonical."""
+    name = obj.metadata.name
+    invalid = InvalidObjectFactory("ServiceCIDR", "", name)
+    if not name:
+        raise invalid("metadata.name is missing")
+    if obj.api_version != k8s.API_VERSIONS[k8s.ServiceCIDR]:
+        raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    return ServiceCIDR(
+        name=name, cidrs=tuple(_checked(parse_cidr, c, invalid) for c in obj.spec.cidrs or ())
     )
 
 

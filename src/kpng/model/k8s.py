@@ -159,10 +159,24 @@ class Node(_Raw, tag_field="kind", tag="Node"):
     status: NodeStatus = msgspec.field(default_factory=NodeStatus)
 
 
-Object = Service | EndpointSlice | Node
+# --- networking.k8s.io/v1 ServiceCIDR
+
+
+class ServiceCIDRSpec(_Raw):
+    cidrs: list[str] | None = None
+
+
+class ServiceCIDR(_Raw, tag_field="kind", tag="ServiceCIDR"):
+    api_version: str = "networking.k8s.io/v1"
+    metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
+    spec: ServiceCIDRSpec = msgspec.field(default_factory=ServiceCIDRSpec)
+
+
+Object = Service | EndpointSlice | Node | ServiceCIDR
 
 API_VERSIONS: dict[type[Object], str] = {
     Service: "v1",
     EndpointSlice: "discovery.k8s.io/v1",
     Node: "v1",
+    ServiceCIDR: "networking.k8s.io/v1",
 }

@@ -31,18 +31,27 @@ def apply_delta(resolver: NodeResolver, store: Store, delta: Delta) -> None:
         resolver.set_slice(key, store.slices.get(key))
 
 
+def service_cidrs(store: Store) -> tuple[str, ...]:
+    """Every ServiceCIDR's ranges, each once, in a stable order."""
+    return tuple(sorted({c for sc in store.service_cidrs.values() for c in sc.cidrs}))
+
+
 async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
     """Feed ``backend`` every revision that changes this node's state, until it says it is done."""
     resolver = NodeResolver(node_name)
     subscription = store.subscribe()
     first = True
-    sent_node_info: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    sent_node_info: tuple[tuple[str, ...], ...] = ((), (), ())
     try:
         async for delta in subscription:
             apply_delta(resolver, store, delta)
             changes = resolver.resolve()
             node = store.nodes.get(node_name)
-            node_info = (node_ips(node), node.PodCIDRs if node else ())
+            node_info = (
+                node_ips(node),
+                node.PodCIDRs if node else (),
+                service_cidrs(store) if delta.service_cidrs or first else sent_node_info[2],
+            )
             if not (changes or first or node_info != sent_node_info):
                 continue
             sent_node_info = node_info
@@ -54,6 +63,7 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
                 deleted=changes.deleted,
                 node_ips=node_info[0],
                 pod_cidrs=node_info[1],
+                service_cidrs=node_info[2],
             )
             log.debug(
                 "revision %d: %d services updated, %d deleted",

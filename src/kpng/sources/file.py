@@ -18,7 +18,7 @@ from pathlib import Path
 import watchfiles
 
 from kpng.errors import InputError, object_name
-from kpng.model.cluster import Slice
+from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
 from kpng.sources import Runner, SourceSpec, manifests
 from kpng.sources.manifests import Model, ObjectKey, Parsed
@@ -213,6 +213,9 @@ def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
     elif kind == "EndpointSlice":
         assert model is None or isinstance(model, Slice)
         out.set_slice((namespace, name), model)
+    elif kind == "ServiceCIDR":
+        assert model is None or isinstance(model, ServiceCIDR)
+        out.set_service_cidr(name, model)
     else:
         assert model is None or isinstance(model, Node)
         out.set_node(name, model)
@@ -238,7 +241,8 @@ def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
 
 SPEC = SourceSpec(
     name="file",
-    help="read Services, EndpointSlices and Nodes from manifest files, and follow them",
+    help="read Services, EndpointSlices, Nodes and ServiceCIDRs from manifest files, and follow "
+    "them",
     add_arguments=_add_arguments,
     create=_create,
 )

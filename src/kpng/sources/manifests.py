@@ -16,7 +16,7 @@ import yaml
 
 from kpng.errors import InputError, InvalidObject, object_name
 from kpng.model import converting, dumping, k8s
-from kpng.model.cluster import Slice
+from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
 
 log = logging.getLogger(__name__)
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name); namespace is "" for Nodes."""
 
-Model = Service | Slice | Node
-_KINDS = ("Service", "EndpointSlice", "Node")
+Model = Service | Slice | Node | ServiceCIDR
+_KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
 
 
 class Parsed(msgspec.Struct):
@@ -196,13 +196,16 @@ def _add(
             model = converting.service_from_k8s(obj, proxy_name=proxy_name)
         elif isinstance(obj, k8s.EndpointSlice):
             model = converting.slice_from_k8s(obj, proxy_name=proxy_name)
+        elif isinstance(obj, k8s.ServiceCIDR):
+            model = converting.service_cidr_from_k8s(obj)
         else:
             model = converting.node_from_k8s(obj)
     except InvalidObject as exc:
         parsed.errors.append(f"{where}: {exc}; skipped")
         return None
     kind = type(obj).__name__
-    namespace = "" if kind == "Node" else obj.metadata.namespace or "default"
+    cluster_wide = kind in ("Node", "ServiceCIDR")
+    namespace = "" if cluster_wide else obj.metadata.namespace or "default"
     key = (kind, namespace, obj.metadata.name)
     _keep(parsed, key, model, where)
     return key, model
@@ -232,6 +235,8 @@ def model_key(model: Model) -> ObjectKey:
         return ("Service", model.Namespace, model.Name)
     if isinstance(model, Slice):
         return ("EndpointSlice", model.namespace, model.name)
+    if isinstance(model, ServiceCIDR):
+        return ("ServiceCIDR", "", model.name)
     return ("Node", "", model.Name)
 
 

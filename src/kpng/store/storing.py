@@ -1,4 +1,5 @@
-"""The global store: the cluster's Services, EndpointSlices and Nodes as the sources last saw them.
+"""The global store: the cluster's Services, EndpointSlices, Nodes and ServiceCIDRs as the sources
+last saw them.
 
 - **Deduplicated**: writing an object equal to the one stored changes nothing (frozen Structs
   compare in C, so a resent or relisted object costs one comparison, and no revision).
@@ -19,7 +20,7 @@ from typing import TypeVar
 
 import msgspec
 
-from kpng.model.cluster import ServiceKey, Slice, SliceKey
+from kpng.model.cluster import ServiceCIDR, ServiceKey, Slice, SliceKey
 from kpng.model.messages import Node, Service
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Delta(msgspec.Struct, frozen=True):
     services: frozenset[ServiceKey]
     slices: frozenset[SliceKey]
     nodes: frozenset[str]
+    service_cidrs: frozenset[str] = frozenset()
 
 
 class Subscription:
@@ -45,14 +47,22 @@ class Subscription:
         self._services: set[ServiceKey] = set()
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
+        self._service_cidrs: set[str] = set()
         self._revision = 0  # the last revision delivered
         self._wakeup = asyncio.Event()
         self._closed = False
 
-    def _note(self, services: set[ServiceKey], slices: set[SliceKey], nodes: set[str]) -> None:
+    def _note(
+        self,
+        services: set[ServiceKey],
+        slices: set[SliceKey],
+        nodes: set[str],
+        service_cidrs: set[str],
+    ) -> None:
         self._services |= services
         self._slices |= slices
         self._nodes |= nodes
+        self._service_cidrs |= service_cidrs
         self._wakeup.set()
 
     def close(self) -> None:
@@ -74,15 +84,18 @@ class Subscription:
                     self._services = set(store.services)
                     self._slices = set(store.slices)
                     self._nodes = set(store.nodes)
+                    self._service_cidrs = set(store.service_cidrs)
                 delta = Delta(
                     revision=store.revision,
                     services=frozenset(self._services),
                     slices=frozenset(self._slices),
                     nodes=frozenset(self._nodes),
+                    service_cidrs=frozenset(self._service_cidrs),
                 )
                 self._services.clear()
                 self._slices.clear()
                 self._nodes.clear()
+                self._service_cidrs.clear()
                 self._revision = store.revision
                 return delta
             self._wakeup.clear()
@@ -105,6 +118,7 @@ class SourceHandle:
         self._services: set[ServiceKey] = set()
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
+        self._service_cidrs: set[str] = set()
 
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
         if _put(self._store._services, key, service):
@@ -118,12 +132,17 @@ class SourceHandle:
         if _put(self._store._nodes, name, node):
             self._nodes.add(name)
 
+    def set_service_cidr(self, name: str, cidr: ServiceCIDR | None) -> None:
+        if _put(self._store._service_cidrs, name, cidr):
+            self._service_cidrs.add(name)
+
     def commit(self) -> bool:
         """Publish the staged changes as one revision; False if nothing really changed."""
-        if not (self._services or self._slices or self._nodes):
+        if not (self._services or self._slices or self._nodes or self._service_cidrs):
             return False
-        self._store._publish(self._services, self._slices, self._nodes)
+        self._store._publish(self._services, self._slices, self._nodes, self._service_cidrs)
         self._services, self._slices, self._nodes = set(), set(), set()
+        self._service_cidrs = set()
         return True
 
     def mark_synced(self) -> None:
@@ -148,6 +167,7 @@ class Store:
         self._services: dict[ServiceKey, Service] = {}
         self._slices: dict[SliceKey, Slice] = {}
         self._nodes: dict[str, Node] = {}
+        self._service_cidrs: dict[str, ServiceCIDR] = {}
         self._sources: list[SourceHandle] = []
         self._subscriptions: set[Subscription] = set()
         self.revision = 0
@@ -163,6 +183,10 @@ class Store:
     @property
     def nodes(self) -> Mapping[str, Node]:
         return self._nodes
+
+    @property
+    def service_cidrs(self) -> Mapping[str, ServiceCIDR]:
+        return self._service_cidrs
 
     @property
     def sources(self) -> Sequence[SourceHandle]:
@@ -184,17 +208,24 @@ class Store:
         self._subscriptions.add(sub)
         return sub
 
-    def _publish(self, services: set[ServiceKey], slices: set[SliceKey], nodes: set[str]) -> None:
+    def _publish(
+        self,
+        services: set[ServiceKey],
+        slices: set[SliceKey],
+        nodes: set[str],
+        service_cidrs: set[str],
+    ) -> None:
         self.revision += 1
         log.debug(
-            "revision %d: %d services, %d slices, %d nodes changed",
+            "revision %d: %d services, %d slices, %d nodes, %d service CIDRs changed",
             self.revision,
             len(services),
             len(slices),
             len(nodes),
+            len(service_cidrs),
         )
         for sub in self._subscriptions:
-            sub._note(services, slices, nodes)
+            sub._note(services, slices, nodes, service_cidrs)
 
     def _source_synced(self, source: SourceHandle) -> None:
         log.info("source %s synced", source.name)

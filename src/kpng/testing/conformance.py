@@ -393,6 +393,43 @@ def test_node_cidr_detection_follows_the_node_object(cluster: Cluster) -> None:
         cluster.remove("node-cidr")
 
 
+def test_unallocated_ips_of_service_cidrs_are_dropped(cluster: Cluster) -> None:
+    """As kube-proxy: a new connection to an IP of a ServiceCIDR that no service holds is
+    dropped rather than routed on. Pod b1 also answers at such an IP, routed from node-3: it
+    is reached until a ServiceCIDR holds the IP, and again once it is gone."""
+    ip = cluster.cluster_ip()
+    unallocated = "10.96.0.250"
+    bed = cluster.bed
+    b1, node2, node3 = bed.pods["b1"], bed.nodes["node-2"], bed.nodes["node-3"]
+    veth = f"vp{b1.ip4.rsplit('.', 1)[1]}"
+    routes = [
+        (b1.netns, ["ip", "addr", "add", f"{unallocated}/32", "dev", "eth0"]),
+        (node2.netns, ["ip", "route", "add", f"{unallocated}/32", "dev", veth]),
+        (node3.netns, ["ip", "route", "add", f"{unallocated}/32", "via", node2.ip4]),
+    ]
+    service_cidr = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/24", "fd00:96::/112"]},
+    }
+    held = [service("held", ip, [port("http", 80)]), endpoint_slice(cluster, "held", ["b1"])]
+    for netns, argv in routes:
+        bed.exec(netns, argv)
+    try:
+        cluster.write("service-cidrs", *held)
+        cluster.eventually("c1", "tcp", unallocated, 8080, answered)
+        cluster.write("service-cidrs", *held, service_cidr)
+        cluster.eventually("c1", "tcp", unallocated, 8080, lambda r: r == ["timeout"])
+        cluster.eventually("c1", "tcp", ip, 80, answered)  # an allocated IP still answers
+        cluster.write("service-cidrs", *held)
+        cluster.eventually("c1", "tcp", unallocated, 8080, answered)
+    finally:
+        cluster.remove("service-cidrs")
+        for netns, argv in reversed(routes):
+            bed.exec(netns, [*argv[:2], "del", *argv[3:]])
+
+
 def test_external_ip_from_external_client(cluster: Cluster) -> None:
     ip, vip = cluster.cluster_ip(), cluster.vip()
     cluster.write(

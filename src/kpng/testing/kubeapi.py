@@ -24,6 +24,7 @@ _COLLECTIONS = {
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
     "Node": ("/api/v1", "nodes", False),
     "Namespace": ("/api/v1", "namespaces", False),
+    "ServiceCIDR": ("/apis/networking.k8s.io/v1", "servicecidrs", False),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import ipaddress
@@ -128,6 +129,7 @@ class NftBackend:
         """Re-render the skeleton (a full sync) when the node's IPs or pod CIDRs change what it
         holds: kube-proxy restarts for that."""
         options = self._from_node.resolve(self._options, state.node_ips, state.pod_cidrs)
+        options = dataclasses.replace(options, service_cidrs=state.service_cidrs)
         if self._from_node.primary_nodeports and not state.node_ips:
             log.warning(
                 "node %s has no InternalIP or ExternalIP known to the source: node ports are "
@@ -142,7 +144,11 @@ class NftBackend:
             )
         if options != self.store.options:
             if self.store.contributions:
-                log.info("node %s changed its addresses or pod CIDRs: full resync", state.node)
+                log.info(
+                    "node %s changed its addresses or pod CIDRs, or the ServiceCIDRs changed: "
+                    "full resync",
+                    state.node,
+                )
             self.store.options = options
             self._needs_full = True
 

@@ -27,8 +27,8 @@ endpoint anywhere, else ``drop``.
 A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
 after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
 a packet whose destination is still in ``cluster-ips-<f>`` (every service's ClusterIPs) matched
-no service port. kube-proxy also drops traffic to unallocated IPs of the service CIDRs; kpng
-does not know the ServiceCIDRs, so it does not.
+no service port. A new connection to an IP of the cluster's ServiceCIDRs that no service holds
+is dropped there too, as in kube-proxy.
 
 Kinds of traffic, each a dispatch map ``<kind>-<f>`` and endpoint maps ``<kind>-eps-<f>-<i>``:
 
@@ -144,6 +144,9 @@ class Options:
     loopback; a family with none of them: every local address of it but loopback."""
     masquerade_all: bool = False
     """Masquerade all traffic to ClusterIPs, pods' included (kube-proxy's --masquerade-all)."""
+    service_cidrs: tuple[str, ...] = ()
+    """The cluster's ServiceCIDRs: new connections to their IPs that no service holds are
+    dropped, as kube-proxy does."""
     masquerade_bit: int = MASQUERADE_BIT
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
@@ -254,6 +257,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
             Set(f"cluster-cidrs-{fam}", type=addr, flags=("interval",)),
             Set(f"nodeport-addresses-{fam}", type=addr, flags=("interval",)),
             Set(f"cluster-ips-{fam}", type=addr),
+            Set(f"service-cidrs-{fam}", type=addr, flags=("interval",)),
         ]
         elements += [
             Element(f"cluster-cidrs-{fam}", (c,)) for c in options.cidrs(options.cluster_cidrs, fam)
@@ -266,6 +270,12 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         # at once; else the packet is routed on to an address nothing answers for, and the
         # client waits for a timeout.
         rules.append(Rule("cluster-ips-check", f"{ip} daddr @cluster-ips-{fam} reject"))
+        # An IP of the service ranges that no service holds (yet, or any more): dropped, as
+        # kube-proxy does, rather than routed on to wherever the node's routes lead.
+        service_cidrs = options.cidrs(options.service_cidrs, fam)
+        elements += [Element(f"service-cidrs-{fam}", (c,)) for c in service_cidrs]
+        if service_cidrs:
+            rules.append(Rule("cluster-ips-check", f"{ip} daddr @service-cidrs-{fam} drop"))
 
         def svc(expr: str) -> None:
             rules.append(Rule("services", expr))

@@ -1,7 +1,8 @@
-"""``kpng kube``: Services, EndpointSlices and Nodes followed from a Kubernetes API server.
+"""``kpng kube``: Services, EndpointSlices, Nodes and ServiceCIDRs followed from a Kubernetes API
+server.
 
-Three reflectors (``reflector.py``) list and watch the three resources, each through its own store
-handle, marked synced after its first complete list: no revision reaches a sink before all three
+Four reflectors (``reflector.py``) list and watch the four resources, each through its own store
+handle, marked synced after its first complete list: no revision reaches a sink before all four
 have listed. Filtering is done by the server, so filtered objects never cost kpng anything:
 
 - Services and EndpointSlices: the label selector ``!service.kubernetes.io/service-proxy-name,
@@ -9,7 +10,9 @@ have listed. Filtering is done by the server, so filtered objects never cost kpn
   ``service.kubernetes.io/service-proxy-name=NAME,!service.kubernetes.io/headless``); kube-proxy
   watches both through one selector, so the headless label hides a Service as well as a slice;
 - Services also: the field selector ``spec.clusterIP!=None``;
-- Nodes: all of them (``to-local`` needs its node's labels, the global state every node).
+- Nodes: all of them (``to-local`` needs its node's labels, the global state every node);
+- ServiceCIDRs (networking.k8s.io/v1, as kube-proxy since 1.33): all of them; to-nft drops
+  traffic to their unallocated IPs.
 
 Adding a label to a live object turns into a DELETED event, removing it into an ADDED one. The
 converters apply the same rules again, and an object they reject is logged by kind, namespace and
@@ -76,7 +79,8 @@ def _create(args: argparse.Namespace, store: Store, node: str | None) -> Runner:
 
 SPEC = SourceSpec(
     name="kube",
-    help="list and watch Services, EndpointSlices and Nodes on a Kubernetes API server",
+    help="list and watch Services, EndpointSlices, Nodes and ServiceCIDRs on a Kubernetes API "
+    "server",
     add_arguments=_add_arguments,
     create=_create,
     lists_nodes=True,

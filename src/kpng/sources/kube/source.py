@@ -1,4 +1,4 @@
-"""The kube source itself: three reflectors feeding three store handles (see the package's
+"""The kube source itself: four reflectors feeding four store handles (see the package's
 documentation for the behaviour). Kept apart from the package's ``SPEC`` so that ``kpng`` commands
 that do not use it do not import aiohttp and kubernetes_asyncio."""
 
@@ -13,11 +13,12 @@ from typing import Generic, TypeVar
 
 from kpng.errors import InvalidObject, KpngError
 from kpng.model import k8s
-from kpng.model.cluster import Slice, SliceKey
+from kpng.model.cluster import ServiceCIDR, Slice, SliceKey
 from kpng.model.converting import (
     LABEL_HEADLESS,
     LABEL_SERVICE_PROXY_NAME,
     node_from_k8s,
+    service_cidr_from_k8s,
     service_from_k8s,
     slice_from_k8s,
 )
@@ -35,7 +36,12 @@ T = TypeVar("T", bound=KubeObject)
 M = TypeVar("M")
 
 
-AnyReflector = Reflector[k8s.Service] | Reflector[k8s.EndpointSlice] | Reflector[k8s.Node]
+AnyReflector = (
+    Reflector[k8s.Service]
+    | Reflector[k8s.EndpointSlice]
+    | Reflector[k8s.Node]
+    | Reflector[k8s.ServiceCIDR]
+)
 
 
 class KubeSourceError(KpngError):
@@ -51,7 +57,12 @@ def label_selector(proxy_name: str | None) -> str:
 
 def resources(
     proxy_name: str | None, node_name: str | None = None
-) -> tuple[Resource[k8s.Service], Resource[k8s.EndpointSlice], Resource[k8s.Node]]:
+) -> tuple[
+    Resource[k8s.Service],
+    Resource[k8s.EndpointSlice],
+    Resource[k8s.Node],
+    Resource[k8s.ServiceCIDR],
+]:
     selector = label_selector(proxy_name)
     node_selector = f"metadata.name={node_name}" if node_name else ""
     return (
@@ -60,6 +71,7 @@ def resources(
             "EndpointSlice", "/apis/discovery.k8s.io/v1/endpointslices", k8s.EndpointSlice, selector
         ),
         Resource("Node", "/api/v1/nodes", k8s.Node, field_selector=node_selector),
+        Resource("ServiceCIDR", "/apis/networking.k8s.io/v1/servicecidrs", k8s.ServiceCIDR),
     )
 
 
@@ -114,8 +126,8 @@ class KubeSource:
         self.options = options
         self._store = store
         proxy_name = options.proxy_name
-        services, slices, nodes = self._handles = tuple(
-            store.source(f"kube-{n}") for n in ("services", "slices", "nodes")
+        services, slices, nodes, cidrs = self._handles = tuple(
+            store.source(f"kube-{n}") for n in ("services", "slices", "nodes", "servicecidrs")
         )
         self._sinks = (
             _HandleSink[k8s.Service, Service](
@@ -127,6 +139,9 @@ class KubeSource:
             _HandleSink[k8s.Node, Node](
                 nodes, node_from_k8s, lambda key, node: nodes.set_node(key[1], node)
             ),
+            _HandleSink[k8s.ServiceCIDR, ServiceCIDR](
+                cidrs, service_cidr_from_k8s, lambda key, cidr: cidrs.set_service_cidr(key[1], cidr)
+            ),
         )
         self.reflectors: list[AnyReflector] = []
         self.connection: Connection | None = None
@@ -136,12 +151,13 @@ class KubeSource:
         """Load the configuration, then list and watch until cancelled."""
         options = self.options
         self.connection = await load_connection(options.kubeconfig, options.context)
-        svc_res, slice_res, node_res = resources(options.proxy_name, options.node_name)
+        svc_res, slice_res, node_res, cidr_res = resources(options.proxy_name, options.node_name)
         async with ApiClient(self.connection) as client:
             self.reflectors = [
                 Reflector(client, svc_res, self._sinks[0], options.settings),
                 Reflector(client, slice_res, self._sinks[1], options.settings),
                 Reflector(client, node_res, self._sinks[2], options.settings),
+                Reflector(client, cidr_res, self._sinks[3], options.settings),
             ]
             for reflector, handle in zip(self.reflectors, self._handles, strict=True):
                 handle.stats = reflector.stats
