@@ -15,7 +15,12 @@ import pytest
 from kpng.errors import InvalidObject
 from kpng.model import k8s
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
-from kpng.model.converting import node_from_k8s, service_from_k8s, slice_from_k8s
+from kpng.model.converting import (
+    node_from_k8s,
+    service_cidr_from_k8s,
+    service_from_k8s,
+    slice_from_k8s,
+)
 from kpng.model.messages import ClientIPAffinity, IPFilter, IPSet, PortMapping, Service
 
 PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
@@ -744,3 +749,53 @@ def test_node_without_name_raises() -> None:
         node_from_k8s(node_obj(""))
     assert info.value.kind == "Node"
     assert "Node" in str(info.value)
+
+
+def test_node_addresses_and_pod_cidrs_are_kept_canonical() -> None:
+    node = msgspec.convert(
+        {
+            "kind": "Node",
+            "apiVersion": "v1",
+            "metadata": {"name": "n1"},
+            "spec": {"podCIDRs": ["10.244.1.7/24", "fd00:0:0:1::/64"]},
+            "status": {
+                "addresses": [
+                    {"type": "Hostname", "address": "n1"},
+                    {"type": "InternalIP", "address": "fd00:0::5"},
+                    {"type": "ExternalIP", "address": "192.0.2.1"},
+                ]
+            },
+        },
+        k8s.Node,
+    )
+    converted = node_from_k8s(node)
+    assert converted.PodCIDRs == ("10.244.1.0/24", "fd00:0:0:1::/64")
+    assert [(a.Type, a.Address) for a in converted.Addresses] == [
+        ("InternalIP", "fd00::5"),
+        ("ExternalIP", "192.0.2.1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        ("Node", {"status": {"addresses": [{"type": "InternalIP", "address": "10.0.0"}]}},
+         "Node n1: invalid IP address '10.0.0'"),
+        ("Node", {"spec": {"podCIDRs": ["10.244.1.0/33"]}}, "Node n1: invalid CIDR"),
+        ("ServiceCIDR", {"spec": {"cidrs": ["10.96.0.0/12", "nope"]}},
+         "ServiceCIDR n1: invalid CIDR 'nope'"),
+    ],
+)  # fmt: skip
+def test_bad_node_and_service_cidr_addresses_are_reported_by_name(
+    kind: str, body: dict[str, Any], message: str
+) -> None:
+    api = {"Node": "v1", "ServiceCIDR": "networking.k8s.io/v1"}[kind]
+    raw = {"kind": kind, "apiVersion": api, "metadata": {"name": "n1"}, **body}
+    def convert() -> object:
+        if kind == "Node":
+            return node_from_k8s(msgspec.convert(raw, k8s.Node))
+        return service_cidr_from_k8s(msgspec.convert(raw, k8s.ServiceCIDR))
+
+    with pytest.raises(InvalidObject) as raised:
+        convert()
+    assert message in str(raised.value)

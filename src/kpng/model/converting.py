@@ -314,14 +314,20 @@ def _by_address(ep: SliceEndpoint) -> str:
     return ep.ip
 
 
-def node_from_k8s(obj: k8s.Node) -> Node:
-    """The globalv1 Node for a v1 Node."""
+def _cluster_scoped(obj: k8s.Node | k8s.ServiceCIDR, kind: str) -> tuple[str, InvalidObjectFactory]:
+    """The name of a cluster-scoped object, and what reports it invalid; checked."""
     name = obj.metadata.name
-    invalid = InvalidObjectFactory("Node", "", name)
+    invalid = InvalidObjectFactory(kind, "", name)
     if not name:
         raise invalid("metadata.name is missing")
-    if obj.api_version != k8s.API_VERSIONS[k8s.Node]:
+    if obj.api_version != k8s.API_VERSIONS[type(obj)]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    return name, invalid
+
+
+def node_from_k8s(obj: k8s.Node) -> Node:
+    """The globalv1 Node for a v1 Node."""
+    name, invalid = _cluster_scoped(obj, "Node")
     labels = dict(obj.metadata.labels or {})
     return Node(
         Name=name,
@@ -337,12 +343,7 @@ def node_from_k8s(obj: k8s.Node) -> Node:
 
 def service_cidr_from_k8s(obj: k8s.ServiceCIDR) -> ServiceCIDR:
     """A networking.k8s.io/v1 ServiceCIDR's ranges, canonical."""
-    name = obj.metadata.name
-    invalid = InvalidObjectFactory("ServiceCIDR", "", name)
-    if not name:
-        raise invalid("metadata.name is missing")
-    if obj.api_version != k8s.API_VERSIONS[k8s.ServiceCIDR]:
-        raise invalid(f"unsupported apiVersion {obj.api_version!r}")
+    name, invalid = _cluster_scoped(obj, "ServiceCIDR")
     return ServiceCIDR(
         name=name, cidrs=tuple(_checked(parse_cidr, c, invalid) for c in obj.spec.cidrs or ())
     )
