@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kpng.kubeproxy.config import load
 from kpng.testing import addons
 from kpng.testing.e2e import Outcome, Report, compare, parse_junit, regressions
 from kpng.testing.nodes import NodeError
@@ -26,7 +27,7 @@ def _kpng_manifest() -> list[dict[str, object]]:
 def test_rendering_fills_kpng_values_and_leaves_kubernetes_expansions() -> None:
     text = addons.render((addons.DEPLOY_DIR / "kpng.yaml").read_text(), _VALUES)
     assert "${" not in text
-    assert "--node-name=$(NODE_NAME)" in text
+    assert "--hostname-override=$(NODE_NAME)" in text
     assert "server: https://10.0.0.1:6443" in text
 
 
@@ -55,6 +56,18 @@ def test_the_daemonset_is_what_the_readme_promises() -> None:
     env = {e["name"]: e["valueFrom"] for e in container["env"]}
     assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert set(container["resources"]) == {"requests", "limits"}
+    # kube-proxy's command line after `kpng`; the init container sets the sysctls only.
+    assert container["command"][:3] == ["kpng", "kube-proxy", "--config=/var/lib/kpng/config.conf"]
+    assert init["command"] == [*container["command"][:3], "--init-only"]
+
+
+def test_the_config_map_is_a_kube_proxy_configuration_kpng_reads_without_a_warning() -> None:
+    (config_map,) = [d for d in _kpng_manifest() if d["kind"] == "ConfigMap"]
+    loaded = load(config_map["data"]["config.conf"], source="config.conf")  # type: ignore[index]
+    assert loaded.warnings == []
+    assert loaded.config.cluster_cidrs == ("10.244.0.0/16",)
+    assert loaded.config.kubeconfig == "/var/lib/kpng/kubeconfig.conf"
+    assert loaded.config.mode == "nftables"
 
 
 _JUNIT = """<?xml version="1.0" encoding="UTF-8"?>
