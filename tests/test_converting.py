@@ -791,6 +791,7 @@ def test_bad_node_and_service_cidr_addresses_are_reported_by_name(
 ) -> None:
     api = {"Node": "v1", "ServiceCIDR": "networking.k8s.io/v1"}[kind]
     raw = {"kind": kind, "apiVersion": api, "metadata": {"name": "n1"}, **body}
+
     def convert() -> object:
         if kind == "Node":
             return node_from_k8s(msgspec.convert(raw, k8s.Node))
