@@ -10,7 +10,7 @@ docs/backend-tutorial.md.
 from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
-from kpng.client._feeding import Fanout, Feeder, FeederStats
+from kpng.client._feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.client._running import add_arguments, api_from_args, run, watch, watch_state
 from kpng.client._sinks import FullState, Sink, SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
@@ -44,6 +44,7 @@ __all__ = [
     "FeederStats",
     "FullState",
     "Handler",
+    "Histogram",
     "IPFamilies",
     "IPFilter",
     "IPSet",
@@ -56,6 +57,7 @@ __all__ = [
     "ServiceKey",
     "Sink",
     "SinkBackend",
+    "SyncStats",
     "add_arguments",
     "api_from_args",
     "run",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -24,6 +24,7 @@ from kpng.client._backoff import Backoff
 from kpng.client._state import Backend, NodeState
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,110 @@ class FeederStats:
     failures: int = 0
 
 
+@dataclass
+class Histogram:
+    """Observations counted under each of ``bounds`` (cumulative, as Prometheus counts them)."""
+
+    bounds: tuple[float, ...] = _BUCKETS_S
+    buckets: list[int] = field(default_factory=list)
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            self.buckets = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.buckets[i] += 1
+
+
+SyncListener = Callable[[int, float], None]
+"""Called with the revision whose rules are now in place, and the wall time they were."""
+
+
+@dataclass
+class SyncStats:
+    """A backend's syncs in kube-proxy's terms (its ``sync_proxy_rules_*`` metrics).
+
+    The ``Feeder`` keeps these from each ``apply``. A backend whose ``apply`` returns before its
+    rules are in place (to-nft retries a refused transaction on its own) keeps its own instead,
+    as its ``sync_stats`` attribute: only it knows when a sync failed, got through, or was
+    full."""
+
+    revision: int = 0
+    """The revision whose rules are in place (0: none yet)."""
+    last_synced: float | None = None
+    """Wall time the rules were last brought up to date."""
+    last_queued: float | None = None
+    """Wall time a state was last queued for the backend."""
+    failures: int = 0
+    """Syncs that failed (the rules stayed as they were)."""
+    full: Histogram = field(default_factory=Histogram)
+    """Durations of full syncs (every service rewritten), failed ones included, as
+    kube-proxy times every attempt."""
+    partial: Histogram = field(default_factory=Histogram)
+    """Durations of incremental syncs."""
+    no_local_endpoints: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Service ports dropping traffic for want of a local endpoint, by (traffic policy:
+    ``internal`` or ``external``, family: ``IPv4`` or ``IPv6``), in the state last given."""
+    listeners: list[SyncListener] = field(default_factory=list)
+
+    def attempted(self, *, seconds: float, full: bool) -> None:
+        (self.full if full else self.partial).observe(seconds)
+
+    def synced(self, *, revision: int, wall: float) -> None:
+        """The rules of ``revision`` are in place since ``wall``."""
+        self.revision = revision
+        self.last_synced = wall
+        for listener in self.listeners:
+            listener(revision, wall)
+
+
+def no_local_endpoints(se: ServiceEndpoints) -> Mapping[tuple[str, str], int]:
+    """The ports of ``se`` whose traffic of a Local policy is dropped because this node has no
+    endpoint for it while the service has some elsewhere (kube-proxy's
+    ``sync_proxy_rules_no_local_endpoints_total``), by (policy, family). Pure."""
+    service = se.service
+    internal, external = service.InternalTrafficToLocal, service.ExternalTrafficToLocal
+    if not (internal or external) or service.IPs is None:
+        return {}
+    found: dict[tuple[str, str], int] = {}
+    ips = service.IPs
+    for v6, family in ((False, "IPv4"), (True, "IPv6")):
+        reachable = bool(
+            (ips.ExternalIPs and ips.ExternalIPs.family(v6))
+            or (ips.LoadBalancerIPs and ips.LoadBalancerIPs.family(v6))
+        )
+        for port in service.Ports:
+            usable = port.UsableEndpoints
+            if usable is None or not (usable.V6 if v6 else usable.V4):
+                continue  # no endpoint anywhere: rejected, not dropped
+            scopes = _scopes_served(se, port.Name, port.Protocol, v6)
+            if internal and "internal" not in scopes:
+                found[("internal", family)] = found.get(("internal", family), 0) + 1
+            if external and (reachable or port.NodePort) and "external" not in scopes:
+                found[("external", family)] = found.get(("external", family), 0) + 1
+    return found
+
+
+def _scopes_served(se: ServiceEndpoints, name: str, protocol: str, v6: bool) -> set[str]:
+    served: set[str] = set()
+    for ep in se.endpoints:
+        if ep.Scopes is None or ep.IPs is None or not (ep.IPs.V6 if v6 else ep.IPs.V4):
+            continue
+        if not any(po.Name == name and po.Protocol == protocol for po in ep.PortOverrides):
+            continue
+        if ep.Scopes.Internal:
+            served.add("internal")
+        if ep.Scopes.External:
+            served.add("external")
+    return served
+
+
 class Feeder:
     """One backend, fed the latest state offered to it.
 
@@ -80,10 +185,16 @@ class Feeder:
         self._offered = asyncio.Event()
         self._queued_at: float | None = None  # when the oldest state still queued was offered
         self.stats = FeederStats()
+        own = getattr(backend, "sync_stats", None)
+        self.reports_syncs = isinstance(own, SyncStats)
+        """The backend keeps its own ``SyncStats``: it says when its rules are in place."""
+        self.sync = own if isinstance(own, SyncStats) else SyncStats()
+        self._no_local: dict[ServiceKey, Mapping[tuple[str, str], int]] = {}
 
     def offer(self, state: NodeState) -> None:
         """Queue ``state``, merged with any state not yet applied."""
         now = time.monotonic()
+        self.sync.last_queued = time.time()
         if self._queued_at is None:
             self._queued_at = now
         if self.stats.pending_since is None:
@@ -110,25 +221,33 @@ class Feeder:
     async def feed_pending(self) -> None:
         """Apply what is queued, retrying with backoff until the backend takes a state."""
         while self._latest is not None:
+            full = self._resync or self.stats.applies == 0
             state = self._take()
             started = time.monotonic()
             try:
                 self.done = bool(await self.backend.apply(state))
             except Exception as exc:
                 self.stats.failures += 1
+                if not self.reports_syncs:
+                    self.sync.failures += 1
+                    self.sync.attempted(seconds=time.monotonic() - started, full=full)
                 self._log_failure(state, exc)
                 if self._latest is None:
                     self.offer(state)
                 self._resync = True
                 await self._backoff.wait()
                 continue
-            self._record_applied(state, time.monotonic() - started)
+            self._record_applied(state, time.monotonic() - started, full=full)
             if self._resync:
                 log.info("%s is applying states again (revision %d)", self.name, state.revision)
             self._resync = False
             self._backoff.reset()
 
-    def _record_applied(self, state: NodeState, seconds: float) -> None:
+    def _record_applied(self, state: NodeState, seconds: float, *, full: bool) -> None:
+        self._count_no_local_endpoints(state)
+        if not self.reports_syncs:
+            self.sync.attempted(seconds=seconds, full=full)
+            self.sync.synced(revision=state.revision, wall=time.time())
         stats = self.stats
         # Still pending if a newer state arrived while this one was being applied.
         stats.pending_since = self._queued_at
@@ -141,6 +260,19 @@ class Feeder:
         for i, bound in enumerate(FeederStats.BUCKETS_S):
             if seconds <= bound:
                 stats.apply_buckets[i] += 1
+
+    def _count_no_local_endpoints(self, state: NodeState) -> None:
+        """Kept per service and summed, so an apply costs what changed, not every service."""
+        counts, per_service = self.sync.no_local_endpoints, self._no_local
+        for key in state.deleted | state.updated:
+            for label, n in per_service.pop(key, {}).items():
+                counts[label] -= n
+        for key in state.updated:
+            found = no_local_endpoints(state.services[key])
+            if found:
+                per_service[key] = found
+                for label, n in found.items():
+                    counts[label] = counts.get(label, 0) + n
 
     def _log_failure(self, state: NodeState, exc: Exception) -> None:
         if isinstance(exc, KpngError):

@@ -48,6 +48,10 @@ class Slice(msgspec.Struct, frozen=True, gc=False):
     v6: bool
     ports: tuple[SlicePort, ...]
     endpoints: tuple[SliceEndpoint, ...]
+    trigger_time: float = 0.0
+    """Wall time of the change that made this version (``endpoints.kubernetes.io/
+    last-change-trigger-time``; 0: not given): the start of kube-proxy's network programming
+    latency."""
 
     @property
     def key(self) -> SliceKey:

@@ -7,6 +7,7 @@ not an error: a labelled or headless object is simply not kpng's). Objects kpng 
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 """The cluster autoscaler's taint on a node it is about to remove (kube-proxy's /healthz drains
 such nodes, as it does nodes being deleted)."""
 LABEL_ZONE = "topology.kubernetes.io/zone"
+ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 # A copy of the whole object that kubectl keeps; carrying it would double kpng's memory.
 _DROPPED_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
 
@@ -307,7 +309,27 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
         v6=v6,
         ports=_slice_ports(obj, invalid),
         endpoints=tuple(endpoints),
+        trigger_time=_trigger_time(obj.metadata, namespace, name),
     )
+
+
+def _trigger_time(meta: k8s.ObjectMeta, namespace: str, name: str) -> float:
+    """The slice's last-change-trigger-time as a wall time; 0 when absent or unreadable (it only
+    feeds a metric: the slice is served either way)."""
+    text = (meta.annotations or {}).get(ANNOTATION_TRIGGER_TIME)
+    if not text:
+        return 0.0
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        log.warning(
+            "EndpointSlice %s/%s: annotation %s=%r is not an RFC 3339 time; ignored",
+            namespace,
+            name,
+            ANNOTATION_TRIGGER_TIME,
+            text,
+        )
+        return 0.0
 
 
 def _by_address(ep: SliceEndpoint) -> str:

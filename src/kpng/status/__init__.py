@@ -6,14 +6,34 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from kpng.client import Fanout, Feeder, FeederStats
+from kpng.client import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.status.health import Verdict, judge
-from kpng.store import Store
+from kpng.store import Published, Store
+
+FAMILIES = ("IPv4", "IPv6")
+"""kube-proxy's ``ip_family`` label values. kpng's ``inet`` table serves both families in one
+transaction, as kube-proxy's two proxiers do on a kernel with IPv6: each sync counts for both."""
+
+PROGRAMMING_BUCKETS_S = (
+    0.25,
+    0.5,
+    *(float(s) for s in range(1, 60)),
+    *(float(s) for s in range(60, 120, 5)),
+    *(float(s) for s in range(120, 330, 30)),
+)
+"""kube-proxy's buckets of ``network_programming_duration_seconds``: 0.25 s, 0.5 s, each second to
+59 s, each 5 s to 115 s, each 30 s to 5 min."""
+
+LEDGER_LIMIT = 100_000
+"""Revisions kept waiting for the backends: past this (backends stuck for that many changes)
+the oldest are forgotten, and with them their network programming times."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +49,26 @@ class Sample:
 
 
 @dataclass
+class ProxyCounters:
+    """kube-proxy's metrics that count events as they happen (the rest are read when scraped)."""
+
+    service_changes: int = 0
+    endpoint_changes: int = 0
+    """Services and EndpointSlices that changed, counted once per revision that changed them."""
+    service_changes_pending: int = 0
+    endpoint_changes_pending: int = 0
+    """Of those, the ones whose revision some backend has not applied yet."""
+    programming: dict[str, Histogram] = field(
+        default_factory=lambda: {f: Histogram(PROGRAMMING_BUCKETS_S) for f in FAMILIES}
+    )
+    """By family: from each EndpointSlice change's trigger time to the moment every backend had
+    its rules in place."""
+    healthz: collections.Counter[int] = field(default_factory=collections.Counter)
+    livez: collections.Counter[int] = field(default_factory=collections.Counter)
+    """Answers of ``/healthz`` and ``/livez``, by HTTP status."""
+
+
+@dataclass
 class Status:
     timeout: float
     """How long a state may wait unapplied before kpng is unhealthy."""
@@ -41,10 +81,54 @@ class Status:
     fanouts: list[Fanout] = field(default_factory=list)
     samplers: list[Callable[[], Iterable[Sample]]] = field(default_factory=list)
     """What other parts (the to-api server) report, read at each scrape."""
+    counters: ProxyCounters = field(default_factory=ProxyCounters)
+    started: float = field(default_factory=time.time)
+    """Wall time kpng started: older trigger times are not this kpng's to time (as kube-proxy)."""
+    _ledger: collections.deque[Published] = field(default_factory=collections.deque)
+    """Revisions not yet applied by every backend, oldest first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The CLI gives the store after building Status; changes are counted from then on.
+        super().__setattr__(name, value)
+        if name == "store" and isinstance(value, Store):
+            value.listeners.append(self._published)
 
     def track(self, fanout: Fanout) -> Fanout:
         self.fanouts.append(fanout)
+        for feeder in fanout.feeders:
+            feeder.sync.listeners.append(self._synced)
         return fanout
+
+    @property
+    def syncs(self) -> list[SyncStats]:
+        """The sync stats of the backends fed directly (those whose rules are the node's)."""
+        return [feeder.sync for fanout in self.fanouts for feeder in fanout.feeders]
+
+    def _published(self, published: Published) -> None:
+        counters = self.counters
+        counters.service_changes += published.services
+        counters.endpoint_changes += published.slices
+        counters.service_changes_pending += published.services
+        counters.endpoint_changes_pending += published.slices
+        self._ledger.append(published)
+        if len(self._ledger) > LEDGER_LIMIT:
+            self._forget(self._ledger.popleft())
+
+    def _synced(self, _: int, wall: float) -> None:
+        """A backend has its rules in place: the revisions every backend now has are done."""
+        done = min(sync.revision for sync in self.syncs)
+        ledger = self._ledger
+        while ledger and ledger[0].revision <= done:
+            published = ledger.popleft()
+            self._forget(published)
+            for v6, triggered in published.triggers:
+                if triggered > self.started:
+                    histogram = self.counters.programming[FAMILIES[v6]]
+                    histogram.observe(max(0.0, wall - triggered))
+
+    def _forget(self, published: Published) -> None:
+        self.counters.service_changes_pending -= published.services
+        self.counters.endpoint_changes_pending -= published.slices
 
     def fanout_names(self) -> list[str]:
         """The backends fed directly, in command-line order (``to-nft``, ``to-plugin``...)."""
@@ -57,7 +141,7 @@ class Status:
         pending = [f for fanout in self.fanouts for f in fanout.feeders]
         while pending:
             feeder = pending.pop(0)
-            found[feeder.name] = _with_backend_pending(feeder)
+            found[feeder.name] = _with_backend_stats(feeder)
             # A backend feeding others (to-plugin, one Feeder per plugin) lists them as
             # ``feeders``: a plugin that keeps failing must show, not hide behind its parent.
             inner = getattr(feeder.backend, "feeders", None)
@@ -94,12 +178,21 @@ class Status:
         )
 
 
-def _with_backend_pending(feeder: Feeder) -> FeederStats:
-    """The feeder's stats, pending since the earlier of the feeder and its backend: a backend
-    that retries on its own (to-nft, after the kernel refused a transaction) has ``apply``
-    return and says in ``pending_since`` that its rules are behind."""
-    own = getattr(feeder.backend, "pending_since", None)
+def _with_backend_stats(feeder: Feeder) -> FeederStats:
+    """The feeder's stats, completed by what its backend says of itself. A backend that retries
+    on its own (to-nft, after the kernel refused a transaction) has ``apply`` return: it says in
+    ``pending_since`` that its rules are behind, and in its ``SyncStats`` which syncs failed and
+    when its rules were last in place."""
     stats = feeder.stats
+    if feeder.reports_syncs:
+        sync = feeder.sync
+        stats = dataclasses.replace(
+            stats,
+            failures=stats.failures + sync.failures,
+            last_applied=sync.last_synced,
+            applied_revision=sync.revision,
+        )
+    own = getattr(feeder.backend, "pending_since", None)
     if not isinstance(own, float) or (
         stats.pending_since is not None and stats.pending_since <= own
     ):
@@ -107,4 +200,4 @@ def _with_backend_pending(feeder: Feeder) -> FeederStats:
     return dataclasses.replace(stats, pending_since=own)
 
 
-__all__ = ["Sample", "Status", "Verdict"]
+__all__ = ["FAMILIES", "ProxyCounters", "Sample", "Status", "Verdict"]

@@ -1,15 +1,16 @@
 """``/metrics``: kpng's state in Prometheus' text format.
 
-Values are read when scraped, from the store and the backends' ``FeederStats``: nothing is
-counted twice and nothing costs anything between scrapes. The names follow kube-proxy's where
-the meaning is the same (its ``sync_proxy_rules_*`` are kpng's per-backend applies), so
-dashboards carry over with a renamed prefix.
+Values are read when scraped, from the store, the backends' ``FeederStats`` and ``SyncStats``
+and ``Status.counters``: nothing is counted twice and a scrape walks no service. kpng's own
+``kpng_*`` names are per backend; kube-proxy's ``kubeproxy_*`` names, with their labels, types,
+buckets and meanings (Kubernetes 1.35, nftables mode), describe the node's rules as a whole, so
+kube-proxy's dashboards and alerts read kpng unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -20,8 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kpng.client import FeederStats
-from kpng.status import Status, Verdict
+from kpng.client import FeederStats, Histogram
+from kpng.status import FAMILIES, Status, Verdict
 
 
 class _StatusCollector(Collector):
@@ -43,6 +44,98 @@ class _StatusCollector(Collector):
             value=int(verdict.body["nodeEligible"]),
         )
         yield from self._samples()
+        yield from self._kube_proxy()
+
+    def _kube_proxy(self) -> Iterator[Metric]:
+        """kube-proxy's metrics. A sync counts once the rules of every backend fed directly
+        are in place: the oldest backend's time, every backend's attempts."""
+        status = self._status
+        counters = status.counters
+        syncs = status.syncs
+        family = ["ip_family"]
+        if syncs:
+            full, partial = _merged(s.full for s in syncs), _merged(s.partial for s in syncs)
+            every = _merged((full, partial))
+            for name, text, histogram in (
+                ("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", every),
+                ("sync_full_proxy_rules_duration_seconds",
+                 "SyncProxyRules latency in seconds for full resyncs", full),
+                ("sync_partial_proxy_rules_duration_seconds",
+                 "SyncProxyRules latency in seconds for partial resyncs", partial),
+            ):  # fmt: skip
+                yield _histogram(f"kubeproxy_{name}", text, histogram)
+            synced = [s.last_synced for s in syncs]
+            if None not in synced:
+                yield _per_family(
+                    GaugeMetricFamily(
+                        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                        "The last time proxy rules were successfully synced",
+                        labels=family,
+                    ),
+                    min(t for t in synced if t is not None),
+                )
+            queued = [s.last_queued for s in syncs if s.last_queued is not None]
+            yield _per_family(
+                GaugeMetricFamily(
+                    "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                    "The last time a sync of proxy rules was queued",
+                    labels=family,
+                ),
+                # As kube-proxy, which sets it when it starts waiting for its informers.
+                max(queued, default=status.started),
+            )
+            yield _per_family(
+                CounterMetricFamily(
+                    "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+                    "Cumulative proxy nftables sync failures",
+                    labels=family,
+                ),
+                sum(s.failures for s in syncs),
+            )
+            no_local = GaugeMetricFamily(
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "Number of services with a Local traffic policy and no endpoints",
+                labels=["traffic_policy", "ip_family"],
+            )
+            for policy in ("internal", "external"):
+                for fam in FAMILIES:
+                    # Every backend is given the same states: the counts of the one that
+                    # applied the latest.
+                    latest = max(syncs, key=lambda s: s.revision)
+                    no_local.add_metric(
+                        [policy, fam], latest.no_local_endpoints.get((policy, fam), 0)
+                    )
+            yield no_local
+        programming = HistogramMetricFamily(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            labels=family,
+        )
+        for fam, histogram in counters.programming.items():
+            programming.add_metric([fam], *_buckets(histogram))
+        yield programming
+        for kind, total, pending in (
+            ("endpoint", counters.endpoint_changes, counters.endpoint_changes_pending),
+            ("service", counters.service_changes, counters.service_changes_pending),
+        ):
+            title = kind.capitalize()
+            yield GaugeMetricFamily(
+                f"kubeproxy_sync_proxy_rules_{kind}_changes_pending",
+                f"Pending proxy rules {title} changes",
+                value=pending,
+            )
+            yield CounterMetricFamily(
+                f"kubeproxy_sync_proxy_rules_{kind}_changes",
+                f"Cumulative proxy rules {title} changes",
+                value=total,
+            )
+        for path, answers in (("healthz", counters.healthz), ("livez", counters.livez)):
+            family_ = CounterMetricFamily(
+                f"kubeproxy_proxy_{path}", f"Cumulative proxy {path} HTTP status", labels=["code"]
+            )
+            for code, n in sorted(answers.items()):
+                family_.add_metric([str(code)], n)
+            yield family_
 
     def _samples(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
@@ -142,6 +235,35 @@ class _StatusCollector(Collector):
             )
             failures.add_metric([name], stats.failures)
         yield from (revision, services, last, pending, duration, failures)
+
+
+def _merged(histograms: Iterable[Histogram]) -> Histogram:
+    merged = Histogram()
+    for h in histograms:
+        merged.count += h.count
+        merged.sum += h.sum
+        merged.buckets = [a + b for a, b in zip(merged.buckets, h.buckets, strict=True)]
+    return merged
+
+
+def _buckets(histogram: Histogram) -> tuple[list[tuple[str, float]], float]:
+    bounds = zip(histogram.bounds, histogram.buckets, strict=True)
+    return [*((f"{b:g}", n) for b, n in bounds), ("+Inf", histogram.count)], histogram.sum
+
+
+def _histogram(name: str, text: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, text, labels=["ip_family"])
+    for fam in FAMILIES:
+        family.add_metric([fam], *_buckets(histogram))
+    return family
+
+
+def _per_family(
+    family: GaugeMetricFamily | CounterMetricFamily, value: float
+) -> GaugeMetricFamily | CounterMetricFamily:
+    for fam in FAMILIES:
+        family.add_metric([fam], value)
+    return family
 
 
 def registry(status: Status) -> CollectorRegistry:

@@ -40,9 +40,12 @@ class HttpAddress:
 
 
 def _health_handler(status: Status, live_only: bool) -> _Handler:
+    answers = status.counters.livez if live_only else status.counters.healthz
+
     async def handle(_: web.Request) -> web.Response:
         verdict = status.verdict()
         ok = verdict.live if live_only else verdict.healthy
+        answers[200 if ok else 503] += 1
         return web.Response(
             status=200 if ok else 503,
             text=json.dumps(verdict.body),
@@ -66,6 +69,12 @@ def _metrics_handler(status: Status) -> _Handler:
         return response
 
     return handle
+
+
+async def _ping(_: web.Request) -> web.Response:
+    # kube-proxy's metrics server answers /healthz with its HTTP server's own check, "ok"
+    # whenever it answers: whether the rules are current is the health address' question.
+    return web.Response(text="ok")
 
 
 def _proxy_mode_handler(status: Status) -> _Handler:
@@ -96,6 +105,8 @@ async def serve(
                 web.get("/proxyMode", _proxy_mode_handler(status)),
             ]
         )
+        if metrics != healthz:
+            routes[metrics].append(web.get("/healthz", _ping))
     runners: list[web.AppRunner] = []
     try:
         for address, defs in routes.items():

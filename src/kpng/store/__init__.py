@@ -1,5 +1,5 @@
 """The revisioned global store: sources write to it, sinks follow it."""
 
-from kpng.store.storing import Delta, SourceHandle, Store, Subscription
+from kpng.store.storing import Delta, Published, SourceHandle, Store, Subscription
 
-__all__ = ["Delta", "SourceHandle", "Store", "Subscription"]
+__all__ = ["Delta", "Published", "SourceHandle", "Store", "Subscription"]

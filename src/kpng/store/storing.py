@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -37,6 +37,18 @@ class Delta(msgspec.Struct, frozen=True):
     slices: frozenset[SliceKey]
     nodes: frozenset[str]
     service_cidrs: frozenset[str] = frozenset()
+
+
+class Published(msgspec.Struct, frozen=True):
+    """What one revision changed, told to ``Store.listeners`` (kpng's metrics count changes and
+    time network programming with it)."""
+
+    revision: int
+    services: int
+    slices: int
+    triggers: tuple[tuple[bool, float], ...] = ()
+    """(IPv6, wall time) of each changed EndpointSlice that says when its change was
+    triggered (``Slice.trigger_time``)."""
 
 
 class Subscription:
@@ -119,6 +131,7 @@ class SourceHandle:
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
         self._service_cidrs: set[str] = set()
+        self._triggers: list[tuple[bool, float]] = []
 
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
         if _put(self._store._services, key, service):
@@ -127,6 +140,8 @@ class SourceHandle:
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         if _put(self._store._slices, key, sl):
             self._slices.add(key)
+            if sl is not None and sl.trigger_time:
+                self._triggers.append((sl.v6, sl.trigger_time))
 
     def set_node(self, name: str, node: Node | None) -> None:
         if _put(self._store._nodes, name, node):
@@ -141,8 +156,18 @@ class SourceHandle:
         if not (self._services or self._slices or self._nodes or self._service_cidrs):
             return False
         self._store._publish(self._services, self._slices, self._nodes, self._service_cidrs)
+        if self._store.listeners:
+            published = Published(
+                revision=self._store.revision,
+                services=len(self._services),
+                slices=len(self._slices),
+                triggers=tuple(self._triggers),
+            )
+            for listener in self._store.listeners:
+                listener(published)
         self._services, self._slices, self._nodes = set(), set(), set()
         self._service_cidrs = set()
+        self._triggers = []
         return True
 
     def mark_synced(self) -> None:
@@ -171,6 +196,8 @@ class Store:
         self._sources: list[SourceHandle] = []
         self._subscriptions: set[Subscription] = set()
         self.revision = 0
+        self.listeners: list[Callable[[Published], None]] = []
+        """Told of each revision as it is published."""
 
     @property
     def services(self) -> Mapping[ServiceKey, Service]:

@@ -30,6 +30,7 @@ from kpng.backends.nft.health import HealthServers
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
+from kpng.client import SyncStats
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey
@@ -76,6 +77,10 @@ class NftBackend:
         self._conntrack = conntrack
         self._health = health
         self.pending_since: float | None = None
+        self.sync_stats = SyncStats()
+        """Its syncs as the kernel took them (kpng's metrics read it): ``apply`` returns before
+        a refused transaction gets through."""
+        self._revision = 0
         if health is not None:
             health.proxy_healthy = self._rules_current
         self._once = once
@@ -101,6 +106,7 @@ class NftBackend:
         if wait > 0 and not self._dry_run:
             await self._sleep(wait)
         self._last_sync = time.monotonic()
+        self._revision = state.revision
         with _collector_paused():
             touched = self._record(state)
         if self._retry is not None:
@@ -112,6 +118,7 @@ class NftBackend:
             self._output.flush()
             self.store.commit(plan)
             self._needs_full = False
+            self.sync_stats.synced(revision=state.revision, wall=time.time())
             return self._once
         if not self._looked_for_kube_proxy:
             self._looked_for_kube_proxy = True
@@ -187,13 +194,17 @@ class NftBackend:
         async with self._lock:
             if backoff:
                 await self._sleep(self._backoff)
+            started = time.monotonic()
             with _collector_paused():
                 plan = self._plan(touched)
             error = await self._run(plan)
+            if error is not None:
+                self.sync_stats.failures += 1
             if error is not None and plan.full and await self._leave_out_refused_services():
                 with _collector_paused():
                     plan = self._plan(touched)
                 error = await self._run(plan)
+            self.sync_stats.attempted(seconds=time.monotonic() - started, full=plan.full)
             if error is not None:
                 # The UDP entries this change makes stale are cleaned once a sync gets through.
                 self._unclean.udp_gone |= touched.udp_gone
@@ -215,6 +226,7 @@ class NftBackend:
             self.store.commit(plan)
             self._needs_full = False
             self.pending_since = None
+            self.sync_stats.synced(revision=self._revision, wall=time.time())
             self._backoff = FIRST_BACKOFF_S
             log.debug(
                 "applied a %s transaction of %d operations",

@@ -1,0 +1,319 @@
+"""kube-proxy's metrics as kpng exports them, and the two kpng metrics a refused transaction
+used to get wrong. The kernel tests run to-nft in a network namespace of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.layout import Options
+from kpng.client import Fanout, NodeState
+from kpng.client._feeding import no_local_endpoints
+from kpng.model import k8s
+from kpng.model.cluster import ServiceKey, Slice
+from kpng.model.converting import slice_from_k8s
+from kpng.model.messages import (
+    Endpoint,
+    EndpointScopes,
+    IPFamilies,
+    IPSet,
+    PortMapping,
+    PortName,
+    Service,
+    ServiceEndpoints,
+    ServiceIPs,
+)
+from kpng.status import Status
+from kpng.status.metrics import registry
+from kpng.store import Store
+from kpng.testing.netns import available
+from tests.states import keyed_state
+from tests.test_nft_kernel import WEB, FailingOnceNft, _ep, _eventually, _service
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+IPV4 = (("ip_family", "IPv4"),)
+IPV6 = (("ip_family", "IPv6"),)
+TO_NFT = (("backend", "to-nft"),)
+
+
+def _scrape(status: Status) -> Samples:
+    text = generate_latest(registry(status)).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+kernel = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+@kernel
+def test_a_refused_transaction_is_an_apply_failure_and_its_retry_a_new_last_applied(
+    netns: str,
+) -> None:
+    """to-nft's ``apply`` returns normally when the kernel refuses (it retries on its own): the
+    refusal must still count, and the retry's success must move the last-applied time."""
+
+    async def scenario() -> None:
+        nft = FailingOnceNft(netns)
+        gate = asyncio.Event()
+
+        async def backoff(_: float) -> None:
+            await gate.wait()
+
+        backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
+        status = Status(timeout=60.0)
+        fanout = status.track(Fanout([("to-nft", backend)]))
+        services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+        await fanout.apply(keyed_state(1, services))
+        first = _scrape(status)
+        assert first[("kpng_backend_apply_failures_total", TO_NFT)] == 0
+        applied_at = first[("kpng_backend_last_applied_timestamp_seconds", TO_NFT)]
+        assert applied_at > 0
+        assert first[("kubeproxy_sync_full_proxy_rules_duration_seconds_count", IPV4)] == 1
+
+        nft.fail_next = True
+        db: ServiceKey = ("ns", "db")
+        services[db] = ServiceEndpoints(
+            _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
+        )
+        await fanout.apply(keyed_state(2, services, updated={db}))
+        refused = _scrape(status)
+        assert refused[("kpng_backend_apply_failures_total", TO_NFT)] == 1
+        for fam in (IPV4, IPV6):
+            assert refused[("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", fam)] == 1
+        # Nothing got through: neither kpng's nor kube-proxy's last sync moved.
+        assert refused[("kpng_backend_last_applied_timestamp_seconds", TO_NFT)] == applied_at
+        assert refused[("kpng_backend_applied_revision", TO_NFT)] == 1
+        assert refused[("kubeproxy_sync_proxy_rules_last_timestamp_seconds", IPV4)] == applied_at
+        assert refused[("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", IPV4)] == 1
+
+        gate.set()
+        assert await _eventually(lambda: backend.pending_since is None)
+        retried = _scrape(status)
+        assert retried[("kpng_backend_last_applied_timestamp_seconds", TO_NFT)] > applied_at
+        assert retried[("kpng_backend_applied_revision", TO_NFT)] == 2
+        assert retried[("kpng_backend_apply_failures_total", TO_NFT)] == 1
+        # The retry is a full resync: full and partial add up to every attempt.
+        assert retried[("kubeproxy_sync_full_proxy_rules_duration_seconds_count", IPV4)] == 2
+        assert retried[("kubeproxy_sync_proxy_rules_duration_seconds_count", IPV4)] == 3
+        await fanout.close()
+
+    asyncio.run(scenario())
+
+
+class _Recorder:
+    """A backend that takes every state (what is measured here is kpng's bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.revisions: list[int] = []
+
+    async def apply(self, state: NodeState) -> bool:
+        self.revisions.append(state.revision)
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+def _slice(name: str, ip: str, trigger: float, *, v6: bool = False) -> Slice:
+    meta = k8s.ObjectMeta(
+        name=name,
+        namespace="ns",
+        labels={"kubernetes.io/service-name": "web"},
+        annotations={
+            "endpoints.kubernetes.io/last-change-trigger-time": time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(trigger)
+            )
+        },
+    )
+    obj = k8s.EndpointSlice(
+        api_version="discovery.k8s.io/v1",
+        metadata=meta,
+        address_type="IPv6" if v6 else "IPv4",
+        endpoints=[k8s.Endpoint(addresses=[ip])],
+    )
+    converted = slice_from_k8s(obj)
+    assert converted is not None
+    return converted
+
+
+def test_network_programming_runs_from_the_trigger_time_to_the_rules_applied() -> None:
+    async def scenario() -> None:
+        store = Store()
+        status = Status(timeout=60.0)
+        status.store = store
+        status.started = time.time() - 60
+        source = store.source("kube")
+        source.set_service(WEB, Service(Namespace="ns", Name="web"))
+        # Changed before kpng started: not kpng's to time, as in kube-proxy.
+        source.set_slice(("ns", "old"), _slice("old", "10.244.0.9", time.time() - 3600))
+        source.mark_synced()
+        recorder = _Recorder()
+        fanout = status.track(Fanout([("to-x", recorder)]))
+        await fanout.apply(keyed_state(store.revision, {}))
+        before = _scrape(status)
+        assert before[("kubeproxy_network_programming_duration_seconds_count", IPV4)] == 0
+        assert before[("kubeproxy_sync_proxy_rules_service_changes_total", ())] == 1
+        assert before[("kubeproxy_sync_proxy_rules_endpoint_changes_total", ())] == 1
+        assert before[("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ())] == 0
+
+        triggered = time.time() - 3
+        source.set_slice(("ns", "a"), _slice("a", "10.244.0.1", triggered))
+        source.set_slice(("ns", "b"), _slice("b", "fd00::1", triggered, v6=True))
+        source.commit()
+        pending = _scrape(status)
+        assert pending[("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ())] == 2
+        assert pending[("kubeproxy_sync_proxy_rules_endpoint_changes_total", ())] == 3
+        assert pending[("kubeproxy_network_programming_duration_seconds_count", IPV4)] == 0
+
+        await fanout.apply(keyed_state(store.revision, {}))
+        after = _scrape(status)
+        assert after[("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ())] == 0
+        for fam in (IPV4, IPV6):
+            assert after[("kubeproxy_network_programming_duration_seconds_count", fam)] == 1
+            seconds = after[("kubeproxy_network_programming_duration_seconds_sum", fam)]
+            assert 2.0 <= seconds < 60.0
+            # kube-proxy's buckets: 3 s and more, not 2 s (the annotation has whole seconds).
+            within_2s = (*fam, ("le", "2"))
+            assert after[("kubeproxy_network_programming_duration_seconds_bucket", within_2s)] == 0
+        assert recorder.revisions == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_a_change_waits_for_every_backend_before_it_counts_as_programmed() -> None:
+    async def scenario() -> None:
+        store = Store()
+        status = Status(timeout=60.0, started=time.time() - 60)
+        status.store = store
+        source = store.source("kube")
+        source.set_slice(("ns", "a"), _slice("a", "10.244.0.1", time.time() - 1))
+        source.mark_synced()
+        fanout = status.track(Fanout([("to-x", _Recorder()), ("to-y", _Recorder())]))
+        fast, slow = fanout.feeders
+        state = keyed_state(store.revision, {})
+        fast.offer(state)
+        await fast.feed_pending()
+        programmed = ("kubeproxy_network_programming_duration_seconds_count", IPV4)
+        assert _scrape(status)[programmed] == 0
+        assert _scrape(status)[("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ())] == 1
+        slow.offer(state)
+        await slow.feed_pending()
+        assert _scrape(status)[programmed] == 1
+        await fanout.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trigger_time_that_is_not_rfc3339_is_ignored_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    meta = k8s.ObjectMeta(
+        name="a",
+        namespace="ns",
+        labels={"kubernetes.io/service-name": "web"},
+        annotations={"endpoints.kubernetes.io/last-change-trigger-time": "yesterday"},
+    )
+    obj = k8s.EndpointSlice(api_version="discovery.k8s.io/v1", metadata=meta, address_type="IPv4")
+    with caplog.at_level(logging.WARNING):
+        converted = slice_from_k8s(obj)
+    assert converted is not None
+    assert converted.trigger_time == 0.0
+    assert "EndpointSlice ns/a: annotation" in caplog.text
+    assert "'yesterday'" in caplog.text
+
+
+def _local_service(*, itp: bool, etp: bool, node_port: int, v4: bool, v6: bool) -> Service:
+    return Service(
+        Namespace="ns",
+        Name="web",
+        Type="NodePort" if node_port else "ClusterIP",
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=("10.96.0.10",), V6=("fd00::10",))),
+        Ports=(
+            PortMapping(
+                Name="p",
+                Protocol="TCP",
+                Port=80,
+                NodePort=node_port,
+                UsableEndpoints=IPFamilies(V4=v4, V6=v6),
+            ),
+        ),
+        InternalTrafficToLocal=itp,
+        ExternalTrafficToLocal=etp,
+    )
+
+
+def _endpoint(ip: str, *, internal: bool, external: bool) -> Endpoint:
+    v6 = ":" in ip
+    return Endpoint(
+        IPs=IPSet(V6=(ip,)) if v6 else IPSet(V4=(ip,)),
+        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
+        Scopes=EndpointScopes(Internal=internal, External=external, Cluster=True),
+    )
+
+
+REMOTE_ONLY = _endpoint("10.244.1.2", internal=False, external=False)
+LOCAL = _endpoint("10.244.0.2", internal=True, external=True)
+
+# (iTP Local, eTP Local, node port, usable v4, usable v6, endpoints, expected counts)
+NO_LOCAL_CASES: dict[
+    str, tuple[bool, bool, int, bool, bool, tuple[Endpoint, ...], dict[tuple[str, str], int]]
+] = {
+    "cluster policies: never counted": (False, False, 30080, True, True, (REMOTE_ONLY,), {}),
+    "iTP Local, endpoints elsewhere only": (
+        True, False, 0, True, False, (REMOTE_ONLY,), {("internal", "IPv4"): 1},
+    ),
+    "iTP Local, no endpoint anywhere: rejected, not counted": (
+        True, False, 0, False, False, (), {},
+    ),
+    "iTP Local with a local endpoint": (True, False, 0, True, False, (LOCAL,), {}),
+    "eTP Local on a ClusterIP service: no external traffic": (
+        False, True, 0, True, False, (REMOTE_ONLY,), {},
+    ),
+    "eTP Local node port, endpoints elsewhere, both families": (
+        False, True, 30080, True, True,
+        (REMOTE_ONLY, _endpoint("fd00::2", internal=False, external=False)),
+        {("external", "IPv4"): 1, ("external", "IPv6"): 1},
+    ),
+    "both Local, a local endpoint in IPv4 only": (
+        True, True, 30080, True, True,
+        (LOCAL, _endpoint("fd00::2", internal=False, external=False)),
+        {("internal", "IPv6"): 1, ("external", "IPv6"): 1},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", NO_LOCAL_CASES)
+def test_no_local_endpoints_counts_the_ports_whose_local_policy_drops(case: str) -> None:
+    itp, etp, node_port, v4, v6, endpoints, expected = NO_LOCAL_CASES[case]
+    service = _local_service(itp=itp, etp=etp, node_port=node_port, v4=v4, v6=v6)
+    assert dict(no_local_endpoints(ServiceEndpoints(service, endpoints))) == expected
+
+
+def test_no_local_endpoints_follow_the_services_changed_and_deleted() -> None:
+    async def scenario() -> None:
+        status = Status(timeout=60.0)
+        fanout = status.track(Fanout([("to-x", _Recorder())]))
+        dropping = ServiceEndpoints(
+            _local_service(itp=True, etp=False, node_port=0, v4=True, v6=False), (REMOTE_ONLY,)
+        )
+        served = ServiceEndpoints(dropping.service, (LOCAL,))
+        other: ServiceKey = ("ns", "other")
+        labels = (("ip_family", "IPv4"), ("traffic_policy", "internal"))
+        key = ("kubeproxy_sync_proxy_rules_no_local_endpoints_total", labels)
+        await fanout.apply(keyed_state(1, {WEB: dropping, other: dropping}))
+        assert _scrape(status)[key] == 2
+        await fanout.apply(keyed_state(2, {WEB: served, other: dropping}, updated={WEB}))
+        assert _scrape(status)[key] == 1
+        await fanout.apply(keyed_state(3, {WEB: served}, updated=(), deleted={other}))
+        assert _scrape(status)[key] == 0
+
+    asyncio.run(scenario())
