@@ -131,7 +131,8 @@ def test_the_mixin_proxy_dashboard_and_alerts_read_kpng_unchanged(
         for generation in range(1, CHANGES):
             time.sleep(1.1)  # a new whole second for the trigger time
             manifests.write_text(_manifest(generation))
-            until(lambda g=generation: _scrape(netns)[PROGRAMMED] >= g, f"change {generation}")
+            expected = float(generation)
+            until(lambda: _scrape(netns)[PROGRAMMED] >= expected, f"change {generation}")  # noqa: B023
             scrapes.append(_scrape(netns))
     finally:
         proc.terminate()
