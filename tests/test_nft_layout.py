@@ -151,6 +151,24 @@ def test_source_ranges_filter_only_the_families_they_are_given_in(
     assert _firewall(_dual_stack_lb(ranges)) == expected
 
 
+@pytest.mark.parametrize(
+    ("node_ips", "allowed"),
+    [
+        (("203.0.113.7",), ["192.0.2.9/32", "203.0.113.0/24"]),  # the node is in the ranges
+        (("198.51.100.7",), ["203.0.113.0/24"]),
+        ((), ["203.0.113.0/24"]),
+    ],
+)
+def test_ranges_holding_the_node_allow_the_lb_ips_too(
+    node_ips: tuple[str, ...], allowed: list[str]
+) -> None:
+    """kube-proxy's allowFromNode: a VIP-like LB IP that is a local address of the node is
+    reached from the node with that IP as its source."""
+    elements = contribute(_dual_stack_lb(("203.0.113.0/24",)), node_ips).elements
+    got = sorted(k[3] for c, k in elements if c == "firewall-allow-v4")
+    assert got == allowed
+
+
 def test_new_connections_to_a_cluster_ip_left_undnated_are_rejected() -> None:
     """kube-proxy's rule for a ClusterIP on a port no service defines: checked after DNAT (in
     forward for pods, after output's DNAT for the node), so a packet still carrying the cluster

@@ -466,6 +466,30 @@ def test_load_balancer_ip_honours_source_ranges(cluster: Cluster) -> None:
     cluster.remove("lb")
 
 
+def test_load_balancer_source_ranges_holding_the_node_let_it_reach_a_local_lb_ip(
+    cluster: Cluster,
+) -> None:
+    """kube-proxy's allowFromNode: with node-3's IP inside the source ranges, node-3 reaches a
+    VIP-like LB IP that is one of its own addresses, its connections coming from that IP."""
+    ip, vip = cluster.cluster_ip(), cluster.vip()
+    node3 = cluster.bed.nodes["node-3"]
+    svc = service(
+        "lb-local",
+        ip,
+        [port("http", 80)],
+        type="LoadBalancer",
+        loadBalancerSourceRanges=[f"{node3.ip4}/32"],
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": vip}]}}
+    cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{vip}/32", "dev", "lo"])
+    try:
+        cluster.write("lb-local", svc, endpoint_slice(cluster, "lb-local", ["a1"]))
+        assert names(cluster.eventually("node-3", "tcp", vip, 80, answered)) == {"a1"}
+    finally:
+        cluster.remove("lb-local")
+        cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{vip}/32", "dev", "lo"])
+
+
 def test_load_balancer_source_ranges_of_one_family_leave_the_other_open(
     cluster: Cluster,
 ) -> None:

@@ -92,6 +92,8 @@ class NftBackend:
         self._from_node = from_node or FromNode()
         self._min_sync_period = min_sync_period
         self._last_sync = -math.inf
+        self._node_ips: tuple[str, ...] = ()
+        self._recontribute = False
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._unclean = Touched()
         """UDP conntrack cleanup owed by changes whose transaction was refused."""
@@ -149,6 +151,12 @@ class NftBackend:
                 "(--detect-local-mode NodeCIDR) until it has",
                 state.node,
             )
+        if state.node_ips != self._node_ips:
+            # Load-balancer source ranges holding the node's IP allow its LB IPs too: every
+            # service is contributed anew.
+            self._node_ips = state.node_ips
+            self._recorded.clear()
+            self._recontribute = True
         if options != self.store.options:
             if self.store.contributions:
                 log.info(
@@ -165,14 +173,16 @@ class NftBackend:
         for key in state.deleted:
             self._recorded.pop(key, None)
             self.store.update(key, None, touched)
-        for key in state.updated:
+        updated = state.services.keys() if self._recontribute else state.updated
+        self._recontribute = False
+        for key in updated:
             se = state.services[key]
             # A service sent again unchanged (a client's reconnection resends every one) costs
             # a comparison, not a new contribution.
             if self._recorded.get(key) == se:
                 continue
             self._recorded[key] = se
-            contribution = contribute(se)
+            contribution = contribute(se, self._node_ips)
             for problem in contribution.problems:
                 log.warning("service %s: %s (skipped)", object_name(*key), problem)
             self.store.update(key, contribution, touched)

@@ -417,15 +417,27 @@ def _allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
     return tuple(str(n) for n in merged4)
 
 
+def _from_node(
+    ranges: Sequence[str], node_ips: Sequence[str], lb_ips: Sequence[str]
+) -> tuple[str, ...]:
+    """kube-proxy's allowFromNode: when the source ranges hold the node's IP, the LB IPs are
+    allowed sources too. A VIP-like LB's IP is often a local address of the node, and the node's
+    own connections to it then come from that IP, not through the load balancer."""
+    nets = [ipaddress.ip_network(r, strict=False) for r in ranges]
+    if any(ipaddress.ip_address(ip) in net for ip in node_ips for net in nets):
+        return tuple(lb_ips)
+    return ()
+
+
 def _local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
     return frozenset(
         a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
     )
 
 
-def contribute(se: ServiceEndpoints) -> Contribution:
-    """Every element, chain and map that ``se`` needs (pure; unsupported ports are reported in
-    ``problems`` and left out)."""
+def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contribution:
+    """Every element, chain and map that ``se`` needs on a node with these primary IPs (pure;
+    unsupported ports are reported in ``problems`` and left out)."""
     out = Contribution()
     service = se.service
     ips = service.IPs
@@ -490,7 +502,9 @@ def contribute(se: ServiceEndpoints) -> Contribution:
                     if ep_addr in local:
                         out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
-                ranges = _allowed_ranges(flt.SourceRanges, v6)
+                ranges = _allowed_ranges(
+                    (*flt.SourceRanges, *_from_node(flt.SourceRanges, node_ips, lb_ips)), v6
+                )
                 # As kube-proxy: ranges of the other family only leave this one unfiltered (an
                 # empty allow set would drop every client).
                 targets = flt.TargetIPs.family(v6) if flt.TargetIPs and ranges else ()
