@@ -26,7 +26,7 @@ from typing import TextIO
 
 from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
-from kpng.backends.nft.health import HealthServers
+from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
@@ -93,6 +93,7 @@ class NftBackend:
         self._min_sync_period = min_sync_period
         self._last_sync = -math.inf
         self._node_ips: tuple[str, ...] = ()
+        self._health_cidrs: tuple[str, ...] | None = None
         self._recontribute = False
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._unclean = Touched()
@@ -131,6 +132,7 @@ class NftBackend:
         if not applied:
             self._retry = asyncio.create_task(self._retry_until_applied(), name="nft-retry")
         if self._health is not None:
+            await self._listen_for_health_checks()
             await self._health.update(state.services)
         return self._once and applied
 
@@ -166,6 +168,26 @@ class NftBackend:
                 )
             self.store.options = options
             self._needs_full = True
+
+    async def _listen_for_health_checks(self) -> None:
+        """Health check node ports listen where node ports are served, as kube-proxy's (the
+        addresses are looked up when the node-port CIDRs change, as kube-proxy does at start)."""
+        assert self._health is not None
+        cidrs = self.store.options.nodeport_addresses
+        if cidrs == self._health_cidrs:
+            return
+        self._health_cidrs = cidrs
+        local: list[str] = []
+        if any(ipaddress.ip_network(c, strict=False).num_addresses > 1 for c in cidrs):
+            try:
+                local = await local_addresses()
+            except OSError as exc:
+                log.warning("health check node ports listen everywhere: %s", exc)
+                self._health.listen_on(None)
+                return
+        else:  # host CIDRs (primary) name the addresses themselves
+            local = [c.split("/")[0] for c in cidrs]
+        self._health.listen_on(listen_hosts(cidrs, local))
 
     def _record(self, state: NodeState) -> Touched:
         """Record the services of ``state`` that changed in the store; what they touched."""

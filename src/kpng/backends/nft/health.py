@@ -10,9 +10,10 @@ the headers ``X-Content-Type-Options: nosniff`` and ``X-Load-Balancing-Endpoint-
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kpng.model.cluster import ServiceKey
@@ -28,6 +29,39 @@ def local_ready_endpoints(se: ServiceEndpoints) -> int:
     v4 = {addr for ep in local if ep.IPs is not None for addr in ep.IPs.V4}
     v6 = {addr for ep in local if ep.IPs is not None for addr in ep.IPs.V6}
     return max(len(v4), len(v6))
+
+
+def listen_hosts(cidrs: Sequence[str], local: Sequence[str]) -> list[str] | None:
+    """Where health check node ports listen, as kube-proxy: the node's ``local`` addresses
+    inside the node-port ``cidrs`` of their family, and every address of a family given none
+    (None: every address of every family)."""
+    if not cidrs:
+        return None
+    nets = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    hosts: list[str] = []
+    for version, anywhere in ((4, "0.0.0.0"), (6, "::")):
+        family = [n for n in nets if n.version == version]
+        if not family:
+            hosts.append(anywhere)
+            continue
+        for text in local:
+            address = ipaddress.ip_address(text)
+            inside = any(address in n for n in family if n.version == address.version)
+            if inside and not address.is_loopback:
+                hosts.append(text)
+    return hosts
+
+
+async def local_addresses() -> list[str]:
+    """The addresses of this network namespace's interfaces (``ip -j addr``)."""
+    proc = await asyncio.create_subprocess_exec(
+        "ip", "-j", "addr", "show",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise OSError(f"ip addr: {err.decode(errors='replace').strip()}")
+    return [a["local"] for link in json.loads(out) for a in link.get("addr_info", ())]
 
 
 @dataclass(frozen=True)
@@ -70,9 +104,18 @@ class HealthServers:
         self, host: str | None = None, *, proxy_healthy: Callable[[], bool] = lambda: True
     ) -> None:
         self._host = host
+        self._hosts: list[str] | None = None
         self.proxy_healthy = proxy_healthy
         self._servers: dict[int, asyncio.Server] = {}
         self._answers: dict[int, Answer] = {}
+
+    def listen_on(self, hosts: list[str] | None) -> None:
+        """Listen on these addresses (None: every address) from the next ``update``."""
+        if self._host is None and hosts != self._hosts:
+            self._hosts = hosts
+            for server in self._servers.values():
+                server.close()
+            self._servers.clear()
 
     async def update(self, services: Mapping[ServiceKey, ServiceEndpoints]) -> None:
         wanted: dict[int, Answer] = {}
@@ -83,6 +126,8 @@ class HealthServers:
         self._answers = wanted
         for port in self._servers.keys() - wanted.keys():
             self._servers.pop(port).close()
+        if self._hosts == []:
+            return  # node ports are served on no address of this node: neither are these
         for port in wanted.keys() - self._servers.keys():
             try:
                 self._servers[port] = await self._listen(port)
@@ -103,10 +148,9 @@ class HealthServers:
             finally:
                 writer.close()
 
-        if self._host is not None:
-            return await asyncio.start_server(
-                answer, host=self._host, port=port, reuse_address=True
-            )
+        if self._host is not None or self._hosts is not None:
+            host = self._host if self._host is not None else self._hosts
+            return await asyncio.start_server(answer, host=host, port=port, reuse_address=True)
         # host=None is a socket per family (asyncio makes IPv6 sockets V6ONLY, so "::" alone
         # would refuse IPv4); a node without IPv6 cannot bind "::", and gets IPv4 only.
         try:
