@@ -15,8 +15,8 @@ import pytest
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import TABLE, Options, contribute
-from kpng.backends.nft.nftables import NftError, Set, Transaction, error_for_line
+from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
+from kpng.backends.nft.nftables import NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -249,28 +249,38 @@ def test_affinity_checks_each_kind_of_traffic_against_its_own_endpoints() -> Non
         "nodeport-sc-v4: tcp . 30080": f"goto {a}-internal",
     }
     rules = {name: [r.expr for r in rules] for name, (_, rules) in contribution.chains.items()}
-    remember_remote = (
-        f"update @{a}-10.1.1.1-8080 {{ ip saddr timeout 60s }} dnat ip to 10.1.1.1:8080"
-    )
-    remember_local = (
-        f"update @{a}-10.2.2.2-8080 {{ ip saddr timeout 60s }} dnat ip to 10.2.2.2:8080"
-    )
+    remote_key, local_key = _key("10.1.1.1"), _key("10.2.2.2")
+    remember_remote = f"update @affinity-v4 {{ {remote_key} timeout 60s }} dnat ip to 10.1.1.1:8080"
+    remember_local = f"update @affinity-v4 {{ {local_key} timeout 60s }} dnat ip to 10.2.2.2:8080"
     assert rules == {
         f"{a}-internal": [
-            f"ip saddr @{a}-10.1.1.1-8080 meta l4proto tcp {remember_remote}",
-            f"ip saddr @{a}-10.2.2.2-8080 meta l4proto tcp {remember_local}",
+            f"{remote_key} @affinity-v4 meta l4proto tcp {remember_remote}",
+            f"{local_key} @affinity-v4 meta l4proto tcp {remember_local}",
             f"numgen random mod 2 0 meta l4proto tcp {remember_remote}",
             f"meta l4proto tcp {remember_local}",
         ],
         f"{a}-external": [
-            f"ip saddr @{a}-10.2.2.2-8080 meta l4proto tcp {remember_local}",
+            f"{local_key} @affinity-v4 meta l4proto tcp {remember_local}",
             f"meta l4proto tcp {remember_local}",
         ],
     }
-    assert set(contribution.maps.values()) == {
-        Set(f"{a}-10.1.1.1-8080", type="ipv4_addr", flags=("dynamic", "timeout")),
-        Set(f"{a}-10.2.2.2-8080", type="ipv4_addr", flags=("dynamic", "timeout")),
+    assert set(contribution.maps.values()) == {AFFINITY_SETS["v4"]}
+
+
+def _key(endpoint: str, port_id: str = "ns/web/tcp/80", ip: str = "ip") -> str:
+    """The affinity memory's key for a client sent to ``endpoint``:8080 of ``port_id``."""
+    high, low = affinity_id(port_id, (endpoint, "8080"))
+    return f"{ip} saddr . numgen inc mod 1 offset {high} . numgen inc mod 1 offset {low}"
+
+
+def test_affinity_ids_differ_by_service_port_and_endpoint_and_stay_the_same() -> None:
+    ids = {
+        affinity_id(port, (address, "8080"))
+        for port in ("ns/web/tcp/80", "ns/web/udp/80", "ns/web/tcp/81", "ns2/web/tcp/80")
+        for address in ("10.1.1.1", "10.1.1.2", "fd00::1")
     }
+    assert len(ids) == 12
+    assert affinity_id("ns/web/tcp/80", ("10.1.1.1", "8080")) == (1175900395, 3928659069)
 
 
 def test_affinity_sets_of_ipv6_endpoints_have_valid_names() -> None:
@@ -291,13 +301,14 @@ def test_affinity_sets_of_ipv6_endpoints_have_valid_names() -> None:
         Ready=True,
         Serving=True,
     )
-    chains = contribute(ServiceEndpoints(service, (endpoint,))).chains
-    (name,) = chains
-    clients = f"{name.removesuffix('-internal')}-fd00_244__5-8080"
-    assert chains[name][1][0].expr == (
-        f"ip6 saddr @{clients} meta l4proto tcp update @{clients} {{ ip6 saddr timeout 60s }} "
+    contribution = contribute(ServiceEndpoints(service, (endpoint,)))
+    (name,) = contribution.chains
+    key = _key("fd00:244::5", "ns/web6/tcp/80", ip="ip6")
+    assert contribution.chains[name][1][0].expr == (
+        f"{key} @affinity-v6 meta l4proto tcp update @affinity-v6 {{ {key} timeout 60s }} "
         "dnat ip6 to [fd00:244::5]:8080"
     )
+    assert set(contribution.maps.values()) == {AFFINITY_SETS["v6"]}
 
 
 # --- the backend over the fake
@@ -410,17 +421,22 @@ def test_refused_transaction_keeps_rules_and_is_followed_by_a_full_resync(
 
 
 AFFINITY = "affinity-2e8c6283dc34-v4"
-"""The prefix of the affinity objects of WEB's port (tcp 80) in IPv4."""
+"""The prefix of the affinity chains of WEB's port (tcp 80) in IPv4."""
 
 
-def _clients(nft: FakeNft, endpoint: str) -> dict[tuple[str, ...], tuple[str, ...]]:
-    return nft.elements(TABLE, f"{AFFINITY}-{endpoint}-8080")
+def _clients(nft: FakeNft, endpoint: str) -> set[str]:
+    """The clients the affinity memory holds for ``endpoint``:8080 of WEB's port."""
+    high, low = affinity_id("ns/web/tcp/80", (endpoint, "8080"))
+    memory = nft.elements(TABLE, "affinity-v4")
+    return {client for client, *id_ in memory if id_ == [str(high), str(low)]}
 
 
 def _packet_path_remembers(nft: FakeNft, client: str, endpoint: str) -> None:
     """What the kernel does on a new connection from ``client`` to ``endpoint``: the fake has
     no packet path."""
-    nft.tables[(TABLE.family, TABLE.name)].elements[f"{AFFINITY}-{endpoint}-8080"][(client,)] = ()
+    high, low = affinity_id("ns/web/tcp/80", (endpoint, "8080"))
+    memory = nft.tables[(TABLE.family, TABLE.name)].elements["affinity-v4"]
+    memory[(client, str(high), str(low))] = ()
 
 
 def test_new_affinity_timeout_rewrites_the_rules_and_keeps_the_clients() -> None:
@@ -433,16 +449,16 @@ def test_new_affinity_timeout_rewrites_the_rules_and_keeps_the_clients() -> None
         services[WEB] = ServiceEndpoints(_service(affinity=30), (_ep("10.244.1.2"),))
         await backend.apply(_state(2, services, updated={WEB}))
         assert len(nft.transactions) == 2  # the change was not refused
-        clients = f"{AFFINITY}-10.244.1.2-8080"
+        key = _key("10.244.1.2")
         assert nft.transactions[1].render().splitlines() == [
             f"add chain inet kpng {AFFINITY}-internal",
             f"flush chain inet kpng {AFFINITY}-internal",
-            f"add rule inet kpng {AFFINITY}-internal ip saddr @{clients} meta l4proto tcp "
-            f"update @{clients} {{ ip saddr timeout 30s }} dnat ip to 10.244.1.2:8080",
+            f"add rule inet kpng {AFFINITY}-internal {key} @affinity-v4 meta l4proto tcp "
+            f"update @affinity-v4 {{ {key} timeout 30s }} dnat ip to 10.244.1.2:8080",
             f"add rule inet kpng {AFFINITY}-internal meta l4proto tcp "
-            f"update @{clients} {{ ip saddr timeout 30s }} dnat ip to 10.244.1.2:8080",
+            f"update @affinity-v4 {{ {key} timeout 30s }} dnat ip to 10.244.1.2:8080",
         ]
-        assert _clients(nft, "10.244.1.2") == {("10.244.9.9",): ()}
+        assert _clients(nft, "10.244.1.2") == {"10.244.9.9"}
 
     asyncio.run(scenario())
 
@@ -479,37 +495,40 @@ def test_affinity_forgets_only_the_clients_of_an_endpoint_that_goes() -> None:
         services[WEB] = ServiceEndpoints(_service(affinity=60), (_ep(a), _ep(b)))
         await backend.apply(_state(2, services, updated={WEB}))
         removal = nft.transactions[-1].render().splitlines()
-        assert [line for line in removal if line.startswith(("flush set", "flush map"))] == []
-        assert [line for line in removal if line.startswith("delete set")] == [
-            f"delete set inet kpng {AFFINITY}-{c}-8080",
-        ]
-        assert _clients(nft, a) == {("10.0.0.1",): ()}
-        assert _clients(nft, b) == {("10.0.0.2",): ()}
-        # Nothing sends a client to the endpoint that went: 10.0.0.3 gets a new pick.
+        assert [line for line in removal if line.startswith(("flush set", "delete set"))] == []
+        assert _clients(nft, a) == {"10.0.0.1"}
+        assert _clients(nft, b) == {"10.0.0.2"}
+        # Nothing reads the memory of the endpoint that went: 10.0.0.3 gets a new pick.
         assert c not in nft.dump()
+        assert _key(c) not in nft.dump()
 
         services[WEB] = ServiceEndpoints(_service(affinity=60), (_ep(a), _ep(b), _ep(d)))
         await backend.apply(_state(3, services, updated={WEB}))
         addition = nft.transactions[-1].render().splitlines()
         assert [line for line in addition if line.startswith(("flush set", "flush map"))] == []
-        assert _clients(nft, a) == {("10.0.0.1",): ()}
-        assert _clients(nft, b) == {("10.0.0.2",): ()}
-        assert _clients(nft, d) == {}
+        assert _clients(nft, a) == {"10.0.0.1"}
+        assert _clients(nft, b) == {"10.0.0.2"}
+        assert _clients(nft, d) == set()
 
         fresh = FakeNft()
         await NftBackend(nft=fresh, options=Options()).apply(_state(1, services))
-        for client, endpoint in (("10.0.0.1", a), ("10.0.0.2", b)):  # a fresh table has none
+        # The same memory (the entry of the endpoint that went expires in the kernel).
+        for client, endpoint in (("10.0.0.1", a), ("10.0.0.2", b), ("10.0.0.3", c)):
             _packet_path_remembers(fresh, client, endpoint)
         assert nft.dump() == fresh.dump()
 
     asyncio.run(scenario())
 
 
+_LOOKUP = re.compile(
+    r"(ip6? saddr \. numgen inc mod 1 offset \d+ \. numgen inc mod 1 offset \d+) @"
+)
+
+
 def _memory(nft: FakeNft, key: tuple[str, ...]) -> set[str]:
-    """The dynamic sets and maps that traffic to ``key`` (in the dispatch of the ``services``
-    chain) reads, through every chain it can reach."""
+    """The affinity memory's keys that traffic to ``key`` (in the dispatch of the ``services``
+    chain) looks up, through every chain it can reach."""
     state = nft.tables[(TABLE.family, TABLE.name)]
-    dynamic = {name for name, obj in state.sets.items() if "dynamic" in obj.flags}
     vmaps = {m for rule in state.rules["services"] for m in re.findall(r"vmap @(\S+)", rule)}
     todo = [" ".join(state.elements[m].get(key, ())) for m in vmaps]
     seen: set[str] = set()
@@ -519,7 +538,7 @@ def _memory(nft: FakeNft, key: tuple[str, ...]) -> set[str]:
             if chain not in seen:
                 seen.add(chain)
                 for rule in state.rules[chain]:
-                    found |= set(re.findall(r"@(\S+)", rule)) & dynamic
+                    found |= set(_LOOKUP.findall(rule))
                     todo.append(rule)
     return found
 
@@ -534,7 +553,7 @@ def test_affinity_is_one_memory_for_cluster_ips_node_ports_and_external_ips() ->
         through_cluster_ip = _memory(nft, ("10.96.0.10", "tcp", "80"))
         assert _memory(nft, ("tcp", "30080")) == through_cluster_ip
         assert _memory(nft, ("192.0.2.1", "tcp", "80")) == through_cluster_ip
-        assert through_cluster_ip == {f"{AFFINITY}-10.244.1.1-8080", f"{AFFINITY}-10.244.1.2-8080"}
+        assert through_cluster_ip == {_key("10.244.1.1"), _key("10.244.1.2")}
 
     asyncio.run(scenario())
 

@@ -165,3 +165,46 @@ def test_without_libnftables_the_nft_command_runs_with_one_log_line(
     assert isinstance(default_nft("libnftables-that-is-not-there.so.1"), KernelNft)
     assert len(caplog.records) == 1
     assert "libnftables-that-is-not-there.so.1" in caplog.text
+
+
+LISTED = """\
+add table inet kpng
+add chain inet kpng services
+add chain inet kpng nat-output { type nat hook output priority -100 ; }
+add rule inet kpng services ip daddr 10.0.0.1 accept
+add set inet kpng memory { type ipv4_addr ; flags dynamic,timeout ; }
+add element inet kpng memory { 10.0.0.9 timeout 60s }
+add map inet kpng dispatch { type ipv4_addr : verdict ; }
+add element inet kpng dispatch { 10.0.0.1 : goto services }
+add table inet other
+add chain inet other elsewhere
+add table ip kpng
+add chain ip kpng other-family
+"""
+
+
+@pytest.mark.parametrize("executor", ["lib", "command"])
+def test_both_executors_list_the_objects_of_one_table(netns: str, executor: str) -> None:
+    subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-f", "-"], input=LISTED.encode(), check=True
+    )
+    script = (
+        "import asyncio\n"
+        "from kpng.backends.nft.executing import KernelNft, LibNft\n"
+        "from kpng.backends.nft.nftables import Table\n"
+        f"nft = {'LibNft()' if executor == 'lib' else 'KernelNft()'}\n"
+        "for name in ('kpng', 'none'):\n"
+        "    o = asyncio.run(nft.list_objects(Table('inet', name)))\n"
+        "    print(o and [sorted(o.chains), sorted(o.sets), sorted(o.maps)])\n"
+    )
+    done = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    found, missing = done.stdout.splitlines()
+    # Neither another table's objects nor those of a table of that name in another family.
+    assert found == "[['nat-output', 'services'], ['memory'], ['dispatch']]"
+    assert missing == "None"

@@ -15,8 +15,8 @@ import pytest
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.diffing import DiffStore, Touched
 from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import Options, contribute
-from kpng.backends.nft.nftables import Elements, Operation, Transaction
+from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, contribute
+from kpng.backends.nft.nftables import Elements, Operation, TableObjects, Transaction
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from tests.nft_services import churn, generate
@@ -101,5 +101,47 @@ def test_services_sent_again_unchanged_cost_no_operation() -> None:
         copies = {key: ServiceEndpoints(se.service, se.endpoints) for key, se in services.items()}
         await backend.apply(keyed_state(2, copies))
         assert len(nft.transactions[-1]) == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_full_sync_over_a_table_replaces_everything_but_the_affinity_memory(seed: int) -> None:
+    """A restart (or a resync after a refused transaction) finds the table a former state
+    left: what that state had and this one has not must go, the clients remembered for
+    ClientIP affinity must stay, and the table is never deleted."""
+    states = churn(600, seed=seed, revisions=30, per_revision=40)
+    remembered = ("10.0.0.9", "1", "2")
+
+    async def scenario() -> None:
+        nft, fresh = FakeNft(), FakeNft()
+        before = NftBackend(nft=nft, options=OPTIONS)
+        for state in states[:15]:
+            await before.apply(state)
+        # The same memory in a table that holds nothing else.
+        await fresh.run(Transaction(TABLE).add(TABLE).add(AFFINITY_SETS["v4"]))
+        for memory in (nft, fresh):
+            memory.tables[(TABLE.family, TABLE.name)].elements["affinity-v4"][remembered] = ()
+        final = keyed_state(1, states[-1].services)
+        await NftBackend(nft=nft, options=OPTIONS).apply(final)
+        await NftBackend(nft=fresh, options=OPTIONS).apply(final)
+        takeover = nft.transactions[-1].render()
+        assert "delete table" not in takeover
+        assert "flush table inet kpng" in takeover
+        assert nft.dump() == fresh.dump()
+        assert remembered in nft.elements(TABLE, "affinity-v4")
+
+    asyncio.run(scenario())
+
+
+def test_full_sync_drops_the_affinity_memory_once_no_service_has_affinity() -> None:
+    async def scenario() -> None:
+        nft = FakeNft()
+        sticky = {k: se for k, se in generate(200, seed=7).items() if se.service.ClientIP}
+        assert sticky
+        await NftBackend(nft=nft, options=OPTIONS).apply(keyed_state(1, sticky))
+        assert "affinity-v4" in (await nft.list_objects(TABLE) or TableObjects()).sets
+        await NftBackend(nft=nft, options=OPTIONS).apply(keyed_state(1, {}))
+        assert "affinity-v4" not in (await nft.list_objects(TABLE) or TableObjects()).sets
 
     asyncio.run(scenario())

@@ -18,7 +18,7 @@ import pytest
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
-from kpng.backends.nft.layout import Options
+from kpng.backends.nft.layout import TABLE, Options
 from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -140,6 +140,54 @@ def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     ruleset = _ruleset(netns)
     assert "timeout 30s" in ruleset
     assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
+
+
+def test_kernel_full_sync_over_a_table_keeps_only_the_affinity_memory(
+    namespaces: Callable[[], str],
+) -> None:
+    """A restarted kpng lists what the table holds and replaces all of it but the clients
+    remembered for ClientIP affinity, which the kernel's packet path wrote."""
+    netns, fresh = namespaces(), namespaces()
+    db: ServiceKey = ("ns", "db")
+    eps = [_ep(f"10.244.1.{i}") for i in range(1, 4)]
+    client = "10.0.0.9 . 1 . 2"
+
+    def services(count: int) -> dict[ServiceKey, ServiceEndpoints]:
+        return {
+            WEB: ServiceEndpoints(_service(affinity=600), tuple(eps[:count])),
+            db: ServiceEndpoints(_service(cluster_ip="10.96.0.20", name="db"), tuple(eps[:count])),
+        }
+
+    def apply(where: str, count: int) -> None:
+        state = keyed_state(1, services(count))
+        asyncio.run(NftBackend(nft=_nft(where), options=Options()).apply(state))
+
+    apply(netns, 3)
+    nft = ["ip", "netns", "exec", netns, "nft"]
+    add = f"add element inet kpng affinity-v4 {{ {client} timeout 600s }}"
+    subprocess.run([*nft, add], check=True)
+    listed = asyncio.run(_nft(netns).list_objects(TABLE))
+    assert listed is not None
+    assert "pick-cluster-v4-3" in listed.chains
+    assert "affinity-v4" in listed.sets
+    assert "cluster-eps-v4-2" in listed.maps
+    # The restart: the endpoints' count changes, so pick chains and endpoint maps go.
+    apply(netns, 2)
+    apply(fresh, 2)
+    memory = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "list", "set", "inet", "kpng", "affinity-v4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "10.0.0.9 . 1 . 2" in memory
+    table = _table(netns)
+    affinity = table.pop("set affinity-v4")
+    assert isinstance(affinity, dict)
+    assert len(affinity["elem"]) == 1
+    expected = _table(fresh)
+    expected.pop("set affinity-v4")
+    assert table == expected
 
 
 def test_kernel_takes_affinity_endpoint_changes_incrementally(

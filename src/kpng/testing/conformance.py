@@ -685,6 +685,46 @@ def test_session_affinity_is_shared_by_cluster_ip_and_node_port(cluster: Cluster
     cluster.remove("affinity-shared")
 
 
+def test_session_affinity_survives_a_restart_of_the_backend(cluster: Cluster) -> None:
+    """kube-proxy keeps its affinity memory across restarts: the new backend's first (full)
+    sync must not empty it."""
+    ip, marker = cluster.cluster_ip(), cluster.cluster_ip()
+    cluster.write(
+        "affinity-restart",
+        service(
+            "restart",
+            ip,
+            [port("http", 80)],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}},
+        ),
+        endpoint_slice(cluster, "restart", ["a1", "b1", "b2"]),
+    )
+    # Five clients on every node: with the memory lost, all five would get their endpoint
+    # again with a probability of (1/3)^5.
+    clients = ("a2", "b1", "c1", "node-1", "node-3")
+    before = {
+        who: _sticky(who, cluster.eventually(who, "tcp", ip, 80, answered, count=3))
+        for who in clients
+    }
+    try:
+        for node in cluster.bed.nodes:
+            cluster.start_backend(node)
+        # A service written after the restarts answers once each new backend has synced.
+        cluster.write(
+            "affinity-restart-marker",
+            service("marker", marker, [port("http", 80)]),
+            endpoint_slice(cluster, "marker", ["c1"]),
+        )
+        for who in clients:
+            cluster.eventually(who, "tcp", marker, 80, answered)
+        after = {who: _sticky(who, cluster.probe(who, "tcp", ip, 80, count=3)) for who in clients}
+        assert after == before
+    finally:
+        cluster.remove("affinity-restart")
+        cluster.remove("affinity-restart-marker")
+
+
 def test_session_affinity_survives_the_removal_of_another_endpoint(cluster: Cluster) -> None:
     ip, control = cluster.cluster_ip(), cluster.cluster_ip()
     pods = ["a1", "b1", "c1"]

@@ -1,7 +1,8 @@
 """``to-nft``: the node-local state as nftables rules in kpng's own table (``inet kpng``).
 
-The first state (and any state after a refused transaction) replaces the whole table in one
-transaction, taking over what a previous kpng left without a gap; every later state changes
+The first state (and any state after a refused transaction) replaces what the table holds in
+one transaction, taking over what a previous kpng left without a gap and keeping the ClientIP
+affinity memory; every later state changes
 only the elements, chains and maps of the services that changed, in one atomic transaction.
 The layout is described in ``layout.py``; ``nftables.py`` is the typed transaction,
 ``fake.py`` the in-memory nft for tests, ``executing.py`` what talks to nftables (libnftables
@@ -28,7 +29,7 @@ from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transactio
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
-from kpng.backends.nft.nftables import Nft, NftError, Table
+from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
 from kpng.backends.registry import Backend, BackendSpec, NodeState, register
 from kpng.client import SyncStats
 from kpng.durations import parse_duration
@@ -218,8 +219,10 @@ class NftBackend:
             )
         return touched
 
-    def _plan(self, touched: Touched) -> Plan:
-        return self.store.full() if self._needs_full else self.store.incremental(touched)
+    def _plan(self, touched: Touched, present: TableObjects | None = None) -> Plan:
+        if self._needs_full:
+            return self.store.full(present)
+        return self.store.incremental(touched)
 
     async def _sync(self, touched: Touched, *, backoff: bool = False) -> bool:
         """One attempt; False (logged, a full resync next) if nft refused it."""
@@ -227,14 +230,24 @@ class NftBackend:
             if backoff:
                 await self._sleep(self._backoff)
             started = time.monotonic()
+            present: TableObjects | None = None
+            error: NftError | None = None
+            if self._needs_full:
+                # What the table holds, so that the full sync replaces it but the affinity
+                # memory.
+                try:
+                    present = await self._nft.list_objects(TABLE)
+                except NftError as exc:
+                    error = exc
             with _collector_paused():
-                plan = self._plan(touched)
-            error = await self._run(plan)
+                plan = self._plan(touched, present)
+            if error is None:
+                error = await self._run(plan)
             if error is not None:
                 self.sync_stats.failures += 1
             if error is not None and plan.full and await self._leave_out_refused_services():
                 with _collector_paused():
-                    plan = self._plan(touched)
+                    plan = self._plan(touched, present)
                 error = await self._run(plan)
             self.sync_stats.attempted(seconds=time.monotonic() - started, full=plan.full)
             if error is not None:

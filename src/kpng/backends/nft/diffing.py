@@ -11,7 +11,8 @@ of 100k elements then makes no per-element objects here.
 ``update`` records a service's new contribution and returns what it touched;
 ``incremental`` turns the touched objects into a transaction against the applied state, and
 ``commit`` records that the kernel took it. ``full`` is the whole desired table, replacing
-whatever the table holds in one transaction (start-up, takeover, recovery).
+whatever the table holds in one transaction (start-up, takeover, recovery) but the affinity
+memory.
 ``check_transaction`` asks the kernel about some services alone, leaving nothing behind.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kpng.backends.nft.layout import (
+    AFFINITY_SETS,
     CHECK_TABLE,
     TABLE,
     Contribution,
@@ -34,10 +36,12 @@ from kpng.backends.nft.nftables import (
     Element,
     Elements,
     Map,
+    Named,
     Operation,
     Rule,
     Set,
     Table,
+    TableObjects,
     Transaction,
 )
 from kpng.model.cluster import ServiceKey
@@ -233,14 +237,28 @@ class DiffStore:
                 tx.delete(self.applied_maps[name])
         return Plan(tx, elements, chains, maps)
 
-    def full(self) -> Plan:
-        """The whole desired table, replacing the table atomically (no gap for traffic)."""
+    def full(self, present: TableObjects | None = None) -> Plan:
+        """The whole desired table, replacing what the table holds atomically (no gap for
+        traffic). ``present``: what the table holds now (None: no table). Everything goes but
+        the affinity memory, which is why the table itself is not deleted."""
         tx = Transaction(TABLE)
-        # `add` then `delete` removes the table whether or not it existed, in the same
-        # transaction that rebuilds it, so packets see the old rules or the new ones.
         tx.add(TABLE)
-        tx.delete(TABLE)
-        tx.add(TABLE)
+        if present is None:
+            # A table made since it was listed (another kpng starting) goes as a whole: `add`
+            # then `delete` removes it whether or not it exists, in the transaction that
+            # rebuilds it, so packets see the old rules or the new ones.
+            tx.delete(TABLE)
+            tx.add(TABLE)
+        else:
+            # Rules first: then only verdict map elements refer to chains, and nothing to sets.
+            tx.flush(TABLE)
+            kept = {s.name for s in AFFINITY_SETS.values()} & self._map_owners.keys()
+            for name in sorted(present.maps):
+                tx.delete(Named("map", name))
+            for name in sorted(present.sets - kept):
+                tx.delete(Named("set", name))
+            for name in sorted(present.chains):
+                tx.delete(Named("chain", name))
         objects, rules, static = skeleton(self.options)
         maps = {name: self.desired_map(name) for name in self._map_owners}
         chains = {name: self.desired_chain(name) for name in self._chain_owners}

@@ -20,8 +20,10 @@ from kpng.backends.nft.nftables import (
     Nft,
     NftError,
     Table,
+    TableObjects,
     Transaction,
     error_for_line,
+    parse_objects,
     parse_tables,
 )
 
@@ -33,6 +35,8 @@ _ERROR_LINE = re.compile(
     r"^(?:/dev/stdin|-|<cmdline>|/proc/self/fd/\d+):(\d+):[\d-]+: Error: (.*)$", re.M
 )
 LIBNFTABLES = "libnftables.so.1"
+TERSE = 1 << 11
+"""libnftables' NFT_CTX_OUTPUT_TERSE (``nft -t``): listings without the elements of sets."""
 TRIM_AFTER_BYTES = 1 << 20
 """After a transaction this long (a full sync), the C heap is given back to the system: see
 ``LibNft``."""
@@ -99,6 +103,18 @@ class KernelNft:
             raise NftError(err.strip())
         return parse_tables(out)
 
+    async def list_objects(self, table: Table) -> TableObjects | None:
+        rc, out, err = await _run_output([*self._command, "-t", "-f", "-"], _list_objects(table))
+        if rc != 0:
+            raise NftError(err.strip())
+        return parse_objects(out, table)
+
+
+def _list_objects(table: Table) -> bytes:
+    # Chains, sets and maps without their rules and elements: a full sync needs only the names,
+    # and a table of 10k services holds 100k elements.
+    return "".join(f"list {kind} {table.family}\n" for kind in ("chains", "sets", "maps")).encode()
+
 
 class LibNft:
     """Runs transactions in this process through libnftables (``nft``'s own library).
@@ -161,6 +177,18 @@ class LibNft:
             raise NftError(err.strip())
         return parse_tables(out)
 
+    async def list_objects(self, table: Table) -> TableObjects | None:
+        ok, err, out = await asyncio.to_thread(
+            self._call,
+            self._lib.nft_run_cmd_from_buffer,
+            _list_objects(table),
+            output=True,
+            flags=TERSE,
+        )
+        if not ok:
+            raise NftError(err.strip())
+        return parse_objects(out, table)
+
     def close(self) -> None:
         """Free the context (also done when the executor is garbage-collected)."""
         self._free()
@@ -184,16 +212,33 @@ class LibNft:
 
     @overload
     def _call(
-        self, command: Callable[[int, bytes], int], arg: bytes, *, output: Literal[True]
+        self,
+        command: Callable[[int, bytes], int],
+        arg: bytes,
+        *,
+        output: Literal[True],
+        flags: int = 0,
     ) -> tuple[bool, str, str]: ...
 
     def _call(
-        self, command: Callable[[int, bytes], int], arg: bytes, *, output: bool = False
+        self,
+        command: Callable[[int, bytes], int],
+        arg: bytes,
+        *,
+        output: bool = False,
+        flags: int = 0,
     ) -> tuple[bool, str] | tuple[bool, str, str]:
         with self._lock:
             if not self._free.alive:
                 raise NftError("the libnftables context is closed")
-            rc = command(self._ctx, arg)
+            if flags:
+                saved = self._lib.nft_ctx_output_get_flags(self._ctx)
+                self._lib.nft_ctx_output_set_flags(self._ctx, saved | flags)
+            try:
+                rc = command(self._ctx, arg)
+            finally:
+                if flags:
+                    self._lib.nft_ctx_output_set_flags(self._ctx, saved)
             # Reading a buffer rewinds it: unread, the output would grow with every command.
             out: bytes | None = self._lib.nft_ctx_get_output_buffer(self._ctx)
             err: bytes | None = self._lib.nft_ctx_get_error_buffer(self._ctx)
@@ -212,6 +257,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [ctx], ctypes.c_int
     for name in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [ctx], text
+    lib.nft_ctx_output_get_flags.argtypes = [ctx]
+    lib.nft_ctx_output_get_flags.restype = ctypes.c_uint
+    lib.nft_ctx_output_set_flags.argtypes = [ctx, ctypes.c_uint]
+    lib.nft_ctx_output_set_flags.restype = None
     for name in ("nft_run_cmd_from_buffer", "nft_run_cmd_from_filename"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [ctx, text], ctypes.c_int
 

@@ -18,11 +18,13 @@ from kpng.backends.nft.nftables import (
     Element,
     Elements,
     Map,
+    Named,
     NftError,
     Operation,
     Rule,
     Set,
     Table,
+    TableObjects,
     Transaction,
     parse_tables,
 )
@@ -88,6 +90,13 @@ class FakeNft:
     async def list_tables(self) -> list[Table]:
         return parse_tables("".join(f"table {f} {n}\n" for f, n in sorted(self.tables)))
 
+    async def list_objects(self, table: Table) -> TableObjects | None:
+        state = self.tables.get((table.family, table.name))
+        if state is None:
+            return None
+        sets = frozenset(name for name, obj in state.sets.items() if isinstance(obj, Set))
+        return TableObjects(frozenset(state.chains), sets, frozenset(state.sets) - sets)
+
     def elements(self, table: Table, container: str) -> dict[tuple[str, ...], tuple[str, ...]]:
         """The elements of a set or map, key -> value (empty tuple for a set)."""
         return dict(self.tables[(table.family, table.name)].elements[container])
@@ -121,12 +130,17 @@ def _apply(tables: dict[tuple[str, str], _TableState], table: Table, op: Operati
         elif op.verb == "delete":
             if tables.pop(key, None) is None:
                 raise NftError("No such file or directory (table)")
-        else:
+        else:  # as the kernel: every rule, and no element of any set or map
             state = _state(tables, key)
             state.rules = {name: [] for name in state.rules}
-            state.elements = {name: {} for name in state.elements}
         return
     state = _state(tables, key)
+    if isinstance(obj, Named):
+        known = state.chains if obj.kind == "chain" else state.sets
+        found = known.get(obj.name)
+        if found is None or (obj.kind != "chain" and isinstance(found, Map) != (obj.kind == "map")):
+            raise NftError(f"No such file or directory ({obj.kind} {obj.name})")
+        obj = found
     if isinstance(obj, Chain):
         _apply_chain(state, op.verb, obj)
     elif isinstance(obj, Rule):

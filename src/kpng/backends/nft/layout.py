@@ -44,35 +44,31 @@ kind            key                   endpoints (``Endpoint.Scopes``)
 ==============  ====================  ============================================
 
 ClientIP session affinity, as kube-proxy: one memory per service port (and family), shared by
-every kind of traffic, made of a dynamic set of clients per endpoint,
-``affinity-<id>-<f>-<address>-<port>`` (``<id>`` a hash of the service port, ``:`` written
-``_``). A sticky service port's dispatch elements go, instead of a pick chain, to its affinity
-chain for that kind's endpoints, ``affinity-<id>-<f>-<scope>`` (``internal``, ``external``,
-``cluster``; kinds with the same endpoints share one chain): first a rule per endpoint sending a
-client found in its set there, then a numgen pick over the same endpoints, as in the pick chains.
-Every rule that DNATs also ``update``s the endpoint's set with the client and the service's
-``timeoutSeconds``, so an entry lasts that long after the client's last new connection. A client
-sent to endpoint A through the cluster IP is then sent to A through a node port, an external or
-LB IP, or the eTP=Local short-circuit too, as long as A is an endpoint of that kind; otherwise
-(eTP=Local external traffic and a remote A) it gets a new pick among that kind's endpoints,
-remembered as well (a client in two sets goes to the first, as with kube-proxy). An endpoint that
-goes takes its set and rules along: its clients pick again, the others keep theirs, and a new
-endpoint disturbs no one. A new ``timeoutSeconds`` rewrites the rules and keeps the sets (nft
-cannot change a set's timeout).
+every kind of traffic. A sticky service port's dispatch elements go, instead of a pick chain, to
+its affinity chain for that kind's endpoints, ``affinity-<id>-<f>-<scope>`` (``<id>`` a hash of
+the service port; ``<scope>`` ``internal``, ``external`` or ``cluster``: kinds with the same
+endpoints share one chain): first a rule per endpoint sending a client remembered with it
+there, then a numgen pick over the same endpoints, as in the pick chains. Every rule that DNATs
+also ``update``s the memory with the client and the service's ``timeoutSeconds``, so an entry
+lasts that long after the client's last new connection. A client sent to endpoint A through the
+cluster IP is then sent to A through a node port, an external or LB IP, or the eTP=Local
+short-circuit too, as long as A is an endpoint of that kind; otherwise (eTP=Local external
+traffic and a remote A) it gets a new pick among that kind's endpoints, remembered as well (a
+client remembered with two goes to the first, as with kube-proxy). An endpoint that goes takes
+its rules along: its clients pick again, the others keep theirs, and a new endpoint disturbs no
+one. A new ``timeoutSeconds`` rewrites the rules and keeps the memory.
 
-Why a set per endpoint, under nft 1.0.6: a remembered endpoint kept as a value (a map client ->
-endpoint) cannot be checked against the endpoints of a kind before the DNAT (a map lookup
-compared with anything is refused as "constant", and can feed neither a concatenation nor another
-map), so an endpoint that goes, or one not allowed for a kind of traffic, could only be kept from
-its clients by emptying the whole map; one set keyed by ``client . endpoint`` needs a constant in
-a concatenated lookup, which nft cannot parse (and a packet-path update with a concatenated IPv6
-key or value aborts nft: ``netlink_gen_expr: dreg < ctx->reg_low``). The price: the kernel finds a
-named set by name in a list, so loading S sets and the rules naming them costs O(S^2). Measured
-(nft 1.0.6, kernel 6.18): 10k services x 10 endpoints load in 0.66 s; with 1,000 of them NodePort
-services with affinity, 0.83 s at 3 endpoints each and 6.2 s at 10 (the former layout, with two
-dynamic maps and a set per service port and group of traffic, all emptied on any endpoint change:
-1.7 s and 2.1 s). Only affinity services pay it, and an incremental change names only the sets of
-the services it touches.
+The memory is one dynamic set per family, ``affinity-<f>``, of ``client . endpoint id``: the id
+is 64 bits of a hash of the service port and the endpoint, written in the rules as two
+``numgen inc mod 1 offset N`` (a constant: nft 1.0.6 cannot parse a literal in a concatenated
+key, ``ip saddr . 10.0.0.1 @set``). Why one set: the kernel finds a named set by name in a list,
+so loading S sets and the rules naming them costs O(S^2). With a set per endpoint (kube-proxy's
+layout), 2,000 ClientIP services x 10 endpoints added 20.8 s to a full sync of 10k services; one
+set makes it linear. The set holds at most ``AFFINITY_CLIENTS`` entries per family (a client per
+endpoint it was sent to); past that, new clients are not remembered until entries expire. It is
+the one thing a full sync keeps: the table is never deleted and recreated, so affinity survives a
+restart, a takeover and a refused transaction, as in kube-proxy. An endpoint that goes leaves
+its entries to expire; if it comes back before they do, its former clients stick to it again.
 
 Masquerade (the mark bit ``Options.masquerade_bit`` set in the ``services`` chain, SNAT in
 ``masquerading``): traffic to a ClusterIP from outside ``--cluster-cidr`` (or from elsewhere than
@@ -111,6 +107,9 @@ MASQUERADE_BIT = 14
 """The packet mark bit asking for masquerade by default: kube-proxy's, so that CNI plugins that
 know it keep working (``--masquerade-bit`` changes it, as kube-proxy's does)."""
 DEFAULT_AFFINITY_TIMEOUT_S = 10800
+AFFINITY_CLIENTS = 1 << 20
+"""The most (client, endpoint) pairs the affinity memory of a family holds: a bound on kernel
+memory that spoofed sources could otherwise grow (about 100 bytes each)."""
 
 Fam = Literal["v4", "v6"]
 FAMILIES: tuple[Fam, ...] = ("v4", "v6")
@@ -472,7 +471,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
             if timeout:
                 port_id = f"{service.Namespace}/{service.Name}/{proto}/{p}"
                 sticky = _Affinity(
-                    hashlib.sha1(port_id.encode()).hexdigest()[:12], fam, proto, timeout
+                    hashlib.sha1(port_id.encode()).hexdigest()[:12], port_id, fam, proto, timeout
                 )
 
             def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
@@ -552,11 +551,34 @@ _SCOPES: dict[Kind, str] = {
 named."""
 
 
+def affinity_id(port_id: str, endpoint: EndpointValue) -> tuple[int, int]:
+    """The id of ``endpoint`` of service port ``port_id`` (``namespace/name/proto/port``) in the
+    affinity memory, as two 32-bit halves: the same in every kpng, so that a restart finds the
+    clients remembered before."""
+    address, port = endpoint
+    digest = hashlib.sha1(f"{port_id} {address} {port}".encode()).digest()
+    return int.from_bytes(digest[:4], "big"), int.from_bytes(digest[4:8], "big")
+
+
+def _affinity_set(fam: Fam) -> Set:
+    return Set(
+        f"affinity-{fam}",
+        typeof=f"{_IP[fam]} saddr . numgen inc mod 1 . numgen inc mod 1",
+        flags=("dynamic", "timeout"),
+        size=AFFINITY_CLIENTS,
+    )
+
+
+AFFINITY_SETS = {fam: _affinity_set(fam) for fam in FAMILIES}
+"""The affinity memory of each family: kept by a full sync (see the module docstring)."""
+
+
 @dataclass
 class _Affinity:
     """One service port's ClientIP affinity in one family."""
 
     id: str
+    port_id: str
     fam: Fam
     proto: str
     timeout: int
@@ -564,10 +586,13 @@ class _Affinity:
     """The chain of each list of endpoints: kinds of traffic with the same endpoints (all of
     them, without traffic policies) share one."""
 
-    def clients(self, endpoint: EndpointValue) -> str:
-        """The dynamic set of the clients last sent to ``endpoint``."""
-        address, port = endpoint
-        return f"affinity-{self.id}-{self.fam}-{address.replace(':', '_')}-{port}"
+    def key(self, endpoint: EndpointValue) -> str:
+        """The memory's key for a client sent to ``endpoint`` of this service port."""
+        high, low = affinity_id(self.port_id, endpoint)
+        return (
+            f"{_IP[self.fam]} saddr . numgen inc mod 1 offset {high} "
+            f". numgen inc mod 1 offset {low}"
+        )
 
 
 def _remember(
@@ -581,27 +606,28 @@ def _remember(
     endpoints of that kind: a client remembered with one of them goes there again, any other
     gets a new pick, and either is remembered."""
     fam, ip, proto = sticky.fam, _IP[sticky.fam], sticky.proto
+    memory = AFFINITY_SETS[fam]
     timeout = f"timeout {sticky.timeout}s"
     endpoints = tuple(eps)
     name = sticky.chains.get(endpoints)
     if name is None:
         name = sticky.chains[endpoints] = f"affinity-{sticky.id}-{fam}-{_SCOPES[kind]}"
+        out.maps[memory.name] = memory
         remembered, picks = [], []
         for i, ep in enumerate(endpoints):
-            clients = sticky.clients(ep)
-            out.maps[clients] = Set(clients, type=_ADDR[fam], flags=("dynamic", "timeout"))
+            client = sticky.key(ep)
             address, port = ep
             to = f"[{address}]:{port}" if fam == "v6" else f"{address}:{port}"
-            # The timeout in the rule rather than the set: a new timeoutSeconds is then new
-            # rules, the clients remembered so far kept (nft cannot change a set's timeout).
-            # Refreshed by every new connection, as kube-proxy does.
+            # The timeout in the rule rather than the set: each service has its own, and a new
+            # timeoutSeconds is then new rules, the clients remembered so far kept. Refreshed
+            # by every new connection, as kube-proxy does.
             then = (
-                f"meta l4proto {proto} update @{clients} {{ {ip} saddr {timeout} }} "
+                f"meta l4proto {proto} update @{memory.name} {{ {client} {timeout} }} "
                 f"dnat {ip} to {to}"
             )
-            # A client in two sets (a pick among another kind's endpoints) goes to the first,
-            # as with kube-proxy.
-            remembered.append(Rule(name, f"{ip} saddr @{clients} {then}"))
+            # A client remembered with two endpoints (a pick among another kind's endpoints)
+            # goes to the first, as with kube-proxy.
+            remembered.append(Rule(name, f"{client} @{memory.name} {then}"))
             n = len(endpoints)
             picks.append(Rule(name, f"numgen random mod {n - i} 0 {then}" if i < n - 1 else then))
         out.chains[name] = (Chain(name), (*remembered, *picks))

@@ -115,12 +115,15 @@ class Rule:
 
 @dataclass(frozen=True)
 class Set:
-    """A named set. ``type`` is nft's (e.g. "ipv4_addr . inet_proto"), or ``typeof`` expressions."""
+    """A named set. ``type`` is nft's (e.g. "ipv4_addr . inet_proto"), or ``typeof`` expressions.
+    ``size``: the most elements it holds (0: nft's default, 65535 for a set the packet path
+    fills)."""
 
     name: str
     type: str = ""
     typeof: str = ""
     flags: tuple[str, ...] = ()
+    size: int = 0
 
     def __post_init__(self) -> None:
         _check_name("set", self.name)
@@ -220,7 +223,19 @@ class Elements:
         return ", ".join(self.items)
 
 
-Object = Table | Chain | Rule | Set | Map | Element | Elements
+@dataclass(frozen=True)
+class Named:
+    """A chain, set or map known by its name alone, as a listing gives it: what a transaction
+    flushes or deletes without knowing its definition."""
+
+    kind: Literal["chain", "set", "map"]
+    name: str
+
+    def __post_init__(self) -> None:
+        _check_name(self.kind, self.name)
+
+
+Object = Table | Chain | Rule | Set | Map | Element | Elements | Named
 
 
 @dataclass(frozen=True)
@@ -243,13 +258,14 @@ class Transaction:
         self.operations.append(Operation("add", obj))
         return self
 
-    def delete(self, obj: Table | Chain | Set | Map | Element) -> Transaction:
+    def delete(self, obj: Table | Chain | Set | Map | Element | Named) -> Transaction:
         """Delete ``obj``; nft fails the whole transaction if it does not exist."""
         self.operations.append(Operation("delete", obj))
         return self
 
-    def flush(self, obj: Chain | Set | Map) -> Transaction:
-        """Remove every rule of a chain, or every element of a set or map."""
+    def flush(self, obj: Table | Chain | Set | Map | Named) -> Transaction:
+        """Remove every rule of a chain, or every element of a set or map; of a table, every
+        rule of its chains (and no element: the kernel's ``flush table``)."""
         self.operations.append(Operation("flush", obj))
         return self
 
@@ -302,6 +318,10 @@ class Transaction:
         if isinstance(obj, Table):
             comment = f' {{ comment "{obj.comment}" ; }}' if obj.comment and verb == "add" else ""
             return f"{verb} table {t}{comment}"
+        if isinstance(obj, Named):
+            if verb == "add":
+                raise InvalidObject(f"{obj.kind} {obj.name}: only its definition can be added")
+            return f"{verb} {obj.kind} {t} {obj.name}"
         if isinstance(obj, Chain):
             if verb == "add" and obj.is_base:
                 return (
@@ -321,11 +341,22 @@ class Transaction:
             if isinstance(obj, Map):
                 key += f" : {obj.value}"
             flags = f" flags {','.join(obj.flags)} ;" if obj.flags else ""
+            if isinstance(obj, Set) and obj.size:
+                flags += f" size {obj.size} ;"
             timeout = ""
             if isinstance(obj, Map) and obj.timeout_s:
                 timeout = f" timeout {obj.timeout_s}s ;"
             return f"add {kind} {t} {obj.name} {{ {key} ;{flags}{timeout} }}"
         raise InvalidObject(f"cannot render {obj!r}")
+
+
+@dataclass(frozen=True)
+class TableObjects:
+    """The names of the chains, sets and maps a table holds."""
+
+    chains: frozenset[str] = frozenset()
+    sets: frozenset[str] = frozenset()
+    maps: frozenset[str] = frozenset()
 
 
 class Nft(Protocol):
@@ -343,6 +374,10 @@ class Nft(Protocol):
         """Every table of the network namespace, kpng's or not."""
         ...
 
+    async def list_objects(self, table: Table) -> TableObjects | None:
+        """The chains, sets and maps of ``table`` (None: there is no such table)."""
+        ...
+
 
 def parse_tables(listing: str) -> list[Table]:
     """The ``ip``, ``ip6`` and ``inet`` tables of ``nft list tables`` output (``table FAMILY
@@ -353,6 +388,25 @@ def parse_tables(listing: str) -> list[Table]:
             case ["table", ("ip" | "ip6" | "inet") as family, name]:
                 found.append(Table(family, name))
     return found
+
+
+def parse_objects(listing: str, table: Table) -> TableObjects | None:
+    """The chains, sets and maps of ``table`` in ``nft -t list chains|sets|maps FAMILY`` output
+    (None if the table is not in it). Only the ``table``, ``chain``, ``set`` and ``map`` lines
+    opening a block are read: rules and set bodies are skipped whatever they hold."""
+    found: dict[str, set[str]] | None = None
+    current = False
+    for line in listing.splitlines():
+        match line.split():
+            case ["table", family, name, "{"]:
+                current = (family, name) == (table.family, table.name)
+                if current and found is None:
+                    found = {"chain": set(), "set": set(), "map": set()}
+            case [("chain" | "set" | "map") as kind, name, "{"] if current and found is not None:
+                found[kind].add(name)
+    if found is None:
+        return None
+    return TableObjects(frozenset(found["chain"]), frozenset(found["set"]), frozenset(found["map"]))
 
 
 def error_for_line(tx: Transaction, *, line_number: int, message: str) -> NftError:
