@@ -9,12 +9,15 @@ import asyncio
 import io
 import re
 from collections.abc import Sequence
+from typing import Any
 
+import msgspec
 import pytest
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
+from kpng.backends.nft.flows import Flow
 from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
 from kpng.backends.nft.nftables import NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState
@@ -22,6 +25,7 @@ from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
     Endpoint,
+    EndpointAddress,
     EndpointScopes,
     IPFamilies,
     IPFilter,
@@ -558,65 +562,124 @@ def test_affinity_is_one_memory_for_cluster_ips_node_ports_and_external_ips() ->
     asyncio.run(scenario())
 
 
-class RecordingConntrack(Conntrack):
-    def __init__(self) -> None:
+class FakeConntrack(Conntrack):
+    """A conntrack table of UDP flows: ``delete`` removes those its filters match."""
+
+    def __init__(self, *flows: Flow) -> None:
         super().__init__()
+        self.flows = list(flows)
         self.deleted: list[list[str]] = []
+
+    async def udp_flows(self) -> list[Flow]:
+        return list(self.flows)
 
     async def delete(self, filters: Sequence[str]) -> None:
         self.deleted.append(list(filters))
+        want = dict(zip(filters[::2], filters[1::2], strict=False))
+        fields = {
+            "--orig-dst": "orig_dst",
+            "--orig-port-dst": "orig_dport",
+            "--reply-src": "reply_src",
+            "--reply-port-src": "reply_sport",
+        }
+        self.flows = [
+            f
+            for f in self.flows
+            if not all(getattr(f, fields[k]) == v for k, v in want.items() if k in fields)
+        ]
 
 
-def test_udp_entries_of_a_refused_change_are_cleaned_once_a_sync_gets_through() -> None:
+TO_2 = Flow("10.96.0.10", "53", "10.244.1.2", "5353")
+"""A client's UDP flow to the cluster IP, DNATed to 10.244.1.2."""
+
+
+def _udp_service(*endpoints: Endpoint, serving: tuple[str, ...] = (), node_port: int = 0) -> Any:
+    service = _service(protocol="UDP", port=53, node_port=node_port)
+    if serving:  # what the brain says serves anywhere (else: the endpoints given)
+        port = msgspec.structs.replace(
+            service.Ports[0],
+            ServingEndpoints=tuple(EndpointAddress(IP=ip, Port=5353) for ip in serving),
+        )
+        service = msgspec.structs.replace(service, Ports=(port,))
+    return ServiceEndpoints(service, endpoints)
+
+
+def test_udp_flows_of_a_refused_change_are_cleaned_once_a_sync_gets_through() -> None:
     async def scenario() -> None:
-        nft, conntrack = FlakyNft(), RecordingConntrack()
+        nft, conntrack = FlakyNft(), FakeConntrack()
         backend = NftBackend(nft=nft, options=Options(), conntrack=conntrack, sleep=_no_sleep)
-        dns = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.2"),))
-        await backend.apply(_state(1, {WEB: dns}))
-        conntrack.deleted.clear()
+        await backend.apply(_state(1, {WEB: _udp_service(_udp_ep("10.244.1.2"))}))
+        conntrack.flows.append(TO_2)
         nft.failures = 1  # the change that removes the endpoint is refused
-        moved = ServiceEndpoints(_service(protocol="UDP", port=53), (_udp_ep("10.244.1.3"),))
-        await backend.apply(_state(2, {WEB: moved}))
-        assert conntrack.deleted == []
+        await backend.apply(_state(2, {WEB: _udp_service(_udp_ep("10.244.1.3"))}))
+        assert conntrack.flows == [TO_2]
         for _ in range(100):  # the background full resync (no backoff with _no_sleep)
-            if conntrack.deleted:
+            if not conntrack.flows:
                 break
             await asyncio.sleep(0.01)
-        assert [
-            "-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
-            "--dst-nat", "10.244.1.2", "--reply-port-src", "5353",
-        ] in conntrack.deleted  # fmt: skip
+        assert conntrack.deleted == [
+            ["-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
+             "--reply-src", "10.244.1.2", "--reply-port-src", "5353"],
+        ]  # fmt: skip
         await backend.close()
 
     asyncio.run(scenario())
 
 
-def test_a_new_target_port_deletes_the_udp_entries_to_the_old_one() -> None:
+def test_a_new_target_port_deletes_the_udp_flows_to_the_old_one() -> None:
     """Upstream e2e "should be able to cleanup conntrack entries when UDP service target port
     changes" (v1.35): the endpoint's address stays, its port changes, and a client that keeps
     sending from one source port would otherwise keep reaching the old port."""
 
     async def scenario() -> None:
-        nft, conntrack = FlakyNft(), RecordingConntrack()
-        backend = NftBackend(nft=nft, options=Options(), conntrack=conntrack, sleep=_no_sleep)
-        service = _service(protocol="UDP", port=53, node_port=30053)
+        via_node_port = Flow("192.0.2.10", "30053", "10.244.1.2", "5353")
+        conntrack = FakeConntrack(TO_2, via_node_port)
+        backend = NftBackend(nft=FakeNft(), options=Options(), conntrack=conntrack)
         old = _udp_ep("10.244.1.2")
-        await backend.apply(_state(1, {WEB: ServiceEndpoints(service, (old,))}))
-        conntrack.deleted.clear()
+        await backend.apply(_state(1, {WEB: _udp_service(old, node_port=30053)}))
+        assert conntrack.deleted == []  # the start reconciles: nothing is stale
         moved = Endpoint(
             IPs=old.IPs,
             PortOverrides=(PortName(Name="p", Port=9090, Protocol="UDP"),),
             Scopes=ALL,
             Ready=True,
         )
-        await backend.apply(_state(2, {WEB: ServiceEndpoints(service, (moved,))}))
-        assert sorted(conntrack.deleted) == [
+        await backend.apply(_state(2, {WEB: _udp_service(moved, node_port=30053)}))
+        assert conntrack.flows == []
+        assert conntrack.deleted == [
             ["-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
-             "--dst-nat", "10.244.1.2", "--reply-port-src", "5353"],
+             "--reply-src", "10.244.1.2", "--reply-port-src", "5353"],
             ["-p", "udp", "--orig-port-dst", "30053",
-             "--dst-nat", "10.244.1.2", "--reply-port-src", "5353"],
+             "--reply-src", "10.244.1.2", "--reply-port-src", "5353"],
         ]  # fmt: skip
         await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_takeover_deletes_only_the_udp_flows_whose_endpoint_serves_nowhere() -> None:
+    """kube-proxy's reconciliation at start: not every flow of every service (a full sync
+    touches them all), only those going elsewhere than an endpoint serving their frontend."""
+    db: ServiceKey = ("ns", "db")
+    to_terminating = Flow("10.96.0.10", "53", "10.244.1.4", "5353")
+    to_gone = Flow("10.96.0.10", "53", "10.244.1.9", "5353")
+    unanswered = Flow("10.96.0.10", "53", "10.96.0.10", "53")  # made while it had no endpoint
+    to_db = Flow("10.96.0.20", "53", "10.244.1.9", "5353")  # db has no endpoint: left alone
+    conntrack = FakeConntrack(TO_2, to_terminating, to_gone, unanswered, to_db)
+    # 10.244.1.4 is terminating and still serving: the brain lists it, no scope uses it.
+    web = _udp_service(_udp_ep("10.244.1.2"), serving=("10.244.1.2", "10.244.1.4"))
+    dbs = ServiceEndpoints(_service("db", cluster_ip="10.96.0.20", protocol="UDP", port=53), ())
+    nft = FakeNft()
+
+    async def scenario() -> None:
+        await NftBackend(nft=nft, options=Options()).apply(_state(1, {WEB: web, db: dbs}))
+        takeover = NftBackend(nft=nft, options=Options(), conntrack=conntrack)
+        await takeover.apply(_state(1, {WEB: web, db: dbs}))
+        assert sorted(conntrack.flows) == sorted([TO_2, to_terminating, to_db])
+        # Once it no longer serves, its flows go too.
+        gone = _udp_service(_udp_ep("10.244.1.2"), serving=("10.244.1.2",))
+        await takeover.apply(_state(2, {WEB: gone, db: dbs}, updated={WEB}))
+        assert sorted(conntrack.flows) == sorted([TO_2, to_db])
 
     asyncio.run(scenario())
 

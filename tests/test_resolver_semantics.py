@@ -1346,3 +1346,36 @@ def test_node_resolver_ignores_other_nodes() -> None:
     resolver.set_node(Node(Name="node-b", Topology=TopologyInfo(Node="node-b", Zone="zone-b")))
     assert not resolver.resolve()
     assert scopes_by_port(resolver.state[WEB_KEY]) == http({"10.0.1.1": "IC"})
+
+
+def _serving(result: ServiceEndpoints) -> dict[str, list[str]]:
+    return {
+        f"{p.Name}/{p.Protocol}": [f"{e.IP}:{e.Port}" for e in p.ServingEndpoints]
+        for p in result.service.Ports
+    }
+
+
+def test_udp_ports_list_every_endpoint_serving_anywhere_for_conntrack_cleanup() -> None:
+    """kube-proxy 1.35 (pkg/proxy/conntrack/cleanup.go) keeps a UDP flow while its endpoint
+    serves, whatever traffic policy, topology or termination say about new flows: the port
+    lists those endpoints, the ready ones and the serving terminating ones of every node and
+    family, and never one that no longer serves. Only UDP ports: only UDP flows are cleaned."""
+    ports = (("dns", "UDP", 5353), ("dns", "TCP", 5353))
+    slices = (
+        slice_(
+            "v4",
+            ready("10.0.1.1", NODE),
+            ready("10.0.2.1", zones=("zone-b",)),  # topology keeps node-a away from it
+            serving_terminating("10.0.2.2"),  # unused while a ready endpoint exists
+            terminating("10.0.2.3"),
+            ports=ports,
+        ),
+        slice_("v6", ready("fd00:2::1"), ports=ports, v6=True),
+    )
+    svc = service(ports=(DNS_UDP, DNS_TCP), v6=("fd00:96::10",), itp_local=True)
+    result = resolve_service(svc, slices, node=NODE, zone=ZONE)
+    assert _serving(result) == {
+        "dns/UDP": ["10.0.1.1:5353", "10.0.2.1:5353", "10.0.2.2:5353", "fd00:2::1:5353"],
+        "dns/TCP": [],
+    }
+    assert scopes_by_port(result)["dns/UDP"] == {"10.0.1.1:5353": "I"}  # the only one for new flows

@@ -104,6 +104,7 @@ PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.ServiceIPs, localv1_pb2.ServiceIPs),
     (messages.IPFilter, localv1_pb2.IPFilter),
     (messages.IPFamilies, localv1_pb2.IPFamilies),
+    (messages.EndpointAddress, localv1_pb2.EndpointAddress),
     (messages.PortMapping, localv1_pb2.PortMapping),
     (messages.ClientIPAffinity, localv1_pb2.ClientIPAffinity),
     (messages.Service, localv1_pb2.Service),

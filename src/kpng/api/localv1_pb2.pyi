@@ -387,6 +387,7 @@ class PortMapping(_message.Message):
     TARGETPORT_FIELD_NUMBER: _builtins.int
     TARGETPORTNAME_FIELD_NUMBER: _builtins.int
     USABLEENDPOINTS_FIELD_NUMBER: _builtins.int
+    SERVINGENDPOINTS_FIELD_NUMBER: _builtins.int
     Name: _builtins.str
     Protocol: Global___Protocol.ValueType
     Port: _builtins.int
@@ -400,6 +401,14 @@ class PortMapping(_message.Message):
         endpoint for its policy on this node, is dropped.
         """
 
+    @_builtins.property
+    def ServingEndpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointAddress]:
+        """kpng: for UDP ports, every endpoint serving this port anywhere in the cluster (ready, or
+        terminating and still serving), whatever the node's policies and topology let it use: the
+        conntrack flows of a UDP service not going to one of these are stale (kube-proxy's rule).
+        Empty for other protocols.
+        """
+
     def __init__(
         self,
         *,
@@ -410,14 +419,39 @@ class PortMapping(_message.Message):
         TargetPort: _builtins.int = ...,
         TargetPortName: _builtins.str = ...,
         UsableEndpoints: Global___IPFamilies | None = ...,
+        ServingEndpoints: _abc.Iterable[Global___EndpointAddress] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["UsableEndpoints", b"UsableEndpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Name", b"Name", "NodePort", b"NodePort", "Port", b"Port", "Protocol", b"Protocol", "TargetPort", b"TargetPort", "TargetPortName", b"TargetPortName", "UsableEndpoints", b"UsableEndpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Name", b"Name", "NodePort", b"NodePort", "Port", b"Port", "Protocol", b"Protocol", "ServingEndpoints", b"ServingEndpoints", "TargetPort", b"TargetPort", "TargetPortName", b"TargetPortName", "UsableEndpoints", b"UsableEndpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PortMapping: _TypeAlias = PortMapping  # noqa: Y015
+
+@_typing.final
+class EndpointAddress(_message.Message):
+    """kpng extension."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IP_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    IP: _builtins.str
+    Port: _builtins.int
+    def __init__(
+        self,
+        *,
+        IP: _builtins.str = ...,
+        Port: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Port", b"Port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointAddress: _TypeAlias = EndpointAddress  # noqa: Y015
 
 @_typing.final
 class IPFamilies(_message.Message):

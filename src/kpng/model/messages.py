@@ -47,6 +47,11 @@ class IPFamilies(_Message, frozen=True):
     V6: bool = False
 
 
+class EndpointAddress(_Message, frozen=True):
+    IP: str = ""
+    Port: int = 0
+
+
 class PortMapping(_Message, frozen=True):
     Name: str = ""
     Protocol: str = ""
@@ -55,6 +60,9 @@ class PortMapping(_Message, frozen=True):
     TargetPort: int = 0
     TargetPortName: str = ""
     UsableEndpoints: IPFamilies | None = None
+    ServingEndpoints: tuple[EndpointAddress, ...] = ()
+    """UDP ports only: the endpoints serving the port anywhere, whatever this node may use
+    (kube-proxy's conntrack cleanup keeps the flows going to them)."""
 
 
 class ClientIPAffinity(_Message, frozen=True):

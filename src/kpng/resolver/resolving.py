@@ -16,6 +16,7 @@ from kpng.model.cluster import ServiceKey, Slice, SliceEndpoint, SliceKey, node_
 from kpng.model.messages import (
     EMPTY_IPSET,
     Endpoint,
+    EndpointAddress,
     EndpointScopes,
     IPFamilies,
     IPSet,
@@ -93,6 +94,9 @@ def resolve_service(
     # (endpoint identity, scopes) -> [endpoint, v6, ports]; dicts keep first-seen order.
     grouped: dict[tuple[int, EndpointScopes], tuple[SliceEndpoint, bool, list[PortName]]] = {}
     usable: list[list[bool]] = [[False, False] for _ in service.Ports]
+    # kube-proxy's conntrack rule: a UDP flow is stale once its endpoint serves nowhere, whatever
+    # the policies and topology let this node use.
+    serving: list[set[tuple[str, int]]] = [set() for _ in service.Ports]
     for v6 in (False, True):
         if not cluster_ips.family(v6):
             continue
@@ -102,6 +106,8 @@ def resolve_service(
             candidates = _port_endpoints(port, family_slices, node=node)
             if not candidates:
                 continue
+            if port.Protocol == "UDP":
+                serving[p].update((ep.ip, number) for ep, number in candidates if ep.serving)
             external = port.NodePort != 0 or has_external_ip
             cats = categorize(
                 [ep for ep, _ in candidates],
@@ -151,8 +157,12 @@ def resolve_service(
     else:
         endpoints = in_key_order(endpoint for _, endpoint in entries)
     ports = tuple(
-        msgspec.structs.replace(port, UsableEndpoints=_FAMILIES[(v4, v6)])
-        for port, (v4, v6) in zip(service.Ports, usable, strict=True)
+        msgspec.structs.replace(
+            port,
+            UsableEndpoints=_FAMILIES[(v4, v6)],
+            ServingEndpoints=tuple(EndpointAddress(IP=ip, Port=n) for ip, n in sorted(addresses)),
+        )
+        for port, (v4, v6), addresses in zip(service.Ports, usable, serving, strict=True)
     )
     return ServiceEndpoints(
         service=msgspec.structs.replace(service, Ports=ports), endpoints=endpoints

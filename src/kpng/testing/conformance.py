@@ -977,6 +977,38 @@ def test_udp_service_moves_to_the_new_endpoint_after_removal(cluster: Cluster) -
     cluster.remove("udp")
 
 
+def test_udp_flows_stay_with_an_endpoint_while_it_serves(cluster: Cluster) -> None:
+    """kube-proxy 1.35's conntrack rule: a UDP flow keeps its endpoint while that endpoint
+    serves anywhere, though new flows no longer go to it (terminating, a ready one exists), and
+    moves once it serves nowhere."""
+    ip = cluster.cluster_ip()
+    udp_port = {"name": "dns", "port": 5353, "protocol": "UDP"}
+    terminating = {"ready": False, "serving": True, "terminating": True}
+
+    def write(*slices: Json) -> None:
+        cluster.write(
+            "udp-flows", service("udp-flows", ip, [port("dns", 53, 5353, "UDP")]), *slices
+        )
+
+    def same_flow() -> list[str]:  # one source port: one conntrack entry across probes
+        return cluster.probe("c1", "udp-same-source", ip, 53, count=2, source_port=40053)
+
+    write(endpoint_slice(cluster, "udp-flows", ["a1"], ports=[udp_port]))
+    cluster.eventually("c1", "udp-same-source", ip, 53, lambda r: r[-1].startswith("a1"))
+    assert same_flow()[-1].startswith("a1")
+    write(
+        endpoint_slice(cluster, "udp-flows", ["a1"], ports=[udp_port], conditions=terminating),
+        endpoint_slice(cluster, "udp-flows", ["b1"], ports=[udp_port], suffix="y"),
+    )
+    # New flows go to the ready endpoint, the flow of a1 stays there.
+    cluster.eventually("c1", "udp", ip, 53, lambda r: names(r) == {"b1"}, count=3)
+    assert same_flow()[-1].startswith("a1")
+    write(endpoint_slice(cluster, "udp-flows", ["b1"], ports=[udp_port], suffix="y"))
+    cluster.eventually("c1", "udp-same-source", ip, 53, lambda r: r[-1].startswith("b1"))
+    assert same_flow()[-1].startswith("b1")
+    cluster.remove("udp-flows")
+
+
 def test_multiple_ports_and_named_target_ports(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(

@@ -270,15 +270,19 @@ class TestBed:
         hold: float = 0.0,
         source: str | None = None,
         ports: bool = False,
+        source_port: int = 0,
     ) -> list[str]:
         """Answers of ``count`` connections from ``netns``, from its address ``source`` if given,
-        with the source ports seen and sent if ``ports`` (see ``kpng.testing.probe``)."""
+        with the source ports seen and sent if ``ports``; ``source_port`` for
+        ``udp-same-source`` (see ``kpng.testing.probe``)."""
         argv = [sys.executable, "-m", "kpng.testing.probe", proto, host, str(port)]
         argv += ["--count", str(count), "--timeout", str(timeout), "--hold", str(hold)]
         if source:
             argv += ["--source", source]
         if ports:
             argv.append("--ports")
+        if source_port:
+            argv += ["--source-port", str(source_port)]
         result: list[str] = json.loads(self.exec(netns, argv))["results"]
         return result
 

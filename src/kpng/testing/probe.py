@@ -99,12 +99,16 @@ def udp_once(
             return f"error: {exc}"
 
 
-def udp_same_source(host: str, port: int, count: int, timeout: float) -> list[str]:
-    """``count`` datagrams from one socket (one conntrack entry), 0.2 s apart."""
+def udp_same_source(
+    host: str, port: int, count: int, timeout: float, source_port: int = 0
+) -> list[str]:
+    """``count`` datagrams from one socket (one conntrack entry), 0.2 s apart; from
+    ``source_port``, the same entry across runs."""
     out = []
     with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
         sock.settimeout(timeout)
-        sock.bind(("::" if ":" in host else "0.0.0.0", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("::" if ":" in host else "0.0.0.0", source_port))
         for _ in range(count):
             try:
                 sock.sendto(b"hello\n", (host, port))
@@ -142,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--source", default=None)
     parser.add_argument("--for", dest="duration", type=float, default=0.0)
     parser.add_argument("--ports", action="store_true")
+    parser.add_argument("--source-port", type=int, default=0, help="for udp-same-source")
     args = parser.parse_args(argv)
     if args.ports and (args.proto not in ("tcp", "udp") or args.hold):
         parser.error("--ports is for tcp and udp, without --hold")
@@ -150,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hold:
         results = hold(args.host, args.port, args.hold, args.timeout)
     elif args.proto == "udp-same-source":
-        results = udp_same_source(args.host, args.port, args.count, args.timeout)
+        results = udp_same_source(args.host, args.port, args.count, args.timeout, args.source_port)
     else:
         once = {"tcp": tcp_once, "udp": udp_once, "http": http_once}[args.proto]
         if args.ports:

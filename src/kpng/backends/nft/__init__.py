@@ -27,6 +27,7 @@ from typing import TextIO
 
 from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
+from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
@@ -97,8 +98,6 @@ class NftBackend:
         self._health_cidrs: tuple[str, ...] | None = None
         self._recontribute = False
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
-        self._unclean = Touched()
-        """UDP conntrack cleanup owed by changes whose transaction was refused."""
         self._needs_full = True
         self._lock = asyncio.Lock()
         self._retry: asyncio.Task[None] | None = None
@@ -251,9 +250,8 @@ class NftBackend:
                 error = await self._run(plan)
             self.sync_stats.attempted(seconds=time.monotonic() - started, full=plan.full)
             if error is not None:
-                # The UDP entries this change makes stale are cleaned once a sync gets through.
-                self._unclean.udp_gone |= touched.udp_gone
-                self._unclean.udp_new_services |= touched.udp_new_services
+                # The UDP flows this change makes stale are cleaned by the full resync's
+                # reconciliation.
                 self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
                 self._backoff = min(self._backoff, MAX_BACKOFF_S)
                 self._needs_full = True
@@ -278,10 +276,9 @@ class NftBackend:
                 "full" if plan.full else "incremental",
                 len(plan.tx),
             )
-            unclean, self._unclean = self._unclean, Touched()
-        unclean.udp_gone |= touched.udp_gone
-        unclean.udp_new_services |= touched.udp_new_services
-        await self._clean_conntrack(unclean)
+        # After a full sync (start, takeover, recovery) every frontend is reconciled, as
+        # kube-proxy does at start; after a change, those whose serving endpoints changed.
+        await self._clean_conntrack(None if plan.full else touched.udp_frontends)
         return True
 
     _backoff = FIRST_BACKOFF_S
@@ -349,34 +346,24 @@ class NftBackend:
         while not await self._sync(Touched(), backoff=True):
             pass
 
-    async def _clean_conntrack(self, touched: Touched) -> None:
-        """UDP has no connection end: entries NATed to a removed endpoint would keep sending
-        there, and entries made while a service had no endpoint would keep bypassing it."""
-        if self._conntrack is None:
+    async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
+        """Delete the stale UDP flows (``flows.py``) of ``only`` these frontends, or of all."""
+        if self._conntrack is None or (only is not None and not only):
             return
-        for svc, port, ep, ep_port in sorted(touched.udp_gone):
-            family = ["-f", "ipv6"] if ":" in ep else []
-            target = ["--orig-dst", svc] if svc else []
-            await self._conntrack.delete(
-                [
-                    *family,
-                    "-p",
-                    "udp",
-                    *target,
-                    "--orig-port-dst",
-                    port,
-                    "--dst-nat",
-                    ep,
-                    "--reply-port-src",
-                    ep_port,
-                ]
-            )
-        for svc, port in sorted(touched.udp_new_services):
-            if svc:
-                family = ["-f", "ipv6"] if ":" in svc else []
-                await self._conntrack.delete(
-                    [*family, "-p", "udp", "--orig-dst", svc, "--orig-port-dst", port]
-                )
+        frontends = self.store.udp_frontends()
+        if not frontends:
+            return
+        started = time.monotonic()
+        flows = await self._conntrack.udp_flows()
+        filters = stale_filters(flows, frontends, only)
+        for f in filters:
+            await self._conntrack.delete(f)
+        log.debug(
+            "conntrack: %d UDP flows listed, %d filters deleted stale ones, in %.3f s",
+            len(flows),
+            len(filters),
+            time.monotonic() - started,
+        )
 
     async def close(self) -> None:
         if self._retry is not None:

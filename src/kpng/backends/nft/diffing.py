@@ -58,8 +58,8 @@ class Touched:
     maps: set[str] = field(default_factory=set)
     shared: set[ElementKey] = field(default_factory=set)
     """Touched elements left with more than one owner: the only ones that can conflict."""
-    udp_gone: set[tuple[str, str, str, str]] = field(default_factory=set)
-    udp_new_services: set[tuple[str, str]] = field(default_factory=set)
+    udp_frontends: set[tuple[str, str]] = field(default_factory=set)
+    """UDP frontends whose serving endpoints changed: their stale conntrack flows go."""
 
     def __bool__(self) -> bool:
         return bool(self.elements or self.chains or self.maps)
@@ -140,10 +140,13 @@ class DiffStore:
                 if old.maps.get(name) != m:
                     self._map_owners.setdefault(name, {})[key] = m
                     touched.maps.add(name)
-        if old.udp_endpoints or new.udp_endpoints:
-            touched.udp_gone |= old.udp_endpoints - new.udp_endpoints
-            old_services = {(a, p) for a, p, *_ in old.udp_endpoints}
-            touched.udp_new_services |= {(a, p) for a, p, *_ in new.udp_endpoints} - old_services
+        if old.udp_frontends or new.udp_frontends:
+            # A frontend that goes keeps its flows, as with kube-proxy: they time out.
+            touched.udp_frontends.update(
+                front
+                for front, serving in new.udp_frontends.items()
+                if old.udp_frontends.get(front) != serving
+            )
 
     def _own(self, ek: ElementKey, key: ServiceKey, value: tuple[str, ...], t: Touched) -> None:
         """Make ``key`` an owner of ``ek`` wanting ``value`` (its contribution is recorded)."""
@@ -174,6 +177,15 @@ class DiffStore:
             del self._element_owners[ek]
             return 0
         return 1
+
+    def udp_frontends(self) -> dict[tuple[str, str], frozenset[tuple[str, str]]]:
+        """Every UDP frontend and the endpoints serving it (two services sharing one: either's
+        endpoints)."""
+        out: dict[tuple[str, str], frozenset[tuple[str, str]]] = {}
+        for contribution in self.contributions.values():
+            for front, serving in contribution.udp_frontends.items():
+                out[front] = serving | out[front] if front in out else serving
+        return out
 
     def desired_element(self, ek: ElementKey) -> tuple[str, ...] | None:
         owners = self._element_owners.get(ek)

@@ -354,10 +354,10 @@ class Contribution:
     maps: dict[str, Map | Set] = field(default_factory=dict)
     """Named sets and maps, by name."""
     problems: list[str] = field(default_factory=list)
-    udp_endpoints: set[tuple[str, str, str, str]] = field(default_factory=set)
-    """(service address, port, endpoint address, endpoint port) of UDP traffic: the conntrack
-    entries to delete when the pair goes away, also when only the endpoint's port changed (a
-    new targetPort: the flow would keep going to the old one)."""
+    udp_frontends: dict[tuple[str, str], frozenset[EndpointValue]] = field(default_factory=dict)
+    """UDP (service address, port) -> the endpoints serving it anywhere: conntrack flows to the
+    address and port going to any other endpoint are stale (kube-proxy's rule). The address is
+    empty for a node port (flows to any address on that port)."""
 
 
 EndpointValue = tuple[str, str]
@@ -414,6 +414,14 @@ def _allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
         ipaddress.IPv4Network(r, strict=False) for r in ranges if ":" not in r
     )
     return tuple(str(n) for n in merged4)
+
+
+def _serving(port: PortMapping, used: Iterable[EndpointValue]) -> frozenset[EndpointValue]:
+    """The endpoints of ``port`` serving anywhere (the brain's list; from a brain without it, as
+    Go KPNG's, those this node may use)."""
+    if port.ServingEndpoints:
+        return frozenset((e.IP, str(e.Port)) for e in port.ServingEndpoints)
+    return frozenset(used)
 
 
 def _from_node(
@@ -496,6 +504,16 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
                     out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
+            if proto == "udp":
+                serving = _serving(port, (*internal, *external, *cluster_wide))
+                if serving:
+                    for address in (*cluster_ips, *external_ips, *lb_ips):
+                        out.udp_frontends[(address, p)] = serving
+                    if port.NodePort:  # one frontend for both families
+                        np_front = ("", str(port.NodePort))
+                        out.udp_frontends[np_front] = serving | out.udp_frontends.get(
+                            np_front, frozenset()
+                        )
             if local:
                 for ep_addr, _ in {*internal, *external, *cluster_wide}:
                     if ep_addr in local:
@@ -535,9 +553,6 @@ def _dispatch(
             elements[(m.name, key)] = value
     else:
         elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
-    if proto == "udp":
-        address = key[0] if len(key) == 3 else ""
-        out.udp_endpoints.update((address, key[-1], addr, eport) for addr, eport in eps)
 
 
 _SCOPES: dict[Kind, str] = {
@@ -632,6 +647,3 @@ def _remember(
             picks.append(Rule(name, f"numgen random mod {n - i} 0 {then}" if i < n - 1 else then))
         out.chains[name] = (Chain(name), (*remembered, *picks))
     out.elements[(f"{kind}-{fam}", key)] = (f"goto {name}",)
-    if proto == "udp":
-        address = key[0] if len(key) == 3 else ""
-        out.udp_endpoints.update((address, key[-1], addr, eport) for addr, eport in eps)

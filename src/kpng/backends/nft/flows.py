@@ -1,0 +1,73 @@
+"""Stale UDP conntrack flows, by kube-proxy's rule (pure: no I/O).
+
+UDP has no connection end: a flow DNATed to an endpoint that is gone keeps sending there, and a
+flow made while a service had no endpoint keeps bypassing it. kube-proxy (1.35,
+pkg/proxy/conntrack/cleanup.go) deletes exactly the UDP flows whose original destination is a
+service frontend (an address and port, or any address on a node port) and whose reply source is
+not one of the endpoints serving that frontend anywhere. A frontend with no serving endpoint is
+left alone, and so are flows going to endpoints that still serve though this node would not pick
+them for a new flow (terminating, another zone, a Local policy): changes to a service must not
+break its existing flows, as with TCP.
+
+``parse_flows`` reads ``conntrack -L -p udp`` output; ``stale_filters`` gives the ``conntrack -D``
+filters of the flows to delete, one per distinct (frontend, endpoint), as kube-proxy's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+Frontends = Mapping[tuple[str, str], frozenset[tuple[str, str]]]
+"""(service address, or "" for a node port; port) -> (endpoint address, port) serving it."""
+
+
+class Flow(NamedTuple):
+    """What the rule reads of a UDP conntrack entry."""
+
+    orig_dst: str
+    orig_dport: str
+    reply_src: str
+    reply_sport: str
+
+
+def parse_flows(listing: str) -> list[Flow]:
+    """The UDP flows of ``conntrack -L`` output: the first ``src``/``dst``/``sport``/``dport`` of a
+    line are the original direction, the second the reply."""
+    flows = []
+    for line in listing.splitlines():
+        fields = line.split()
+        if not fields or fields[0] != "udp":
+            continue
+        seen: dict[str, list[str]] = {}
+        for item in fields:
+            name, eq, value = item.partition("=")
+            if eq:
+                seen.setdefault(name, []).append(value)
+        try:
+            flows.append(Flow(seen["dst"][0], seen["dport"][0], seen["src"][1], seen["sport"][1]))
+        except (KeyError, IndexError):
+            continue  # not a complete entry: nothing to match
+    return flows
+
+
+def stale_filters(
+    flows: Iterable[Flow], frontends: Frontends, only: Iterable[tuple[str, str]] | None = None
+) -> list[list[str]]:
+    """The ``conntrack -D`` filters deleting the stale ``flows`` (sorted, each once), for
+    ``only`` these frontends or every one."""
+    if only is not None:
+        frontends = {front: frontends[front] for front in only if front in frontends}
+    filters: set[tuple[str, ...]] = set()
+    for flow in flows:
+        endpoint = (flow.reply_src, flow.reply_sport)
+        family = ("-f", "ipv6") if ":" in flow.reply_src else ()
+        port = ("--orig-port-dst", flow.orig_dport)
+        reply = ("--reply-src", flow.reply_src, "--reply-port-src", flow.reply_sport)
+        serving = frontends.get((flow.orig_dst, flow.orig_dport))
+        if serving and endpoint not in serving:
+            filters.add((*family, "-p", "udp", "--orig-dst", flow.orig_dst, *port, *reply))
+        serving = frontends.get(("", flow.orig_dport))
+        if serving and endpoint not in serving:
+            filters.add((*family, "-p", "udp", *port, *reply))
+    return [list(f) for f in sorted(filters)]
