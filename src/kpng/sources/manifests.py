@@ -1,4 +1,5 @@
-"""Manifest documents (YAML or JSON, single objects, ``kind: List``, kpng dumps) to model objects.
+"""Manifest documents (YAML or JSON, single objects, ``kind: List``, kpng dumps, Go KPNG's state
+files) to model objects.
 
 Pure: bytes in, model objects and error messages out. A malformed object is reported with its
 file, kind, namespace and name, and skipped; the rest of the document is still used. A document
@@ -15,7 +16,7 @@ import msgspec
 import yaml
 
 from kpng.errors import InputError, InvalidObject, object_name
-from kpng.model import converting, dumping, k8s
+from kpng.model import converting, dumping, gokpng, k8s
 from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
 
@@ -145,6 +146,8 @@ def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Pars
             continue
         if isinstance(doc, dict) and doc.get("kind") == dumping.KIND:
             _add_dump(msgspec.json.encode(doc), where, parsed)
+        elif gokpng.is_state(doc):
+            _add_go_kpng_state(doc, where, proxy_name, parsed)
         elif isinstance(doc, dict) and doc.get("kind") == "List":
             for i, item in enumerate(doc.get("items") or ()):
                 _add_python_object(item, f"{where}: items[{i}]", proxy_name, parsed)
@@ -227,6 +230,27 @@ def _add_dump(data: bytes, where: str, parsed: Parsed) -> None:
         parsed.errors.append(f"{where}: {exc}; skipped")
         return
     for model in objects:
+        _keep(parsed, model_key(model), model, where)
+
+
+def _add_go_kpng_state(
+    doc: dict[str, Any], where: str, proxy_name: str | None, parsed: Parsed
+) -> None:
+    objects, errors = gokpng.load(doc)
+    parsed.errors += [f"{where}: {error}" for error in errors]
+    ignored: set[tuple[str, str]] = set()
+    for model in objects:
+        # The service-proxy-name rule, as for a Service manifest (Go KPNG's file has no headless
+        # services: its store never held them).
+        if isinstance(model, Service) and not converting.is_proxied(
+            model.Labels, proxy_name=proxy_name
+        ):
+            ignored.add((model.Namespace, model.Name))
+            _keep(parsed, model_key(model), None, where)
+            continue
+        if isinstance(model, Slice) and model.service_key in ignored:
+            _keep(parsed, model_key(model), None, where)
+            continue
         _keep(parsed, model_key(model), model, where)
 
 
