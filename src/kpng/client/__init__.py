@@ -18,6 +18,7 @@ from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
     Endpoint,
+    EndpointAddress,
     EndpointScopes,
     IPFamilies,
     IPFilter,
@@ -38,6 +39,7 @@ __all__ = [
     "Diff",
     "DiffStore",
     "Endpoint",
+    "EndpointAddress",
     "EndpointScopes",
     "Fanout",
     "Feeder",

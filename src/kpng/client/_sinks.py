@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Protocol
 
+from kpng.client._compat import complete
 from kpng.client._state import Handler, NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import Endpoint, Service, ServiceEndpoints
@@ -149,9 +150,10 @@ class FullState:
                     deleted.add(key)
                 continue
             keyed = self._endpoints.get(key, {})
-            # by key: the canonical order (kpng.model.paths), as in process
-            value = ServiceEndpoints(
-                service=service, endpoints=tuple(keyed[k] for k in sorted(keyed))
+            # by key: the canonical order (kpng.model.paths), as in process; from a Go KPNG
+            # brain, with what its semantics imply filled in
+            value = complete(
+                ServiceEndpoints(service=service, endpoints=tuple(keyed[k] for k in sorted(keyed)))
             )
             if self._state.get(key) != value:
                 self._state[key] = value
