@@ -2,8 +2,8 @@
 
 The first state (and any state after a refused transaction) replaces what the table holds in
 one transaction, taking over what a previous kpng left without a gap and keeping the ClientIP
-affinity memory; every later state changes
-only the elements, chains and maps of the services that changed, in one atomic transaction.
+affinity memory; every later state changes only the elements, chains and maps of the services
+that changed, in one atomic transaction.
 The layout is described in ``layout.py``; ``nftables.py`` is the typed transaction,
 ``fake.py`` the in-memory nft for tests, ``executing.py`` what talks to nftables (libnftables
 in process, or the ``nft`` command) and runs ``conntrack``.
