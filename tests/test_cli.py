@@ -181,8 +181,26 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             ["file", "--input", "x", "to-file", "--output", "-", "to-json"],
             "to-file takes no backend",
         ),
+        (
+            ["file", "--input", "x", "to-local", "--node-name", "n", "to-jsno", "--once"],
+            "unknown backend 'to-jsno'; did you mean to-json? (backends: to-exec, to-json,",
+        ),
+        (
+            ["file", "--input", "x", "to-local", "--node-name", "n", "to-json", "to-nfft"],
+            "unknown backend 'to-nfft'; did you mean to-nft?",
+        ),
+        (["local", "--api", "unix:///x", "to-zzz"], "unknown backend 'to-zzz' (backends:"),
     ],
-    ids=["no-sink", "no-backend", "not-a-source", "nothing", "backend-after-to-file"],
+    ids=[
+        "no-sink",
+        "no-backend",
+        "not-a-source",
+        "nothing",
+        "backend-after-to-file",
+        "misspelt-backend",
+        "misspelt-second-backend",
+        "unknown-backend-of-local",
+    ],
 )
 def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: str) -> None:
     done = _run(kpng_command, *args)
@@ -195,6 +213,24 @@ def test_help_lists_sources_sinks_and_registered_backends(kpng_command: list[str
     assert done.returncode == 0
     for name in ("file", "to-local", "to-file", "to-json"):
         assert name in done.stdout
+    assert "to-json    write the node-local state as one JSON line per revision" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (["file", "to-local", "--help"], "usage: kpng <source> to-local"),
+        (["file", "to-local", "to-nft", "--help"], "usage: kpng ... to-nft"),
+        (["kube", "to-local", "--node-name", "n", "to-json", "-h"], "usage: kpng ... to-json"),
+    ],
+)
+def test_help_of_a_sink_or_backend_needs_nothing_before_it(
+    kpng_command: list[str], args: list[str], usage: str
+) -> None:
+    """What `kpng --help` suggests works, though the source has none of its required flags."""
+    done = _run(kpng_command, *args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(usage)
 
 
 def test_following_a_file_prints_a_line_per_change(

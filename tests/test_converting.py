@@ -187,6 +187,17 @@ def test_service_ignore_rules(obj: k8s.Service, proxy_name: str | None, proxied:
         assert result is None
 
 
+@pytest.mark.parametrize("labels", [{}, {"app": "web"}], ids=["no-labels", "other-labels"])
+def test_slice_without_service_name_is_reported_not_silently_dropped(
+    labels: dict[str, str],
+) -> None:
+    """kube-proxy logs such a slice as an error: it belongs to no service."""
+    with pytest.raises(
+        InvalidObject, match=r"EndpointSlice ns1/web-abcde: no kubernetes\.io/service-name label"
+    ):
+        slice_from_k8s(slice_obj(labels=labels))
+
+
 SLICE_IGNORE_CASES = [
     pytest.param(slice_obj(), None, True, id="plain_slice_is_proxied"),
     pytest.param(
@@ -200,13 +211,6 @@ SLICE_IGNORE_CASES = [
         "kpng",
         False,
         id="slice_with_headless_label_ignored_with_proxy_name",
-    ),
-    pytest.param(slice_obj(labels={}), None, False, id="slice_without_service_name_ignored"),
-    pytest.param(
-        slice_obj(labels={"app": "web"}),
-        None,
-        False,
-        id="slice_with_other_labels_but_no_service_name_ignored",
     ),
     pytest.param(
         slice_obj(labels={SERVICE_NAME_LABEL: "web", PROXY_NAME_LABEL: "other"}),

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -52,7 +54,9 @@ EXIT_ERROR = 1
 
 
 def _epilog() -> str:
-    backends = "\n".join(f"  to-{name}" for name in registry.names())
+    backends = "\n".join(
+        f"  {'to-' + name:10} {registry.lookup(name).help}" for name in registry.names()
+    )
     return (
         "sources:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
@@ -61,7 +65,8 @@ def _epilog() -> str:
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
         + f"\nbackends (after to-local, or local):\n{backends}\n\n"
         "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
-        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`."
+        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`, "
+        "`kpng file to-local to-nft --help`."
     )
 
 
@@ -159,9 +164,45 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
     return head, segments
 
 
+def _unknown_backend(args: Sequence[str]) -> None:
+    """A ``to-NAME`` where a backend may stand that names none: say so, not argparse's
+    "unrecognized arguments"."""
+    for arg in args:
+        if _BACKEND_LIKE.fullmatch(arg) and not registry.known(arg.removeprefix("to-")):
+            names = registry.names()
+            close = difflib.get_close_matches(arg.removeprefix("to-"), names, n=1)
+            hint = f"; did you mean to-{close[0]}?" if close else ""
+            known = ", ".join(f"to-{n}" for n in names)
+            raise UsageError(f"unknown backend {arg!r}{hint} (backends: {known})")
+
+
+_BACKEND_LIKE = re.compile(r"to-[a-z][a-z0-9-]*")
+
+
+def _help_of_a_later_part(segments: list[_Segment]) -> None:
+    """``--help`` on a sink or backend prints that part's help, however incomplete the parts
+    before it are (argparse would stop at the source's first missing flag)."""
+    for i in range(len(segments) - 1, 0, -1):
+        segment = segments[i]
+        if "-h" not in segment.args and "--help" not in segment.args:
+            continue
+        if i == 1 and segments[0].name != LOCAL and segment.name in SINKS:
+            spec = SINKS[segment.name]
+            parser = _parser(f"kpng <source> {spec.name}", spec.help, spec.add_arguments)
+        elif segment.name.startswith("to-") and registry.known(segment.name.removeprefix("to-")):
+            backend = registry.lookup(segment.name.removeprefix("to-"))
+            parser = _parser(f"kpng ... {segment.name}", backend.help, backend.add_arguments)
+        else:
+            continue
+        parser.parse_args(["--help"])  # prints and exits 0
+
+
 def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     """Parse the command line into logging options and the coroutine that runs the pipeline."""
     head, segments = _split(argv)
+    _help_of_a_later_part(segments)
+    for segment in segments[1:] if segments and segments[0].name != LOCAL else segments:
+        _unknown_backend(segment.args)
     options, unknown = _main_parser().parse_known_args(head)
     if unknown:
         raise UsageError(f"unknown source {unknown[0]!r} (sources: {', '.join(SOURCES)})")

@@ -286,9 +286,12 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
     if obj.api_version != k8s.API_VERSIONS[k8s.EndpointSlice]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
     labels = obj.metadata.labels or {}
-    service = labels.get(LABEL_SERVICE_NAME)
-    if not service or LABEL_HEADLESS in labels or not is_proxied(labels, proxy_name=proxy_name):
+    if LABEL_HEADLESS in labels or not is_proxied(labels, proxy_name=proxy_name):
         return None
+    service = labels.get(LABEL_SERVICE_NAME)
+    if not service:
+        # kube-proxy logs it as an error too: no service to attach the endpoints to.
+        raise invalid(f"no {LABEL_SERVICE_NAME} label: it belongs to no service")
     if obj.address_type == "FQDN":
         return None
     if obj.address_type not in ("IPv4", "IPv6"):
