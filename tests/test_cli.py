@@ -233,16 +233,23 @@ def test_help_of_a_sink_or_backend_needs_nothing_before_it(
     assert done.stdout.startswith(usage)
 
 
+@pytest.mark.parametrize(
+    "given",
+    ["ABSOLUTE", "sub/cluster.yaml", "./sub/cluster.yaml", "sub", "./sub/../sub/"],
+    ids=["absolute", "relative", "dot-relative", "relative-directory", "unnormalized"],
+)
 def test_following_a_file_prints_a_line_per_change(
-    kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str]
+    kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str], given: str
 ) -> None:
-    source = tmp_path / "cluster.yaml"
+    """As the README's examples write it: relative paths too (inotify reports absolute ones)."""
+    source = tmp_path / "sub" / "cluster.yaml"
+    source.parent.mkdir()
     shutil.copy(EXAMPLE, source)
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen(
-        [*kpng_command, "file", "--input", str(source), "to-local", "--node-name", "node-2",
-         "to-json", "--output", str(out)],
-        stderr=subprocess.PIPE, text=True, env=subprocess_env,
+        [*kpng_command, "file", "--input", str(source) if given == "ABSOLUTE" else given,
+         "to-local", "--node-name", "node-2", "to-json", "--output", str(out)],
+        stderr=subprocess.PIPE, text=True, env=subprocess_env, cwd=tmp_path,
     )  # fmt: skip
     try:
         _wait_for_lines(out, 1)

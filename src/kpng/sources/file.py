@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,7 +35,11 @@ _WATCH_DEBOUNCE_MS = 400
 
 class FileSource:
     def __init__(self, path: Path, *, proxy_name: str | None = None) -> None:
-        self.path = path
+        # Absolute and normalized (``./sub/../x``): inotify reports absolute paths, and a
+        # relative PATH would never equal them, so no change would ever be followed.
+        self.path = Path(os.path.abspath(path))
+        self.given = path
+        """PATH as the user wrote it, for messages."""
         self.proxy_name = proxy_name
         self._parsed: dict[Path, Parsed] = {}
         self._memos: dict[Path, manifests.ItemMemo] = {}
@@ -59,12 +64,12 @@ class FileSource:
     def load(self, out: SourceHandle) -> None:
         """Read every file and mark the source synced. Raises InputError if PATH is unusable."""
         if not self.path.exists():
-            raise InputError(f"--input {self.path}: no such file or directory")
+            raise InputError(f"--input {self.given}: no such file or directory")
         if self.path.is_file():
             try:
                 self.path.read_bytes()
             except OSError as exc:
-                raise InputError(f"--input {self.path}: {exc.strerror}") from None
+                raise InputError(f"--input {self.given}: {exc.strerror}") from None
         self.reload(self.files(), out)
         out.mark_synced()
 
