@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import EXAMPLE
+from tests.conftest import EXAMPLE, ROOT
 from tests.waiting import json_lines
 
 TIMEOUT_S = 60
@@ -150,6 +151,20 @@ def test_json_logs_are_one_object_a_line(kpng_command: list[str], tmp_path: Path
     assert all(isinstance(e["ts"], float) for e in entries)
 
 
+@pytest.mark.parametrize(
+    "sink", [["to-local", "--node-name", "n", "to-json"], ["to-file", "--output", "-"]]
+)
+def test_once_fails_on_a_file_that_never_parsed(
+    kpng_command: list[str], tmp_path: Path, sink: list[str]
+) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: Service\nmetadata: {name: [half-written\n")
+    done = _run(kpng_command, "file", "--input", str(broken), *sink, "--once")
+    assert done.returncode == 1
+    assert f"source file: no usable state until these files parse: {broken}" in done.stderr
+    assert done.stdout == ""
+
+
 @pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser to drop root")
 def test_unreadable_input_exits_non_zero_with_a_clear_error(
     kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str]
@@ -190,6 +205,14 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             "unknown backend 'to-nfft'; did you mean to-nft?",
         ),
         (["local", "--api", "unix:///x", "to-zzz"], "unknown backend 'to-zzz' (backends:"),
+        (
+            ["local", "--api", "http://127.0.0.1:12090", "--node-name", "n", "to-json"],
+            "--api http://127.0.0.1:12090: kpng speaks gRPC, not http",
+        ),
+        (
+            ["api", "--api", "127.0.0.1", "to-file", "--output", "-"],
+            "--api 127.0.0.1: expected tcp://HOST:PORT, HOST:PORT or unix:///PATH",
+        ),
     ],
     ids=[
         "no-sink",
@@ -200,12 +223,49 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
         "misspelt-backend",
         "misspelt-second-backend",
         "unknown-backend-of-local",
+        "http-api-url",
+        "api-url-without-port",
     ],
 )
 def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: str) -> None:
     done = _run(kpng_command, *args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["local"], "kpng: no state from unix://{tmp}/none.sock within 0.5 s"),
+        (["api"], "kpng: source api: no state from unix://{tmp}/none.sock within 0.5 s"),
+        ([], "error: no state from unix://{tmp}/none.sock within 0.5 s"),
+    ],
+    ids=["kpng-local", "kpng-api-source", "client-library"],
+)
+def test_once_without_a_server_gives_up_after_the_connect_timeout(
+    kpng_command: list[str], tmp_path: Path, args: list[str], message: str
+) -> None:
+    flags = ["--api", f"unix://{tmp_path}/none.sock", "--connect-timeout", "0.5"]
+    if args == ["local"]:
+        command = [*kpng_command, "local", *flags, "--node-name", "n", "to-json", "--once"]
+    elif args == ["api"]:
+        command = [
+            *kpng_command,
+            "api",
+            *flags,
+            "to-local",
+            "--node-name",
+            "n",
+            "to-json",
+            "--once",
+        ]
+    else:
+        command = [sys.executable, str(ROOT / "examples" / "print_state.py"), *flags,
+                   "--node-name", "n", "--once"]  # fmt: skip
+    done = _run(command)
+    assert done.returncode == 1, done.stderr
+    assert message.format(tmp=tmp_path) in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_help_lists_sources_sinks_and_registered_backends(kpng_command: list[str]) -> None:

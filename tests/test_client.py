@@ -185,7 +185,20 @@ def test_api_targets(url: str, target: str) -> None:
     assert kpng.client.Api(url).check().grpc_target == target
 
 
-@pytest.mark.parametrize("url", ["unix://relative.sock", "tcp://nohost", "http://x:1/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "unix://relative.sock",
+        "tcp://nohost",
+        "http://x:1/",
+        "http://127.0.0.1:12090",
+        "grpc://127.0.0.1:12090",
+        "tcp://:12090",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:70000",
+        "127.0.0.1:12090/watch",
+    ],
+)
 def test_bad_api_targets_are_usage_errors(url: str) -> None:
     from kpng.errors import UsageError
 

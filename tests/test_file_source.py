@@ -14,6 +14,7 @@ import pytest
 from kpng.errors import InputError
 from kpng.model.messages import Service
 from kpng.sources.file import FileSource
+from kpng.status import Status
 from kpng.store import Store
 
 # Bounds for waiting on inotify; a change normally lands in tens of milliseconds.
@@ -110,6 +111,40 @@ def test_a_file_that_stops_parsing_keeps_its_last_good_content(
     assert not handle.commit()
     assert set(store.services) == {("ns", "a"), ("ns", "b")}
     assert any("invalid YAML" in r.getMessage() for r in caplog.records)
+
+
+def test_a_file_that_never_parsed_holds_the_sync_and_healthz_names_it(
+    tmp_path: Path,
+) -> None:
+    """No previous content to keep: serving the other files alone would be a partial state."""
+    _write(tmp_path / "a.yaml", _svc("a"))
+    broken = tmp_path / "b.yaml"
+    broken.write_text("kind: Service\nmetadata: {name: [half-written\n")
+    store = Store()
+    status = Status(timeout=10.0)
+    status.store = store
+    deltas = store.subscribe()
+    handle = store.source("file")
+    watching = asyncio.Event()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(FileSource(tmp_path).run(handle, watching=watching))
+        try:
+            await asyncio.wait_for(watching.wait(), WAIT_S)
+            assert not store.synced
+            assert handle.blocked_by is not None
+            assert str(broken) in handle.blocked_by
+            reasons = status.verdict().body["reasons"]
+            assert f"source file: {handle.blocked_by}" in reasons
+            _write(broken, _svc("b", "10.96.0.2"))
+            delta = await asyncio.wait_for(anext(deltas), WAIT_S)
+            assert set(delta.services) == {("ns", "a"), ("ns", "b")}
+            assert handle.blocked_by is None
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
 
 
 def test_slice_of_an_undefined_service_is_reported(

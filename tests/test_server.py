@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import stat
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from kpng.api import localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.client._remote import _follow_once, global_rpcs
+from kpng.errors import KpngError
 from kpng.model.messages import Service
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
@@ -318,6 +320,7 @@ class _Recorder:
 
 
 def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path: Path) -> None:
+    """An outage longer than the connect timeout is waited out: it bounds the first state only."""
     store, handle = _example_store()
     urls = _urls(tmp_path, "unix")
     sink = _Recorder()
@@ -328,13 +331,21 @@ def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path:
             async with _serving(store, urls) as serving:
                 backoff = Backoff(initial=0.05, maximum=0.2)
                 client = asyncio.create_task(
-                    watch(sink, api=serving.addresses[0], node_name="node-1", backoff=backoff)
+                    watch(
+                        sink,
+                        api=serving.addresses[0],
+                        node_name="node-1",
+                        backoff=backoff,
+                        connect_timeout=CONNECT_TIMEOUT_S,
+                    )
                 )
                 first = await sink.next_sync()
             # the server is gone; meanwhile one endpoint goes away
             api = store.slices[("shop", "api-x7k2p")]
             handle.set_slice(api.key, msgspec.structs.replace(api, endpoints=api.endpoints[1:]))
             handle.commit()
+            await asyncio.sleep(CONNECT_TIMEOUT_S * 2)  # an outage past the timeout
+            assert not client.done()
             async with _serving(store, urls):
                 after = await sink.next_sync()
             return first, after
@@ -347,6 +358,29 @@ def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path:
     assert first[0] == ("reset",)
     assert len(first) > 10
     assert after == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+
+
+CONNECT_TIMEOUT_S = 0.5
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_no_first_state_within_the_connect_timeout_is_an_error(
+    tmp_path: Path, transport: str
+) -> None:
+    """Nothing listening, or a server whose sources never sync: either way, no state."""
+    store, _ = _example_store(synced=False)
+
+    async def scenario(url: str) -> None:
+        with pytest.raises(KpngError, match=f"no state from {re.escape(url)} within 0.5 s"):
+            await watch(_Recorder(), api=url, node_name="n", connect_timeout=CONNECT_TIMEOUT_S)
+
+    async def against_unsynced_server() -> None:
+        async with _serving(store, _urls(tmp_path, transport)) as serving:
+            await scenario(serving.addresses[0])
+
+    nowhere = f"unix://{tmp_path}/none.sock" if transport == "unix" else "tcp://127.0.0.1:9"
+    _run(scenario(nowhere))
+    _run(against_unsynced_server())
 
 
 def test_slow_client_gets_one_coalesced_change_set(tmp_path: Path) -> None:

@@ -129,13 +129,28 @@ def test_a_draining_node_fails_healthz_but_stays_live() -> None:
     ]
 
 
+def test_a_blocked_source_says_why_after_not_synced() -> None:
+    blocked = ["source file: no usable state until these files parse: x.yaml: invalid YAML"]
+    verdict = _judge({"to-nft": FeederStats()}, synced=False, blocked=blocked)
+    assert verdict.body["reasons"] == [
+        "the sources have not synced yet",
+        *blocked,
+        "to-nft has not applied a state yet",
+    ]
+
+
 def _judge(
-    backends: dict[str, FeederStats], *, synced: bool = True, eligible: bool = True
+    backends: dict[str, FeederStats],
+    *,
+    synced: bool = True,
+    eligible: bool = True,
+    blocked: tuple[str, ...] | list[str] = (),
 ) -> Verdict:
     return judge(
         backends=backends,
         sources_synced=synced,
         node_eligible=eligible,
+        blocked=blocked,
         timeout=10.0,
         monotonic=T0,
         wall=WALL,

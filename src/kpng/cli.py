@@ -36,7 +36,7 @@ from kpng.sources import api as api_source
 from kpng.sources import file as file_source
 from kpng.sources import kube as kube_source
 from kpng.status import Status
-from kpng.store import Store
+from kpng.store import SourceHandle, Store
 
 log = logging.getLogger("kpng")
 
@@ -224,8 +224,9 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     ).parse_args(segments[1].args)
 
     backends: Callable[[], Fanout] | None = None
+    once = bool(getattr(sink_args, "once", False))
     if sink_spec.takes_backend:
-        backends = _backends(segments[2:], f"kpng <source> {sink_spec.name}", status)
+        backends, once = _backends(segments[2:], f"kpng <source> {sink_spec.name}", status)
     elif len(segments) > 2:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
@@ -234,8 +235,25 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     status.nodes_listed = source_spec.lists_nodes
     source_run = source_spec.create(source_args, store, status.node)
     sink_run = sink_spec.create(sink_args, store, backends, status)
-    pipeline = _concurrently({"source": source_run, "sink": sink_run})
-    return options, _with_status(options, status, pipeline)
+    parts = {"source": source_run, "sink": sink_run}
+    if once:
+        parts["sync"] = functools.partial(_fail_if_blocked, store)
+    return options, _with_status(options, status, _concurrently(parts))
+
+
+async def _fail_if_blocked(store: Store) -> None:
+    """A one-shot run (``--once``) has no state to give while a source cannot sync on its own
+    (a file that never parsed): it fails instead of waiting for a fix nobody will make."""
+    blocked: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def note(source: SourceHandle) -> None:
+        if source.blocked_by and not blocked.done():
+            blocked.set_result(f"source {source.name}: {source.blocked_by}")
+
+    for source in store.sources:
+        note(source)
+    store.block_listeners.append(note)
+    raise KpngError(f"{await blocked}; --once has no state to give")
 
 
 def _concurrently(runners: dict[str, Runner]) -> Runner:
@@ -275,12 +293,16 @@ def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) 
     return _concurrently({"pipeline": pipeline, "status": server})
 
 
-def _backends(segments: list[_Segment], prog: str, status: Status) -> Callable[[], Fanout]:
-    """What makes the backends these segments name (one or more), each parsed by its own parser."""
+def _backends(
+    segments: list[_Segment], prog: str, status: Status
+) -> tuple[Callable[[], Fanout], bool]:
+    """What makes the backends these segments name (one or more), each parsed by its own parser;
+    and whether one of them stops after the first state (``--once``)."""
     if not segments:
         names = ", ".join(f"to-{n}" for n in registry.names())
         raise UsageError(f"{prog.split()[-1]} takes one or more backends ({names})")
     factories: list[tuple[str, Callable[[], Backend]]] = []
+    once = False
     for segment in segments:
         spec = registry.lookup(segment.name.removeprefix("to-"))
         args = _parser(f"{prog} {segment.name}", spec.help, spec.add_arguments).parse_args(
@@ -289,14 +311,16 @@ def _backends(segments: list[_Segment], prog: str, status: Status) -> Callable[[
         taken = sum(1 for name, _ in factories if name.split("#")[0] == segment.name)
         name = segment.name if not taken else f"{segment.name}#{taken + 1}"
         factories.append((name, functools.partial(spec.create, args)))
-    return lambda: status.track(Fanout([(name, make()) for name, make in factories]))
+        once = once or bool(getattr(args, "once", False))
+    return lambda: status.track(Fanout([(name, make()) for name, make in factories])), once
 
 
 def _build_local(segments: list[_Segment], status: Status) -> Runner:
     args = _parser(f"kpng {LOCAL}", LOCAL_HELP, local_sink.add_remote_arguments).parse_args(
         segments[0].args
     )
-    return local_sink.create_remote(args, _backends(segments[1:], f"kpng {LOCAL}", status))
+    backends, _ = _backends(segments[1:], f"kpng {LOCAL}", status)
+    return local_sink.create_remote(args, backends)
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:

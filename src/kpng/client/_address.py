@@ -48,13 +48,19 @@ class Api:
         return self.url.removeprefix("tcp://")
 
     def check(self) -> Api:
-        if self.url.startswith("unix://"):
-            if not self.url.removeprefix("unix://").startswith("/"):
+        """This address, if it names a kpng server; else a UsageError saying what would."""
+        expected = "expected tcp://HOST:PORT, HOST:PORT or unix:///PATH"
+        scheme, sep, rest = self.url.partition("://")
+        if sep and scheme == "unix":
+            if not rest.startswith("/"):
                 raise UsageError(f"--api {self.url}: a unix socket needs an absolute path")
             return self
-        _, sep, port = self.url.removeprefix("tcp://").rpartition(":")
-        if not (sep and port.isdigit()):
-            raise UsageError(f"--api {self.url}: expected tcp://HOST:PORT or unix:///PATH")
+        if sep and scheme != "tcp":
+            # grpc would take http://... as a DNS name and retry it forever.
+            raise UsageError(f"--api {self.url}: kpng speaks gRPC, not {scheme}; {expected}")
+        host, sep, port = (rest if sep else self.url).rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or "/" in host:
+            raise UsageError(f"--api {self.url}: {expected}")
         return self
 
     def channel(self) -> grpc.aio.Channel:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.client._address import Api
 from kpng.client._backoff import Backoff
 from kpng.client._sinks import Sink, _maybe_await
+from kpng.errors import KpngError
 from kpng.model.messages import Endpoint, Service
 
 log = logging.getLogger(__name__)
@@ -74,20 +76,45 @@ async def follow(
     compatible: _Rpc,
     handle: Callable[[bool], OpHandler],
     backoff: Backoff | None = None,
+    first_state_within: float | None = None,
 ) -> None:
     """Follow a watch RPC until the handler asks to stop, reconnecting with backoff.
 
     The batched RPC is tried first; a server without it (Go KPNG) is spoken to with the
     compatible one. ``handle(json)`` gives the op handler for payloads in JSON or protobuf. A
-    sync resets the backoff.
+    sync resets the backoff. Without a first state within ``first_state_within`` seconds,
+    raises NoStateError; once a state has come, outages are waited out however long.
     """
-    backoff = backoff or Backoff()
-    rpc = batched
     outage = _Outage(api.url)
+    deadline = asyncio.timeout(first_state_within)
+    try:
+        async with deadline:
+            await _reconnecting(
+                api, batched, compatible, handle, backoff or Backoff(), outage, deadline
+            )
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise NoStateError(
+            f"no state from {api.url} within {first_state_within:g} s "
+            f"(last: {outage.why or 'no answer'})"
+        ) from None
+
+
+async def _reconnecting(
+    api: Api,
+    rpc: _Rpc,
+    compatible: _Rpc,
+    handle: Callable[[bool], OpHandler],
+    backoff: Backoff,
+    outage: _Outage,
+    deadline: asyncio.Timeout,
+) -> None:
+    batched = rpc
     while True:
         try:
             async with api.channel() as channel:
-                handler = _Resetting(backoff, outage, handle(rpc is batched))
+                handler = _Resetting(backoff, outage, handle(rpc is batched), deadline)
                 if await _follow_once(channel, rpc, handler):
                     return
             outage.failed("the stream ended")
@@ -101,36 +128,50 @@ async def follow(
         log.debug("reconnecting to %s after %.2fs", api.url, delay)
 
 
+class NoStateError(KpngError):
+    """A watch received no first state within its deadline (a wrong or unreachable --api)."""
+
+
 class _Outage:
     """Logs the start and the end of an outage once each, not every failed retry."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.down = False
+        self.ever_synced = False
+        self.why = ""
 
     def failed(self, why: str) -> None:
+        self.why = why
         level = logging.DEBUG if self.down else logging.WARNING
-        log.log(level, "watch of %s failed (%s); the last state stays in force", self.url, why)
+        keeping = "the last state stays in force" if self.ever_synced else "no state yet"
+        log.log(level, "watch of %s failed (%s); %s; retrying", self.url, why, keeping)
         self.down = True
 
     def synced(self) -> None:
+        self.ever_synced = True
         if self.down:
             log.info("watch of %s is back", self.url)
             self.down = False
 
 
 class _Resetting:
-    """A sync proves the connection works: the next failure starts from a short delay again."""
+    """A sync proves the connection works: the next failure starts from a short delay again,
+    and the deadline for a first state is met."""
 
-    def __init__(self, backoff: Backoff, outage: _Outage, handle: OpHandler) -> None:
+    def __init__(
+        self, backoff: Backoff, outage: _Outage, handle: OpHandler, deadline: asyncio.Timeout
+    ) -> None:
         self.op = handle.op
         self._handle = handle
         self._backoff = backoff
         self._outage = outage
+        self._deadline = deadline
 
     async def sync(self) -> bool:
         self._backoff.reset()
         self._outage.synced()
+        self._deadline.reschedule(None)
         return await self._handle.sync()
 
 
@@ -169,7 +210,12 @@ class LocalOps:
 
 
 async def _watch_local(
-    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
+    sink: Sink,
+    *,
+    api: Api | str,
+    node_name: str,
+    backoff: Backoff | None = None,
+    first_state_within: float | None = None,
 ) -> None:
     target = Api(api) if isinstance(api, str) else api
     await follow(
@@ -188,6 +234,7 @@ async def _watch_local(
         ),
         handle=lambda json: LocalOps(sink, json=json),
         backoff=backoff,
+        first_state_within=first_state_within,
     )
 
 

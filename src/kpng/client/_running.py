@@ -21,8 +21,11 @@ from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
 from kpng.client._sinks import FilterReset, FullState, Sink
 from kpng.client._state import Handler
+from kpng.errors import KpngError
 
 DEFAULT_API = "tcp://127.0.0.1:12090"
+CONNECT_TIMEOUT = 30.0
+"""Seconds a client waits for its first state before it gives up (a wrong or dead --api)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None:
@@ -38,10 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None
     if once:
         parser.add_argument("--once", action="store_true", help="stop after the first state")
     parser.add_argument(
+        "--connect-timeout",
+        type=seconds,
+        default=CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"exit 1 if no state has come SECONDS after start (default {CONNECT_TIMEOUT:g}; "
+        "0: wait forever); later outages are always waited out, the last state in force",
+    )
+    parser.add_argument(
         "--tls-ca", type=Path, metavar="FILE", help="verify the server with this CA"
     )
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate")
     parser.add_argument("--tls-key", type=Path, metavar="FILE", help="client key")
+
+
+def seconds(value: str) -> float:
+    seconds = float(value)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return seconds
 
 
 def api_from_args(args: argparse.Namespace) -> Api:
@@ -52,16 +70,28 @@ def api_from_args(args: argparse.Namespace) -> Api:
 
 
 async def watch(
-    sink: Sink, *, api: Api | str, node_name: str, backoff: Backoff | None = None
+    sink: Sink,
+    *,
+    api: Api | str,
+    node_name: str,
+    backoff: Backoff | None = None,
+    connect_timeout: float | None = CONNECT_TIMEOUT,
 ) -> None:
     """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled (or until
     the sink's ``sync`` returns True).
 
     Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
+    Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait).
     """
     from kpng.client._remote import _watch_local
 
-    await _watch_local(FilterReset(sink), api=api, node_name=node_name, backoff=backoff)
+    await _watch_local(
+        FilterReset(sink),
+        api=api,
+        node_name=node_name,
+        backoff=backoff,
+        first_state_within=connect_timeout,
+    )
 
 
 async def watch_state(
@@ -71,9 +101,11 @@ async def watch_state(
     node_name: str,
     once: bool = False,
     backoff: Backoff | None = None,
+    connect_timeout: float | None = CONNECT_TIMEOUT,
 ) -> None:
     """Call ``handler`` with the complete state of ``node_name`` after every change, until
-    cancelled, until the handler returns True, or after the first state with ``once``."""
+    cancelled, until the handler returns True, or after the first state with ``once``.
+    Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait)."""
     from kpng.client._remote import _watch_local
 
     async def call(state: object) -> bool:
@@ -85,21 +117,37 @@ async def watch_state(
     # No FilterReset: FullState compares each state with the previous one, so after a
     # reconnection the handler hears only of the services that really changed.
     full = FullState(call, node=node_name)
-    await _watch_local(full, api=api, node_name=node_name, backoff=backoff)
+    await _watch_local(
+        full, api=api, node_name=node_name, backoff=backoff, first_state_within=connect_timeout
+    )
 
 
 def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str = "") -> None:
     """A backend program's main: parse the standard flags from ``argv`` (default: the command
     line), then call ``handler`` with the complete node state after every change until SIGINT
-    or SIGTERM (or the first state with ``--once``)."""
+    or SIGTERM (or the first state with ``--once``). Errors (a bad --api, no state within
+    --connect-timeout) are one line on stderr and exit status 2 (usage) or 1."""
     parser = argparse.ArgumentParser(description=description or None)
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        api = api_from_args(args)
+    except KpngError as exc:
+        parser.error(str(exc))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    coro = watch_state(handler, api=api_from_args(args), node_name=args.node_name, once=args.once)
+    coro = watch_state(
+        handler,
+        api=api,
+        node_name=args.node_name,
+        once=args.once,
+        connect_timeout=args.connect_timeout or None,  # 0: wait forever
+    )
     try:
         asyncio.run(_until_signalled(coro))
+    except KpngError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except BrokenPipeError:
         # The reader went away (`... | head`): not the program's failure. Point stdout at
         # /dev/null so the interpreter's final flush does not fail again.

@@ -132,10 +132,15 @@ SPEC = SinkSpec(
 # --- ``kpng local --api TARGET --node-name NAME <backend>``: the same feeding, from a remote brain
 
 
-async def run_remote(api: Api, *, node_name: str, backends: Fanout) -> None:
+async def run_remote(
+    api: Api, *, node_name: str, backends: Fanout, connect_timeout: float | None
+) -> None:
     """Feed ``backends`` the state of ``node_name`` from a kpng server until they are done."""
+    watching = watch_state(
+        backends.apply, api=api, node_name=node_name, connect_timeout=connect_timeout
+    )
     try:
-        await until_done(backends, watch_state(backends.apply, api=api, node_name=node_name))
+        await until_done(backends, watching)
     finally:
         await backends.close()
 
@@ -147,4 +152,9 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
 
 def create_remote(args: argparse.Namespace, backends: Callable[[], Fanout]) -> Runner:
     api = api_from_args(args)
-    return lambda: run_remote(api, node_name=args.node_name, backends=backends())
+    return lambda: run_remote(
+        api,
+        node_name=args.node_name,
+        backends=backends(),
+        connect_timeout=args.connect_timeout or None,  # 0: wait forever
+    )

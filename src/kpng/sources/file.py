@@ -4,7 +4,9 @@ PATH is a file or a directory (read recursively: ``*.yaml``, ``*.yml``, ``*.json
 parsed on its own, so a change re-reads only that file, and only the objects whose content changed
 reach the store. An object defined in two files is reported, and the file that sorts first wins.
 A file that cannot be read or parsed any more is reported and keeps serving its last good content:
-an editor's half-written save never wipes services.
+an editor's half-written save never wipes services. A file that has never parsed has no content to
+keep: the source does not sync until it parses (or goes), ``/healthz`` names it, and a one-shot run
+(``--once``) fails.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class FileSource:
         self._parsed: dict[Path, Parsed] = {}
         self._memos: dict[Path, manifests.ItemMemo] = {}
         self._owner: dict[ObjectKey, Path] = {}
+        self._never_parsed: dict[Path, str] = {}
+        """Files that have failed every read since kpng started, with their latest error."""
 
     def files(self) -> list[Path]:
         """The files PATH names now, in the order that decides duplicates."""
@@ -71,7 +75,14 @@ class FileSource:
             except OSError as exc:
                 raise InputError(f"--input {self.given}: {exc.strerror}") from None
         self.reload(self.files(), out)
-        out.mark_synced()
+        self._sync_unless_blocked(out)
+
+    def _sync_unless_blocked(self, out: SourceHandle) -> None:
+        if not self._never_parsed:
+            out.mark_synced()
+            return
+        errors = "; ".join(self._never_parsed.values())
+        out.block(f"no usable state until these files parse: {errors}")
 
     def reload(self, paths: Iterable[Path], out: SourceHandle) -> None:
         """Re-read these files (gone ones are forgotten) and stage what changed in the store."""
@@ -83,10 +94,12 @@ class FileSource:
             if not path.exists():
                 self._parsed.pop(path, None)
                 self._memos.pop(path, None)
+                self._never_parsed.pop(path, None)
                 continue
             parsed = self._read(path, out)
             if parsed is None:
                 continue  # unreadable now: keep its last good content
+            self._never_parsed.pop(path, None)
             self._parsed[path] = parsed
             touched.update(parsed.objects)
         order = {p: i for i, p in enumerate(sorted(self._parsed))}
@@ -154,15 +167,24 @@ class FileSource:
                 data, filename=str(path), proxy_name=self.proxy_name, memo=memo
             )
         except OSError as exc:
-            log.error("%s: cannot read: %s; keeping its previous content", path, exc.strerror)
+            self._failed(path, f"{path}: cannot read: {exc.strerror}", out)
             return None
         except InputError as exc:
-            log.error("%s; keeping the file's previous content", exc)
+            self._failed(path, str(exc), out)
             return None
         for error in parsed.errors:
             log.error("%s", error)
         out.skipped += len(parsed.errors)
         return parsed
+
+    def _failed(self, path: Path, error: str, out: SourceHandle) -> None:
+        if path in self._parsed:
+            log.error("%s; keeping the file's previous content", error)
+        elif out.synced:
+            log.error("%s; the file is ignored until it parses", error)
+        else:
+            log.error("%s; nothing is served until the file parses", error)
+            self._never_parsed[path] = error
 
     def _resolve_owner(self, key: ObjectKey, order: dict[Path, int], out: SourceHandle) -> None:
         holders = sorted(
@@ -203,10 +225,13 @@ class FileSource:
             watch_filter=self._may_matter,
         ):
             changed = self._files_behind({Path(p) for _, p in batch})
-            if changed:
-                self.reload(sorted(changed), out)
-                if out.commit():
-                    log.info("reloaded %d file(s)", len(changed))
+            if not changed:
+                continue
+            self.reload(sorted(changed), out)
+            if not out.synced:
+                self._sync_unless_blocked(out)
+            elif out.commit():
+                log.info("reloaded %d file(s)", len(changed))
 
 
 def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:

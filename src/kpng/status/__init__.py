@@ -175,7 +175,15 @@ class Status:
             timeout=self.timeout,
             monotonic=time.monotonic(),
             wall=time.time(),
+            blocked=self.blocked,
         )
+
+    @property
+    def blocked(self) -> list[str]:
+        """Why sources cannot sync, when they know: ``source NAME: REASON``."""
+        if self.store is None:
+            return []
+        return [f"source {s.name}: {s.blocked_by}" for s in self.store.sources if s.blocked_by]
 
 
 def _with_backend_stats(feeder: Feeder) -> FeederStats:

@@ -17,7 +17,7 @@ a slow first list or a draining node is no reason for a liveness probe to restar
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,10 @@ def judge(
     timeout: float,
     monotonic: float,
     wall: float,
+    blocked: Sequence[str] = (),
 ) -> Verdict:
-    """The verdict at monotonic time ``monotonic`` (wall time ``wall``)."""
+    """The verdict at monotonic time ``monotonic`` (wall time ``wall``). ``blocked`` says why
+    sources cannot sync, when they know (a file that never parsed)."""
     late = {
         name: monotonic - stats.pending_since
         for name, stats in backends.items()
@@ -77,18 +79,21 @@ def judge(
         },
     }
     if not healthy:
-        body["reasons"] = _reasons(sources_synced, node_eligible, never_applied, late, timeout)
+        body["reasons"] = _reasons(
+            sources_synced, blocked, node_eligible, never_applied, late, timeout
+        )
     return Verdict(live=live, healthy=healthy, body=body)
 
 
 def _reasons(
     sources_synced: bool,
+    blocked: Sequence[str],
     node_eligible: bool,
     never_applied: list[str],
     late: Mapping[str, float],
     timeout: float,
 ) -> list[str]:
-    reasons = [] if sources_synced else ["the sources have not synced yet"]
+    reasons = [] if sources_synced else ["the sources have not synced yet", *blocked]
     if not node_eligible:
         reasons.append(
             "the node is unknown to the source, being deleted, or tainted "

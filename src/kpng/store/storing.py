@@ -123,6 +123,9 @@ class SourceHandle:
         self.synced = False
         self.skipped = 0
         """Objects the source reported as unusable and skipped (for ``/metrics``)."""
+        self.blocked_by: str | None = None
+        """Why the source cannot sync until something outside kpng changes (a file that never
+        parsed), for ``/healthz`` and for one-shot runs, which then fail instead of waiting."""
         self.stats: object | None = None
         """Counters the source keeps about itself, for ``/metrics``: a dataclass whose int
         fields are exported as ``kpng_source_<field>_total`` (the kube source: its lists,
@@ -170,9 +173,18 @@ class SourceHandle:
         self._triggers = []
         return True
 
+    def block(self, reason: str) -> None:
+        """The source cannot deliver its initial state until ``reason`` is fixed (by a user)."""
+        if self.synced or self.blocked_by == reason:
+            return
+        self.blocked_by = reason
+        for listener in self._store.block_listeners:
+            listener(self)
+
     def mark_synced(self) -> None:
         """The source has delivered its complete initial state (commits what is staged)."""
         self.commit()
+        self.blocked_by = None
         if not self.synced:
             self.synced = True
             self._store._source_synced(self)
@@ -198,6 +210,8 @@ class Store:
         self.revision = 0
         self.listeners: list[Callable[[Published], None]] = []
         """Told of each revision as it is published."""
+        self.block_listeners: list[Callable[[SourceHandle], None]] = []
+        """Told when a source says it cannot sync (``SourceHandle.block``)."""
 
     @property
     def services(self) -> Mapping[ServiceKey, Service]:
