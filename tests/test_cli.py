@@ -133,6 +133,16 @@ def test_missing_input_exits_non_zero_with_a_clear_error(
     assert f"--input {missing}: no such file or directory" in done.stderr
 
 
+def test_a_node_no_source_knows_is_warned_of_once(kpng_command: list[str]) -> None:
+    done = _run(
+        kpng_command, "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-9",
+        "to-json", "--once",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    warning = "node 'node-9' is not among the 3 nodes the sources list, so nothing is local to it"
+    assert done.stderr.count(warning) == 1
+
+
 def test_json_logs_are_one_object_a_line(kpng_command: list[str], tmp_path: Path) -> None:
     source = tmp_path / "cluster.yaml"
     source.write_text(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import stat
@@ -358,6 +359,28 @@ def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path:
     assert first[0] == ("reset",)
     assert len(first) > 10
     assert after == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+
+
+def test_a_watcher_of_an_unknown_node_is_told_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The brain logs it; the client, told in the stream's metadata, logs it too."""
+    store, _ = _example_store()
+    warning = "node 'Node-1' is not among the 3 nodes the sources list"
+
+    async def scenario() -> None:
+        async with _serving(store, _urls(tmp_path, "unix")) as serving:
+            states: list[NodeState] = []
+            await watch_state(
+                states.append, api=serving.addresses[0], node_name="Node-1", once=True
+            )
+            assert states
+
+    with caplog.at_level(logging.WARNING):
+        _run(scenario())
+    said = [(r.name, r.getMessage()) for r in caplog.records if warning in r.getMessage()]
+    assert [name for name, _ in said] == ["kpng.server.serving", "kpng.client._remote"]
+    assert "(node names are lowercase: node-1)" in said[1][1]
 
 
 CONNECT_TIMEOUT_S = 0.5

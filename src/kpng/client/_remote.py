@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import grpc
 import msgspec
 
-from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.client._address import Api
 from kpng.client._backoff import Backoff
 from kpng.client._sinks import Sink, _maybe_await
@@ -39,8 +39,11 @@ class _Rpc:
     batched: bool
 
 
-async def _follow_once(channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler) -> bool:
-    """One stream, until it breaks (False) or the handler asks to stop (True)."""
+async def _follow_once(
+    channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler, warned: set[str] | None = None
+) -> bool:
+    """One stream, until it breaks (False) or the handler asks to stop (True). The server's
+    warnings (a node it does not know) are logged, each once in ``warned``."""
     call = channel.stream_stream(
         rpc.path,
         request_serializer=type(rpc.request).SerializeToString,
@@ -49,6 +52,11 @@ async def _follow_once(channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler) 
     try:
         await call.write(rpc.request)
         on_op = handle.op
+        if warned is not None:
+            for key, value in await call.initial_metadata() or ():
+                if key == WARNING_METADATA and value not in warned:
+                    warned.add(str(value))
+                    log.warning("the server says: %s", value)
         async for message in call:
             for op in message.Ops if rpc.batched else (message,):
                 kind = op.WhichOneof("Op")
@@ -111,11 +119,12 @@ async def _reconnecting(
     deadline: asyncio.Timeout,
 ) -> None:
     batched = rpc
+    warned: set[str] = set()
     while True:
         try:
             async with api.channel() as channel:
                 handler = _Resetting(backoff, outage, handle(rpc is batched), deadline)
-                if await _follow_once(channel, rpc, handler):
+                if await _follow_once(channel, rpc, handler, warned):
                     return
             outage.failed("the stream ended")
         except grpc.aio.AioRpcError as exc:

@@ -9,6 +9,9 @@ cycles.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Collection
+
 import msgspec
 
 from kpng.model.messages import Node
@@ -86,3 +89,22 @@ def node_ips(node: Node | None) -> tuple[str, ...]:
     first = ordered[0]
     other = next((ip for ip in ordered if (":" in ip) != (":" in first)), None)
     return (first,) if other is None else (first, other)
+
+
+def unknown_node(name: str, known: Collection[str], *, all_listed: bool = False) -> str | None:
+    """A warning for a node name no source knows, or None. Sources that list no node at all say
+    nothing (manifests need not list nodes), unless they always list every node (``all_listed``).
+    A node that is not known is served as one without labels: nothing is local to it."""
+    if name in known or not (known or all_listed):
+        return None
+    if not known:
+        return f"node {name!r} does not exist; nothing is local to it"
+    if name.lower() in known:
+        hint = f" (node names are lowercase: {name.lower()})"
+    else:
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+    count = f"{len(known)} node{'s' if len(known) > 1 else ''}"
+    return (
+        f"node {name!r} is not among the {count} the sources list, so nothing is local to it{hint}"
+    )

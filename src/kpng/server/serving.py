@@ -20,8 +20,9 @@ import grpc
 import msgspec
 from google.protobuf.message import DecodeError
 
-from kpng.api import batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.errors import UsageError
+from kpng.model.cluster import unknown_node
 from kpng.model.messages import Endpoint, Service
 from kpng.resolver.resolving import NodeView
 from kpng.server.changesets import FirstOps, GlobalTracker, local_ops
@@ -29,6 +30,7 @@ from kpng.server.hub import Hub, PayloadCache
 from kpng.store import Store
 
 log = logging.getLogger(__name__)
+
 
 # Batches are cut at about this size: well under gRPC's default 4 MiB receive limit.
 BATCH_BYTES = 1 << 20
@@ -150,6 +152,7 @@ class WatchServer:
         self.store = store
         self.hub = Hub(store)
         self.stats = WatchStats()
+        self._warned: set[str] = set()
         self._encoders: dict[int, Encoders] = {
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
@@ -158,9 +161,10 @@ class WatchServer:
     # --- node-local watches
 
     async def _local_changesets(
-        self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders]
+        self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders], context: Any
     ) -> AsyncIterator[list[bytes]]:
         view: NodeView | None = None
+        answered = False
         self.stats.local_watches += 1
         try:
             async for request in requests:
@@ -182,13 +186,27 @@ class WatchServer:
                 )
                 if first:
                     ops.insert(0, codec.OP_RESET)
+                    if warning := unknown_node(view.node_name, self.store.nodes):
+                        await self._warn(context, view.node_name, warning, tell=not answered)
                 ops.append(codec.OP_SYNC)
                 self.stats.local_change_sets += 1
+                answered = True
                 yield ops
         finally:
             self.stats.local_watches -= 1
             if view is not None:
                 view.close()
+
+    async def _warn(self, context: Any, node_name: str, warning: str, *, tell: bool) -> None:
+        """Log an unknown node once per name; ``tell`` the watcher too, in the initial metadata
+        (the warning channel of Kubernetes' API, as HTTP headers are there): only possible
+        before the stream's first response."""
+        if node_name not in self._warned:
+            self._warned.add(node_name)
+            log.warning("a watcher at %s: %s", context.peer(), warning)
+        if tell:
+            ascii_only = warning.encode("ascii", "backslashreplace").decode()
+            await context.send_initial_metadata(((WARNING_METADATA, ascii_only),))
 
     async def watch_local(
         self, requests: AsyncIterator[bytes], context: Any
@@ -197,7 +215,7 @@ class WatchServer:
             return self._encoders[batchv1_pb2.PROTOBUF]
 
         parsed = _parsed(requests, localv1_pb2.WatchReq, context)
-        async for ops in self._local_changesets(parsed, encoders):
+        async for ops in self._local_changesets(parsed, encoders, context):
             for op in ops:
                 yield op
 
@@ -208,7 +226,7 @@ class WatchServer:
             return self._encoders.get(int(request.Encoding), self._encoders[batchv1_pb2.PROTOBUF])
 
         parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
-        async for ops in self._local_changesets(parsed, encoders):
+        async for ops in self._local_changesets(parsed, encoders, context):
             for batch in _batches(ops):
                 yield batch
 

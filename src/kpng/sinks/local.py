@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from kpng.backends.registry import Backend, NodeState
 from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
-from kpng.model.cluster import node_ips
+from kpng.model.cluster import node_ips, unknown_node
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
@@ -36,8 +36,11 @@ def service_cidrs(store: Store) -> tuple[str, ...]:
     return tuple(sorted({c for sc in store.service_cidrs.values() for c in sc.cidrs}))
 
 
-async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
-    """Feed ``backend`` every revision that changes this node's state, until it says it is done."""
+async def run_local(
+    store: Store, *, node_name: str, backend: Backend, nodes_listed: bool = False
+) -> None:
+    """Feed ``backend`` every revision that changes this node's state, until it says it is done.
+    ``nodes_listed``: the source lists every node, so a node it does not list does not exist."""
     resolver = NodeResolver(node_name)
     subscription = store.subscribe()
     first = True
@@ -54,6 +57,8 @@ async def run_local(store: Store, *, node_name: str, backend: Backend) -> None:
             )
             if not (changes or first or node_info != sent_node_info):
                 continue
+            if first and (warning := unknown_node(node_name, store.nodes, all_listed=nodes_listed)):
+                log.warning("%s", warning)
             sent_node_info = node_info
             state = NodeState(
                 node=node_name,
@@ -105,14 +110,17 @@ def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _create(
-    args: argparse.Namespace, store: Store, backends: Callable[[], Fanout] | None, _: Status
+    args: argparse.Namespace, store: Store, backends: Callable[[], Fanout] | None, status: Status
 ) -> Runner:
     assert backends is not None
 
     async def run() -> None:
         fanout = backends()
         try:
-            await until_done(fanout, run_local(store, node_name=args.node_name, backend=fanout))
+            local = run_local(
+                store, node_name=args.node_name, backend=fanout, nodes_listed=status.nodes_listed
+            )
+            await until_done(fanout, local)
         finally:
             await fanout.close()
 
