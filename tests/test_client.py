@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 import kpng.client
-from kpng.client import Backoff, DiffStore, FullState, NodeState, SinkBackend
+from kpng.api import localv1_pb2
+from kpng.client import Backoff, DiffStore, FullState, NodeState, ServiceKey, SinkBackend
+from kpng.client._remote import LocalOps
 from kpng.client._sinks import FilterReset
 from kpng.model.messages import Endpoint, EndpointScopes, IPSet, PortName, Service, ServiceEndpoints
+from kpng.server.changesets import local_ops
 
 
 def test_public_names_are_exactly_the_documented_surface() -> None:
@@ -122,35 +126,58 @@ def test_full_state_assembles_states_and_reports_what_changed() -> None:
 
 
 def test_sink_backend_gives_a_sink_the_calls_the_network_would() -> None:
-    sink = _Recorder()
-    backend = SinkBackend(sink)
-    one = ServiceEndpoints(service=_svc("a"), endpoints=(_ep("10.0.0.1"), _ep("10.0.0.2")))
-    state1 = NodeState(
-        node="n", revision=1, services={("ns", "a"): one}, updated=frozenset({("ns", "a")}),
-        deleted=frozenset(),
-    )  # fmt: skip
-    asyncio.run(backend.apply(state1))
-    two = ServiceEndpoints(service=_svc("a"), endpoints=(_ep("10.0.0.1"),))
-    state2 = NodeState(
-        node="n", revision=2, services={("ns", "a"): two}, updated=frozenset({("ns", "a")}),
-        deleted=frozenset(),
-    )  # fmt: skip
-    asyncio.run(backend.apply(state2))
-    state3 = NodeState(
-        node="n", revision=3, services={}, updated=frozenset(), deleted=frozenset({("ns", "a")})
-    )
-    asyncio.run(backend.apply(state3))
-    assert sink.calls == [
+    """Call for call, in order: the ops the server encodes, decoded by the client's LocalOps."""
+    in_process, networked = _Recorder(), _Recorder()
+    backend = SinkBackend(in_process)
+    remote = LocalOps(networked, json=True)
+    remote.op("Reset", 0, "", b"")
+    a1 = ServiceEndpoints(service=_svc("a"), endpoints=(_ep("10.0.0.1"), _ep("10.0.0.2")))
+    b1 = ServiceEndpoints(service=_svc("b"), endpoints=(_ep("10.0.1.1"),))
+    a2 = ServiceEndpoints(service=_svc("a"), endpoints=(_ep("10.0.0.3"), _ep("10.0.0.1")))
+    c1 = ServiceEndpoints(service=_svc("c"), endpoints=(_ep("10.0.2.1"),))
+    steps: list[tuple[dict[ServiceKey, ServiceEndpoints], set[ServiceKey]]] = [
+        ({("ns", "b"): b1, ("ns", "a"): a1}, set()),
+        ({("ns", "a"): a2, ("ns", "c"): c1}, {("ns", "b")}),
+        ({}, {("ns", "a"), ("ns", "c")}),
+    ]
+    services: dict[ServiceKey, ServiceEndpoints] = {}
+    for revision, (updated, deleted) in enumerate(steps, 1):
+        previous = dict(services)
+        services.update(updated)
+        for key in deleted:
+            del services[key]
+        state = NodeState(
+            node="n", revision=revision, services=dict(services),
+            updated=frozenset(updated), deleted=frozenset(deleted),
+        )  # fmt: skip
+        asyncio.run(backend.apply(state))
+        for op in local_ops(
+            updated=updated, deleted=deleted, previous=previous,
+            encode_service=msgspec.json.encode, encode_endpoint=msgspec.json.encode,
+        ):  # fmt: skip
+            item = localv1_pb2.OpItem.FromString(op)
+            kind = item.WhichOneof("Op")
+            if kind == "Set":
+                remote.op(kind, item.Set.Ref.Set, item.Set.Ref.Path, item.Set.Bytes)
+            elif kind == "Delete":
+                remote.op(kind, item.Delete.Set, item.Delete.Path, b"")
+        asyncio.run(remote.sync())
+    assert in_process.calls == networked.calls
+    assert in_process.calls[:7] == [
         ("reset",),
         ("set_service", "a", "ClusterIP"),
+        ("set_service", "b", "ClusterIP"),
         ("set_endpoint", "a", "10.0.0.1"),
         ("set_endpoint", "a", "10.0.0.2"),
+        ("set_endpoint", "b", "10.0.1.1"),
         ("sync",),
+    ]
+    assert in_process.calls[7:12] == [
+        ("set_service", "c", "ClusterIP"),
+        ("set_endpoint", "a", "10.0.0.3"),
+        ("set_endpoint", "c", "10.0.2.1"),
         ("delete_endpoint", "a", "10.0.0.2"),
-        ("sync",),
-        ("delete_endpoint", "a", "10.0.0.1"),
-        ("delete_service", "a"),
-        ("sync",),
+        ("delete_endpoint", "b", "10.0.1.1"),
     ]
 
 

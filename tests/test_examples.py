@@ -134,10 +134,10 @@ class Process:
 
         self.wait_until("settled output", settled)
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         try:
             if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, sig)
                 try:
                     self.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
@@ -451,8 +451,10 @@ class TutorialShell:
             assert self.last_stdout == expected
 
     def stop_client(self) -> None:
+        """Ctrl-C, as the tutorial says: the client ends quietly."""
         if self.client is not None:
-            self.client.stop()
+            self.client.stop(signal.SIGINT)
+            assert "Traceback" not in self.client.stderr(), self.client.stderr()
             self.client = None
 
     def stop(self) -> None:

@@ -79,9 +79,9 @@ def test_ops_format_writes_each_change_as_one_line_and_closes_states_with_sync()
     assert first[2]["endpoint"]["IPs"] == ep1["IPs"]
     assert first[3] == {"op": "sync", "revision": 1}
     assert [(op["op"], op.get("key") or op.get("service", {}).get("Name")) for op in second] == [
+        ("set_service", "b"),  # the watch API's order: every service set first
         ("set_endpoint", "10.0.0.2"),
         ("delete_endpoint", "10.0.0.1"),
-        ("set_service", "b"),
         ("sync", None),
     ]
     assert third == [

@@ -1,15 +1,14 @@
-"""The backend registry. Backends implement ``kpng.client.Backend``, fed ``NodeState``s."""
+"""The CLI's side of the backend registry: which ``to-<name>`` exist, built-in or installed, and
+importing one on demand. A backend registers itself with ``kpng.client.register``."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import pkgutil
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kpng.client import Backend, NodeState
+from kpng.client import Backend, BackendSpec, NodeState, register
+from kpng.client._registering import REGISTERED
 from kpng.errors import UsageError
 
 if TYPE_CHECKING:
@@ -18,26 +17,6 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "kpng.backends"
 
 __all__ = ["Backend", "BackendSpec", "NodeState", "known", "lookup", "names", "register"]
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    name: str
-    """The backend's command is ``to-<name>``."""
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace], Backend]
-    cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
-    """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
-
-
-_registry: dict[str, BackendSpec] = {}
-
-
-def register(spec: BackendSpec) -> BackendSpec:
-    """Make ``to-<spec.name>`` available; called by a backend module when it is imported."""
-    _registry[spec.name] = spec
-    return spec
 
 
 def _builtin() -> set[str]:
@@ -69,11 +48,11 @@ def lookup(name: str) -> BackendSpec:
 
     A built-in backend wins over an installed one of the same name.
     """
-    if name not in _registry:
+    if name not in REGISTERED:
         if name in _builtin():
             importlib.import_module(f"kpng.backends.{name}")
         elif (ep := _entry_points().get(name)) is not None:
             importlib.import_module(ep.module)  # `module` or `module:attr` both name it
-        if name not in _registry:
+        if name not in REGISTERED:
             raise UsageError(f"unknown backend to-{name} (known: {', '.join(names())})")
-    return _registry[name]
+    return REGISTERED[name]

@@ -11,6 +11,7 @@ from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
 from kpng.client._feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
+from kpng.client._registering import BackendSpec, register
 from kpng.client._running import add_arguments, api_from_args, run, watch, watch_state
 from kpng.client._sinks import FullState, Sink, SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
@@ -33,6 +34,7 @@ from kpng.model.messages import (
 __all__ = [
     "Api",
     "Backend",
+    "BackendSpec",
     "Backoff",
     "ClientIPAffinity",
     "ClientTls",
@@ -62,6 +64,7 @@ __all__ = [
     "SyncStats",
     "add_arguments",
     "api_from_args",
+    "register",
     "run",
     "watch",
     "watch_state",

@@ -16,10 +16,11 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
-from kpng.client._sinks import FilterReset, FullState, Sink
+from kpng.client._sinks import FilterReset, FullState, Sink, _maybe_await
 from kpng.client._state import Handler
 from kpng.errors import KpngError
 
@@ -74,11 +75,12 @@ async def watch(
     *,
     api: Api | str,
     node_name: str,
+    once: bool = False,
     backoff: Backoff | None = None,
     connect_timeout: float | None = CONNECT_TIMEOUT,
 ) -> None:
-    """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled (or until
-    the sink's ``sync`` returns True).
+    """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled, until the
+    sink's ``sync`` returns True, or after the first ``sync`` with ``once``.
 
     Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
     Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait).
@@ -86,7 +88,7 @@ async def watch(
     from kpng.client._remote import _watch_local
 
     await _watch_local(
-        FilterReset(sink),
+        FilterReset(_FirstSyncOnly(sink) if once else sink),
         api=api,
         node_name=node_name,
         backoff=backoff,
@@ -122,11 +124,33 @@ async def watch_state(
     )
 
 
-def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str = "") -> None:
+class _FirstSyncOnly:
+    """A Sink whose first ``sync`` ends the watch."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.reset = sink.reset
+        self.set_service = sink.set_service
+        self.delete_service = sink.delete_service
+        self.set_endpoint = sink.set_endpoint
+        self.delete_endpoint = sink.delete_endpoint
+        self._sink = sink
+
+    async def sync(self) -> bool:
+        await _maybe_await(self._sink.sync())
+        return True
+
+
+def run(
+    backend: Handler | Sink, argv: Sequence[str] | None = None, *, description: str = ""
+) -> None:
     """A backend program's main: parse the standard flags from ``argv`` (default: the command
-    line), then call ``handler`` with the complete node state after every change until SIGINT
-    or SIGTERM (or the first state with ``--once``). Errors (a bad --api, no state within
-    --connect-timeout) are one line on stderr and exit status 2 (usage) or 1."""
+    line), then feed ``backend`` the node state until SIGINT or SIGTERM (or the first state
+    with ``--once``), which end it quietly.
+
+    ``backend`` is a handler, called with the complete state after every change, or a Sink
+    (an object with ``set_service``...), called once per change as ``watch`` does. Errors (a
+    bad --api, no state within --connect-timeout) are one line on stderr and exit status 2
+    (usage) or 1."""
     parser = argparse.ArgumentParser(description=description or None)
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -136,13 +160,16 @@ def run(handler: Handler, argv: Sequence[str] | None = None, *, description: str
         parser.error(str(exc))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    coro = watch_state(
-        handler,
-        api=api,
-        node_name=args.node_name,
-        once=args.once,
-        connect_timeout=args.connect_timeout or None,  # 0: wait forever
-    )
+    options: dict[str, Any] = {
+        "api": api,
+        "node_name": args.node_name,
+        "once": args.once,
+        "connect_timeout": args.connect_timeout or None,  # 0: wait forever
+    }
+    if isinstance(backend, Sink):
+        coro = watch(backend, **options)
+    else:
+        coro = watch_state(backend, **options)
     try:
         asyncio.run(_until_signalled(coro))
     except KpngError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kpng.client._compat import complete
 from kpng.client._state import Handler, NodeState
@@ -12,12 +12,18 @@ from kpng.model.messages import Endpoint, Service, ServiceEndpoints
 from kpng.model.paths import endpoint_keys
 
 
+@runtime_checkable
 class Sink(Protocol):
     """An incremental backend: the watch API's ops, one call each.
 
     Between two ``sync`` calls the state is in flux; at ``sync`` it is complete and consistent.
     ``reset`` means: forget everything, the whole state follows. Endpoint keys are stable within
     a service (see kpng.model.paths). ``sync`` may be a coroutine function; it is awaited.
+
+    The calls between two syncs come in four runs, each sorted by namespace, name and endpoint
+    key: every ``set_service``, then every ``set_endpoint``, then every ``delete_endpoint``, then
+    every ``delete_service``. So a service is set before its endpoints, and its endpoints are
+    deleted before it. In process (SinkBackend) and over the network alike.
     """
 
     def reset(self) -> None: ...
@@ -177,7 +183,7 @@ class FullState:
 
 class SinkBackend:
     """A full-state Backend that drives an incremental Sink: in process, a Sink gets the same
-    calls it would get over the network."""
+    calls, in the same order, as over the network (see Sink)."""
 
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
@@ -189,25 +195,37 @@ class SinkBackend:
         if not self._started:
             self._started = True
             sink.reset()
+        # The watch API's order (kpng.server.changesets.local_ops), call for call.
+        service_sets: list[Service] = []
+        endpoint_sets: list[tuple[str, str, str, Endpoint]] = []
+        endpoint_deletes: list[tuple[str, str, str]] = []
         for key in sorted(state.updated):
             new = state.services[key]
             old = self._sent.get(key)
             if old is None or old.service != new.service:
-                sink.set_service(new.service)
+                service_sets.append(new.service)
             old_eps = endpoint_keys(old.endpoints) if old is not None else {}
             new_eps = endpoint_keys(new.endpoints)
-            for ep_key, ep in new_eps.items():
-                if old_eps.get(ep_key) != ep:
-                    sink.set_endpoint(key[0], key[1], ep_key, ep)
-            for ep_key in old_eps.keys() - new_eps.keys():
-                sink.delete_endpoint(key[0], key[1], ep_key)
+            endpoint_sets += (
+                (*key, ep_key, new_eps[ep_key])
+                for ep_key in sorted(new_eps)
+                if old_eps.get(ep_key) != new_eps[ep_key]
+            )
+            endpoint_deletes += ((*key, k) for k in sorted(old_eps.keys() - new_eps.keys()))
             self._sent[key] = new
-        for key in sorted(state.deleted):
-            old = self._sent.pop(key, None)
-            if old is not None:
-                for ep_key in endpoint_keys(old.endpoints):
-                    sink.delete_endpoint(key[0], key[1], ep_key)
-            sink.delete_service(*key)
+        service_deletes = sorted(state.deleted)
+        for key in service_deletes:
+            gone = self._sent.pop(key, None)
+            if gone is not None:
+                endpoint_deletes += ((*key, k) for k in sorted(endpoint_keys(gone.endpoints)))
+        for service in service_sets:
+            sink.set_service(service)
+        for namespace, name, ep_key, endpoint in endpoint_sets:
+            sink.set_endpoint(namespace, name, ep_key, endpoint)
+        for namespace, name, ep_key in endpoint_deletes:
+            sink.delete_endpoint(namespace, name, ep_key)
+        for namespace, name in service_deletes:
+            sink.delete_service(namespace, name)
         await _maybe_await(sink.sync())
         return False
 

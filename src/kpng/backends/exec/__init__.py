@@ -15,7 +15,7 @@ import shlex
 
 from kpng.backends.exec.formats import FORMATS
 from kpng.backends.exec.running import ExecBackend
-from kpng.backends.registry import Backend, BackendSpec, register
+from kpng.client import Backend, BackendSpec, register
 from kpng.errors import UsageError
 
 __all__ = ["ExecBackend"]

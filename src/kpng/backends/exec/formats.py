@@ -11,6 +11,8 @@ deletions before service deletions), each state closed by a ``sync`` line::
     {"op":"delete_service","namespace":"ns","name":"old"}
     {"op":"sync","revision":7}
 
+``service`` is the Service object in ``set_service`` and the name of the endpoint's service in
+``set_endpoint`` and ``delete_endpoint``: the fields are the Sink calls' arguments, one to one.
 Messages are in protobuf's canonical JSON mapping; endpoint keys are stable within a service
 (kpng.model.paths). A new format object starts with ``reset`` and the whole state: it is what a
 newly started program gets.

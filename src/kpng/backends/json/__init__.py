@@ -15,7 +15,7 @@ import sys
 from typing import BinaryIO
 
 from kpng.backends._jsonlines import StateLines
-from kpng.backends.registry import Backend, BackendSpec, NodeState, register
+from kpng.client import Backend, BackendSpec, NodeState, register
 
 
 class JsonBackend:

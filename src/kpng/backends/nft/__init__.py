@@ -31,8 +31,7 @@ from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
-from kpng.backends.registry import Backend, BackendSpec, NodeState, register
-from kpng.client import SyncStats
+from kpng.client import Backend, BackendSpec, NodeState, SyncStats, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey

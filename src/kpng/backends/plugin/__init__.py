@@ -16,7 +16,7 @@ from pathlib import Path
 from kpng.backends.plugin.config import check_unique, parse_plugin
 from kpng.backends.plugin.connection import PluginBackend, PluginError
 from kpng.backends.plugin.feeding import PluginsBackend
-from kpng.backends.registry import Backend, BackendSpec, register
+from kpng.client import Backend, BackendSpec, register
 from kpng.errors import UsageError
 
 __all__ = ["PluginBackend", "PluginError", "PluginsBackend"]

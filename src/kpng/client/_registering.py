@@ -1,0 +1,35 @@
+"""How a backend makes ``to-<name>`` a command of kpng: a spec, registered on import.
+
+The CLI's side (finding built-in and installed backends, importing one on demand) is
+kpng.backends.registry; what a backend module itself calls lives here, with the rest of what a
+backend author imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kpng.client._state import Backend
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    """The backend's command is ``to-<name>``."""
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    create: Callable[[argparse.Namespace], Backend]
+    cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
+    """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
+
+
+REGISTERED: dict[str, BackendSpec] = {}
+
+
+def register(spec: BackendSpec) -> BackendSpec:
+    """Make ``to-<spec.name>`` available; called by a backend module when it is imported."""
+    REGISTERED[spec.name] = spec
+    return spec
