@@ -584,10 +584,13 @@ def test_client_certificate_files_rotated(
 
 
 _CERT_PLUGIN = """
-import pathlib, sys
+import os, pathlib, sys
 runs = pathlib.Path(sys.argv[1])
 n = int(runs.read_text()) if runs.exists() else 0
-runs.write_text(str(n + 1))
+# atomically: the test (or a second run) may read the count while this run writes it
+written = runs.with_name(f"runs.{os.getpid()}")
+written.write_text(str(n + 1))
+written.replace(runs)
 print(pathlib.Path(sys.argv[2 if n == 0 else 3]).read_text())
 """
 
