@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint typecheck unit control-plane real-nodes protos bench e2e image clean
+.PHONY: example test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
+	system-packages
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +16,11 @@ $(BIN)/kpng: pyproject.toml
 example: $(BIN)/kpng
 	$(BIN)/kpng file --input examples/cluster.yaml to-local --node-name node-2 to-json --once --output - \
 	  | $(BIN)/python -m json.tool
+
+# The Debian packages the data-plane, conformance and real-node tests need (as root); without
+# them `make test` skips those tests and ends with a summary of what it skipped and why.
+system-packages:
+	tools/install-system-packages
 
 # The whole suite: lint, types, layer contracts, tests.
 test: lint typecheck unit

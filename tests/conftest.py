@@ -51,3 +51,36 @@ def netns(namespaces: Callable[[], str]) -> str:
 
 
 pytest_plugins = ["kpng.testing.fixtures"]
+
+
+OPT_IN = ("KPNG_",)
+"""Skip reasons that name an environment variable to set are opt-in tests, not missing tools."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """End with what did not run and why, loudly: a machine without nft or root passes the
+    suite while skipping every data-plane test, which must not look like a full pass."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return
+    missing = {r: n for r, n in reasons.items() if not any(k in r for k in OPT_IN)}
+    total = sum(missing.values())
+    if missing:
+        terminalreporter.section(
+            f"{total} TESTS DID NOT RUN: this machine lacks what they need", sep="!", red=True
+        )
+        for reason, count in sorted(missing.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:5} {reason}", red=True)
+        terminalreporter.write_line(
+            "Install what is missing with `sudo make system-packages` (Debian) and run as root: "
+            "the data-plane and conformance tests need root, nftables and conntrack.",
+            bold=True,
+        )
+    optional = {r: n for r, n in reasons.items() if r not in missing}
+    for reason, count in optional.items():
+        terminalreporter.write_line(f"opt-in, not run: {count} ({reason})")
