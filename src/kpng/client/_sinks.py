@@ -226,8 +226,7 @@ class SinkBackend:
             sink.delete_endpoint(namespace, name, ep_key)
         for namespace, name in service_deletes:
             sink.delete_service(namespace, name)
-        await _maybe_await(sink.sync())
-        return False
+        return bool(await _maybe_await(sink.sync()))  # True: the sink is done, as over a watch
 
     async def close(self) -> None:
         return None
