@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,12 @@ from tests.waiting import json_lines, until
 
 EXAMPLES = ROOT / "examples" / "plugins"
 SUMMARY = EXAMPLES / "state-summary"
+GO_SUMMARY = EXAMPLES / "go-summary"
+GO_PROTOC_PLUGINS = (
+    "google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12",
+    "google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.0",
+)
+"""As examples/plugins/go-summary/generate.sh and docs/plugins.md name them."""
 GUARD = EXAMPLES / "nodeport-guard" / "guard.py"
 WAIT_S = 20.0
 
@@ -168,12 +175,75 @@ SLICE = {
 }
 
 
-def test_the_nodejs_plugin_follows_the_state_with_kpng(
-    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+def _go_summary(out: Path) -> Path:
+    """The Go example plugin, built into ``out``."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).exists():
+        pytest.skip("Go is not installed (the README's prerequisites)")
+    binary = out / "go-summary"
+    done = subprocess.run(
+        [go, "build", "-o", str(binary), "."],
+        cwd=GO_SUMMARY, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return binary
+
+
+def _go_tool(go: str, package: str) -> Path:
+    """A Go program installed (once, cached) from the module proxy."""
+    bin_dir = Path.home() / ".cache" / "kpng" / "go-bin"
+    name = package.split("@")[0].rsplit("/", 1)[-1]
+    if not (bin_dir / name).exists():
+        done = subprocess.run(
+            [go, "install", package],
+            env={**os.environ, "GOBIN": str(bin_dir)},
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    return bin_dir / name
+
+
+def test_the_go_plugin_code_is_what_the_documented_command_generates(tmp_path: Path) -> None:
+    """docs/plugins.md's command (examples/plugins/go-summary/generate.sh), run afresh, makes
+    exactly the Go code committed beside the plugin: the protos' go_package options hold."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).exists():
+        pytest.skip("Go is not installed (the README's prerequisites)")
+    tools = [_go_tool(go, p) for p in GO_PROTOC_PLUGINS]
+    copy = tmp_path / "go-summary"
+    shutil.copytree(GO_SUMMARY, copy, ignore=shutil.ignore_patterns("*.pb.go"))
+    done = subprocess.run(
+        ["sh", str(copy / "generate.sh")],
+        env={
+            **os.environ,
+            "PATH": os.pathsep.join([str(tools[0].parent), os.environ["PATH"]]),
+            "PROTOC": f"{sys.executable} -m grpc_tools.protoc",
+            "KPNG_PROTOS": str(ROOT / "src"),
+        },
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    committed = sorted(p.relative_to(GO_SUMMARY) for p in GO_SUMMARY.rglob("*.pb.go"))
+    generated = sorted(p.relative_to(copy) for p in copy.rglob("*.pb.go"))
+    assert generated == committed
+    assert len(committed) == 4
+    for path in committed:
+        assert (copy / path).read_text() == (GO_SUMMARY / path).read_text(), path
+
+
+@pytest.mark.parametrize("language", ["nodejs", "go"])
+def test_the_summary_plugins_follow_the_state_with_kpng(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str], language: str
 ) -> None:
-    missing = _node_modules()
-    if missing is not None:
-        pytest.skip(missing)
+    """The same summaries from the Node.js plugin (FULL states in JSON) and the Go one (DIFFS in
+    protobuf, keeping the state itself)."""
+    if language == "nodejs":
+        missing = _node_modules()
+        if missing is not None:
+            pytest.skip(missing)
+        name, program = "state-summary", ["node", str(SUMMARY / "index.js")]
+    else:
+        name, program = "go-summary", [str(_go_summary(tmp_path))]
     manifests, out = tmp_path / "manifests", tmp_path / "summary.jsonl"
     manifests.mkdir()
     socket, config = tmp_path / "summary.sock", tmp_path / "summary.conf"
@@ -182,8 +252,7 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
     logs = tmp_path / "logs"
     with logs.open("wb") as log:
         plugin = subprocess.Popen(
-            ["node", str(SUMMARY / "index.js"), "--socket", str(socket), "--output", str(out)],
-            stderr=log,
+            [*program, "--socket", str(socket), "--output", str(out)], stderr=log
         )
         argv = [*kpng_command, "file", "--input", str(manifests), "to-local"]
         argv += ["--node-name", "node-1", "to-json", "--output", str(tmp_path / "state.json")]
@@ -215,8 +284,7 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         plugin.wait(timeout=10)
         with logs.open("ab") as log:
             plugin = subprocess.Popen(
-                ["node", str(SUMMARY / "index.js"), "--socket", str(socket), "--output", str(out)],
-                stderr=log,
+                [*program, "--socket", str(socket), "--output", str(out)], stderr=log
             )
         count = len(json_lines(out))
         until(lambda: len(json_lines(out)) > count, "the state after the restart", within=WAIT_S)
@@ -226,8 +294,8 @@ def test_the_nodejs_plugin_follows_the_state_with_kpng(
         _stop(kpng)
         _stop(plugin)
     text = logs.read_text()
-    assert "plugin summary: connected to state-summary 1.0.0" in text
-    assert "state-summary: configured for node node-1" in text
+    assert f"plugin summary: connected to {name} 1.0.0" in text
+    assert f"{name}: configured for node node-1" in text
     assert kpng.returncode == 0, text
 
 

@@ -25,13 +25,14 @@ _sym_db = _symbol_database.Default()
 from kpng.api import localv1_pb2 as kpng_dot_api_dot_localv1__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x16kpng/api/localv1.proto\"F\n\x08WatchReq\x12\x10\n\x08NodeName\x18\x01 \x01(\t\x12(\n\x08\x45ncoding\x18\x02 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\":\n\x0eGlobalWatchReq\x12(\n\x08\x45ncoding\x18\x01 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\"\'\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem*\"\n\x08\x45ncoding\x12\x0c\n\x08PROTOBUF\x10\x00\x12\x08\n\x04JSON\x10\x01\x32\x8a\x01\n\x04Sets\x12:\n\x05Watch\x12\x16.kpng.batchv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x46\n\x0bWatchGlobal\x12\x1c.kpng.batchv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x16kpng/api/localv1.proto\"F\n\x08WatchReq\x12\x10\n\x08NodeName\x18\x01 \x01(\t\x12(\n\x08\x45ncoding\x18\x02 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\":\n\x0eGlobalWatchReq\x12(\n\x08\x45ncoding\x18\x01 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\"\'\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem*\"\n\x08\x45ncoding\x12\x0c\n\x08PROTOBUF\x10\x00\x12\x08\n\x04JSON\x10\x01\x32\x8a\x01\n\x04Sets\x12:\n\x05Watch\x12\x16.kpng.batchv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x46\n\x0bWatchGlobal\x12\x1c.kpng.batchv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x42\x12Z\x10kpng/api/batchv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpng.api.batchv1_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'Z\020kpng/api/batchv1'
   _globals['_ENCODING']._serialized_start=237
   _globals['_ENCODING']._serialized_end=271
   _globals['_WATCHREQ']._serialized_start=64
