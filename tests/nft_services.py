@@ -25,7 +25,7 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
-from tests.states import keyed_state
+from kpng.testing.states import keyed_state
 
 _SCOPES = [
     EndpointScopes(Internal=True, External=True, Cluster=True),

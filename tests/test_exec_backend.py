@@ -21,7 +21,7 @@ from kpng.backends.exec import ExecBackend
 from kpng.backends.exec.formats import FullFormat, OpsFormat
 from kpng.backends.exec.output import LineLimiter, LineSplitter
 from kpng.client import Backoff, Feeder
-from tests import states
+from kpng.testing import states
 from tests.conftest import EXAMPLE
 from tests.waiting import eventually, json_lines
 

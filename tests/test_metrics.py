@@ -33,7 +33,7 @@ from kpng.status import Status
 from kpng.status.metrics import registry
 from kpng.store import Store
 from kpng.testing.netns import available
-from tests.states import keyed_state
+from kpng.testing.states import keyed_state
 from tests.test_nft_kernel import WEB, FailingOnceNft, _ep, _eventually, _service
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -23,8 +23,8 @@ from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
 from kpng.backends.nft.nftables import NftError
 from kpng.testing.netns import available
+from kpng.testing.states import keyed_state
 from tests import libnft_scenarios as scenarios
-from tests.states import keyed_state
 from tests.test_nft_kernel import _table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, contribute
 from kpng.backends.nft.nftables import Elements, Operation, TableObjects, Transaction
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
+from kpng.testing.states import keyed_state
 from tests.nft_services import churn, generate
-from tests.states import keyed_state
 
 OPTIONS = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
 

@@ -35,8 +35,8 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing.netns import ClusterSpec, TestBed, available, wait_until
+from kpng.testing.states import keyed_state
 from tests.nft_services import churn, generate
-from tests.states import keyed_state
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -22,7 +22,7 @@ from kpng.backends.plugin.config import PluginSpec, parse_plugin, plugins_in_dir
 from kpng.backends.plugin.connection import explain
 from kpng.client import Backoff
 from kpng.errors import UsageError
-from tests import states
+from kpng.testing import states
 from tests.conftest import EXAMPLE
 from tests.waiting import eventually, json_lines
 

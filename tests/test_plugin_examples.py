@@ -231,19 +231,45 @@ def test_the_go_plugin_code_is_what_the_documented_command_generates(tmp_path: P
         assert (copy / path).read_text() == (GO_SUMMARY / path).read_text(), path
 
 
+def _summary_program(language: str, tmp_path: Path) -> tuple[str, list[str]]:
+    """The summary plugin in ``language``: its name and command (without --socket)."""
+    if language == "nodejs":
+        missing = _node_modules()
+        if missing is not None:
+            pytest.skip(missing)
+        return "state-summary", ["node", str(SUMMARY / "index.js")]
+    return "go-summary", [str(_go_summary(tmp_path))]
+
+
+@pytest.mark.parametrize("language", ["nodejs", "go"])
+def test_the_summary_plugins_pass_kpng_check(
+    tmp_path: Path, kpng_command: list[str], language: str
+) -> None:
+    _, program = _summary_program(language, tmp_path)
+    socket = tmp_path / "summary.sock"
+    plugin = subprocess.Popen(
+        [*program, "--socket", str(socket), "--output", str(tmp_path / "out.jsonl")],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        until(socket.exists, "the plugin's socket", within=WAIT_S)
+        done = subprocess.run(
+            [*kpng_command, "check", "plugin", f"unix://{socket}", "--services", "2000"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        _stop(plugin)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "16 passed, 0 failed"
+
+
 @pytest.mark.parametrize("language", ["nodejs", "go"])
 def test_the_summary_plugins_follow_the_state_with_kpng(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str], language: str
 ) -> None:
     """The same summaries from the Node.js plugin (FULL states in JSON) and the Go one (DIFFS in
     protobuf, keeping the state itself)."""
-    if language == "nodejs":
-        missing = _node_modules()
-        if missing is not None:
-            pytest.skip(missing)
-        name, program = "state-summary", ["node", str(SUMMARY / "index.js")]
-    else:
-        name, program = "go-summary", [str(_go_summary(tmp_path))]
+    name, program = _summary_program(language, tmp_path)
     manifests, out = tmp_path / "manifests", tmp_path / "summary.jsonl"
     manifests.mkdir()
     socket, config = tmp_path / "summary.sock", tmp_path / "summary.conf"

@@ -21,10 +21,10 @@ from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry
 from kpng.testing import kubeapi as k
+from kpng.testing import states
 from kpng.testing.cluster import ControlPlane, free_port
 from kpng.testing.kubeapi import KubeApi
 from kpng.testing.recording import KpngUnderTest
-from tests import states
 from tests.conftest import EXAMPLE
 from tests.waiting import eventually, until
 

@@ -65,6 +65,8 @@ def _epilog() -> str:
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
         + f"\nbackends (after to-local, or local):\n{backends}\n\n"
         "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
+        "`kpng check plugin unix:///PATH` and `kpng check exec --command CMD` test a plugin or "
+        "an exec program.\n"
         "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`, "
         "`kpng file to-local to-nft --help`."
     )
@@ -397,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cleanup"]:
         return cleanup(argv[1:])
+    if argv[:1] == ["check"]:
+        from kpng.testing.checker import main as check
+
+        return check(argv[1:])
     if argv[:1] == ["kube-proxy"]:
         from kpng.kubeproxy.command import main as kube_proxy
 

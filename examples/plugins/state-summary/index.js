@@ -101,7 +101,15 @@ function main() {
         callback({ code: grpc.status.INVALID_ARGUMENT, details: 'expected a whole state' });
         return;
       }
-      write(JSON.stringify({ node, ...summarize(Ops, Revision, label) }));
+      let summary;
+      try {
+        summary = summarize(Ops, Revision, label);
+      } catch (err) {
+        // A payload that is not JSON: refuse the change set, say why.
+        callback({ code: grpc.status.INVALID_ARGUMENT, details: `bad payload: ${err.message}` });
+        return;
+      }
+      write(JSON.stringify({ node, ...summary }));
       callback(null, {});
     },
     Health(call, callback) {

@@ -1,4 +1,5 @@
-"""Node-local states as plain data, for backend tests: services with a node port and endpoints."""
+"""Node-local states as plain data, for backend tests and `kpng check`: services with a node port
+and endpoints."""
 
 from __future__ import annotations
 
