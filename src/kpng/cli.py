@@ -22,7 +22,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kpng import __version__
 from kpng.backends import registry
 from kpng.backends.registry import Backend
 from kpng.client import Fanout
@@ -125,8 +124,23 @@ def _main_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a change may wait unapplied before kpng is unhealthy (default: 60)",
     )
-    parser.add_argument("--version", action="version", version=f"kpng {__version__}")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the versions of kpng, its wire API, Python and libnftables, and exit",
+    )
     return parser
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=str(kwargs.get("help")))
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from kpng.version import report
+
+        print(report())
+        parser.exit()
 
 
 def _parser(
@@ -399,6 +413,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cleanup"]:
         return cleanup(argv[1:])
+    if argv[:1] == ["version"]:
+        from kpng.version import report
+
+        print(report())
+        return 0
     if argv[:1] == ["check"]:
         from kpng.testing.checker import main as check
 

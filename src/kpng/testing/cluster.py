@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -364,10 +365,19 @@ class Pki:
     service_account_pub: Path
 
 
+def _need_cryptography() -> None:
+    # A testing extra, not a runtime dependency: say how to get it.
+    if importlib.util.find_spec("cryptography") is None:
+        raise ControlPlaneError(
+            "the test control plane's certificates need cryptography: pip install 'kpng[testing]'"
+        )
+
+
 def make_pki(directory: Path, addresses: Sequence[str] = ("127.0.0.1",)) -> Pki:
     """A CA, the apiserver's serving certificate (valid for ``addresses``, for localhost and for
     the names and ClusterIP of the ``kubernetes`` Service), an admin client certificate, a SA key
     pair."""
+    _need_cryptography()
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -499,6 +509,7 @@ def issue_client_cert(
 ) -> ClientCert:
     """A client certificate signed by the PKI's CA, valid from a few minutes ago (clock skew)
     for ``valid_for`` from now; its subject's O is the user's group (system:masters: admin)."""
+    _need_cryptography()
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

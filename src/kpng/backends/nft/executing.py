@@ -11,6 +11,8 @@ import ctypes
 import logging
 import os
 import re
+import shutil
+import subprocess
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,6 +43,22 @@ TERSE = 1 << 11
 TRIM_AFTER_BYTES = 1 << 20
 """After a transaction this long (a full sync), the C heap is given back to the system: see
 ``LibNft``."""
+
+
+def libnftables_version() -> str:
+    """Which libnftables to-nft loads (its file), and the release of ``nft`` beside it."""
+    try:
+        ctypes.CDLL(LIBNFTABLES)
+    except OSError as exc:
+        return f"{LIBNFTABLES} cannot be loaded ({exc}); to-nft would run the nft command"
+    with open("/proc/self/maps") as maps:
+        found = {line.split()[-1] for line in maps if "libnftables.so" in line}
+    path = min(found) if found else LIBNFTABLES
+    nft = shutil.which("nft")
+    if nft is None:
+        return f"{path} (no nft command)"
+    done = subprocess.run([nft, "--version"], capture_output=True, text=True, check=False)
+    return f"{path} ({done.stdout.strip() or 'nft --version said nothing'})"
 
 
 async def _run(argv: Sequence[str], stdin: bytes = b"") -> tuple[int, str]:
