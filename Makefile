@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: example test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
-	system-packages
+	system-packages compat
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ unit: $(BIN)/kpng control-plane real-nodes
 # minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.cluster build
+
+# The API-server tests against every supported Kubernetes release (kpng.testing.cluster's
+# SUPPORTED_VERSIONS), or those in VERSIONS (e.g. make compat VERSIONS=v1.34.4): each control
+# plane is built on first use (a few minutes), then cached.
+compat: $(BIN)/kpng
+	$(BIN)/python -m kpng.testing.compat $(VERSIONS)
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.

@@ -16,6 +16,8 @@ from kpng.testing.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.apiserver
+
 RBAC = ROOT / "deploy" / "rbac.yaml"
 
 _PATHS = {

@@ -401,6 +401,7 @@ def test_a_bad_or_taken_address_is_a_clear_error(
     assert f"cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in busy.stderr
 
 
+@pytest.mark.apiserver
 def test_the_kube_source_counts_its_lists_and_events(
     control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str
 ) -> None:

@@ -56,8 +56,13 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-KUBERNETES_VERSION = "v1.35.4"
-"""The default release: the newest 1.35 the Go module proxy served when this was written."""
+SUPPORTED_VERSIONS = ("v1.34.4", "v1.35.4", "v1.36.3", "v1.37.2")
+"""The Kubernetes releases kpng supports and is tested against (``make compat``), oldest first:
+the newest patch of each minor release the Go module proxy served when this was written. The
+README states the window; docs/versioning.md how it moves."""
+
+KUBERNETES_VERSION = SUPPORTED_VERSIONS[-1]
+"""The default release of the test control plane and of the real-node programs: the newest."""
 
 ADMIN_USER = "kpng-admin"
 SERVICE_CIDR = "10.96.0.0/16"
