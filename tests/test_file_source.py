@@ -15,7 +15,7 @@ from kpng.errors import InputError
 from kpng.model.messages import Service
 from kpng.sources.file import FileSource
 from kpng.status import Status
-from kpng.store import Store
+from kpng.store import SourceHandle, Store
 
 # Bounds for waiting on inotify; a change normally lands in tens of milliseconds.
 WAIT_S = 10.0
@@ -145,6 +145,35 @@ def test_a_file_that_never_parsed_holds_the_sync_and_healthz_names_it(
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_write_between_the_load_and_the_watch_is_not_lost(tmp_path: Path) -> None:
+    """No inotify event reports a change made before the watch is armed: kpng compares the
+    files with what it read once the watch is armed."""
+    _write(tmp_path / "a.yaml", _svc("a"))
+
+    class WrittenDuringStart(FileSource):
+        def load(self, out: SourceHandle) -> None:
+            super().load(out)
+            _write(tmp_path / "a.yaml", _svc("a", "10.96.0.9"))  # the same size: mtime differs
+            _write(tmp_path / "b.yaml", _svc("b"))
+
+    store = Store()
+    watching = asyncio.Event()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(
+            WrittenDuringStart(tmp_path).run(store.source("file"), watching=watching)
+        )
+        try:
+            await asyncio.wait_for(watching.wait(), WAIT_S)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert _cluster_ip(store, "a") == "10.96.0.9"
+    assert ("ns", "b") in store.services
 
 
 def test_slice_of_an_undefined_service_is_reported(

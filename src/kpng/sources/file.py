@@ -48,6 +48,9 @@ class FileSource:
         self._owner: dict[ObjectKey, Path] = {}
         self._never_parsed: dict[Path, str] = {}
         """Files that have failed every read since kpng started, with their latest error."""
+        self._seen: dict[Path, tuple[int, int, int]] = {}
+        """Each file's inode, size and mtime when last read: what changed before the watch was
+        armed is found by comparing them."""
 
     def files(self) -> list[Path]:
         """The files PATH names now, in the order that decides duplicates."""
@@ -91,11 +94,15 @@ class FileSource:
             old = self._parsed.get(path)
             if old is not None:
                 touched.update(old.objects)
-            if not path.exists():
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
                 self._parsed.pop(path, None)
                 self._memos.pop(path, None)
                 self._never_parsed.pop(path, None)
+                self._seen.pop(path, None)
                 continue
+            self._seen[path] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
             parsed = self._read(path, out)
             if parsed is None:
                 continue  # unreadable now: keep its last good content
@@ -209,14 +216,44 @@ class FileSource:
             self._owner[key] = owner
             stage(out, key, self._parsed[owner].objects[key])
 
+    def _changed_unwatched(self) -> list[Path]:
+        """The files that changed, came or went since they were last read, by their stat."""
+        now = set(self.files())
+        changed = [p for p in self._seen if p not in now]
+        for path in now:
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                changed.append(path)
+                continue
+            if self._seen.get(path) != (stat.st_ino, stat.st_size, stat.st_mtime_ns):
+                changed.append(path)
+        return sorted(changed)
+
+    def _catch_up(self, out: SourceHandle, watching: asyncio.Event | None) -> None:
+        """Once the watch is armed: re-read what changed between the load and then (a write
+        during kpng's start), which no event will report."""
+        self._apply(self._changed_unwatched(), out)
+        if watching is not None:
+            watching.set()
+
+    def _apply(self, changed: list[Path], out: SourceHandle) -> None:
+        """Re-read these files and publish the result (or, not synced yet, try to sync)."""
+        if not changed:
+            return
+        self.reload(changed, out)
+        if not out.synced:
+            self._sync_unless_blocked(out)
+        elif out.commit():
+            log.info("reloaded %d file(s)", len(changed))
+
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
         self.load(out)
         watch_root = self.path if self.path.is_dir() else self.path.parent
-        if watching is not None:
-            # awatch arms its inotify watches synchronously in its first step, before it first
-            # yields to the loop; a callback scheduled now runs only after that.
-            asyncio.get_running_loop().call_soon(watching.set)
+        # awatch arms its inotify watches synchronously in its first step, before it first
+        # yields to the loop; a callback scheduled now runs only after that.
+        asyncio.get_running_loop().call_soon(self._catch_up, out, watching)
         async for batch in watchfiles.awatch(
             watch_root,
             recursive=self.path.is_dir(),
@@ -224,14 +261,7 @@ class FileSource:
             debounce=_WATCH_DEBOUNCE_MS,
             watch_filter=self._may_matter,
         ):
-            changed = self._files_behind({Path(p) for _, p in batch})
-            if not changed:
-                continue
-            self.reload(sorted(changed), out)
-            if not out.synced:
-                self._sync_unless_blocked(out)
-            elif out.commit():
-                log.info("reloaded %d file(s)", len(changed))
+            self._apply(sorted(self._files_behind({Path(p) for _, p in batch})), out)
 
 
 def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
