@@ -1056,7 +1056,7 @@ def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None
         endpoint_slice(cluster, "keep", ["a1"]),
     )
     cluster.eventually("c1", "tcp", ip, 80, answered)
-    argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "4"]
+    argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "8"]
     held = subprocess.Popen(
         ["ip", "netns", "exec", cluster.ns("c1"), *argv], stdout=subprocess.PIPE
     )
@@ -1066,6 +1066,17 @@ def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None
         service("keep", ip, [port("http", 80)]),
         endpoint_slice(cluster, "keep", ["a1", "b1", "b2"]),
     )
+    # The change is in force while the connection is held: new connections reach the new
+    # endpoints (without this, the case would pass with a change never applied).
+    cluster.eventually(
+        "c1",
+        "tcp",
+        ip,
+        80,
+        lambda got: any(r.split()[:1] in (["b1"], ["b2"]) for r in got),
+        count=6,
+    )
+    assert held.poll() is None, "the held connection ended before the change was in force"
     out, _ = held.communicate(timeout=20)
     results = json.loads(out)["results"]
     assert len(results) > 5
