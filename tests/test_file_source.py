@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,8 @@ def test_a_write_between_the_load_and_the_watch_is_not_lost(tmp_path: Path) -> N
     _write(tmp_path / "a.yaml", _svc("a"))
 
     class WrittenDuringStart(FileSource):
-        def load(self, out: SourceHandle) -> None:
-            super().load(out)
+        async def load_off_loop(self, out: SourceHandle) -> None:
+            await super().load_off_loop(out)
             _write(tmp_path / "a.yaml", _svc("a", "10.96.0.9"))  # the same size: mtime differs
             _write(tmp_path / "b.yaml", _svc("b"))
 
@@ -174,6 +175,32 @@ def test_a_write_between_the_load_and_the_watch_is_not_lost(tmp_path: Path) -> N
     asyncio.run(scenario())
     assert _cluster_ip(store, "a") == "10.96.0.9"
     assert ("ns", "b") in store.services
+
+
+def test_a_big_reload_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    """Parsing runs in a thread: the loop keeps answering (/healthz, the API) meanwhile."""
+    path = tmp_path / "big.yaml"
+    _write(path, *(_svc(f"s{i}", f"10.96.{i // 250}.{i % 250 + 1}") for i in range(5000)))
+    store = Store()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    async def scenario() -> float:
+        ticker = asyncio.create_task(tick())
+        started = time.monotonic()
+        await FileSource(path).load_off_loop(store.source("file"))
+        ticker.cancel()
+        return time.monotonic() - started
+
+    took = asyncio.run(scenario())
+    assert len(store.services) == 5000
+    # The ticker ran through the load, not once before and once after it.
+    assert ticks > 1 + took / 0.005 / 10, (ticks, took)
 
 
 def test_slice_of_an_undefined_service_is_reported(

@@ -51,6 +51,10 @@ class FileSource:
         self._seen: dict[Path, tuple[int, int, int]] = {}
         """Each file's inode, size and mtime when last read: what changed before the watch was
         armed is found by comparing them."""
+        self._stats: dict[Path, tuple[int, int, int]] = {}
+        """What ``_read_all`` saw, until ``_take`` keeps it in ``_seen``."""
+        self._lock = asyncio.Lock()
+        """One reload at a time: the parse memos and ``_stats`` are shared with the thread."""
 
     def files(self) -> list[Path]:
         """The files PATH names now, in the order that decides duplicates."""
@@ -70,6 +74,17 @@ class FileSource:
 
     def load(self, out: SourceHandle) -> None:
         """Read every file and mark the source synced. Raises InputError if PATH is unusable."""
+        self._check_input()
+        self.reload(self.files(), out)
+        self._sync_unless_blocked(out)
+
+    async def load_off_loop(self, out: SourceHandle) -> None:
+        """``load``, reading and parsing in a thread (see ``_reload_off_loop``)."""
+        self._check_input()
+        await self._reload_off_loop(self.files(), out)
+        self._sync_unless_blocked(out)
+
+    def _check_input(self) -> None:
         if not self.path.exists():
             raise InputError(f"--input {self.given}: no such file or directory")
         if self.path.is_file():
@@ -77,8 +92,6 @@ class FileSource:
                 self.path.read_bytes()
             except OSError as exc:
                 raise InputError(f"--input {self.given}: {exc.strerror}") from None
-        self.reload(self.files(), out)
-        self._sync_unless_blocked(out)
 
     def _sync_unless_blocked(self, out: SourceHandle) -> None:
         if not self._never_parsed:
@@ -89,26 +102,64 @@ class FileSource:
 
     def reload(self, paths: Iterable[Path], out: SourceHandle) -> None:
         """Re-read these files (gone ones are forgotten) and stage what changed in the store."""
-        touched: set[ObjectKey] = set()
+        self._take(self._read_all(paths), out)
+
+    async def _reload_off_loop(self, paths: Iterable[Path], out: SourceHandle) -> None:
+        """``reload``, with the reading and parsing in a thread: a big file takes seconds to
+        parse, which would stall ``/healthz``, ``/metrics`` and the API meanwhile."""
+        async with self._lock:
+            self._take(await asyncio.to_thread(self._read_all, list(paths)), out)
+
+    def _read_all(self, paths: Iterable[Path]) -> dict[Path, Parsed | str | None]:
+        """Each file parsed, or why it cannot be (str), or None if it is gone. Touches nothing
+        the event loop reads (each file's parse memo is its own, one reload at a time)."""
+        results: dict[Path, Parsed | str | None] = {}
         for path in paths:
+            try:
+                stat = path.stat()
+                data = path.read_bytes()
+            except FileNotFoundError:
+                results[path] = None
+                continue
+            except OSError as exc:
+                results[path] = f"{path}: cannot read: {exc.strerror}"
+                continue
+            memo = self._memos.setdefault(path, manifests.ItemMemo())
+            try:
+                parsed = manifests.parse(
+                    data, filename=str(path), proxy_name=self.proxy_name, memo=memo
+                )
+            except InputError as exc:
+                results[path] = str(exc)
+            else:
+                results[path] = parsed
+            self._stats[path] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        return results
+
+    def _take(self, results: dict[Path, Parsed | str | None], out: SourceHandle) -> None:
+        """Keep what ``_read_all`` found and stage the objects whose owner or content changed."""
+        touched: set[ObjectKey] = set()
+        for path, result in results.items():
             old = self._parsed.get(path)
             if old is not None:
                 touched.update(old.objects)
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
+            if result is None:
                 self._parsed.pop(path, None)
                 self._memos.pop(path, None)
                 self._never_parsed.pop(path, None)
                 self._seen.pop(path, None)
                 continue
-            self._seen[path] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-            parsed = self._read(path, out)
-            if parsed is None:
+            if path in self._stats:
+                self._seen[path] = self._stats.pop(path)
+            if isinstance(result, str):
+                self._failed(path, result, out)
                 continue  # unreadable now: keep its last good content
+            for error in result.errors:
+                log.error("%s", error)
+            out.skipped += len(result.errors)
             self._never_parsed.pop(path, None)
-            self._parsed[path] = parsed
-            touched.update(parsed.objects)
+            self._parsed[path] = result
+            touched.update(result.objects)
         order = {p: i for i, p in enumerate(sorted(self._parsed))}
         for key in touched:
             self._resolve_owner(key, order, out)
@@ -166,24 +217,6 @@ class FileSource:
                 files.update(p for p in self._parsed if p.is_relative_to(path))
         return files
 
-    def _read(self, path: Path, out: SourceHandle) -> Parsed | None:
-        try:
-            data = path.read_bytes()
-            memo = self._memos.setdefault(path, manifests.ItemMemo())
-            parsed = manifests.parse(
-                data, filename=str(path), proxy_name=self.proxy_name, memo=memo
-            )
-        except OSError as exc:
-            self._failed(path, f"{path}: cannot read: {exc.strerror}", out)
-            return None
-        except InputError as exc:
-            self._failed(path, str(exc), out)
-            return None
-        for error in parsed.errors:
-            log.error("%s", error)
-        out.skipped += len(parsed.errors)
-        return parsed
-
     def _failed(self, path: Path, error: str, out: SourceHandle) -> None:
         if path in self._parsed:
             log.error("%s; keeping the file's previous content", error)
@@ -230,18 +263,18 @@ class FileSource:
                 changed.append(path)
         return sorted(changed)
 
-    def _catch_up(self, out: SourceHandle, watching: asyncio.Event | None) -> None:
+    async def _catch_up(self, out: SourceHandle, watching: asyncio.Event | None) -> None:
         """Once the watch is armed: re-read what changed between the load and then (a write
         during kpng's start), which no event will report."""
-        self._apply(self._changed_unwatched(), out)
+        await self._apply(self._changed_unwatched(), out)
         if watching is not None:
             watching.set()
 
-    def _apply(self, changed: list[Path], out: SourceHandle) -> None:
+    async def _apply(self, changed: list[Path], out: SourceHandle) -> None:
         """Re-read these files and publish the result (or, not synced yet, try to sync)."""
         if not changed:
             return
-        self.reload(changed, out)
+        await self._reload_off_loop(changed, out)
         if not out.synced:
             self._sync_unless_blocked(out)
         elif out.commit():
@@ -249,19 +282,29 @@ class FileSource:
 
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
-        self.load(out)
+        await self.load_off_loop(out)
         watch_root = self.path if self.path.is_dir() else self.path.parent
+        catching_up: asyncio.Task[None] | None = None
+
+        def armed() -> None:
+            nonlocal catching_up
+            catching_up = asyncio.ensure_future(self._catch_up(out, watching))
+
         # awatch arms its inotify watches synchronously in its first step, before it first
         # yields to the loop; a callback scheduled now runs only after that.
-        asyncio.get_running_loop().call_soon(self._catch_up, out, watching)
-        async for batch in watchfiles.awatch(
-            watch_root,
-            recursive=self.path.is_dir(),
-            step=_WATCH_STEP_MS,
-            debounce=_WATCH_DEBOUNCE_MS,
-            watch_filter=self._may_matter,
-        ):
-            self._apply(sorted(self._files_behind({Path(p) for _, p in batch})), out)
+        asyncio.get_running_loop().call_soon(armed)
+        try:
+            async for batch in watchfiles.awatch(
+                watch_root,
+                recursive=self.path.is_dir(),
+                step=_WATCH_STEP_MS,
+                debounce=_WATCH_DEBOUNCE_MS,
+                watch_filter=self._may_matter,
+            ):
+                await self._apply(sorted(self._files_behind({Path(p) for _, p in batch})), out)
+        finally:
+            if catching_up is not None:
+                catching_up.cancel()
 
 
 def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
