@@ -19,7 +19,7 @@ import pytest
 from kpng.backends._jsonlines import StateLines
 from kpng.backends.exec import ExecBackend
 from kpng.backends.exec.formats import FullFormat, OpsFormat
-from kpng.backends.exec.output import LineLimiter, LineSplitter
+from kpng.backends.exec.output import BoundedLineSplitter, LineLimiter
 from kpng.client import Backoff, Feeder
 from kpng.testing import states
 from tests.conftest import EXAMPLE
@@ -108,7 +108,7 @@ def test_full_format_is_the_to_json_line() -> None:
     ],
 )
 def test_stderr_is_cut_into_bounded_lines(chunks: list[bytes], lines: list[str]) -> None:
-    splitter = LineSplitter(max_bytes=4)
+    splitter = BoundedLineSplitter(max_bytes=4)
     out: list[str] = []
     for chunk in chunks:
         out += splitter.feed(chunk)

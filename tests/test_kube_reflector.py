@@ -18,7 +18,7 @@ from kpng.model import k8s
 from kpng.model.cluster import Slice
 from kpng.model.converting import service_from_k8s
 from kpng.model.messages import Service
-from kpng.sources.kube.client import ApiClient, LineSplitter
+from kpng.sources.kube.client import ApiClient, WatchLineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
     Backoff,
@@ -35,7 +35,7 @@ from kpng.sources.kube.reflector import (
 from kpng.sources.kube.source import (
     SERVICE_FIELD_SELECTOR,
     OrphanReports,
-    _HandleSink,
+    _HandleOutput,
     label_selector,
     orphan_slices,
     resources,
@@ -112,7 +112,7 @@ def test_watch_timeouts_spread_between_one_and_two_bases(rand: float, expected: 
     ids=["one", "split", "partial-tail", "blank-lines", "long-line"],
 )
 def test_line_splitter(chunks: list[bytes], expected: list[list[bytes]]) -> None:
-    splitter = LineSplitter()
+    splitter = WatchLineSplitter()
     assert [splitter.feed(c) for c in chunks] == expected
 
 
@@ -318,7 +318,7 @@ def test_objects_the_converters_reject_are_logged_and_dropped(
 ) -> None:
     store = Store()
     handle = store.source("t")
-    sink = _HandleSink[k8s.Service, Service](
+    sink = _HandleOutput[k8s.Service, Service](
         handle, lambda o: service_from_k8s(o, proxy_name=None), handle.set_service
     )
     good = msgspec.json.decode(msgspec.json.encode(_svc("a", "1")), type=k8s.Service)

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from kpng.backends.nft import NftBackend
-from kpng.backends.nft.diffing import DiffStore, Touched
+from kpng.backends.nft.diffing import TableState, Touched
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, contribute
 from kpng.backends.nft.nftables import Elements, Operation, TableObjects, Transaction
@@ -36,8 +36,8 @@ def _typed(tx: Transaction) -> Transaction:
     return typed
 
 
-def _store(services: dict[ServiceKey, ServiceEndpoints]) -> DiffStore:
-    store = DiffStore(OPTIONS)
+def _store(services: dict[ServiceKey, ServiceEndpoints]) -> TableState:
+    store = TableState(OPTIONS)
     touched = Touched()
     for key, se in services.items():
         store.update(key, contribute(se), touched)

@@ -11,7 +11,7 @@ from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.nftables import (
     Chain,
     Element,
-    InvalidObject,
+    InvalidNftObject,
     Map,
     NftError,
     Rule,
@@ -54,7 +54,7 @@ def _base() -> Transaction:
     ],
 )
 def test_invalid_objects_are_refused_when_made(make: object, message: str) -> None:
-    with pytest.raises(InvalidObject, match=message):
+    with pytest.raises(InvalidNftObject, match=message):
         make()  # type: ignore[operator]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-class LineSplitter:
+class BoundedLineSplitter:
     """Cuts a byte stream into lines; a line longer than ``max_bytes`` is cut there, the rest of
     it dropped, so a program writing without newlines cannot make kpng buffer without end."""
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from kpng.backends.exec.formats import Format
-from kpng.backends.exec.output import LineLimiter, LineSplitter
+from kpng.backends.exec.output import BoundedLineSplitter, LineLimiter
 from kpng.client import Backoff, NodeState, ServiceEndpoints
 from kpng.model.cluster import ServiceKey
 
@@ -234,7 +234,7 @@ class ExecBackend:
     async def _relay_stderr(self, proc: asyncio.subprocess.Process) -> None:
         stream = proc.stderr
         assert stream is not None
-        splitter = LineSplitter()
+        splitter = BoundedLineSplitter()
         limiter = self._limiter()
         loop = asyncio.get_running_loop()
         try:

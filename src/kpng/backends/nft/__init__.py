@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
-from kpng.backends.nft.diffing import DiffStore, Plan, Touched, check_transaction
+from kpng.backends.nft.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
@@ -88,7 +88,7 @@ class NftBackend:
         self._dry_run = dry_run
         self._output = output or sys.stdout
         self._sleep = sleep
-        self.store = DiffStore(options)
+        self.store = TableState(options)
         self._options = options
         self._from_node = from_node or FromNode()
         self._min_sync_period = min_sync_period

@@ -1,4 +1,4 @@
-"""The diff store: desired table contents (per service) against what was last applied (pure).
+"""The table state: desired table contents (per service) against what was last applied (pure).
 
 Services may share objects (the pick chain of every service with N endpoints, a hairpin pair
 of an address serving two services), so every element, chain and map has a set of owners; it is
@@ -85,7 +85,7 @@ Owners = ServiceKey | dict[ServiceKey, tuple[str, ...]]
 """An element's owners: one service's key, or the value each of several services wants."""
 
 
-class DiffStore:
+class TableState:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.contributions: dict[ServiceKey, Contribution] = {}
@@ -336,7 +336,7 @@ def check_transaction(
     chains made plain (no packet sees them), and that table deleted at the end: the kernel
     checks every object and element and keeps nothing, whether it takes the transaction or
     not. Refusals that depend on a hook do not show here."""
-    store = DiffStore(options)
+    store = TableState(options)
     touched = Touched()
     for key, contribution in contributions:
         store.update(key, contribution, touched)

@@ -47,18 +47,18 @@ class NftError(KpngError):
         super().__init__(f"nft: {message}{where}")
 
 
-class InvalidObject(NftError):
+class InvalidNftObject(NftError):
     """An object given to a transaction is not valid nftables (raised by ``Transaction.add``)."""
 
 
 def _check_name(kind: str, name: str) -> None:
     if not _NAME.match(name):
-        raise InvalidObject(f"invalid {kind} name {name!r}")
+        raise InvalidNftObject(f"invalid {kind} name {name!r}")
 
 
 def _check_type(kind: str, type_: str) -> None:
     if not type_ or any(c in type_ for c in "{};\n"):
-        raise InvalidObject(f"invalid {kind} type {type_!r}")
+        raise InvalidNftObject(f"invalid {kind} type {type_!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Table:
 
     def __post_init__(self) -> None:
         if self.family not in ("ip", "ip6", "inet"):
-            raise InvalidObject(f"invalid table family {self.family!r}")
+            raise InvalidNftObject(f"invalid table family {self.family!r}")
         _check_name("table", self.name)
 
 
@@ -88,12 +88,12 @@ class Chain:
         _check_name("chain", self.name)
         if self.type or self.hook or self.priority:
             if self.type not in _CHAIN_TYPES or self.hook not in _HOOKS or not self.priority:
-                raise InvalidObject(
+                raise InvalidNftObject(
                     f"chain {self.name}: a base chain needs a type {_CHAIN_TYPES}, "
                     f"a hook {_HOOKS} and a priority"
                 )
             if not re.match(r"^[a-z0-9 +-]+$", self.priority):
-                raise InvalidObject(f"chain {self.name}: invalid priority {self.priority!r}")
+                raise InvalidNftObject(f"chain {self.name}: invalid priority {self.priority!r}")
 
     @property
     def is_base(self) -> bool:
@@ -110,7 +110,9 @@ class Rule:
     def __post_init__(self) -> None:
         _check_name("chain", self.chain)
         if not self.expr.strip() or "\n" in self.expr or ";" in self.expr:
-            raise InvalidObject(f"rule in {self.chain}: one expression on one line: {self.expr!r}")
+            raise InvalidNftObject(
+                f"rule in {self.chain}: one expression on one line: {self.expr!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class Set:
     def __post_init__(self) -> None:
         _check_name("set", self.name)
         if bool(self.type) == bool(self.typeof):
-            raise InvalidObject(f"set {self.name}: exactly one of type and typeof")
+            raise InvalidNftObject(f"set {self.name}: exactly one of type and typeof")
         _check_type("set", self.type or self.typeof)
 
     @property
@@ -151,7 +153,7 @@ class Map:
     def __post_init__(self) -> None:
         _check_name("map", self.name)
         if bool(self.type) == bool(self.typeof):
-            raise InvalidObject(f"map {self.name}: exactly one of type and typeof")
+            raise InvalidNftObject(f"map {self.name}: exactly one of type and typeof")
         _check_type("map", self.type or self.typeof)
         _check_type("map value", self.value)
 
@@ -179,11 +181,11 @@ class Element:
     def __post_init__(self) -> None:
         _check_name("set", self.container)
         if not self.key:
-            raise InvalidObject(f"element of {self.container}: empty key")
+            raise InvalidNftObject(f"element of {self.container}: empty key")
         # One regex over the joined fields: a full sync validates some 100k elements.
         fields = (*self.key, *self.value)
         if "" in fields or _BAD_FIELD.search("\t".join(fields)):
-            raise InvalidObject(f"element of {self.container}: invalid field in {fields!r}")
+            raise InvalidNftObject(f"element of {self.container}: invalid field in {fields!r}")
 
     def render(self, *, with_value: bool = True) -> str:
         key = " . ".join(self.key)
@@ -210,7 +212,7 @@ class Elements:
         _check_name("set", self.container)
 
     def expand(self) -> list[Element]:
-        """The items as ``Element``s (``InvalidObject`` for the first invalid one)."""
+        """The items as ``Element``s (``InvalidNftObject`` for the first invalid one)."""
         out = []
         for item in self.items:
             key, colon, value = item.partition(" : ")
@@ -254,7 +256,7 @@ class Transaction:
     def add(self, obj: Object) -> Transaction:
         """Create ``obj`` (a no-op for an existing table, chain, set or map, as in nft)."""
         if isinstance(obj, Table) and obj != self.table:
-            raise InvalidObject(f"table {obj.name} is not this transaction's table")
+            raise InvalidNftObject(f"table {obj.name} is not this transaction's table")
         self.operations.append(Operation("add", obj))
         return self
 
@@ -320,7 +322,7 @@ class Transaction:
             return f"{verb} table {t}{comment}"
         if isinstance(obj, Named):
             if verb == "add":
-                raise InvalidObject(f"{obj.kind} {obj.name}: only its definition can be added")
+                raise InvalidNftObject(f"{obj.kind} {obj.name}: only its definition can be added")
             return f"{verb} {obj.kind} {t} {obj.name}"
         if isinstance(obj, Chain):
             if verb == "add" and obj.is_base:
@@ -331,7 +333,7 @@ class Transaction:
             return f"{verb} chain {t} {obj.name}"
         if isinstance(obj, Rule):
             if verb != "add":
-                raise InvalidObject("rules are removed by flushing their chain")
+                raise InvalidNftObject("rules are removed by flushing their chain")
             return f"add rule {t} {obj.chain} {obj.expr}"
         if isinstance(obj, Set | Map):
             kind = "set" if isinstance(obj, Set) else "map"
@@ -347,7 +349,7 @@ class Transaction:
             if isinstance(obj, Map) and obj.timeout_s:
                 timeout = f" timeout {obj.timeout_s}s ;"
             return f"add {kind} {t} {obj.name} {{ {key} ;{flags}{timeout} }}"
-        raise InvalidObject(f"cannot render {obj!r}")
+        raise InvalidNftObject(f"cannot render {obj!r}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ _ASYNCIO_LEAKS_SSL_TRANSPORTS = sys.version_info < (3, 12, 8) or (
 _REQUEST_TIMEOUT_S = 60.0
 
 
-class Status(msgspec.Struct, tag_field="kind", tag="Status"):
+class ApiStatus(msgspec.Struct, tag_field="kind", tag="Status"):
     """The API's error object (metav1.Status)."""
 
     code: int = 0
@@ -42,7 +42,7 @@ class Status(msgspec.Struct, tag_field="kind", tag="Status"):
     message: str = ""
 
 
-_status_decoder = msgspec.json.Decoder(Status)
+_status_decoder = msgspec.json.Decoder(ApiStatus)
 
 
 class TransportError(Exception):
@@ -67,7 +67,7 @@ def _status_error(status: int, body: bytes) -> ApiStatusError:
         return ApiStatusError(status, "", body[:200].decode(errors="replace").strip())
 
 
-class LineSplitter:
+class WatchLineSplitter:
     """Splits a byte stream into lines. Linear in the stream's size: a chunk without a newline
     is only appended, so a long line is not rescanned as it grows."""
 
@@ -249,7 +249,7 @@ class ApiClient:
                 response.release()
 
     async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
-        splitter = LineSplitter()
+        splitter = WatchLineSplitter()
         try:
             async for chunk in response.content.iter_any():
                 lines = splitter.feed(chunk)

@@ -29,7 +29,7 @@ from typing import Generic, Protocol, TypeVar
 import msgspec
 
 from kpng.model import k8s
-from kpng.sources.kube.client import ApiClient, ApiStatusError, Status, TransportError
+from kpng.sources.kube.client import ApiClient, ApiStatus, ApiStatusError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class _MetaOnly(msgspec.Struct):
 _list_decoder = msgspec.json.Decoder(ListPage)
 _event_decoder = msgspec.json.Decoder(WatchEvent)
 _meta_decoder = msgspec.json.Decoder(_MetaOnly)
-_status_decoder = msgspec.json.Decoder(Status)
+_status_decoder = msgspec.json.Decoder(ApiStatus)
 
 
 # --- the reflector
@@ -156,7 +156,7 @@ class Resource(Generic[T]):
         return params
 
 
-class Sink(Protocol[T_contra]):
+class ReflectorOutput(Protocol[T_contra]):
     """Where a reflector puts what it learns. Writes are staged until ``commit``."""
 
     def apply(self, key: Key, obj: T_contra | None) -> None: ...
@@ -213,7 +213,7 @@ class Reflector(Generic[T]):
         self,
         client: ApiClient,
         resource: Resource[T],
-        sink: Sink[T],
+        output: ReflectorOutput[T],
         settings: ReflectorSettings | None = None,
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -221,7 +221,7 @@ class Reflector(Generic[T]):
     ) -> None:
         self.client = client
         self.resource: Resource[T] = resource
-        self.sink: Sink[T] = sink
+        self.output: ReflectorOutput[T] = output
         self.settings = settings or ReflectorSettings()
         self._sleep = sleep
         self._rand = rand
@@ -309,7 +309,7 @@ class Reflector(Generic[T]):
             params["continue"] = page.metadata.continue_
         diff = relist_diff(self.known, listed)
         for key in diff.deleted:
-            self.sink.apply(key, None)
+            self.output.apply(key, None)
         self.known = listed
         self.resource_version = resource_version
         self._listed_at = time.monotonic()
@@ -324,12 +324,12 @@ class Reflector(Generic[T]):
                 len(diff.changed),
                 len(diff.deleted),
             )
-            self.sink.commit()
+            self.output.commit()
         else:
             log.info(
                 "%s: listed %d at resourceVersion %s", self.name, len(listed), resource_version
             )
-            self.sink.mark_synced()
+            self.output.mark_synced()
             self.synced.set()
 
     def _apply_listed(self, raw: msgspec.Raw, listed: dict[Key, str]) -> None:
@@ -340,7 +340,7 @@ class Reflector(Generic[T]):
         key = _key(meta)
         listed[key] = meta.resource_version
         if self.known.get(key) != meta.resource_version or not meta.resource_version:
-            self.sink.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
+            self.output.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
 
     def _decode(self, raw: msgspec.Raw) -> T | k8s.ObjectMeta | None:
         """The object; only its metadata if the rest does not decode (it is then reported, and
@@ -380,7 +380,7 @@ class Reflector(Generic[T]):
                         for line in lines:
                             self._event(line)
                     finally:
-                        self.sink.commit()
+                        self.output.commit()
         except ApiStatusError as exc:
             if exc.status == 410:
                 raise Gone(f"resourceVersion {self.resource_version}: {exc}") from None
@@ -407,9 +407,9 @@ class Reflector(Generic[T]):
         key = _key(meta)
         if kind == "DELETED":
             self.known.pop(key, None)
-            self.sink.apply(key, None)
+            self.output.apply(key, None)
         elif kind in ("ADDED", "MODIFIED"):
             self.known[key] = meta.resource_version
-            self.sink.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
+            self.output.apply(key, obj if not isinstance(obj, k8s.ObjectMeta) else None)
         else:
             log.warning("%s: unknown watch event type %r; ignored", self.name, kind)

@@ -75,7 +75,7 @@ def resources(
     )
 
 
-class _HandleSink(Generic[T, M]):
+class _HandleOutput(Generic[T, M]):
     """Converts what a reflector reports into the global model and stages it in a handle."""
 
     def __init__(
@@ -129,17 +129,17 @@ class KubeSource:
         services, slices, nodes, cidrs = self._handles = tuple(
             store.source(f"kube-{n}") for n in ("services", "slices", "nodes", "servicecidrs")
         )
-        self._sinks = (
-            _HandleSink[k8s.Service, Service](
+        self._outputs = (
+            _HandleOutput[k8s.Service, Service](
                 services, lambda o: service_from_k8s(o, proxy_name=proxy_name), services.set_service
             ),
-            _HandleSink[k8s.EndpointSlice, Slice](
+            _HandleOutput[k8s.EndpointSlice, Slice](
                 slices, lambda o: slice_from_k8s(o, proxy_name=proxy_name), slices.set_slice
             ),
-            _HandleSink[k8s.Node, Node](
+            _HandleOutput[k8s.Node, Node](
                 nodes, node_from_k8s, lambda key, node: nodes.set_node(key[1], node)
             ),
-            _HandleSink[k8s.ServiceCIDR, ServiceCIDR](
+            _HandleOutput[k8s.ServiceCIDR, ServiceCIDR](
                 cidrs, service_cidr_from_k8s, lambda key, cidr: cidrs.set_service_cidr(key[1], cidr)
             ),
         )
@@ -154,10 +154,10 @@ class KubeSource:
         svc_res, slice_res, node_res, cidr_res = resources(options.proxy_name, options.node_name)
         async with ApiClient(self.connection) as client:
             self.reflectors = [
-                Reflector(client, svc_res, self._sinks[0], options.settings),
-                Reflector(client, slice_res, self._sinks[1], options.settings),
-                Reflector(client, node_res, self._sinks[2], options.settings),
-                Reflector(client, cidr_res, self._sinks[3], options.settings),
+                Reflector(client, svc_res, self._outputs[0], options.settings),
+                Reflector(client, slice_res, self._outputs[1], options.settings),
+                Reflector(client, node_res, self._outputs[2], options.settings),
+                Reflector(client, cidr_res, self._outputs[3], options.settings),
             ]
             for reflector, handle in zip(self.reflectors, self._handles, strict=True):
                 handle.stats = reflector.stats
