@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from kpng.backends import nft as nft_backend
+from kpng.backends._healthchecks import Answer, HealthServers, local_ready_endpoints, response
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.health import Answer, HealthServers, local_ready_endpoints, response
 from kpng.backends.nft.layout import Options
 from kpng.backends.nft.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kpng.backends.nft.health import listen_hosts
+from kpng.backends._healthchecks import listen_hosts
 from kpng.testing.netns import available
 
 LOCAL = ["127.0.0.1", "10.0.0.5", "192.0.2.7", "::1", "fd00::5"]
@@ -35,7 +35,7 @@ _BACKEND = """
 import asyncio, json
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
-from kpng.backends.nft.health import HealthServers
+from kpng.backends._healthchecks import HealthServers
 from kpng.backends.nft.layout import FromNode, Options
 from kpng.backends.registry import NodeState
 from kpng.model.messages import Endpoint, IPSet, Service, ServiceEndpoints

@@ -217,7 +217,7 @@ def test_kernel_takes_affinity_endpoint_changes_incrementally(
 
 _HEALTH_CLIENT = """
 import asyncio, json
-from kpng.backends.nft.health import HealthServers
+from kpng.backends._healthchecks import HealthServers
 from kpng.model.messages import Endpoint, IPSet, Service, ServiceEndpoints
 
 async def get(host):

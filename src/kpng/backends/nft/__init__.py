@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import functools
-import gc
 import ipaddress
 import logging
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TextIO
 
+from kpng.backends._collector import collector_paused
+from kpng.backends._healthchecks import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
 from kpng.backends.nft.flows import stale_filters
-from kpng.backends.nft.health import HealthServers, listen_hosts, local_addresses
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
 from kpng.client import Backend, BackendSpec, NodeState, SyncStats, register
@@ -109,7 +108,7 @@ class NftBackend:
             await self._sleep(wait)
         self._last_sync = time.monotonic()
         self._revision = state.revision
-        with _collector_paused():
+        with collector_paused():
             touched = self._record(state)
         if self._retry is not None:
             self._retry.cancel()
@@ -237,14 +236,14 @@ class NftBackend:
                     present = await self._nft.list_objects(TABLE)
                 except NftError as exc:
                     error = exc
-            with _collector_paused():
+            with collector_paused():
                 plan = self._plan(touched, present)
             if error is None:
                 error = await self._run(plan)
             if error is not None:
                 self.sync_stats.failures += 1
             if error is not None and plan.full and await self._leave_out_refused_services():
-                with _collector_paused():
+                with collector_paused():
                     plan = self._plan(touched, present)
                 error = await self._run(plan)
             self.sync_stats.attempted(seconds=time.monotonic() - started, full=plan.full)
@@ -316,7 +315,7 @@ class NftBackend:
         options = self.store.options
 
         async def check(keys: list[ServiceKey]) -> NftError | None:
-            with _collector_paused():
+            with collector_paused():
                 tx = check_transaction(options, ((key, contributions[key]) for key in keys))
             try:
                 await self._nft.run(tx)
@@ -369,25 +368,6 @@ class NftBackend:
             self._retry.cancel()
         if self._health is not None:
             await self._health.close()
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for a step that allocates without awaiting.
-
-    A full sync makes about a million small objects (tuples, dicts) that cannot form cycles;
-    the collector's passes over the growing heap took a quarter of its time. Reference counting
-    still frees everything, and the collector's next pass untracks most of what stays (tuples
-    and dicts of strings).
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 async def cleanup(nft: Nft | None = None) -> bool:

@@ -1,4 +1,5 @@
-"""Health check node ports: what a cloud load balancer asks to find nodes with local endpoints.
+"""Health check node ports, for every backend that programs a node: what a cloud load balancer
+asks to find nodes with local endpoints.
 
 Each service with ``HealthCheckNodePort`` gets an HTTP server on that port, answering every
 request as kube-proxy does, since load balancers are configured for that contract: 200 when the
