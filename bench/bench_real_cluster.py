@@ -62,7 +62,7 @@ def one_run(cluster: RealCluster, index: int) -> float:
     deployment = k.deployment(
         name,
         "default",
-        images.AGNHOST_REFERENCE,
+        images.agnhost_reference(),
         netexec,
         replicas=REPLICAS,
         terminationGracePeriodSeconds=1,
@@ -81,7 +81,7 @@ def one_run(cluster: RealCluster, index: int) -> float:
 def measure(proxy: str, runs: int) -> list[float]:
     cluster = e2e.start_cluster(proxy, with_dns=False)
     try:
-        image = images.AGNHOST_REFERENCE
+        image = images.agnhost_reference()
         cluster.apply(k.pod("bench-client", "default", image, ["pause"], node="node-1"))
         cluster.kubectl("wait", "--for=condition=Ready", "pod/bench-client", "--timeout=120s")
         latencies = []

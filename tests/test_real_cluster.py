@@ -33,7 +33,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RealCluster]:
     with RealCluster(
-        nodes=2, images=images.node_images(), pause_image=images.PAUSE_REFERENCE
+        nodes=2, images=images.node_images(), pause_image=images.pause_reference()
     ) as cluster:
         addons.deploy_kpng(cluster, images.KPNG_REFERENCE)
         yield cluster
@@ -42,7 +42,7 @@ def cluster() -> Iterator[RealCluster]:
 def _pod(
     name: str, node: str, args: list[str], labels: dict[str, str], **spec: Any
 ) -> dict[str, Any]:
-    image = images.AGNHOST_REFERENCE
+    image = images.agnhost_reference()
     return k.pod(name, "default", image, args, node=node, labels=labels, **spec)
 
 
@@ -162,7 +162,7 @@ def web(cluster: RealCluster) -> int:
     labels = {"app": "web"}
     netexec = ["netexec", "--http-port=8080"]
     cluster.apply(
-        k.deployment("web", "default", images.AGNHOST_REFERENCE, netexec, replicas=2),
+        k.deployment("web", "default", images.agnhost_reference(), netexec, replicas=2),
         _node_port_service("web", labels),
     )
     cluster.kubectl("rollout", "status", "deployment/web", "--timeout=120s")

@@ -177,6 +177,19 @@ def _download_go_mod(module: str, version: str, workdir: Path) -> str:
     return Path(info["GoMod"]).read_text()
 
 
+def kubernetes_source(kubernetes_version: str | None = None) -> Path:
+    """The source tree of k8s.io/kubernetes at a release (the Go module cache's, downloaded first
+    if absent): for what a release's code says rather than what kpng assumes of it."""
+    version = kubernetes_release(kubernetes_version)
+    with tempfile.TemporaryDirectory(prefix="kpng-kubernetes-source-") as tmp:
+        info = json.loads(
+            _go(["mod", "download", "-json", f"k8s.io/kubernetes@{version}"], Path(tmp))
+        )
+    if info.get("Error"):
+        raise ControlPlaneError(f"k8s.io/kubernetes@{version}: {info['Error']}")
+    return Path(info["Dir"])
+
+
 def _kubernetes_ldflags(version: str) -> str:
     major, minor, _ = version.removeprefix("v").split(".")
     pkg = "k8s.io/component-base/version"

@@ -164,7 +164,7 @@ def run_suite(
 def start_cluster(proxy: str, nodes: int = 2, *, with_dns: bool = True) -> RealCluster:
     """A started cluster with ``proxy`` (and CoreDNS) deployed and Ready."""
     archives = images.node_images(with_kube_proxy=proxy == "kube-proxy")
-    cluster = RealCluster(nodes=nodes, images=archives, pause_image=images.PAUSE_REFERENCE)
+    cluster = RealCluster(nodes=nodes, images=archives, pause_image=images.pause_reference())
     cluster.start()
     try:
         if proxy == "kpng":

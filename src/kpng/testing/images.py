@@ -20,12 +20,14 @@ knows as nginx, busybox and distroless-iptables), CoreDNS, and kube-proxy as the
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import hashlib
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +45,7 @@ from kpng.testing.cluster import (
     ensure_go_program,
     ensure_programs,
     kubernetes_release,
+    kubernetes_source,
 )
 from kpng.testing.nodes import ImageArchive
 
@@ -60,16 +63,42 @@ E2E_REPO_LIST = {
 }
 """``KUBE_TEST_REPO_LIST`` for e2e.test: the registries its images come from, all local."""
 
-AGNHOST_REFERENCE = f"{LOCAL_REGISTRY}/e2e-test-images/agnhost:2.59"
-REGRESSION_74839_REFERENCE = f"{LOCAL_REGISTRY}/e2e-test-images/regression-issue-74839:1.4"
-PAUSE_REFERENCE = f"{LOCAL_REGISTRY}/pause:3.10.1"
-# The e2e suite of 1.35 runs these (test/utils/image/manifest.go) for tests that only need a
-# shell, sleep and nc, or conntrack: the agnhost image has all of them.
-AGNHOST_ALIASES = (
-    f"{LOCAL_REGISTRY}/e2e-test-images/nginx:1.14-4",
-    f"{LOCAL_REGISTRY}/e2e-test-images/busybox:1.37.0-1",
-    f"{LOCAL_REGISTRY}/build-image/distroless-iptables:v0.8.9",
-)
+_E2E_IMAGE = re.compile(r'configs\[(\w+)\] = Config\{list\.(\w+), "([^"]+)", "([^"]+)"\}')
+_E2E_REGISTRIES = {
+    "PromoterE2eRegistry": E2E_REPO_LIST["promoterE2eRegistry"],
+    "GcRegistry": E2E_REPO_LIST["gcRegistry"],
+    "BuildImageRegistry": E2E_REPO_LIST["buildImageRegistry"],
+}
+
+
+@functools.cache
+def e2e_images(kubernetes_version: str | None = None) -> dict[str, str]:
+    """The images the release's e2e suite runs, by its name for them (``Agnhost``, ``Pause``...),
+    as local references: read from its test/utils/image/manifest.go, since each release moves
+    their tags (agnhost 2.59 in 1.35, 2.66.1 in 1.37)."""
+    manifest = kubernetes_source(kubernetes_version) / "test/utils/image/manifest.go"
+    found = {}
+    for name, registry, image, tag in _E2E_IMAGE.findall(manifest.read_text()):
+        if registry in _E2E_REGISTRIES:
+            found[name] = f"{_E2E_REGISTRIES[registry]}/{image}:{tag}"
+    return found
+
+
+def agnhost_reference() -> str:
+    return e2e_images()["Agnhost"]
+
+
+def pause_reference() -> str:
+    return e2e_images()["Pause"]
+
+
+def _regression_74839_reference() -> str:
+    return e2e_images()["RegressionIssue74839"]
+
+
+AGNHOST_ALIASES = ("Nginx", "NginxNew", "BusyBox", "DistrolessIptables")
+"""The e2e suite runs these for tests that only need a shell, sleep and nc, or conntrack: the
+agnhost image has all of them, and is tagged with their references too."""
 KPNG_REFERENCE = f"{LOCAL_REGISTRY}/kpng:{kpng.__version__}"
 COREDNS_REFERENCE = f"{LOCAL_REGISTRY}/coredns:{COREDNS_VERSION}"
 
@@ -456,8 +485,9 @@ def agnhost_image() -> ImageArchive:
         _files_layer({"/agnhost": agnhost, "/agnhost-2": "agnhost", "/etc/wgetrc": b"tries = 1\n"}),
     ]
     config = ImageConfig(entrypoint=["/agnhost"], cmd=["pause"])
-    refs = [AGNHOST_REFERENCE, *AGNHOST_ALIASES]
-    return ImageArchive(AGNHOST_REFERENCE, _cached_archive("agnhost", layers, config, refs))
+    images = e2e_images()
+    refs = [agnhost_reference(), *(images[name] for name in AGNHOST_ALIASES if name in images)]
+    return ImageArchive(refs[0], _cached_archive("agnhost", layers, config, refs))
 
 
 _PAUSE_SOURCE = """\
@@ -510,7 +540,7 @@ def pause_image() -> ImageArchive:
     layers = [_files_layer({"/pause": pause_binary()})]
     config = ImageConfig(entrypoint=["/pause"], env=[])
     return ImageArchive(
-        PAUSE_REFERENCE, _cached_archive("pause", layers, config, [PAUSE_REFERENCE])
+        pause_reference(), _cached_archive("pause", layers, config, [pause_reference()])
     )
 
 
@@ -529,7 +559,7 @@ def regression_74839_image() -> ImageArchive:
     binary = ensure_programs(["regression-issue-74839"])["regression-issue-74839"]
     layers = [_files_layer({"/regression-issue-74839": binary})]
     config = ImageConfig(entrypoint=["/regression-issue-74839"], env=[])
-    refs = [REGRESSION_74839_REFERENCE]
+    refs = [_regression_74839_reference()]
     return ImageArchive(refs[0], _cached_archive("regression-74839", layers, config, refs))
 
 

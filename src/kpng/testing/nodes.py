@@ -852,7 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster = RealCluster(
                 nodes=args.nodes,
                 images=images.node_images(),
-                pause_image=images.PAUSE_REFERENCE,
+                pause_image=images.pause_reference(),
                 workdir=directory,
                 detach=True,
             )
