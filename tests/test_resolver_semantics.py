@@ -1,4 +1,4 @@
-"""kube-proxy's endpoint selection (Kubernetes 1.35), as tables derived from its rules.
+"""kube-proxy's endpoint selection (Kubernetes 1.37), as tables derived from its rules.
 
 Every expected value below was written from the rules in ARCHITECTURE.md ("Service semantics the
 brain must get exactly right") and kube-proxy's CategorizeEndpoints / proxier code, not from
@@ -866,23 +866,31 @@ PORT_CASES = [
         ),
         id="same_address_in_two_slices_is_one_endpoint",
     ),
+    # kube-proxy 1.36+: a terminating copy of an address never replaces a running one (a pod
+    # network reusing a terminating pod's IP), whichever slice comes first.
     pytest.param(
         Case(
             service(itp_local=True),
-            (slice_("a", ready("10.0.9.9", "node-b")), slice_("b", ready("10.0.9.9", NODE))),
-            http({"10.0.9.9": "I"}),
+            (
+                slice_("a", serving_terminating("10.0.9.9", NODE)),
+                slice_("b", ready("10.0.9.9", "node-b")),
+            ),
+            http({}),  # the running copy is not local: nothing local (1.35 kept the local one)
             V4,
         ),
-        id="same_address_in_two_slices_keeps_the_local_copy_listed_last",
+        id="same_address_in_two_slices_keeps_the_running_copy_over_a_local_one",
     ),
     pytest.param(
         Case(
             service(itp_local=True),
-            (slice_("a", ready("10.0.9.9", NODE)), slice_("b", ready("10.0.9.9", "node-b"))),
+            (
+                slice_("a", ready("10.0.9.9", NODE)),
+                slice_("b", serving_terminating("10.0.9.9", "node-b")),
+            ),
             http({"10.0.9.9": "I"}),
             V4,
         ),
-        id="same_address_in_two_slices_keeps_the_local_copy_listed_first",
+        id="same_address_in_two_slices_keeps_the_running_copy_listed_first",
     ),
     pytest.param(
         Case(
@@ -942,18 +950,18 @@ def test_resolve_service_keeps_the_service_and_its_port_fields() -> None:
     assert result.service.ExternalTrafficToLocal
 
 
-def test_duplicate_address_keeps_the_local_copy_with_its_fields() -> None:
-    remote = SliceEndpoint(ip="10.0.9.9", hostname="old", node="node-b")
-    local = SliceEndpoint(ip="10.0.9.9", hostname="new", node=NODE)
-    for slices in (
-        (slice_("a", remote), slice_("b", local)),
-        (slice_("a", local), slice_("b", remote)),
-    ):
+def test_duplicate_address_prefers_the_running_pod_over_a_terminating_one() -> None:
+    """kube-proxy 1.36+ (endpointslicecache.addEndpoints): a pod network may give a new pod the IP
+    of one still terminating; whatever the slices' order, the running pod's copy is used, with
+    its own fields. (kube-proxy 1.35 kept the local copy instead.)"""
+    old = SliceEndpoint(
+        ip="10.0.9.9", hostname="old", node=NODE, ready=False, serving=True, terminating=True
+    )
+    new = SliceEndpoint(ip="10.0.9.9", hostname="new", node="node-b")
+    for slices in ((slice_("a", old), slice_("b", new)), (slice_("a", new), slice_("b", old))):
         result = resolve_service(service(), slices, node=NODE, zone=ZONE)
-        assert len(result.endpoints) == 1
         (endpoint,) = result.endpoints
-        assert endpoint.Local
-        assert endpoint.Hostname == "new"
+        assert (endpoint.Hostname, endpoint.Local, endpoint.Ready) == ("new", False, True)
 
 
 def test_endpoint_whose_scopes_differ_between_ports_appears_as_two_endpoints() -> None:

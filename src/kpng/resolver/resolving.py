@@ -53,8 +53,11 @@ def _port_endpoints(
     """The endpoints of one service port in one family, deduplicated by address and port.
 
     Slices are matched by port name and protocol, and give the port number (named target ports
-    resolve this way). One address may sit in several slices for a while; as kube-proxy does, one
-    endpoint is kept per address and port, the local one if any.
+    resolve this way). One address may sit in several slices: a pod moving between slices, or a
+    pod network reusing a terminating pod's IP for a new pod. As kube-proxy does since 1.36, one
+    endpoint is kept per address and port, and a terminating copy never replaces another: the
+    running pod wins (among several running ones, the last slice by name; kube-proxy leaves that
+    case undefined). Until 1.35 the local copy won.
     """
     chosen: dict[tuple[str, int], SliceEndpoint] = {}
     for sl in slices:
@@ -67,7 +70,7 @@ def _port_endpoints(
             continue
         for ep in sl.endpoints:
             key = (ep.ip, number)
-            if key not in chosen or ep.node == node:
+            if key not in chosen or not ep.terminating:
                 chosen[key] = ep
     return [(ep, number) for (_, number), ep in chosen.items()]
 
