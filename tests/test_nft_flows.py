@@ -117,9 +117,18 @@ def test_stale_filters(flow: Flow, expected: list[list[str]]) -> None:
     assert stale_filters([flow], FRONTENDS) == expected
 
 
-def test_a_frontend_without_serving_endpoints_keeps_its_flows() -> None:
-    flow = Flow("10.96.0.10", "53", "10.244.1.9", "5353")
-    assert stale_filters([flow], {("10.96.0.10", "53"): frozenset()}) == []
+def test_an_address_frontend_without_serving_endpoints_loses_its_flows_a_node_port_keeps_them() -> (
+    None
+):
+    """kube-proxy 1.37 (conntrack.CleanStaleEntries): a service address with no serving endpoint
+    is reconciled against an empty set; a node port is not (its match is the port alone)."""
+    to_address = Flow("10.96.0.10", "53", "10.244.1.9", "5353")
+    to_node_port = Flow("192.0.2.10", "30053", "10.244.1.9", "5353")
+    frontends = {("10.96.0.10", "53"): frozenset(), ("", "30053"): frozenset()}
+    assert stale_filters([to_address, to_node_port], frontends) == [
+        ["-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
+         "--reply-src", "10.244.1.9", "--reply-port-src", "5353"],
+    ]  # fmt: skip
 
 
 def test_ipv6_filters_name_the_family_and_repeated_flows_give_one_filter() -> None:

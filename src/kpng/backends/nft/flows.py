@@ -1,13 +1,15 @@
 """Stale UDP conntrack flows, by kube-proxy's rule (pure: no I/O).
 
 UDP has no connection end: a flow DNATed to an endpoint that is gone keeps sending there, and a
-flow made while a service had no endpoint keeps bypassing it. kube-proxy (1.35,
+flow made while a service had no endpoint keeps bypassing it. kube-proxy (1.37,
 pkg/proxy/conntrack/cleanup.go) deletes exactly the UDP flows whose original destination is a
 service frontend (an address and port, or any address on a node port) and whose reply source is
-not one of the endpoints serving that frontend anywhere. A frontend with no serving endpoint is
-left alone, and so are flows going to endpoints that still serve though this node would not pick
-them for a new flow (terminating, another zone, a Local policy): changes to a service must not
-break its existing flows, as with TCP.
+not one of the endpoints serving that frontend anywhere. An address frontend with no serving
+endpoint loses every flow (new in 1.37: before, it kept them, and one-way flows such as statsd's
+kept going to a deleted endpoint); a node port frontend with none keeps them, since its match,
+on the port alone, would take unrelated flows too. Flows going to endpoints that still serve
+though this node would not pick them for a new flow (terminating, another zone, a Local policy)
+stay: changes to a service must not break its existing flows, as with TCP.
 
 ``parse_flows`` reads ``conntrack -L -p udp`` output; ``stale_filters`` gives the ``conntrack -D``
 filters of the flows to delete, one per distinct (frontend, endpoint), as kube-proxy's.
@@ -65,7 +67,7 @@ def stale_filters(
         port = ("--orig-port-dst", flow.orig_dport)
         reply = ("--reply-src", flow.reply_src, "--reply-port-src", flow.reply_sport)
         serving = frontends.get((flow.orig_dst, flow.orig_dport))
-        if serving and endpoint not in serving:
+        if serving is not None and endpoint not in serving:
             filters.add((*family, "-p", "udp", "--orig-dst", flow.orig_dst, *port, *reply))
         serving = frontends.get(("", flow.orig_dport))
         if serving and endpoint not in serving:

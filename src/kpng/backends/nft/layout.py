@@ -507,14 +507,16 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                     out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
             if proto == "udp":
                 serving = _serving(port, (*internal, *external, *cluster_wide))
-                if serving:
-                    for address in (*cluster_ips, *external_ips, *lb_ips):
-                        out.udp_frontends[(address, p)] = serving
-                    if port.NodePort:  # one frontend for both families
-                        np_front = ("", str(port.NodePort))
-                        out.udp_frontends[np_front] = serving | out.udp_frontends.get(
-                            np_front, frozenset()
-                        )
+                # kube-proxy 1.37: an address frontend with no serving endpoint loses all its
+                # flows (still DNATed to a deleted endpoint, which the reject rule never sees);
+                # a node port frontend then keeps them, as its match is on the port alone.
+                for address in (*cluster_ips, *external_ips, *lb_ips):
+                    out.udp_frontends[(address, p)] = serving
+                if serving and port.NodePort:  # one frontend for both families
+                    np_front = ("", str(port.NodePort))
+                    out.udp_frontends[np_front] = serving | out.udp_frontends.get(
+                        np_front, frozenset()
+                    )
             if local:
                 for ep_addr, _ in {*internal, *external, *cluster_wide}:
                     if ep_addr in local:
