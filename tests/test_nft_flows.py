@@ -124,7 +124,7 @@ def test_an_address_frontend_without_serving_endpoints_loses_its_flows_a_node_po
     is reconciled against an empty set; a node port is not (its match is the port alone)."""
     to_address = Flow("10.96.0.10", "53", "10.244.1.9", "5353")
     to_node_port = Flow("192.0.2.10", "30053", "10.244.1.9", "5353")
-    frontends = {("10.96.0.10", "53"): frozenset(), ("", "30053"): frozenset()}
+    frontends: Frontends = {("10.96.0.10", "53"): frozenset(), ("", "30053"): frozenset()}
     assert stale_filters([to_address, to_node_port], frontends) == [
         ["-p", "udp", "--orig-dst", "10.96.0.10", "--orig-port-dst", "53",
          "--reply-src", "10.244.1.9", "--reply-port-src", "5353"],
