@@ -135,6 +135,8 @@ def _edited(old: str, new: str) -> str:
          "--pod-interface-name-prefix", "veth"),
         (_edited("nodePortAddresses: null", "nodePortAddresses: [10.0.0.0/8, primary]"),
          "--nodeport-addresses", "10.0.0.0/8,primary"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [all, localhost, primary]"),
+         "--nodeport-addresses", "all,localhost,primary"),
         (_edited('healthzBindAddress: ""', "healthzBindAddress: 10.0.0.5"),
          "--healthz-bind-address", "10.0.0.5:10256"),
         (_edited("bindAddress: 0.0.0.0", "bindAddress: fd00::5"),
@@ -144,7 +146,7 @@ def _edited(old: str, new: str) -> str:
         (_edited("  verbosity: 0", "  verbosity: 2\n  format: json"), "--log-format", "json"),
     ],
     ids=["cluster-cidr", "nftables-bit", "nftables-min-sync", "nftables-sync", "interface-prefix",
-         "nodeport-addresses",
+         "nodeport-addresses", "nodeport-address-keywords-1.37",
          "healthz-port-appended", "ipv6-bind-address", "bind-address", "verbosity", "json-logs"],
 )  # fmt: skip
 def test_configuration_fields_become_kpngs_flags(config: str, fragment: str, value: str) -> None:

@@ -3,12 +3,14 @@ the rules every node gets, by options) and what services add (``layout.contribut
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Collection
 
 import pytest
 
-from kpng.backends.nft import NftBackend
+from kpng.backends import registry
+from kpng.backends.nft import NftBackend, options_from_args
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import TABLE, Options, contribute, skeleton
 from kpng.backends.nft.nftables import Chain
@@ -232,3 +234,33 @@ def test_masquerade_picks_source_ports_fully_randomly() -> None:
         "ct status dnat ip6 saddr . ip6 daddr @hairpin-v6 masquerade fully-random",
         "meta mark & 0x4000 == 0x4000 meta mark set meta mark & 0xffffbfff masquerade fully-random",
     ]
+
+
+@pytest.mark.parametrize(
+    ("given", "cidrs", "primary"),
+    [
+        ("10.0.0.0/8", ("10.0.0.0/8",), False),
+        ("primary", (), True),
+        ("all", ("0.0.0.0/0", "::/0"), False),
+        ("localhost,10.0.0.0/8", ("127.0.0.0/8", "::1/128", "10.0.0.0/8"), False),
+        ("primary,all", ("0.0.0.0/0", "::/0"), True),
+    ],
+)
+def test_nodeport_addresses_take_kube_proxy_1_37_keywords(
+    given: str, cidrs: tuple[str, ...], primary: bool
+) -> None:
+    """kube-proxy 1.37's nodePortAddresses: CIDRs and the keywords primary, all and localhost,
+    in any combination."""
+    parser = argparse.ArgumentParser()
+    registry.lookup("nft").add_arguments(parser)
+    options, from_node = options_from_args(parser.parse_args(["--nodeport-addresses", given]))
+    assert options.nodeport_addresses == cidrs
+    assert from_node.primary_nodeports is primary
+
+
+@pytest.mark.parametrize("given", ["all,all", "primary,primary", "everything", "10.0.0.0/33"])
+def test_nodeport_addresses_refuse_repeated_keywords_and_unknown_words(given: str) -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    registry.lookup("nft").add_arguments(parser)
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--nodeport-addresses", given])

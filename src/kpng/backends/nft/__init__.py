@@ -408,16 +408,29 @@ PRIMARY = "primary"
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 
 
-def _cidr_list(value: str, *, primary: bool = False) -> tuple[str, ...]:
-    cidrs = tuple(c.strip() for c in value.split(",") if c.strip())
-    for c in cidrs:
-        if primary and c == PRIMARY:
+NODEPORT_KEYWORDS = {"all": ("0.0.0.0/0", "::/0"), "localhost": ("127.0.0.0/8", "::1/128")}
+"""kube-proxy 1.37's keywords of nodePortAddresses, besides ``primary``: each stands for its CIDRs
+(to-nft, as kube-proxy's nftables mode without its alpha localhost gate, never serves node ports
+on loopback, so ``localhost`` alone serves none)."""
+
+
+def _cidr_list(value: str, *, keywords: bool = False) -> tuple[str, ...]:
+    """CIDRs; with ``keywords``, also ``primary`` (kept as is), ``all`` and ``localhost``
+    (expanded), each at most once, in any combination."""
+    items = [c.strip() for c in value.split(",") if c.strip()]
+    cidrs: list[str] = []
+    for c in items:
+        if keywords and c in (PRIMARY, *NODEPORT_KEYWORDS):
+            if items.count(c) > 1:
+                raise argparse.ArgumentTypeError(f"{c!r} is given twice")
+            cidrs += NODEPORT_KEYWORDS.get(c, (c,))
             continue
         try:
             ipaddress.ip_network(c, strict=False)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"not a CIDR: {c!r}") from exc
-    return cidrs
+        cidrs.append(c)
+    return tuple(cidrs)
 
 
 def _ip(value: str) -> str:
@@ -475,11 +488,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nodeport-addresses",
-        type=functools.partial(_cidr_list, primary=True),
+        type=functools.partial(_cidr_list, keywords=True),
         default=(),
-        metavar="CIDR[,CIDR]|primary",
-        help="serve node ports only on the node's addresses in these CIDRs, or on its primary "
-        "IPs (primary, from the Node's status); a family without one keeps every local "
+        metavar="CIDR|primary|all|localhost[,...]",
+        help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
+        "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
+        "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
         "address, and loopback never serves them (default: every local address but loopback; "
         "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
     )
