@@ -133,6 +133,22 @@ def test_missing_input_exits_non_zero_with_a_clear_error(
     assert f"--input {missing}: no such file or directory" in done.stderr
 
 
+def test_no_external_ips_serves_services_without_them(kpng_command: list[str]) -> None:
+    """kube-proxy 1.36+'s AllowServiceExternalIPs=false: no externalIP reaches the backends, nor
+    makes a service externally accessible (so no External scope comes of it)."""
+
+    def dns(*flags: str) -> dict[str, Any]:
+        done = _run(
+            kpng_command, "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2",
+            *flags, "to-json", "--once",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return _by_name(json.loads(done.stdout))["kube-system/dns-cache"]
+
+    assert dns()["service"]["IPs"]["ExternalIPs"] == {"V4": ["198.51.100.53"]}
+    assert "ExternalIPs" not in dns("--no-external-ips")["service"]["IPs"]
+
+
 def test_a_node_no_source_knows_is_warned_of_once(kpng_command: list[str]) -> None:
     done = _run(
         kpng_command, "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-9",

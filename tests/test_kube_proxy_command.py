@@ -179,7 +179,6 @@ def test_nftables_mode_reads_the_nftables_section_and_other_modes_the_iptables_o
         (_edited('  scheduler: ""', "  scheduler: rr"), "ipvs.scheduler"),
         (_edited("oomScoreAdj: null", "oomScoreAdj: -500"), "oomScoreAdj"),
         (_edited("configSyncPeriod: 0s", "configSyncPeriod: 1m"), "configSyncPeriod"),
-        (KUBEADM + "featureGates:\n  SomeGate: true\n", "featureGates"),
     ],
 )
 def test_a_field_kpng_does_not_act_on_is_a_warning_naming_it(config: str, field: str) -> None:
@@ -211,6 +210,25 @@ def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, messa
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--feature-gates=AllowServiceExternalIPs=false,SomeGate=true"],
+        ["--config=config.conf"],
+    ],
+    ids=["flag", "config-file"],
+)
+def test_allow_service_external_ips_false_serves_no_external_ip(args: list[str]) -> None:
+    """kube-proxy 1.36+'s kill switch for externalIPs (CVE-2020-8554): to-local leaves them out.
+    Other gates are only warned of."""
+    config = KUBEADM + "featureGates:\n  AllowServiceExternalIPs: false\n  SomeGate: true\n"
+    argv, warnings = _build(args, config)
+    assert argv[argv.index("to-local") : argv.index("to-nft")][-1] == "--no-external-ips"
+    assert [w.split(" is ")[0] for w in warnings] == ["feature gate SomeGate=true"]
+    default, _ = _build(["--config=config.conf"], config.replace("AllowServiceExternalIPs", "X"))
+    assert "--no-external-ips" not in default
+
+
 def test_flags_alone_take_kube_proxys_defaults() -> None:
     argv, warnings = _build(
         ["--kubeconfig=/k", "--hostname-override=N", "--cluster-cidr=10.0.0.0/8",
@@ -225,8 +243,8 @@ def test_flags_alone_take_kube_proxys_defaults() -> None:
         "--masquerade-all", "--masquerade-bit", "14", "--nodeport-addresses", "primary",
         "--min-sync-period", "2s",
     ]  # fmt: skip
-    assert warnings == ["--feature-gates is not acted on: kpng has no feature gates: it "
-                        "implements the GA semantics"]  # fmt: skip
+    assert warnings == ["feature gate A=true is not acted on: kpng implements kube-proxy 1.37's "
+                        "default semantics"]  # fmt: skip
 
 
 def test_flags_beside_config_are_ignored_as_kube_proxy_does_but_said() -> None:

@@ -22,7 +22,14 @@ from typing import Any
 from kpng.durations import parse_duration
 from kpng.errors import KpngError, UsageError
 from kpng.kubeproxy import conntrack
-from kpng.kubeproxy.config import DETECT_LOCAL_MODES, Conntrack, ProxyConfig, kpng_argv, load
+from kpng.kubeproxy.config import (
+    DETECT_LOCAL_MODES,
+    Conntrack,
+    ProxyConfig,
+    feature_gates,
+    kpng_argv,
+    load,
+)
 
 log = logging.getLogger("kpng.kube-proxy")
 
@@ -33,7 +40,6 @@ _ACTED_ON_WITH_CONFIG = frozenset(
     {"config", "hostname_override", "v", "logging_format", "init_only", "cleanup"}
 )
 _NOT_ACTED_ON = {
-    "feature_gates": "kpng has no feature gates: it implements the GA semantics",
     "kube_api_qps": "kpng makes one list and one watch a resource, unthrottled",
     "kube_api_burst": "kpng makes one list and one watch a resource, unthrottled",
     "kube_api_content_type": "kpng's watches always read JSON",
@@ -55,6 +61,17 @@ def _bool(text: str) -> bool:
     if lowered in ("false", "0", "f"):
         return False
     raise argparse.ArgumentTypeError(f"true or false, not {text!r}")
+
+
+def _gates(text: str) -> dict[str, bool]:
+    """pflag's map: GATE=BOOL, comma separated."""
+    gates = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected GATE=true or GATE=false")
+        gates[name.strip()] = _bool(value.strip())
+    return gates
 
 
 def _duration(text: str) -> float:
@@ -103,8 +120,13 @@ def parser() -> argparse.ArgumentParser:
     add("-v", "--v", type=int, metavar="LEVEL", help="log verbosity (4 and up: debug)")
     add("--logging-format", choices=("text", "json"))
     # Accepted so that kube-proxy's command lines run; each is a warning when given.
-    for name in (
+    add(
         "--feature-gates",
+        type=_gates,
+        metavar="GATE=BOOL[,...]",
+        help="AllowServiceExternalIPs=false serves no externalIP; other gates are warned of",
+    )
+    for name in (
         "--kube-api-qps",
         "--kube-api-burst",
         "--kube-api-content-type",
@@ -211,6 +233,8 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     )
     cidrs = (args.cluster_cidr or "").split(",")
     nodeport = (args.nodeport_addresses or "").split(",")
+    external_ips, gate_warnings = feature_gates(args.feature_gates or {}, "--feature-gates")
+    warnings += gate_warnings
     return ProxyConfig(
         kubeconfig=args.kubeconfig or "",
         hostname_override=args.hostname_override or "",
@@ -230,6 +254,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
         cluster_cidrs=tuple(c.strip() for c in cidrs if c.strip()),
         nodeport_addresses=tuple(a.strip() for a in nodeport if a.strip()),
         conntrack=conntrack_config,
+        external_ips=external_ips,
     )
 
 

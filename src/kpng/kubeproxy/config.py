@@ -101,7 +101,6 @@ _FIELDS: dict[str, Any] = {
 }
 
 _NOT_ACTED_ON: dict[str, str] = {
-    "featureGates": "kpng has no feature gates: it implements the GA semantics",
     "clientConnection.acceptContentTypes": "kpng's watches always read JSON",
     "clientConnection.contentType": "kpng's watches always read JSON",
     "clientConnection.qps": "kpng makes one list and one watch a resource, unthrottled",
@@ -168,6 +167,8 @@ class ProxyConfig:
     cluster_cidrs: tuple[str, ...] = ()
     nodeport_addresses: tuple[str, ...] = ()
     conntrack: Conntrack = field(default_factory=Conntrack)
+    external_ips: bool = True
+    """The feature gate AllowServiceExternalIPs (on by default): off, no externalIP is served."""
 
     def resolve(self) -> ProxyConfig:
         """Fill in and check what kube-proxy derives: the health and metrics addresses (of
@@ -271,6 +272,25 @@ def _not_acted_on(flat: Mapping[str, Any]) -> list[str]:
     return warnings
 
 
+ACTED_ON_GATES = frozenset({"AllowServiceExternalIPs"})
+"""kube-proxy's feature gates kpng honours. The others change nothing kpng does: kpng implements
+the default semantics of kube-proxy 1.37 (alpha gates off, GA and beta ones on)."""
+
+
+def feature_gates(gates: Mapping[str, object], source: str) -> tuple[bool, list[str]]:
+    """(whether externalIPs are served, warnings) from kube-proxy's feature gates."""
+    warnings = []
+    for name, value in gates.items():
+        if not isinstance(value, bool):
+            raise UsageError(f"{source}: feature gate {name}: true or false, not {value!r}")
+        if name not in ACTED_ON_GATES:
+            warnings.append(
+                f"feature gate {name}={str(value).lower()} is not acted on: kpng implements "
+                "kube-proxy 1.37's default semantics"
+            )
+    return bool(gates.get("AllowServiceExternalIPs", True)), warnings
+
+
 def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> ProxyConfig:
     def get(path: str, kind: type, default: Any = None) -> Any:
         value = flat.get(path)
@@ -335,6 +355,8 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
     )
     cluster_cidr = get("clusterCIDR", str, "")
     nodeport = get("nodePortAddresses", list, [])
+    external_ips, gate_warnings = feature_gates(get("featureGates", dict, {}), source)
+    warnings += gate_warnings
     return ProxyConfig(
         kubeconfig=get("clientConnection.kubeconfig", str, ""),
         hostname_override=get("hostnameOverride", str, ""),
@@ -354,6 +376,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         cluster_cidrs=tuple(c.strip() for c in cluster_cidr.split(",") if c.strip()),
         nodeport_addresses=tuple(str(a) for a in nodeport),
         conntrack=conntrack,
+        external_ips=external_ips,
     )
 
 
@@ -378,7 +401,10 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     argv += ["kube"]
     if config.kubeconfig:
         argv += ["--kubeconfig", config.kubeconfig]
-    argv += ["to-local", "--hostname-override", config.node_name(), "to-nft"]
+    argv += ["to-local", "--hostname-override", config.node_name()]
+    if not config.external_ips:
+        argv += ["--no-external-ips"]
+    argv += ["to-nft"]
     argv += ["--detect-local-mode", config.detect_local_mode]
     if config.cluster_cidrs:
         argv += ["--cluster-cidr", ",".join(config.cluster_cidrs)]

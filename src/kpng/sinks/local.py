@@ -9,9 +9,12 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from kpng.backends.registry import Backend, NodeState
 from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
 from kpng.model.cluster import node_ips, unknown_node
+from kpng.model.messages import Service
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
@@ -20,15 +23,30 @@ from kpng.store import Delta, Store
 log = logging.getLogger(__name__)
 
 
-def apply_delta(resolver: NodeResolver, store: Store, delta: Delta) -> None:
-    """Hand the objects a delta names to the resolver (absent ones are deletions)."""
+def apply_delta(
+    resolver: NodeResolver, store: Store, delta: Delta, *, external_ips: bool = True
+) -> None:
+    """Hand the objects a delta names to the resolver (absent ones are deletions); without
+    ``external_ips``, Services' externalIPs are left out."""
     for name in delta.nodes:
         if name == resolver.node_name:
             resolver.set_node(store.nodes.get(name))
     for key in delta.services:
-        resolver.set_service(key, store.services.get(key))
+        service = store.services.get(key)
+        if not external_ips and service is not None:
+            service = _without_external_ips(service)
+        resolver.set_service(key, service)
     for key in delta.slices:
         resolver.set_slice(key, store.slices.get(key))
+
+
+def _without_external_ips(service: Service) -> Service:
+    """The service as kube-proxy sees it with AllowServiceExternalIPs=false (1.36+): no
+    externalIPs, so none is programmed, nor counts to make it externally accessible."""
+    ips = service.IPs
+    if ips is None or not ips.ExternalIPs:
+        return service
+    return msgspec.structs.replace(service, IPs=msgspec.structs.replace(ips, ExternalIPs=None))
 
 
 def service_cidrs(store: Store) -> tuple[str, ...]:
@@ -37,17 +55,23 @@ def service_cidrs(store: Store) -> tuple[str, ...]:
 
 
 async def run_local(
-    store: Store, *, node_name: str, backend: Backend, nodes_listed: bool = False
+    store: Store,
+    *,
+    node_name: str,
+    backend: Backend,
+    nodes_listed: bool = False,
+    external_ips: bool = True,
 ) -> None:
     """Feed ``backend`` every revision that changes this node's state, until it says it is done.
-    ``nodes_listed``: the source lists every node, so a node it does not list does not exist."""
+    ``nodes_listed``: the source lists every node, so a node it does not list does not exist.
+    Without ``external_ips``, Services' externalIPs are ignored."""
     resolver = NodeResolver(node_name)
     subscription = store.subscribe()
     first = True
     sent_node_info: tuple[tuple[str, ...], ...] = ((), (), ())
     try:
         async for delta in subscription:
-            apply_delta(resolver, store, delta)
+            apply_delta(resolver, store, delta, external_ips=external_ips)
             changes = resolver.resolve()
             node = store.nodes.get(node_name)
             node_info = (
@@ -107,6 +131,13 @@ def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the node whose state to compute (kube-proxy's default: the host name, lowercased)",
     )
+    parser.add_argument(
+        "--no-external-ips",
+        dest="external_ips",
+        action="store_false",
+        help="ignore Services' externalIPs: program none (kube-proxy 1.36+ with the feature "
+        "gate AllowServiceExternalIPs=false, a mitigation of CVE-2020-8554)",
+    )
 
 
 def _create(
@@ -118,7 +149,11 @@ def _create(
         fanout = backends()
         try:
             local = run_local(
-                store, node_name=args.node_name, backend=fanout, nodes_listed=status.nodes_listed
+                store,
+                node_name=args.node_name,
+                backend=fanout,
+                nodes_listed=status.nodes_listed,
+                external_ips=args.external_ips,
             )
             await until_done(fanout, local)
         finally:
