@@ -1,7 +1,8 @@
 """An independent reading of the protobuf wire format, by field number only.
 
 It shares no code with kpng's codec or the generated classes: the numbers below are Go KPNG's
-(ARCHITECTURE.md), so a stream these functions read correctly is one a Go KPNG client reads.
+(tests/data/gokpng-fields.json, from its api/*/api.proto), so a stream these functions read
+correctly is one a Go KPNG client reads.
 """
 
 from __future__ import annotations
