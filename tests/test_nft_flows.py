@@ -1,4 +1,4 @@
-"""Stale UDP conntrack flows by kube-proxy's rule (1.35, pkg/proxy/conntrack/cleanup.go): which
+"""Stale UDP conntrack flows by kube-proxy's rule (1.37, pkg/proxy/conntrack/cleanup.go): which
 flows go, as tables, and ``conntrack -L`` output as conntrack-tools 1.4.7 writes it."""
 
 from __future__ import annotations

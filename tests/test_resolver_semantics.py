@@ -1363,7 +1363,7 @@ def _serving(result: ServiceEndpoints) -> dict[str, list[str]]:
 
 
 def test_udp_ports_list_every_endpoint_serving_anywhere_for_conntrack_cleanup() -> None:
-    """kube-proxy 1.35 (pkg/proxy/conntrack/cleanup.go) keeps a UDP flow while its endpoint
+    """kube-proxy 1.35+ (pkg/proxy/conntrack/cleanup.go) keeps a UDP flow while its endpoint
     serves, whatever traffic policy, topology or termination say about new flows: the port
     lists those endpoints, the ready ones and the serving terminating ones of every node and
     family, and never one that no longer serves. Only UDP ports: only UDP flows are cleaned."""

@@ -1,6 +1,7 @@
 """The backend conformance suite: real connections through a network-namespace cluster.
 
-Modelled on Kubernetes' sig-network Service e2e tests. Three nodes (``node-1``: pods ``a1``,
+Modelled on Kubernetes' sig-network Service e2e tests; the behaviour checked is kube-proxy's as of
+Kubernetes 1.37 (docs/semantics.md), and cases that follow a rule of one release name it. Three nodes (``node-1``: pods ``a1``,
 ``a2``; ``node-2``: ``b1``, ``b2``; ``node-3``: ``c1``) and an external client; kpng runs in each
 node namespace as ``kpng file --input DIR to-local --node-name N <backend>``, and each test
 writes its Services and EndpointSlices into DIR, then checks what answers.
@@ -978,7 +979,7 @@ def test_udp_service_moves_to_the_new_endpoint_after_removal(cluster: Cluster) -
 
 
 def test_udp_flows_stay_with_an_endpoint_while_it_serves(cluster: Cluster) -> None:
-    """kube-proxy 1.35's conntrack rule: a UDP flow keeps its endpoint while that endpoint
+    """kube-proxy 1.35+'s conntrack rule: a UDP flow keeps its endpoint while that endpoint
     serves anywhere, though new flows no longer go to it (terminating, a ready one exists), and
     moves once it serves nowhere."""
     ip = cluster.cluster_ip()
