@@ -1,8 +1,9 @@
 """kube-proxy's endpoint selection for one service port in one IP family. Pure.
 
-This is the rule set every backend's conformance rests on (Kubernetes 1.37, unchanged since 1.35; pkg/proxy's
-CategorizeEndpoints): topology from the ready endpoints' hints, the serving-and-terminating
-fallback, the local fallback, and whether the port has any usable endpoint at all.
+This is the rule set every backend's conformance rests on (Kubernetes 1.37, unchanged since
+1.35; pkg/proxy's CategorizeEndpoints): topology from the ready endpoints' hints, the
+serving-and-terminating fallback, the local fallback, and whether the port has any usable
+endpoint at all.
 """
 
 from __future__ import annotations
