@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kpng.client import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.status.health import Verdict, judge
@@ -34,6 +34,24 @@ PROGRAMMING_BUCKETS_S = (
 LEDGER_LIMIT = 100_000
 """Revisions kept waiting for the backends: past this (backends stuck for that many changes)
 the oldest are forgotten, and with them their network programming times."""
+
+
+@runtime_checkable
+class RetriesOnItsOwn(Protocol):
+    """A backend whose ``apply`` may return before its rules are in place, retrying by itself
+    (to-nft after the kernel refused a transaction): it says since when its rules are behind
+    (``time.monotonic()``; None when they are not), and health counts from then."""
+
+    pending_since: float | None
+
+
+@runtime_checkable
+class FeedsOthers(Protocol):
+    """A backend that feeds other backends, each through its own Feeder (to-plugin, a Feeder
+    per plugin): each is reported on its own, so one that keeps failing cannot hide."""
+
+    @property
+    def feeders(self) -> list[Feeder]: ...
 
 
 @dataclass(frozen=True)
@@ -142,11 +160,8 @@ class Status:
         while pending:
             feeder = pending.pop(0)
             found[feeder.name] = _with_backend_stats(feeder)
-            # A backend feeding others (to-plugin, one Feeder per plugin) lists them as
-            # ``feeders``: a plugin that keeps failing must show, not hide behind its parent.
-            inner = getattr(feeder.backend, "feeders", None)
-            if isinstance(inner, list):
-                pending.extend(f for f in inner if isinstance(f, Feeder))
+            if isinstance(feeder.backend, FeedsOthers):
+                pending.extend(feeder.backend.feeders)
         return found
 
     @property
@@ -200,12 +215,19 @@ def _with_backend_stats(feeder: Feeder) -> FeederStats:
             last_applied=sync.last_synced,
             applied_revision=sync.revision,
         )
-    own = getattr(feeder.backend, "pending_since", None)
-    if not isinstance(own, float) or (
-        stats.pending_since is not None and stats.pending_since <= own
-    ):
+    backend = feeder.backend
+    own = backend.pending_since if isinstance(backend, RetriesOnItsOwn) else None
+    if own is None or (stats.pending_since is not None and stats.pending_since <= own):
         return stats
     return dataclasses.replace(stats, pending_since=own)
 
 
-__all__ = ["FAMILIES", "ProxyCounters", "Sample", "Status", "Verdict"]
+__all__ = [
+    "FAMILIES",
+    "FeedsOthers",
+    "ProxyCounters",
+    "RetriesOnItsOwn",
+    "Sample",
+    "Status",
+    "Verdict",
+]

@@ -9,7 +9,6 @@ node's rules as a whole, so kube-proxy's dashboards and alerts read kpng unchang
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -183,14 +182,13 @@ class _StatusCollector(Collector):
         for handle in store.sources:
             synced.add_metric([handle.name], int(handle.synced))
             skipped.add_metric([handle.name], handle.skipped)
-            if handle.stats is None or not dataclasses.is_dataclass(handle.stats):
+            if handle.counters is None:
                 continue
-            for f in dataclasses.fields(handle.stats):
-                name = f"kpng_source_{f.name}"
+            for counter in handle.counters():
+                name = f"kpng_source_{counter.name}"
                 if name not in counters:
-                    text = f.metadata.get("help", f.name.replace("_", " "))
-                    counters[name] = CounterMetricFamily(name, text, labels=label)
-                counters[name].add_metric([handle.name], getattr(handle.stats, f.name))
+                    counters[name] = CounterMetricFamily(name, counter.help, labels=label)
+                counters[name].add_metric([handle.name], counter.value)
         yield synced
         yield skipped
         yield from counters.values()

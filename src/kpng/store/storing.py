@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 import msgspec
 
@@ -114,6 +114,14 @@ class Subscription:
             await self._wakeup.wait()
 
 
+class SourceCounter(NamedTuple):
+    """One counter a source keeps about itself (``SourceHandle.counters``)."""
+
+    name: str
+    help: str
+    value: int
+
+
 class SourceHandle:
     """What one source writes through. Writes are staged until ``commit()``."""
 
@@ -126,10 +134,10 @@ class SourceHandle:
         self.blocked_by: str | None = None
         """Why the source cannot sync until something outside kpng changes (a file that never
         parsed), for ``/healthz`` and for one-shot runs, which then fail instead of waiting."""
-        self.stats: object | None = None
-        """Counters the source keeps about itself, for ``/metrics``: a dataclass whose int
-        fields are exported as ``kpng_source_<field>_total`` (the kube source: its lists,
-        watches, events, failures...)."""
+        self.counters: Callable[[], Iterable[SourceCounter]] | None = None
+        """The counters the source keeps about itself, read at each scrape of ``/metrics``,
+        each exported as ``kpng_source_<name>_total`` (the kube source: its lists, watches,
+        events, failures...)."""
         self._services: set[ServiceKey] = set()
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()

@@ -18,11 +18,12 @@ data; the clock (``sleep``) and the randomness are injected.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -30,6 +31,7 @@ import msgspec
 
 from kpng.model import k8s
 from kpng.sources.kube.client import ApiClient, ApiStatus, ApiStatusError, TransportError
+from kpng.store import SourceCounter
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,10 @@ class ReflectorStats:
     bookmarks: int = _counter("watch bookmarks received")
     failures: int = _counter("failed lists and watches (each retried with backoff)")
     undecodable: int = _counter("objects that could not be decoded")
+
+    def counters(self) -> Iterator[SourceCounter]:
+        for f in dataclasses.fields(self):
+            yield SourceCounter(f.name, f.metadata["help"], getattr(self, f.name))
 
 
 class Gone(Exception):

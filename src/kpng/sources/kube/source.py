@@ -160,7 +160,7 @@ class KubeSource:
                 Reflector(client, cidr_res, self._outputs[3], options.settings),
             ]
             for reflector, handle in zip(self.reflectors, self._handles, strict=True):
-                handle.stats = reflector.stats
+                handle.counters = reflector.stats.counters
             tasks = [
                 asyncio.create_task(r.run(), name=f"reflector {r.name}") for r in self.reflectors
             ]
