@@ -21,7 +21,6 @@ from kpng.model.messages import Service
 from kpng.sources.kube.client import ApiClient, WatchLineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
-    Backoff,
     BackoffPolicy,
     Gone,
     Key,
@@ -53,15 +52,15 @@ from kpng.testing.cluster import free_port
     ],
 )
 def test_backoff_doubles_to_the_cap_with_jitter(rand: float, expected: list[float]) -> None:
-    backoff = Backoff(BackoffPolicy(), lambda: rand)
-    assert [round(backoff.next(), 6) for _ in expected] == expected
+    backoff = BackoffPolicy().backoff(lambda: rand)
+    assert [round(backoff.delay(), 6) for _ in expected] == expected
     backoff.reset()
-    assert backoff.next() == pytest.approx(expected[0])
+    assert backoff.delay() == pytest.approx(expected[0])
 
 
 def test_backoff_without_jitter_is_exact() -> None:
-    backoff = Backoff(BackoffPolicy(initial=1, factor=3, maximum=10, jitter=0), lambda: 0.99)
-    assert [backoff.next() for _ in range(4)] == [1, 3, 9, 10]
+    backoff = BackoffPolicy(initial=1, factor=3, maximum=10, jitter=0).backoff(lambda: 0.99)
+    assert [backoff.delay() for _ in range(4)] == [1, 3, 9, 10]
 
 
 @pytest.mark.parametrize(

@@ -177,7 +177,7 @@ class Feeder:
         self.name = name
         self.backend = backend
         self.done = False
-        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        self._backoff = backoff or Backoff.for_backends()
         self._latest: NodeState | None = None
         self._updated: set[ServiceKey] = set()
         self._deleted: set[ServiceKey] = set()

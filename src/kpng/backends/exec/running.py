@@ -56,7 +56,7 @@ class ExecBackend:
         self.argv = list(argv)
         self.name = Path(self.argv[0]).name
         self._make_format = make_format
-        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        self._backoff = backoff or Backoff.for_backends()
         self._sleep = sleep
         self._limiter = limiter
         self._slow_s = slow_s

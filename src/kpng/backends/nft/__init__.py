@@ -30,7 +30,7 @@ from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nf
 from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
-from kpng.client import Backend, BackendSpec, NodeState, SyncStats, register
+from kpng.client import Backend, BackendSpec, Backoff, NodeState, SyncStats, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey
@@ -39,8 +39,6 @@ from kpng.model.messages import ServiceEndpoints
 log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
 UNHEALTHY_AFTER_S = 60.0
 """How long the kernel may refuse the rules before health check node ports answer 503: kube-proxy's
 default (twice its 30 s sync period), so a load balancer drains a node after as long."""
@@ -87,6 +85,8 @@ class NftBackend:
         self._dry_run = dry_run
         self._output = output or sys.stdout
         self._sleep = sleep
+        # Exact doubling (no jitter spread): one node's kernel, no crowd to spread out.
+        self._retries = Backoff.for_backends(spread=(1.0, 1.0))
         self.store = TableState(options)
         self._options = options
         self._from_node = from_node or FromNode()
@@ -250,8 +250,9 @@ class NftBackend:
             if error is not None:
                 # The UDP flows this change makes stale are cleaned by the full resync's
                 # reconciliation.
-                self._backoff = self._backoff * 2 if self._needs_full else FIRST_BACKOFF_S
-                self._backoff = min(self._backoff, MAX_BACKOFF_S)
+                if not self._needs_full:
+                    self._retries.reset()  # a first failure: from the shortest delay
+                self._backoff = self._retries.delay()
                 self._needs_full = True
                 if self.pending_since is None:
                     self.pending_since = time.monotonic()
@@ -268,7 +269,6 @@ class NftBackend:
             self._needs_full = False
             self.pending_since = None
             self.sync_stats.synced(revision=self._revision, wall=time.time())
-            self._backoff = FIRST_BACKOFF_S
             log.debug(
                 "applied a %s transaction of %d operations",
                 "full" if plan.full else "incremental",
@@ -279,7 +279,8 @@ class NftBackend:
         await self._clean_conntrack(None if plan.full else touched.udp_frontends)
         return True
 
-    _backoff = FIRST_BACKOFF_S
+    _backoff = 0.0
+    """The delay before the next attempt, after a refused one."""
     _looked_for_kube_proxy = False
 
     def _rules_current(self) -> bool:

@@ -88,7 +88,7 @@ class PluginsBackend:
 
     def _add(self, spec: PluginSpec, *, from_directory: bool = False) -> None:
         backend = PluginBackend(spec, timeout=self._timeout)
-        backoff = self._backoff or Backoff(initial=0.5, maximum=30.0)
+        backoff = self._backoff or Backoff.for_backends()
         feeder = Feeder(f"to-plugin {spec.name}", backend, backoff=backoff)
         member = _Member(spec, backend, feeder, [], from_directory)
         member.tasks = [

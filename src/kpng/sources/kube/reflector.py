@@ -29,6 +29,7 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
+from kpng.client import Backoff
 from kpng.model import k8s
 from kpng.sources.kube.client import ApiClient, ApiStatus, ApiStatusError, TransportError
 from kpng.store import SourceCounter
@@ -60,22 +61,15 @@ class BackoffPolicy:
     maximum: float = 30.0
     jitter: float = 1.0
 
-
-class Backoff:
-    def __init__(self, policy: BackoffPolicy, rand: Callable[[], float] = random.random) -> None:
-        self.policy = policy
-        self._rand = rand
-        self.failures = 0
-
-    def next(self) -> float:
-        """The delay before the next attempt, after one more failure."""
-        p = self.policy
-        base = min(p.initial * p.factor**self.failures, p.maximum)
-        self.failures += 1
-        return base * (1.0 + p.jitter * self._rand())
-
-    def reset(self) -> None:
-        self.failures = 0
+    def backoff(self, rand: Callable[[], float] = random.random) -> Backoff:
+        """kpng's one Backoff, set as client-go's reflector sets wait.Backoff."""
+        return Backoff(
+            initial=self.initial,
+            maximum=self.maximum,
+            factor=self.factor,
+            spread=(1.0, 1.0 + self.jitter),
+            random=rand,
+        )
 
 
 @dataclass(frozen=True)
@@ -248,7 +242,7 @@ class Reflector(Generic[T]):
 
     async def run(self) -> None:
         """List, then watch, until cancelled."""
-        backoff = Backoff(self.settings.backoff, self._rand)
+        backoff = self.settings.backoff.backoff(self._rand)
         while True:
             try:
                 if not self.resource_version:
@@ -275,7 +269,7 @@ class Reflector(Generic[T]):
                 failure = str(exc)
             self.stats.failures += 1
             self.last_error = failure
-            delay = backoff.next()
+            delay = backoff.delay()
             doing = "watch" if self.resource_version else "list"
             if self.synced.is_set():
                 log.warning(
