@@ -383,6 +383,20 @@ def test_a_watcher_of_an_unknown_node_is_told_once(
     assert "(node names are lowercase: node-1)" in said[1][1]
 
 
+def test_watch_once_returns_after_the_first_sync(tmp_path: Path) -> None:
+    store, _ = _example_store()
+    sink = _Recorder()
+
+    async def scenario() -> None:
+        async with _serving(store, _urls(tmp_path, "unix")) as serving:
+            await watch(sink, api=serving.addresses[0], node_name="node-1", once=True)
+
+    _run(scenario())
+    assert sink.calls[0] == ("reset",)
+    assert sink.calls.count(("sync",)) == 1
+    assert sink.calls[-1] == ("sync",)
+
+
 CONNECT_TIMEOUT_S = 0.5
 
 

@@ -57,10 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None
 
 
 def seconds(value: str) -> float:
-    seconds = float(value)
-    if seconds < 0:
+    """A command-line duration in seconds, 0 or more."""
+    parsed = float(value)
+    if parsed < 0:
         raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
-    return seconds
+    return parsed
 
 
 def api_from_args(args: argparse.Namespace) -> Api:
