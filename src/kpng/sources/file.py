@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import watchfiles
 
@@ -35,6 +36,15 @@ _WATCH_STEP_MS = 30
 _WATCH_DEBOUNCE_MS = 400
 
 
+class _Read(NamedTuple):
+    """One file as a reload found it."""
+
+    result: Parsed | str
+    """Its objects, or why it cannot be used."""
+    seen: tuple[int, int, int]
+    """Its inode, size and mtime when read."""
+
+
 class FileSource:
     def __init__(self, path: Path, *, proxy_name: str | None = None) -> None:
         # Absolute and normalized (``./sub/../x``): inotify reports absolute paths, and a
@@ -51,10 +61,8 @@ class FileSource:
         self._seen: dict[Path, tuple[int, int, int]] = {}
         """Each file's inode, size and mtime when last read: what changed before the watch was
         armed is found by comparing them."""
-        self._stats: dict[Path, tuple[int, int, int]] = {}
-        """What ``_read_all`` saw, until ``_take`` keeps it in ``_seen``."""
         self._lock = asyncio.Lock()
-        """One reload at a time: the parse memos and ``_stats`` are shared with the thread."""
+        """One reload at a time: the parse memos are shared with the reading thread."""
 
     def files(self) -> list[Path]:
         """The files PATH names now, in the order that decides duplicates."""
@@ -110,47 +118,46 @@ class FileSource:
         async with self._lock:
             self._take(await asyncio.to_thread(self._read_all, list(paths)), out)
 
-    def _read_all(self, paths: Iterable[Path]) -> dict[Path, Parsed | str | None]:
-        """Each file parsed, or why it cannot be (str), or None if it is gone. Touches nothing
-        the event loop reads (each file's parse memo is its own, one reload at a time)."""
-        results: dict[Path, Parsed | str | None] = {}
+    def _read_all(self, paths: Iterable[Path]) -> dict[Path, _Read | None]:
+        """Each file read and parsed (None if it is gone). Touches nothing the event loop reads
+        (each file's parse memo is its own, one reload at a time)."""
+        results: dict[Path, _Read | None] = {}
         for path in paths:
+            seen = (0, 0, 0)
             try:
                 stat = path.stat()
+                seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
                 data = path.read_bytes()
             except FileNotFoundError:
                 results[path] = None
                 continue
             except OSError as exc:
-                results[path] = f"{path}: cannot read: {exc.strerror}"
+                results[path] = _Read(f"{path}: cannot read: {exc.strerror}", seen)
                 continue
             memo = self._memos.setdefault(path, manifests.ItemMemo())
             try:
-                parsed = manifests.parse(
+                parsed: Parsed | str = manifests.parse(
                     data, filename=str(path), proxy_name=self.proxy_name, memo=memo
                 )
             except InputError as exc:
-                results[path] = str(exc)
-            else:
-                results[path] = parsed
-            self._stats[path] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                parsed = str(exc)
+            results[path] = _Read(parsed, seen)
         return results
 
-    def _take(self, results: dict[Path, Parsed | str | None], out: SourceHandle) -> None:
+    def _take(self, results: dict[Path, _Read | None], out: SourceHandle) -> None:
         """Keep what ``_read_all`` found and stage the objects whose owner or content changed."""
         touched: set[ObjectKey] = set()
-        for path, result in results.items():
+        for path, read in results.items():
             old = self._parsed.get(path)
             if old is not None:
                 touched.update(old.objects)
-            if result is None:
+            if read is None:
                 self._parsed.pop(path, None)
                 self._memos.pop(path, None)
                 self._never_parsed.pop(path, None)
                 self._seen.pop(path, None)
                 continue
-            if path in self._stats:
-                self._seen[path] = self._stats.pop(path)
+            result, self._seen[path] = read
             if isinstance(result, str):
                 self._failed(path, result, out)
                 continue  # unreadable now: keep its last good content
