@@ -47,7 +47,8 @@ from kpng.backends.exec.formats import FORMATS
 from kpng.backends.json import JsonBackend
 from kpng.backends.plugin import PluginBackend
 from kpng.backends.plugin.config import PluginSpec
-from kpng.client import Backend, Fanout, NodeState
+from kpng.client import Backend, NodeState
+from kpng.feeding import Fanout
 from kpng.sinks.local import run_local
 from kpng.store import Store
 

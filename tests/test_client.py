@@ -10,10 +10,10 @@ import pytest
 
 import kpng.client
 from kpng.api import localv1_pb2
-from kpng.client import Backoff, DiffStore, FullState, NodeState, ServiceKey, SinkBackend
-from kpng.client._remote import LocalOps
-from kpng.client._sinks import FilterReset
+from kpng.client import Backoff, DiffStore, NodeState, ServiceKey, SinkBackend
+from kpng.client._sinks import FilterReset, FullState
 from kpng.model.messages import Endpoint, EndpointScopes, IPSet, PortName, Service, ServiceEndpoints
+from kpng.remote.watching import LocalOps
 from kpng.server.changesets import local_ops
 
 

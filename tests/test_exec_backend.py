@@ -20,7 +20,8 @@ from kpng.backends._jsonlines import StateLines
 from kpng.backends.exec import ExecBackend
 from kpng.backends.exec.formats import FullFormat, OpsFormat
 from kpng.backends.exec.output import BoundedLineSplitter, LineLimiter
-from kpng.client import Backoff, Feeder
+from kpng.client import Backoff
+from kpng.feeding import Feeder
 from kpng.testing import states
 from tests.conftest import EXAMPLE
 from tests.waiting import eventually, json_lines

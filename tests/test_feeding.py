@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from kpng.client import Backoff, Fanout, Feeder, NodeState
+from kpng.client import Backoff, NodeState
 from kpng.errors import KpngError
+from kpng.feeding import Fanout, Feeder
 from kpng.model.messages import Service, ServiceEndpoints
 
 WAIT_S = 10.0

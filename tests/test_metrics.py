@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.layout import Options
-from kpng.client import Fanout, NodeState
-from kpng.client._feeding import no_local_endpoints
+from kpng.client import NodeState
+from kpng.feeding import Fanout, no_local_endpoints
 from kpng.model import k8s
 from kpng.model.cluster import ServiceKey, Slice
 from kpng.model.converting import slice_from_k8s

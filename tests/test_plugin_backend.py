@@ -28,7 +28,7 @@ from tests.waiting import eventually, json_lines
 
 T = TypeVar("T")
 WAIT_S = 15.0
-LOGGERS = ("kpng.backends.plugin", "kpng.client._feeding")
+LOGGERS = ("kpng.backends.plugin", "kpng.feeding")
 Plugin = Callable[..., Path]
 
 

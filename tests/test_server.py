@@ -19,9 +19,9 @@ import pytest
 
 from kpng.api import localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
-from kpng.client._remote import _follow_once, global_rpcs
 from kpng.errors import KpngError
 from kpng.model.messages import Service
+from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.sources.api.ops import GlobalOps
@@ -379,7 +379,7 @@ def test_a_watcher_of_an_unknown_node_is_told_once(
     with caplog.at_level(logging.WARNING):
         _run(scenario())
     said = [(r.name, r.getMessage()) for r in caplog.records if warning in r.getMessage()]
-    assert [name for name, _ in said] == ["kpng.server.serving", "kpng.client._remote"]
+    assert [name for name, _ in said] == ["kpng.server.serving", "kpng.remote.watching"]
     assert "(node names are lowercase: node-1)" in said[1][1]
 
 

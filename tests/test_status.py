@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.client import Backoff, Fanout, Feeder, FeederStats, NodeState
+from kpng.client import Backoff, NodeState
+from kpng.feeding import Fanout, Feeder, FeederStats
 from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry

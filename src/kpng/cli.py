@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from kpng.backends import registry
 from kpng.backends.registry import Backend
-from kpng.client import Fanout
 from kpng.errors import KpngError, UsageError
+from kpng.feeding import Fanout
 from kpng.sinks import SinkSpec
 from kpng.sinks import api as api_sink
 from kpng.sinks import file as file_sink

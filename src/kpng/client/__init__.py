@@ -2,18 +2,18 @@
 
 A backend receives the node-local state either whole (``run``/``watch_state`` with a handler, or
 a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental calls (a ``Sink`` for
-``watch``). The same types arrive in process and over the network. ``Fanout`` and ``Feeder``
-feed several backends, each at its own pace and failing on its own. See
-docs/backend-tutorial.md.
+``run``/``watch``, or ``SinkBackend`` in process). The same types arrive in process and over the
+network. ``DiffStore`` turns whole states into changes; ``BackendSpec`` and ``register`` make a
+packaged backend a ``to-<name>`` command. See docs/backend-tutorial.md. Built-in backends use
+exactly this surface; kpng's own feeding machinery is ``kpng.feeding``.
 """
 
 from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
-from kpng.client._feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.client._registering import BackendSpec, register
-from kpng.client._running import add_arguments, api_from_args, run, watch, watch_state
-from kpng.client._sinks import FullState, Sink, SinkBackend
+from kpng.client._running import run, watch, watch_state
+from kpng.client._sinks import Sink, SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -43,12 +43,7 @@ __all__ = [
     "Endpoint",
     "EndpointAddress",
     "EndpointScopes",
-    "Fanout",
-    "Feeder",
-    "FeederStats",
-    "FullState",
     "Handler",
-    "Histogram",
     "IPFamilies",
     "IPFilter",
     "IPSet",
@@ -61,9 +56,6 @@ __all__ = [
     "ServiceKey",
     "Sink",
     "SinkBackend",
-    "SyncStats",
-    "add_arguments",
-    "api_from_args",
     "register",
     "run",
     "watch",

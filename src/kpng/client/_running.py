@@ -1,6 +1,6 @@
 """Running a backend against a kpng server: flags, signals, the watches.
 
-The gRPC side (kpng.client._remote) is imported when a watch starts, not with the library: a
+The gRPC side (kpng.remote.watching) is imported when a watch starts, not with the library: a
 backend run in process (``kpng file ... to-local``) never needs it, and grpc and protobuf take
 0.1 s to import.
 """
@@ -15,60 +15,14 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from kpng.client._address import Api, ClientTls
+from kpng.client._address import Api
 from kpng.client._backoff import Backoff
 from kpng.client._sinks import FilterReset, FullState, Sink, _maybe_await
 from kpng.client._state import Handler
 from kpng.errors import KpngError
-
-DEFAULT_API = "tcp://127.0.0.1:12090"
-CONNECT_TIMEOUT = 30.0
-"""Seconds a client waits for its first state before it gives up (a wrong or dead --api)."""
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None:
-    """The standard flags of a kpng client: --api, --node-name, TLS, and --once unless the
-    program has its own notion of done."""
-    parser.add_argument(
-        "--api",
-        default=DEFAULT_API,
-        metavar="URL",
-        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API})",
-    )
-    parser.add_argument("--node-name", required=True, help="the node whose state to receive")
-    if once:
-        parser.add_argument("--once", action="store_true", help="stop after the first state")
-    parser.add_argument(
-        "--connect-timeout",
-        type=seconds,
-        default=CONNECT_TIMEOUT,
-        metavar="SECONDS",
-        help=f"exit 1 if no state has come SECONDS after start (default {CONNECT_TIMEOUT:g}; "
-        "0: wait forever); later outages are always waited out, the last state in force",
-    )
-    parser.add_argument(
-        "--tls-ca", type=Path, metavar="FILE", help="verify the server with this CA"
-    )
-    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate")
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="client key")
-
-
-def seconds(value: str) -> float:
-    """A command-line duration in seconds, 0 or more."""
-    parsed = float(value)
-    if parsed < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
-    return parsed
-
-
-def api_from_args(args: argparse.Namespace) -> Api:
-    tls = None
-    if args.tls_ca or args.tls_cert or args.tls_key:
-        tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-    return Api(args.api, tls=tls).check()
+from kpng.remote import CONNECT_TIMEOUT, add_arguments, api_from_args
 
 
 async def watch(
@@ -86,9 +40,9 @@ async def watch(
     Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
     Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait).
     """
-    from kpng.client._remote import _watch_local
+    from kpng.remote.watching import watch_local
 
-    await _watch_local(
+    await watch_local(
         FilterReset(_FirstSyncOnly(sink) if once else sink),
         api=api,
         node_name=node_name,
@@ -109,7 +63,7 @@ async def watch_state(
     """Call ``handler`` with the complete state of ``node_name`` after every change, until
     cancelled, until the handler returns True, or after the first state with ``once``.
     Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait)."""
-    from kpng.client._remote import _watch_local
+    from kpng.remote.watching import watch_local
 
     async def call(state: object) -> bool:
         result = handler(state)  # type: ignore[arg-type]
@@ -120,7 +74,7 @@ async def watch_state(
     # No FilterReset: FullState compares each state with the previous one, so after a
     # reconnection the handler hears only of the services that really changed.
     full = FullState(call, node=node_name)
-    await _watch_local(
+    await watch_local(
         full, api=api, node_name=node_name, backoff=backoff, first_state_within=connect_timeout
     )
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kpng.store import Store
 
 if TYPE_CHECKING:
-    from kpng.client import Fanout
+    from kpng.feeding import Fanout
     from kpng.status import Status
 
 Runner = Callable[[], Coroutine[Any, Any, None]]

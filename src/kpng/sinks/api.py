@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kpng.client import Fanout
 from kpng.errors import UsageError
+from kpng.feeding import Fanout
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Sample, Status
 from kpng.store import Store

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kpng.client import Fanout
+from kpng.feeding import Fanout
 from kpng.model import dumping
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status

@@ -12,9 +12,11 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from kpng.backends.registry import Backend, NodeState
-from kpng.client import Api, Fanout, add_arguments, api_from_args, watch_state
+from kpng.client import Api, watch_state
+from kpng.feeding import Fanout
 from kpng.model.cluster import node_ips, unknown_node
 from kpng.model.messages import Service
+from kpng.remote import add_arguments, api_from_args
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status

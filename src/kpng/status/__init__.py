@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from kpng.client import Fanout, Feeder, FeederStats, Histogram, SyncStats
+from kpng.feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.status.health import Verdict, judge
 from kpng.store import Published, Store
 

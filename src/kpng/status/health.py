@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kpng.client import FeederStats
+from kpng.feeding import FeederStats
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kpng.client import FeederStats, Histogram
+from kpng.feeding import FeederStats, Histogram
 from kpng.status import FAMILIES, Status, Verdict
 
 

@@ -30,9 +30,10 @@ from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nf
 from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
-from kpng.client import Backend, BackendSpec, Backoff, NodeState, SyncStats, register
+from kpng.client import Backend, BackendSpec, Backoff, NodeState, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
+from kpng.feeding import SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 

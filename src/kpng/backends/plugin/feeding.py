@@ -25,7 +25,8 @@ import msgspec
 
 from kpng.backends.plugin.config import PluginSpec, plugins_in_directory
 from kpng.backends.plugin.connection import PluginBackend
-from kpng.client import Backoff, Feeder, NodeState
+from kpng.client import Backoff, NodeState
+from kpng.feeding import Feeder
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import functools
 import logging
 
 from kpng.client import Api
-from kpng.client._running import CONNECT_TIMEOUT, DEFAULT_API, seconds
+from kpng.remote import CONNECT_TIMEOUT, DEFAULT_API, seconds
 from kpng.sources import Runner, SourceSpec
 from kpng.store import Store
 
@@ -37,7 +37,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
     # Imported here: grpc and protobuf cost other commands 0.1 s to import.
-    from kpng.client._remote import NoStateError, follow, global_rpcs
+    from kpng.remote.watching import NoStateError, follow, global_rpcs
     from kpng.sources.api.ops import GlobalOps
 
     api = Api(args.api).check()

@@ -11,11 +11,11 @@ import msgspec
 
 from kpng.api import codec
 from kpng.api.localv1_pb2 import GlobalEndpointInfos, GlobalNodeInfos, GlobalServiceInfos
-from kpng.client._remote import OpHandler
 from kpng.model.cluster import ServiceKey, SliceKey
 from kpng.model.dumping import slice_from_infos
 from kpng.model.messages import EndpointInfo, NodeInfo, ServiceInfo
 from kpng.model.paths import split_service_path
+from kpng.remote.watching import OpHandler
 from kpng.store import SourceHandle
 
 log = logging.getLogger(__name__)

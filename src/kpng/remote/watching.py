@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,9 +13,7 @@ import grpc
 import msgspec
 
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
-from kpng.client._address import Api
-from kpng.client._backoff import Backoff
-from kpng.client._sinks import Sink, _maybe_await
+from kpng.client import Api, Backoff, Sink
 from kpng.errors import KpngError
 from kpng.model.messages import Endpoint, Service
 
@@ -215,10 +214,13 @@ class LocalOps:
             sink.reset()
 
     async def sync(self) -> bool:
-        return bool(await _maybe_await(self._sink.sync()))
+        done = self._sink.sync()
+        if inspect.isawaitable(done):
+            done = await done
+        return bool(done)
 
 
-async def _watch_local(
+async def watch_local(
     sink: Sink,
     *,
     api: Api | str,

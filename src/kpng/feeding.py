@@ -5,8 +5,10 @@ logged, and is retried with backoff with a full resync (every service in ``updat
 latest state. States that arrive meanwhile are coalesced: a slow or failing backend gets the
 newest state with the union of what changed, never a backlog.
 
-This lives in the client library because composite backends need it too: ``to-plugin`` feeds
-each of its plugins through its own ``Feeder``, exactly as ``to-local`` feeds its backends.
+kpng's own machinery, beside the client library rather than in it: ``to-local`` and ``kpng
+local`` feed their backends with a ``Fanout``, composite backends (``to-plugin``, a ``Feeder``
+per plugin) and ``to-exec`` feed through a ``Feeder``, and ``/healthz`` and ``/metrics`` read
+their stats. A backend author needs none of it: kpng feeds every backend this way.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from typing import ClassVar
 
 import msgspec
 
-from kpng.client._backoff import Backoff
-from kpng.client._state import Backend, NodeState
+from kpng.client import Backend, Backoff, NodeState
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
