@@ -52,6 +52,7 @@ from bench_kube import APISERVER_ARGS, NODE, fill
 
 from kpng.testing.cluster import ControlPlane, ensure_binaries, ensure_programs
 from kpng.testing.kubeapi import KubeApi
+from kpng.testing.waiting import until
 
 Obj = dict[str, Any]
 HOST_IP = "10.252.77.1"
@@ -142,11 +143,7 @@ def scrape() -> dict[str, float]:
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.02)
+    until(check, what, within=timeout, interval=0.02, error=TimeoutError)
 
 
 def cpu_seconds(pid: int) -> float:

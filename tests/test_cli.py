@@ -6,14 +6,13 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kpng.testing.waiting import json_lines, until
 from tests.conftest import EXAMPLE, ROOT
-from tests.waiting import json_lines
 
 TIMEOUT_S = 60
 
@@ -354,10 +353,5 @@ def test_following_a_file_prints_a_line_per_change(
 
 
 def _wait_for_lines(path: Path, count: int) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        lines = json_lines(path)
-        if len(lines) >= count:
-            return lines
-        time.sleep(0.02)
-    raise AssertionError(f"{path} did not reach {count} lines in {TIMEOUT_S}s")
+    until(lambda: len(json_lines(path)) >= count, f"{count} lines in {path}", within=TIMEOUT_S)
+    return json_lines(path)

@@ -44,6 +44,7 @@ from kpng.model.messages import Node, Service
 from kpng.sinks.local import run_local
 from kpng.sources import manifests
 from kpng.store import Store
+from kpng.testing.waiting import until
 from tests.conftest import EXAMPLE, ROOT
 
 EXAMPLES = ROOT / "examples"
@@ -109,13 +110,19 @@ class Process:
         return self.stderr_path.read_text()
 
     def wait_until(self, what: str, ready: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not ready():
+        """Until ``ready``; failing at once if the process exits first."""
+
+        def check() -> bool:
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.name} exited {self.proc.returncode} before {what}:\n{self}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name}: no {what} within {WAIT_S:g} s:\n{self}")
-            time.sleep(0.05)
+            return ready()
+
+        until(
+            check,
+            f"{self.name}: {what}",
+            within=WAIT_S,
+            error=lambda m: AssertionError(f"{m}\n{self}"),
+        )
 
     def wait_output(self, expected: str, *, start: int = 0) -> None:
         """Until the output from offset ``start`` on is exactly ``expected``."""

@@ -27,7 +27,7 @@ from kpng.testing import kubeapi as k
 from kpng.testing.cluster import ControlPlane, ensure_binaries, issue_client_cert
 from kpng.testing.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest, View
-from tests.waiting import eventually
+from kpng.testing.waiting import eventually
 
 pytestmark = pytest.mark.apiserver
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.testing import mixin
 from kpng.testing.netns import available
-from tests.waiting import until
+from kpng.testing.waiting import until
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -34,8 +34,9 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
-from kpng.testing.netns import ClusterSpec, TestBed, available, wait_until
+from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
+from kpng.testing.waiting import poll
 from tests.nft_services import churn, generate
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -329,7 +330,7 @@ def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path
         manifests.mkdir()
         (manifests / "cluster.json").write_text(_manifest(bed, cluster_ip))
         first = _start_kpng(bed, manifests, tmp_path / "first.log")
-        assert wait_until(lambda: _synced(tmp_path / "first.log"), timeout=20)
+        assert poll(lambda: _synced(tmp_path / "first.log"), within=20)
         assert bed.probe(node, "tcp", cluster_ip, 80) == [f"p1 {bed.nodes['node-1'].ip4}"]
 
         # Connections one after the other for 10 s, the restart in their midst (a loaded
@@ -341,7 +342,7 @@ def test_restart_takes_over_the_rules_without_a_failed_connection(tmp_path: Path
         assert first.wait(timeout=10) == 0
         assert "chain pick-cluster-v4-1" in bed.exec(node, ["nft", "list", "table", "inet", "kpng"])
         second = _start_kpng(bed, manifests, tmp_path / "second.log")
-        assert wait_until(lambda: _synced(tmp_path / "second.log"), timeout=20)
+        assert poll(lambda: _synced(tmp_path / "second.log"), within=20)
         assert client.poll() is None, "the client stopped before the takeover: nothing proven"
         out, _ = client.communicate(timeout=120)
         results = json.loads(out)["results"]

@@ -23,8 +23,8 @@ from kpng.backends.plugin.connection import explain
 from kpng.client import Backoff
 from kpng.errors import UsageError
 from kpng.testing import states
+from kpng.testing.waiting import eventually, json_lines
 from tests.conftest import EXAMPLE
-from tests.waiting import eventually, json_lines
 
 T = TypeVar("T")
 WAIT_S = 15.0

@@ -21,8 +21,8 @@ import pytest
 from kpng.api import localv1_pb2
 from kpng.testing.conformance import Cluster, endpoint_slice, port, service
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
+from kpng.testing.waiting import json_lines, until
 from tests.conftest import ROOT
-from tests.waiting import json_lines, until
 
 EXAMPLES = ROOT / "examples" / "plugins"
 SUMMARY = EXAMPLES / "state-summary"

@@ -21,7 +21,7 @@ import pytest
 from kpng.testing import addons, images
 from kpng.testing import kubeapi as k
 from kpng.testing.nodes import RealCluster, missing_requirements
-from tests.waiting import until
+from kpng.testing.waiting import until
 
 pytestmark = [
     pytest.mark.realcluster,

@@ -29,9 +29,9 @@ from kpng.sources.file import stage
 from kpng.sources.manifests import parse
 from kpng.store import SourceHandle, Store
 from kpng.testing.cluster import make_pki
+from kpng.testing.waiting import eventually
 from tests import wire
 from tests.conftest import EXAMPLE
-from tests.waiting import eventually
 
 T = TypeVar("T")
 WAIT_S = 20.0

@@ -26,8 +26,8 @@ from kpng.testing import states
 from kpng.testing.cluster import ControlPlane, free_port
 from kpng.testing.kubeapi import KubeApi
 from kpng.testing.recording import KpngUnderTest
+from kpng.testing.waiting import eventually, until
 from tests.conftest import EXAMPLE
-from tests.waiting import eventually, until
 
 WAIT_S = 15.0
 T0 = 1000.0  # monotonic time of the table's "now"

@@ -42,8 +42,8 @@ from kpng.testing.netns import (
     Node,
     TestBed,
     available,
-    wait_until,
 )
+from kpng.testing.waiting import poll
 
 DEFAULT_BACKEND = "to-nft --cluster-cidr {cluster_cidrs}"
 SPEC = ClusterSpec.parse({"node-1": ["a1", "a2"], "node-2": ["b1", "b2"], "node-3": ["c1"]})
@@ -117,7 +117,7 @@ class Cluster:
             last = self.probe(who, proto, host, port, count=count, timeout=1.0)
             return bool(ok(last))
 
-        assert wait_until(check, timeout=SETTLE_S, interval=0.2), f"last answers: {last}"
+        assert poll(check, within=SETTLE_S, interval=0.2), f"last answers: {last}"
         return last
 
 

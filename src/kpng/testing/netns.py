@@ -31,8 +31,7 @@ import os
 import secrets
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -315,19 +314,6 @@ def _run(argv: Sequence[str], *, check: bool = True, input: bytes | None = None)
     if check and proc.returncode != 0:
         raise TestBedError(f"{' '.join(argv)}: {proc.stderr.decode(errors='replace').strip()}")
     return proc.stdout.decode(errors="replace")
-
-
-def wait_until(
-    condition: Callable[[], bool], *, timeout: float = 10.0, interval: float = 0.1
-) -> bool:
-    """Poll ``condition`` until it holds or ``timeout`` seconds pass; whether it held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def available() -> str | None:

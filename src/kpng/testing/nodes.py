@@ -68,6 +68,7 @@ from kpng.testing.cluster import (
     make_pki,
 )
 from kpng.testing.kubeapi import write_kubeconfig
+from kpng.testing.waiting import until
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,7 @@ def _private_uts_dir() -> None:
 
 
 def _wait_for(what: str, probe: Callable[[], bool], timeout: float = _READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise NodeError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.5)
+    until(probe, what, within=timeout, interval=0.5, error=NodeError)
 
 
 # --- cgroups (v1 here: one hierarchy per controller)

@@ -1,4 +1,5 @@
-"""Waiting in tests for what other tasks or processes make true, always bounded."""
+"""Waiting for what other tasks or processes make true, always bounded: the one waiting helper
+of kpng's tests, harnesses and benchmarks (blocking ``until``/``poll``, async ``eventually``)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,28 @@ async def eventually(
         await asyncio.sleep(0.02)
 
 
-def until(
-    condition: Callable[[], bool], what: str = "the condition", *, within: float = 15.0
-) -> None:
-    """``eventually`` for code outside an event loop: poll, blocking, for ``within`` seconds."""
+def poll(condition: Callable[[], bool], *, within: float, interval: float = 0.05) -> bool:
+    """Poll ``condition``, blocking, until it holds or ``within`` seconds pass; whether it
+    held."""
     deadline = time.monotonic() + within
     while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def until(
+    condition: Callable[[], bool],
+    what: str = "the condition",
+    *,
+    within: float = 15.0,
+    interval: float = 0.05,
+    error: Callable[[str], Exception] = AssertionError,
+) -> None:
+    """``eventually`` for code outside an event loop; raises ``error`` naming ``what``."""
+    if not poll(condition, within=within, interval=interval):
+        raise error(f"timed out waiting for {what} ({within:g} s)")
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:
