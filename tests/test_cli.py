@@ -215,7 +215,7 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             ["file", "--input", "x", "to-local", "--node-name", "n"],
             "to-local takes one or more backends",
         ),
-        (["to-local"], "unknown source 'to-local' (sources: file"),
+        (["to-local"], "unknown source 'to-local' (sources: api, file, kube, local)"),
         ([], "a source is required"),
         (
             ["file", "--input", "x", "to-file", "--output", "-", "to-json"],

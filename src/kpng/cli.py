@@ -22,31 +22,20 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kpng import sinks, sources
 from kpng.backends import registry
 from kpng.backends.registry import Backend
 from kpng.errors import KpngError, UsageError
 from kpng.feeding import Fanout
 from kpng.sinks import SinkSpec
-from kpng.sinks import api as api_sink
-from kpng.sinks import file as file_sink
-from kpng.sinks import local as local_sink
 from kpng.sources import Runner, SourceSpec
-from kpng.sources import api as api_source
-from kpng.sources import file as file_source
-from kpng.sources import kube as kube_source
 from kpng.status import Status
 from kpng.store import SourceHandle, Store
 
 log = logging.getLogger("kpng")
 
-SOURCES: dict[str, SourceSpec] = {
-    spec.name: spec for spec in (file_source.SPEC, kube_source.SPEC, api_source.SPEC)
-}
-LOCAL = "local"
-LOCAL_HELP = "run backends against a remote kpng's node-local state (kpng local --api URL ...)"
-SINKS: dict[str, SinkSpec] = {
-    spec.name: spec for spec in (local_sink.SPEC, file_sink.SPEC, api_sink.SPEC)
-}
+SOURCES: dict[str, SourceSpec] = sources.registered()
+SINKS: dict[str, SinkSpec] = sinks.registered()
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -59,10 +48,9 @@ def _epilog() -> str:
     return (
         "sources:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
-        + f"\n  {LOCAL:10} {LOCAL_HELP}"
         + "\nsinks:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
-        + f"\nbackends (after to-local, or local):\n{backends}\n\n"
+        + f"\nbackends (after to-local, or after local):\n{backends}\n\n"
         "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
         "`kpng check plugin unix:///PATH` and `kpng check exec --command CMD` test a plugin or "
         "an exec program.\n"
@@ -162,9 +150,9 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[_Segment]]:
     head: list[str] = []
     segments: list[_Segment] = []
     for arg in argv:
-        local = bool(segments) and segments[0].name == LOCAL
+        local = bool(segments) and _feeds_backends(segments[0].name)
         if (
-            (not segments and (arg in SOURCES or arg == LOCAL))
+            (not segments and arg in SOURCES)
             or (len(segments) == 1 and not local and arg in SINKS)
             or (
                 (len(segments) >= 2 or local)
@@ -202,7 +190,7 @@ def _help_of_a_later_part(segments: list[_Segment]) -> None:
         segment = segments[i]
         if "-h" not in segment.args and "--help" not in segment.args:
             continue
-        if i == 1 and segments[0].name != LOCAL and segment.name in SINKS:
+        if i == 1 and not _feeds_backends(segments[0].name) and segment.name in SINKS:
             spec = SINKS[segment.name]
             parser = _parser(f"kpng <source> {spec.name}", spec.help, spec.add_arguments)
         elif segment.name.startswith("to-") and registry.known(segment.name.removeprefix("to-")):
@@ -217,7 +205,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     """Parse the command line into logging options and the coroutine that runs the pipeline."""
     head, segments = _split(argv)
     _help_of_a_later_part(segments)
-    for segment in segments[1:] if segments and segments[0].name != LOCAL else segments:
+    for segment in segments[1:] if segments and not _feeds_backends(segments[0].name) else segments:
         _unknown_backend(segment.args)
     options, unknown = _main_parser().parse_known_args(head)
     if unknown:
@@ -226,12 +214,14 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         _main_parser().print_usage(sys.stderr)
         raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
     status = Status(timeout=options.healthz_timeout)
-    if segments[0].name == LOCAL:
-        return options, _with_status(options, status, _build_local(segments, status))
     source_spec = SOURCES[segments[0].name]
     source_args = _parser(
         f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
     ).parse_args(segments[0].args)
+    if source_spec.feeds_backends is not None:
+        backends_of_source, _ = _backends(segments[1:], f"kpng {source_spec.name}", status)
+        runner = source_spec.feeds_backends(source_args, backends_of_source)
+        return options, _with_status(options, status, runner)
     if len(segments) < 2:
         raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")
     sink_spec = SINKS[segments[1].name]
@@ -249,6 +239,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     store = status.store = Store()
     status.node = sink_spec.node(sink_args)
     status.nodes_listed = source_spec.lists_nodes
+    assert source_spec.create is not None
     source_run = source_spec.create(source_args, store, status.node)
     sink_run = sink_spec.create(sink_args, store, backends, status)
     parts = {"source": source_run, "sink": sink_run}
@@ -331,12 +322,10 @@ def _backends(
     return lambda: status.track(Fanout([(name, make()) for name, make in factories])), once
 
 
-def _build_local(segments: list[_Segment], status: Status) -> Runner:
-    args = _parser(f"kpng {LOCAL}", LOCAL_HELP, local_sink.add_remote_arguments).parse_args(
-        segments[0].args
-    )
-    backends, _ = _backends(segments[1:], f"kpng {LOCAL}", status)
-    return local_sink.create_remote(args, backends)
+def _feeds_backends(name: str) -> bool:
+    """Whether the source ``name`` feeds backends itself (``local``), with no sink between."""
+    spec = SOURCES.get(name)
+    return spec is not None and spec.feeds_backends is not None
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:

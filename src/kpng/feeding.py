@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -341,3 +341,17 @@ class Fanout:
                 await feeder.backend.close()
             except Exception:
                 log.exception("%s failed to close", feeder.name)
+
+
+async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
+    """Run ``work`` until it returns or every backend of ``fanout`` is done."""
+    task = asyncio.ensure_future(work)
+    done_waiter = asyncio.ensure_future(fanout.all_done.wait())
+    try:
+        await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+    finally:
+        for pending in (task, done_waiter):
+            pending.cancel()
+        await asyncio.gather(task, done_waiter, return_exceptions=True)

@@ -1,8 +1,11 @@
-"""Sinks: where the global state goes. Each module exposes a ``SPEC`` the CLI lists."""
+"""Sinks: where the global state goes. A module of this package that defines a ``SPEC`` is a
+sink, the command word ``SPEC.name``: the CLI finds it here (``registered``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,3 +32,15 @@ class SinkSpec:
     takes_backend: bool = False
     node: Callable[[argparse.Namespace], str | None] = lambda _: None
     """The one node this sink needs, if it needs one only (sources may then fetch no other)."""
+
+
+def registered() -> dict[str, SinkSpec]:
+    """Every sink, by name: the modules of this package with a ``SPEC``."""
+    import kpng.sinks
+
+    found = {}
+    for module in pkgutil.iter_modules(kpng.sinks.__path__):
+        spec = getattr(importlib.import_module(f"kpng.sinks.{module.name}"), "SPEC", None)
+        if isinstance(spec, SinkSpec):
+            found[spec.name] = spec
+    return found

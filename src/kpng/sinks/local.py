@@ -4,19 +4,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import msgspec
 
 from kpng.backends.registry import Backend, NodeState
-from kpng.client import Api, watch_state
-from kpng.feeding import Fanout
+from kpng.feeding import Fanout, until_done
 from kpng.model.cluster import node_ips, unknown_node
 from kpng.model.messages import Service
-from kpng.remote import add_arguments, api_from_args
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
@@ -109,20 +106,6 @@ async def run_local(
         subscription.close()
 
 
-async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
-    """Run ``work`` until it returns or every backend of ``fanout`` is done."""
-    task = asyncio.ensure_future(work)
-    done_waiter = asyncio.ensure_future(fanout.all_done.wait())
-    try:
-        await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-    finally:
-        for pending in (task, done_waiter):
-            pending.cancel()
-        await asyncio.gather(task, done_waiter, return_exceptions=True)
-
-
 def _add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hostname-override",
@@ -172,34 +155,3 @@ SPEC = SinkSpec(
     takes_backend=True,
     node=lambda args: str(args.node_name),
 )
-
-
-# --- ``kpng local --api TARGET --node-name NAME <backend>``: the same feeding, from a remote brain
-
-
-async def run_remote(
-    api: Api, *, node_name: str, backends: Fanout, connect_timeout: float | None
-) -> None:
-    """Feed ``backends`` the state of ``node_name`` from a kpng server until they are done."""
-    watching = watch_state(
-        backends.apply, api=api, node_name=node_name, connect_timeout=connect_timeout
-    )
-    try:
-        await until_done(backends, watching)
-    finally:
-        await backends.close()
-
-
-def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
-    # --once belongs to the backend (e.g. to-json --once), as with to-local.
-    add_arguments(parser, once=False)
-
-
-def create_remote(args: argparse.Namespace, backends: Callable[[], Fanout]) -> Runner:
-    api = api_from_args(args)
-    return lambda: run_remote(
-        api,
-        node_name=args.node_name,
-        backends=backends(),
-        connect_timeout=args.connect_timeout or None,  # 0: wait forever
-    )

@@ -1,13 +1,20 @@
-"""Sources: where the global state comes from. Each module exposes a ``SPEC`` the CLI lists."""
+"""Sources: where the global state comes from. A module of this package that defines a
+``SPEC`` is a source, the command word ``SPEC.name``: the CLI finds it here (``registered``),
+with no edit of its own."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kpng.store import Store
+
+if TYPE_CHECKING:
+    from kpng.feeding import Fanout
 
 Runner = Callable[[], Coroutine[Any, Any, None]]
 
@@ -18,7 +25,7 @@ class SourceSpec:
     """The command word, e.g. ``file``."""
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace, Store, str | None], Runner]
+    create: Callable[[argparse.Namespace, Store, str | None], Runner] | None = None
     """Registers the source's handles in the store now (so no sink can see the store synced
     without them), and returns what runs the source until cancelled. The third argument names
     the one node the sink needs, when it needs only one (``to-local``): a source that can filter
@@ -26,3 +33,19 @@ class SourceSpec:
     lists_nodes: bool = False
     """Whether the source always lists every node, so that a node it does not list does not
     exist (``/healthz`` then fails for it, as kube-proxy's)."""
+    feeds_backends: Callable[[argparse.Namespace, Callable[[], Fanout]], Runner] | None = None
+    """For a source whose output is node-local states (``local``: a remote kpng's) rather than
+    the global state: no sink follows it on the command line, but backends, and this makes what
+    feeds them (instead of ``create``)."""
+
+
+def registered() -> dict[str, SourceSpec]:
+    """Every source, by name: the modules of this package with a ``SPEC``."""
+    import kpng.sources
+
+    found = {}
+    for module in pkgutil.iter_modules(kpng.sources.__path__):
+        spec = getattr(importlib.import_module(f"kpng.sources.{module.name}"), "SPEC", None)
+        if isinstance(spec, SourceSpec):
+            found[spec.name] = spec
+    return dict(sorted(found.items()))
