@@ -10,6 +10,7 @@ from kpng.client import Backoff, NodeState
 from kpng.errors import KpngError
 from kpng.feeding import Fanout, Feeder
 from kpng.model.messages import Service, ServiceEndpoints
+from kpng.testing.waiting import eventually
 
 WAIT_S = 10.0
 
@@ -201,3 +202,43 @@ def test_a_failure_the_backend_explains_is_one_line_and_a_bug_has_its_traceback(
     bug = [r for r in caplog.records if "failed to apply" in r.getMessage()]
     assert len(bug) == 1
     assert bug[0].exc_info is not None
+
+
+class _RefusesService:
+    """Refuses every state holding service ``bad`` (as a kernel refuses a rule)."""
+
+    def __init__(self) -> None:
+        self.applied: list[int] = []
+
+    async def apply(self, state: NodeState) -> bool:
+        if ("ns", "bad") in state.services:
+            raise KpngError("the kernel refused ns/bad")
+        self.applied.append(state.revision)
+        return False
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_newer_state_overtakes_the_retry_of_a_refused_one() -> None:
+    """The state that deletes what the backend refused is applied when it comes, not after the
+    retry's backoff (here an hour)."""
+    backend = _RefusesService()
+    hour = asyncio.Event()
+
+    async def never(_: float) -> None:
+        await hour.wait()
+
+    async def scenario() -> None:
+        feeder = Feeder("to-x", backend, backoff=Backoff(initial=3600.0, sleep=never))
+        task = asyncio.create_task(feeder.run())
+        try:
+            feeder.offer(_state(1, ["a", "bad"], updated=["a", "bad"]))
+            await eventually(lambda: feeder.stats.failures == 1, "the refusal", within=5)
+            feeder.offer(_state(2, ["a"], updated=[], deleted=("bad",)))
+            await eventually(lambda: backend.applied == [2], "the newer state", within=5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())

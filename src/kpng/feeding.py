@@ -236,13 +236,28 @@ class Feeder:
                 if self._latest is None:
                     self.offer(state)
                 self._resync = True
-                await self._backoff.wait()
+                await self._until_retry_or_newer()
                 continue
             self._record_applied(state, time.monotonic() - started, full=full)
             if self._resync:
                 log.info("%s is applying states again (revision %d)", self.name, state.revision)
             self._resync = False
             self._backoff.reset()
+
+    async def _until_retry_or_newer(self) -> None:
+        """Wait out the backoff, unless a newer state comes first: it may be what the backend
+        can apply (the service it refused deleted), and it must not wait behind the retry."""
+        self._offered.clear()
+        waits = {
+            asyncio.ensure_future(self._backoff.wait()),
+            asyncio.ensure_future(self._offered.wait()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def _record_applied(self, state: NodeState, seconds: float, *, full: bool) -> None:
         self._count_no_local_endpoints(state)
