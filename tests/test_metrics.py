@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.layout import Options
-from kpng.client import NodeState
+from kpng.client import Backoff, NodeState
 from kpng.feeding import Fanout, no_local_endpoints
 from kpng.model import k8s
 from kpng.model.cluster import ServiceKey, Slice
@@ -58,8 +58,8 @@ kernel = pytest.mark.skipif(available() is not None, reason=str(available()))
 def test_a_refused_transaction_is_an_apply_failure_and_its_retry_a_new_last_applied(
     netns: str,
 ) -> None:
-    """to-nft's ``apply`` returns normally when the kernel refuses (it retries on its own): the
-    refusal must still count, and the retry's success must move the last-applied time."""
+    """A refusal counts as a failure, and the retry's success (the Feeder's, in the background,
+    once the backoff ends) moves the last-applied time."""
 
     async def scenario() -> None:
         nft = FailingOnceNft(netns)
@@ -68,9 +68,10 @@ def test_a_refused_transaction_is_an_apply_failure_and_its_retry_a_new_last_appl
         async def backoff(_: float) -> None:
             await gate.wait()
 
-        backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
+        backend = NftBackend(nft=nft, options=Options())
         status = Status(timeout=60.0)
         fanout = status.track(Fanout([("to-nft", backend)]))
+        fanout.feeders[0]._backoff = Backoff(initial=0.01, sleep=backoff)
         services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
         await fanout.apply(keyed_state(1, services))
         first = _scrape(status)

@@ -208,7 +208,8 @@ def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules(
             sleep=lambda _: asyncio.sleep(3600),
         )
         try:
-            await backend.apply(_state(1, {LB: _lb(port, _ep("10.1.0.2"))}))
+            with pytest.raises(NftError):
+                await backend.apply(_state(1, {LB: _lb(port, _ep("10.1.0.2"))}))
             assert backend.pending_since is not None
             assert await _get(port) == (200, _body(1))  # not yet: within the timeout
             await asyncio.sleep(0.3)

@@ -20,6 +20,8 @@ from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import TABLE, Options
 from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
+from kpng.client import Backoff
+from kpng.feeding import Fanout
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
@@ -378,15 +380,18 @@ def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_re
         async def backoff(_: float) -> None:
             await gate.wait()  # the retry waits for the test, not for a clock
 
-        backend = NftBackend(nft=nft, options=Options(), sleep=backoff)
+        backend = NftBackend(nft=nft, options=Options())
+        # Fed as kpng feeds it: the Feeder retries, here when the test says.
+        fanout = Fanout([("to-nft", backend)])
+        fanout.feeders[0]._backoff = Backoff(initial=0.01, sleep=backoff)
         services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
-        await backend.apply(keyed_state(1, services))
+        await fanout.apply(keyed_state(1, services))
         before = _table(netns)
         nft.fail_next = True
         services[db] = ServiceEndpoints(
             _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
         )
-        assert await backend.apply(keyed_state(2, services, updated={db})) is False
+        assert await fanout.apply(keyed_state(2, services, updated={db})) is False
         assert nft.runs[-1][1] is not None  # refused...
         assert _table(netns) == before  # ...and nothing of it applied
         gate.set()
@@ -395,10 +400,10 @@ def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_re
         assert error is None
         assert retried.render().startswith("add table inet kpng")  # a full resync
         assert "10.96.0.20" in _ruleset(netns)
-        await backend.close()
+        await fanout.close()
 
     asyncio.run(scenario())
-    assert "nft refused the incremental transaction" in caplog.text
+    assert "the incremental transaction of 3 operations was refused" in caplog.text
     assert "add element inet kpng no-such-set { 10.0.0.1 }" in caplog.text  # the failing line
 
 

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, NodeState
-from kpng.feeding import Fanout, Feeder, FeederStats
+from kpng.feeding import Feeder, FeederStats
 from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry
@@ -432,25 +432,6 @@ def test_the_kube_source_counts_its_lists_and_events(
             assert after[events] >= before[events] + 1
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
-
-
-def test_a_backend_retrying_on_its_own_is_pending_since_its_own_clock() -> None:
-    class Retrying(_Flaky):
-        pending_since: float | None = None
-
-    async def scenario() -> None:
-        backend = Retrying()
-        fanout = Fanout([("to-nft", backend)])
-        status = Status(timeout=10.0, fanouts=[fanout])
-        await fanout.apply(states.state(1, {}))
-        assert status.backends["to-nft"].pending_since is None
-        backend.pending_since = time.monotonic() - 11.0  # the kernel refused, 11 s ago
-        assert status.backends["to-nft"].pending_since == backend.pending_since
-        assert not status.verdict().live
-        backend.pending_since = None
-        assert status.verdict().healthy
-
-    asyncio.run(scenario())
 
 
 def test_to_api_reports_its_watches(

@@ -219,8 +219,10 @@ class Feeder:
         self._offered.clear()
         return state
 
-    async def feed_pending(self) -> None:
-        """Apply what is queued, retrying with backoff until the backend takes a state."""
+    async def feed_pending(self, *, stop_on_failure: bool = False) -> bool:
+        """Apply what is queued, retrying with backoff until the backend takes a state (or,
+        ``stop_on_failure``, returning False at the first failure, the state queued again for
+        ``retry_later``); True once all is applied."""
         while self._latest is not None:
             full = self._resync or self.stats.applies == 0
             state = self._take()
@@ -234,17 +236,21 @@ class Feeder:
                     self.sync.attempted(seconds=time.monotonic() - started, full=full)
                 self._log_failure(state, exc)
                 if self._latest is None:
-                    self.offer(state)
+                    # A copy: the caller's mapping changes with its next state.
+                    self.offer(msgspec.structs.replace(state, services=dict(state.services)))
                 self._resync = True
-                await self._until_retry_or_newer()
+                if stop_on_failure:
+                    return False
+                await self.until_retry_or_newer()
                 continue
             self._record_applied(state, time.monotonic() - started, full=full)
             if self._resync:
                 log.info("%s is applying states again (revision %d)", self.name, state.revision)
             self._resync = False
             self._backoff.reset()
+        return True
 
-    async def _until_retry_or_newer(self) -> None:
+    async def until_retry_or_newer(self) -> None:
         """Wait out the backoff, unless a newer state comes first: it may be what the backend
         can apply (the service it refused deleted), and it must not wait behind the retry."""
         self._offered.clear()
@@ -258,6 +264,8 @@ class Feeder:
             for wait in waits:
                 wait.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        if self._latest is not None:
+            self._offered.set()  # what is queued is due now
 
     def _record_applied(self, state: NodeState, seconds: float, *, full: bool) -> None:
         self._count_no_local_endpoints(state)
@@ -318,6 +326,8 @@ class Fanout:
 
     With a single backend the state is applied inline, before the caller reads the next one:
     there is nothing to isolate it from, and the caller's source then coalesces states upstream.
+    Once it fails, it is fed in the background like one of several: its retries never hold up
+    the caller, and a newer state overtakes a retry.
     """
 
     def __init__(self, backends: Sequence[tuple[str, Backend]]) -> None:
@@ -326,13 +336,15 @@ class Fanout:
         self.all_done = asyncio.Event()
 
     async def apply(self, state: NodeState) -> bool:
-        if len(self.feeders) == 1:
+        if len(self.feeders) == 1 and not self._tasks:
             feeder = self.feeders[0]
             feeder.offer(state)
-            await feeder.feed_pending()
-            if feeder.done:
-                self.all_done.set()
-            return feeder.done
+            if await feeder.feed_pending(stop_on_failure=True):
+                if feeder.done:
+                    self.all_done.set()
+                return feeder.done
+            self._tasks = [asyncio.create_task(self._retry(feeder), name=feeder.name)]
+            return False
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._run(f), name=f.name) for f in self.feeders]
         # The caller's mapping changes with its next state; each backend keeps its own.
@@ -341,6 +353,10 @@ class Fanout:
             if not feeder.done:
                 feeder.offer(snapshot)
         return False
+
+    async def _retry(self, feeder: Feeder) -> None:
+        await feeder.until_retry_or_newer()
+        await self._run(feeder)
 
     async def _run(self, feeder: Feeder) -> None:
         await feeder.run()

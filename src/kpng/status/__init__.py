@@ -37,15 +37,6 @@ the oldest are forgotten, and with them their network programming times."""
 
 
 @runtime_checkable
-class RetriesOnItsOwn(Protocol):
-    """A backend whose ``apply`` may return before its rules are in place, retrying by itself
-    (to-nft after the kernel refused a transaction): it says since when its rules are behind
-    (``time.monotonic()``; None when they are not), and health counts from then."""
-
-    pending_since: float | None
-
-
-@runtime_checkable
 class FeedsOthers(Protocol):
     """A backend that feeds other backends, each through its own Feeder (to-plugin, a Feeder
     per plugin): each is reported on its own, so one that keeps failing cannot hide."""
@@ -202,31 +193,19 @@ class Status:
 
 
 def _with_backend_stats(feeder: Feeder) -> FeederStats:
-    """The feeder's stats, completed by what its backend says of itself. A backend that retries
-    on its own (to-nft, after the kernel refused a transaction) has ``apply`` return: it says in
-    ``pending_since`` that its rules are behind, and in its ``SyncStats`` which syncs failed and
-    when its rules were last in place."""
+    """The feeder's stats, completed by what a backend keeping its own ``SyncStats`` (to-nft)
+    says of when its rules were last in place."""
     stats = feeder.stats
-    if feeder.reports_syncs:
-        sync = feeder.sync
-        stats = dataclasses.replace(
-            stats,
-            failures=stats.failures + sync.failures,
-            last_applied=sync.last_synced,
-            applied_revision=sync.revision,
-        )
-    backend = feeder.backend
-    own = backend.pending_since if isinstance(backend, RetriesOnItsOwn) else None
-    if own is None or (stats.pending_since is not None and stats.pending_since <= own):
+    if not feeder.reports_syncs:
         return stats
-    return dataclasses.replace(stats, pending_since=own)
+    sync = feeder.sync
+    return dataclasses.replace(stats, last_applied=sync.last_synced, applied_revision=sync.revision)
 
 
 __all__ = [
     "FAMILIES",
     "FeedsOthers",
     "ProxyCounters",
-    "RetriesOnItsOwn",
     "Sample",
     "Status",
     "Verdict",

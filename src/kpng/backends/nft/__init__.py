@@ -30,7 +30,7 @@ from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nf
 from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
-from kpng.client import Backend, BackendSpec, Backoff, NodeState, register
+from kpng.client import Backend, BackendSpec, NodeState, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.feeding import SyncStats
@@ -53,9 +53,11 @@ class NftBackend:
     transaction to ``output`` instead; ``once`` makes ``apply`` return True once the first
     complete state is applied.
 
-    A refused transaction does not fail ``apply``: the backend retries on its own, with a full
-    resync, and ``pending_since`` says since when (``time.monotonic()``) the kernel has been
-    behind the state given to it (None when it is not), which kpng's ``/healthz`` reads.
+    A refused transaction fails ``apply`` with an ``NftError`` saying what nft refused, the
+    previous rules left in place; kpng's Feeder then retries with backoff (or as soon as a newer
+    state comes), and the next attempt is a full resync. ``pending_since`` says since when
+    (``time.monotonic()``) the kernel has been behind (None when it is not): the health check
+    node ports answer by it.
     """
 
     def __init__(
@@ -87,7 +89,6 @@ class NftBackend:
         self._output = output or sys.stdout
         self._sleep = sleep
         # Exact doubling (no jitter spread): one node's kernel, no crowd to spread out.
-        self._retries = Backoff.for_backends(spread=(1.0, 1.0))
         self.store = TableState(options)
         self._options = options
         self._from_node = from_node or FromNode()
@@ -99,7 +100,6 @@ class NftBackend:
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._needs_full = True
         self._lock = asyncio.Lock()
-        self._retry: asyncio.Task[None] | None = None
 
     async def apply(self, state: NodeState) -> bool:
         self._follow_node(state)
@@ -111,9 +111,6 @@ class NftBackend:
         self._revision = state.revision
         with collector_paused():
             touched = self._record(state)
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
         if self._dry_run:
             plan = self._plan(touched)
             self._output.write(f"# revision {state.revision}\n{plan.tx.render()}")
@@ -125,15 +122,13 @@ class NftBackend:
         if not self._looked_for_kube_proxy:
             self._looked_for_kube_proxy = True
             await _warn_about_kube_proxy(self._nft)
-        applied = await self._sync(touched)
-        while not applied and self._once:
-            applied = await self._sync(Touched(), backoff=True)
-        if not applied:
-            self._retry = asyncio.create_task(self._retry_until_applied(), name="nft-retry")
+        refused = await self._sync(touched)
         if self._health is not None:
             await self._listen_for_health_checks()
             await self._health.update(state.services)
-        return self._once and applied
+        if refused is not None:
+            raise refused
+        return self._once
 
     def _follow_node(self, state: NodeState) -> None:
         """Re-render the skeleton (a full sync) when the node's IPs or pod CIDRs change what it
@@ -222,11 +217,9 @@ class NftBackend:
             return self.store.full(present)
         return self.store.incremental(touched)
 
-    async def _sync(self, touched: Touched, *, backoff: bool = False) -> bool:
-        """One attempt; False (logged, a full resync next) if nft refused it."""
+    async def _sync(self, touched: Touched) -> NftError | None:
+        """One attempt; what nft refused (a full resync comes next), or None."""
         async with self._lock:
-            if backoff:
-                await self._sleep(self._backoff)
             started = time.monotonic()
             present: TableObjects | None = None
             error: NftError | None = None
@@ -251,21 +244,16 @@ class NftBackend:
             if error is not None:
                 # The UDP flows this change makes stale are cleaned by the full resync's
                 # reconciliation.
-                if not self._needs_full:
-                    self._retries.reset()  # a first failure: from the shortest delay
-                self._backoff = self._retries.delay()
                 self._needs_full = True
                 if self.pending_since is None:
                     self.pending_since = time.monotonic()
-                log.error(
-                    "nft refused the %s transaction (%d operations); the previous rules stay; "
-                    "a full resync follows in %.1f s: %s",
-                    "full" if plan.full else "incremental",
-                    len(plan.tx),
-                    self._backoff,
-                    error,
+                kind = "full" if plan.full else "incremental"
+                return NftError(
+                    f"{error.message} (the {kind} transaction of {len(plan.tx)} operations "
+                    "was refused; the previous rules stay, and a full resync follows)",
+                    line_number=error.line_number,
+                    line=error.line,
                 )
-                return False
             self.store.commit(plan)
             self._needs_full = False
             self.pending_since = None
@@ -278,10 +266,8 @@ class NftBackend:
         # After a full sync (start, takeover, recovery) every frontend is reconciled, as
         # kube-proxy does at start; after a change, those whose serving endpoints changed.
         await self._clean_conntrack(None if plan.full else touched.udp_frontends)
-        return True
+        return None
 
-    _backoff = 0.0
-    """The delay before the next attempt, after a refused one."""
     _looked_for_kube_proxy = False
 
     def _rules_current(self) -> bool:
@@ -342,10 +328,6 @@ class NftBackend:
                     suspects.append((half, half_error))
         return refused
 
-    async def _retry_until_applied(self) -> None:
-        while not await self._sync(Touched(), backoff=True):
-            pass
-
     async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
         """Delete the stale UDP flows (``flows.py``) of ``only`` these frontends, or of all."""
         if self._conntrack is None or (only is not None and not only):
@@ -366,8 +348,6 @@ class NftBackend:
         )
 
     async def close(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
         if self._health is not None:
             await self._health.close()
 
