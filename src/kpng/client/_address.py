@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kpng.errors import UsageError
+from kpng.addresses import check_grpc_url
 
 if TYPE_CHECKING:
     import grpc
@@ -49,18 +49,7 @@ class Api:
 
     def check(self) -> Api:
         """This address, if it names a kpng server; else a UsageError saying what would."""
-        expected = "expected tcp://HOST:PORT, HOST:PORT or unix:///PATH"
-        scheme, sep, rest = self.url.partition("://")
-        if sep and scheme == "unix":
-            if not rest.startswith("/"):
-                raise UsageError(f"--api {self.url}: a unix socket needs an absolute path")
-            return self
-        if sep and scheme != "tcp":
-            # grpc would take http://... as a DNS name and retry it forever.
-            raise UsageError(f"--api {self.url}: kpng speaks gRPC, not {scheme}; {expected}")
-        host, sep, port = (rest if sep else self.url).rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or "/" in host:
-            raise UsageError(f"--api {self.url}: {expected}")
+        check_grpc_url(self.url, flag="--api")
         return self
 
     def channel(self) -> grpc.aio.Channel:

@@ -20,6 +20,7 @@ import grpc
 import msgspec
 from google.protobuf.message import DecodeError
 
+from kpng.addresses import check_grpc_url
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.errors import UsageError
 from kpng.model.cluster import unknown_node
@@ -54,15 +55,7 @@ class ListenAddress:
 
     @classmethod
     def parse(cls, text: str) -> ListenAddress:
-        if text.startswith("unix://"):
-            if not text.removeprefix("unix://").startswith("/"):
-                raise UsageError(f"--listen {text}: a unix socket needs an absolute path")
-            return cls(text)
-        if text.startswith("tcp://"):
-            host, sep, port = text.removeprefix("tcp://").rpartition(":")
-            if sep and host and port.isdigit() and int(port) < 65536:
-                return cls(text)
-        raise UsageError(f"--listen {text}: expected tcp://HOST:PORT or unix:///PATH")
+        return cls(check_grpc_url(text, flag="--listen", listening=True))
 
 
 @dataclass(frozen=True)

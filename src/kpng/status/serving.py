@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kpng.addresses import host_port
 from kpng.errors import KpngError, UsageError
 from kpng.status import Status
 
@@ -29,10 +30,10 @@ class HttpAddress:
     @classmethod
     def parse(cls, text: str, *, flag: str) -> HttpAddress:
         """``HOST:PORT``, ``[IPV6]:PORT`` or ``:PORT`` (every address)."""
-        host, sep, port = text.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
+        parsed = host_port(text, port_zero=True)
+        if parsed is None:
             raise UsageError(f"{flag} wants HOST:PORT, got {text!r}")
-        return cls(host.removeprefix("[").removesuffix("]"), int(port))
+        return cls(*parsed)
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
