@@ -36,12 +36,15 @@ class _Backend:
         self, *, fail_times: int = 0, once: bool = False, gate: asyncio.Event | None = None
     ):
         self.applied: list[NodeState] = []
+        self.calls = 0
+        """Applies begun, finished or not."""
         self.fail_times = fail_times
         self.once = once
         self.gate = gate
         self.closed = False
 
     async def apply(self, state: NodeState) -> bool:
+        self.calls += 1
         if self.gate is not None:
             await self.gate.wait()
         if self.fail_times:
@@ -66,12 +69,10 @@ def test_failing_backend_keeps_retrying_with_a_full_resync_and_others_go_on() ->
         for feeder in fanout.feeders:
             feeder._backoff = Backoff(initial=0.01, sleep=_no_sleep)
         await fanout.apply(_state(1, ["a", "b"], updated=["a", "b"]))
-        await asyncio.sleep(0.05)  # the good one takes it; the bad one fails twice
+        # the good one takes it; the bad one fails twice, then takes it
+        await eventually(lambda: len(good.applied) == len(bad.applied) == 1, "revision 1")
         await fanout.apply(_state(2, ["a", "b"], updated=["b"]))
-        for _ in range(200):
-            if len(good.applied) == 2 and bad.applied:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(good.applied) == len(bad.applied) == 2, "revision 2")
         await fanout.close()
 
     asyncio.run(scenario())
@@ -92,23 +93,20 @@ def test_slow_backend_gets_the_latest_state_with_the_union_of_changes() -> None:
     async def scenario() -> None:
         fanout = Fanout([("to-slow", slow), ("to-fast", fast)])
         await fanout.apply(_state(1, ["a", "b", "c"], updated=["a", "b", "c"]))
-        await asyncio.sleep(0.01)  # slow is now stuck in its first apply
+        await eventually(lambda: slow.calls == 1, "slow stuck in its first apply")
         for state in (
             _state(2, ["a", "b"], updated=["a"], deleted=("c",)),
             _state(3, ["a", "b", "d"], updated=["d"]),
             _state(4, ["a", "d"], updated=[], deleted=("b",)),
         ):
             await fanout.apply(state)
-            await asyncio.sleep(0.01)  # the fast one keeps up
-        for _ in range(100):
-            if len(fast.applied) == 4:
-                break
-            await asyncio.sleep(0.01)
+
+            def caught_up(revision: int = state.revision) -> bool:
+                return len(fast.applied) == revision
+
+            await eventually(caught_up, "fast keeping up")
         gate.set()
-        for _ in range(100):
-            if len(slow.applied) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(slow.applied) == 2, "slow's coalesced state")
         await fanout.close()
 
     asyncio.run(scenario())
@@ -128,10 +126,7 @@ def test_backends_get_a_snapshot_the_callers_next_state_cannot_change() -> None:
         fanout = Fanout([("to-a", a), ("to-b", b)])
         await fanout.apply(live)
         live.services.clear()  # type: ignore[attr-defined]  # the caller's next state
-        for _ in range(100):
-            if a.applied and b.applied:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: bool(a.applied and b.applied), "both applies")
         await fanout.close()
 
     asyncio.run(scenario())
@@ -145,7 +140,7 @@ def test_done_when_every_backend_is_done() -> None:
     async def scenario() -> bool:
         fanout = Fanout([("to-once", once), ("to-forever", forever)])
         await fanout.apply(_state(1, ["a"], updated=["a"]))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: bool(once.applied and forever.applied), "both applies")
         done_after_one = fanout.all_done.is_set()
         await fanout.close()
         solo = Fanout([("to-once", _Backend(once=True))])

@@ -194,25 +194,24 @@ class _RefusingNft(FakeNft):
         raise NftError("Operation not supported", line_number=1, line="add table inet kpng")
 
 
-def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules() -> None:
     port = free_port()
-    monkeypatch.setattr(nft_backend, "UNHEALTHY_AFTER_S", 0.2)
+    now = [1000.0]
 
     async def scenario() -> None:
         backend = NftBackend(
             nft=_RefusingNft(),
             options=Options(),
             health=HealthServers(host="127.0.0.1"),
-            sleep=lambda _: asyncio.sleep(3600),
+            clock=lambda: now[0],
         )
         try:
             with pytest.raises(NftError):
                 await backend.apply(_state(1, {LB: _lb(port, _ep("10.1.0.2"))}))
-            assert backend.pending_since is not None
+            assert backend.pending_since == 1000.0
+            now[0] += nft_backend.UNHEALTHY_AFTER_S - 1
             assert await _get(port) == (200, _body(1))  # not yet: within the timeout
-            await asyncio.sleep(0.3)
+            now[0] += 2
             assert await _get(port) == (503, _body(1, healthy=False))
         finally:
             await backend.close()

@@ -73,6 +73,7 @@ class NftBackend:
         dry_run: bool = False,
         output: TextIO | None = None,
         sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nft = nft
         self._conntrack = conntrack
@@ -88,6 +89,8 @@ class NftBackend:
         self._dry_run = dry_run
         self._output = output or sys.stdout
         self._sleep = sleep
+        self._clock = clock
+        """Monotonic time: since when the kernel has been behind, and for how long."""
         # Exact doubling (no jitter spread): one node's kernel, no crowd to spread out.
         self.store = TableState(options)
         self._options = options
@@ -246,7 +249,7 @@ class NftBackend:
                 # reconciliation.
                 self._needs_full = True
                 if self.pending_since is None:
-                    self.pending_since = time.monotonic()
+                    self.pending_since = self._clock()
                 kind = "full" if plan.full else "incremental"
                 return NftError(
                     f"{error.message} (the {kind} transaction of {len(plan.tx)} operations "
@@ -272,7 +275,7 @@ class NftBackend:
 
     def _rules_current(self) -> bool:
         since = self.pending_since
-        return since is None or time.monotonic() - since < UNHEALTHY_AFTER_S
+        return since is None or self._clock() - since < UNHEALTHY_AFTER_S
 
     async def _run(self, plan: Plan) -> NftError | None:
         try:
