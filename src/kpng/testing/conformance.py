@@ -1060,9 +1060,15 @@ def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None
     cluster.eventually("c1", "tcp", ip, 80, answered)
     argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "8"]
     held = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.ns("c1"), *argv], stdout=subprocess.PIPE
+        ["ip", "netns", "exec", cluster.ns("c1"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    time.sleep(1.0)
+    assert held.stderr is not None
+    # The connection stands (its first answer came) before the endpoints change; the probe's
+    # own timeout bounds the wait.
+    assert held.stderr.readline() == "connected\n"
     cluster.write(
         "established",
         service("keep", ip, [port("http", 80)]),

@@ -8,7 +8,8 @@ is a new connection (TCP) or a new socket (UDP) sending one line, from ``--sourc
 if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
-a connection survives changes). ``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
+a connection survives changes); it says ``connected`` on stderr after its first answer.
+``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
 ``--ports`` (tcp, udp) asks the echo server for the source port it saw and adds the one the
 probe sent from: ``"NAME CLIENT SEEN_PORT SENT_PORT"``, to tell how the port was translated.
 Output: ``{"results": [...], "seconds": [...]}``.
@@ -129,6 +130,9 @@ def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
             while time.monotonic() < deadline:
                 sock.sendall(b"hello\n")
                 out.append(_read_line(sock))
+                if len(out) == 1:
+                    # For whoever waits for the connection to stand before changing things.
+                    print("connected", file=sys.stderr, flush=True)
                 time.sleep(0.2)
     except OSError as exc:
         out.append(f"error: {exc}")
