@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from kpng.client import Backoff, NodeState
+from kpng.client import Backoff, NodeState, SyncReporter
 from kpng.errors import KpngError
-from kpng.feeding import Fanout, Feeder
+from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.model.messages import Service, ServiceEndpoints
 from kpng.testing.waiting import eventually
 
@@ -237,3 +237,50 @@ def test_a_newer_state_overtakes_the_retry_of_a_refused_one() -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+class _Reporting:
+    """A backend that, like to-nft, knows when its rules are in place: here, one revision late."""
+
+    def __init__(self, syncs: SyncReporter) -> None:
+        self.syncs = syncs
+        self.previous = 0
+
+    async def apply(self, state: NodeState) -> bool:
+        if self.previous:
+            self.syncs.attempted(seconds=0.5, full=False)
+            self.syncs.synced(revision=self.previous)
+        else:
+            self.syncs.failed()
+        self.previous = state.revision
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_a_backend_that_reports_its_syncs_is_believed_and_one_that_does_not_is_timed(
+    reports: bool,
+) -> None:
+    async def scenario() -> SyncStats:
+        syncs = SyncStats()
+        feeder = Feeder("to-x", _Reporting(syncs), sync=syncs, reports_syncs=reports)
+        for revision in (1, 2, 3):
+            feeder.offer(_state(revision, ["a"], updated=["a"]))
+            assert await feeder.feed_pending(stop_on_failure=True)
+        return syncs
+
+    syncs = asyncio.run(scenario())
+    if reports:
+        assert (syncs.revision, syncs.failures, syncs.partial.count, syncs.full.count) == (
+            2,
+            1,
+            2,
+            0,
+        )
+        assert syncs.partial.sum == 1.0
+    else:
+        # kpng's own view adds to the backend's: each apply that returned is a sync.
+        assert syncs.revision == 3
+        assert (syncs.full.count, syncs.partial.count) == (1, 4)

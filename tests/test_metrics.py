@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.layout import Options
 from kpng.client import Backoff, NodeState
-from kpng.feeding import Fanout, no_local_endpoints
+from kpng.feeding import Fanout, Feeder, SyncStats, no_local_endpoints
 from kpng.model import k8s
 from kpng.model.cluster import ServiceKey, Slice
 from kpng.model.converting import slice_from_k8s
@@ -68,9 +68,12 @@ def test_a_refused_transaction_is_an_apply_failure_and_its_retry_a_new_last_appl
         async def backoff(_: float) -> None:
             await gate.wait()
 
-        backend = NftBackend(nft=nft, options=Options())
+        # Wired as the CLI wires it: to-nft reports its syncs into the stats kpng reads.
+        syncs = SyncStats()
+        backend = NftBackend(nft=nft, options=Options(), syncs=syncs)
         status = Status(timeout=60.0)
-        fanout = status.track(Fanout([("to-nft", backend)]))
+        feeder = Feeder("to-nft", backend, sync=syncs, reports_syncs=True)
+        fanout = status.track(Fanout([feeder]))
         fanout.feeders[0]._backoff = Backoff(initial=0.01, sleep=backoff)
         services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
         await fanout.apply(keyed_state(1, services))

@@ -21,7 +21,7 @@ from kpng.backends.nft.executing import KernelNft
 from kpng.backends.nft.layout import TABLE, Options
 from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
 from kpng.client import Backoff
-from kpng.feeding import Fanout
+from kpng.feeding import Fanout, SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ClientIPAffinity,
@@ -438,8 +438,10 @@ def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_program
     options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
     refusing, fresh = namespaces(), namespaces()
 
+    syncs = SyncStats()
+
     async def scenario() -> None:
-        backend = NftBackend(nft=SctpLessKernelNft(refusing), options=options)
+        backend = NftBackend(nft=SctpLessKernelNft(refusing), options=options, syncs=syncs)
         await backend.apply(keyed_state(1, services))
         await backend.close()
 
@@ -453,6 +455,9 @@ def test_services_the_kernel_refuses_are_found_and_left_out_and_the_rest_program
         if "left out until it changes" in r.getMessage()
     }
     assert left_out == {f"{ns}/{name}" for ns, name in sctp}
+    # One apply, two transactions: only to-nft knows the first failed (kube-proxy's failure
+    # count) and the second put revision 1 in place.
+    assert (syncs.failures, syncs.full.count, syncs.revision) == (1, 1, 1)
 
 
 def test_kernel_takes_overlapping_source_ranges(netns: str) -> None:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from kpng import sinks, sources
 from kpng.backends import registry
-from kpng.backends.registry import Backend
+from kpng.backends.registry import BackendSpec
 from kpng.errors import KpngError, UsageError
-from kpng.feeding import Fanout
+from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.sinks import SinkSpec
 from kpng.sources import Runner, SourceSpec
 from kpng.status import Status
@@ -308,18 +308,27 @@ def _backends(
     if not segments:
         names = ", ".join(f"to-{n}" for n in registry.names())
         raise UsageError(f"{prog.split()[-1]} takes one or more backends ({names})")
-    factories: list[tuple[str, Callable[[], Backend]]] = []
+    parsed: list[tuple[str, BackendSpec, argparse.Namespace]] = []
     once = False
     for segment in segments:
         spec = registry.lookup(segment.name.removeprefix("to-"))
         args = _parser(f"{prog} {segment.name}", spec.help, spec.add_arguments).parse_args(
             segment.args
         )
-        taken = sum(1 for name, _ in factories if name.split("#")[0] == segment.name)
+        taken = sum(1 for name, _, _ in parsed if name.split("#")[0] == segment.name)
         name = segment.name if not taken else f"{segment.name}#{taken + 1}"
-        factories.append((name, functools.partial(spec.create, args)))
+        parsed.append((name, spec, args))
         once = once or bool(getattr(args, "once", False))
-    return lambda: status.track(Fanout([(name, make()) for name, make in factories])), once
+
+    def fanout() -> Fanout:
+        feeders = []
+        for name, spec, args in parsed:
+            sync = SyncStats()
+            backend = spec.create(args, sync)
+            feeders.append(Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs))
+        return status.track(Fanout(feeders))
+
+    return fanout, once
 
 
 def _feeds_backends(name: str) -> bool:

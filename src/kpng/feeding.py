@@ -89,12 +89,12 @@ SyncListener = Callable[[int, float], None]
 
 @dataclass
 class SyncStats:
-    """A backend's syncs in kube-proxy's terms (its ``sync_proxy_rules_*`` metrics).
+    """A backend's syncs in kube-proxy's terms (its ``sync_proxy_rules_*`` metrics); a
+    ``kpng.client.SyncReporter``.
 
-    The ``Feeder`` keeps these from each ``apply``. A backend whose ``apply`` returns before its
-    rules are in place (to-nft retries a refused transaction on its own) keeps its own instead,
-    as its ``sync_stats`` attribute: only it knows when a sync failed, got through, or was
-    full."""
+    The ``Feeder`` keeps these from each ``apply``, unless the backend's spec says it reports
+    them itself (``reports_syncs``: to-nft, which alone knows when a transaction was refused and
+    retried within one apply); it then reports into the same object, given to its constructor."""
 
     revision: int = 0
     """The revision whose rules are in place (0: none yet)."""
@@ -117,8 +117,12 @@ class SyncStats:
     def attempted(self, *, seconds: float, full: bool) -> None:
         (self.full if full else self.partial).observe(seconds)
 
-    def synced(self, *, revision: int, wall: float) -> None:
-        """The rules of ``revision`` are in place since ``wall``."""
+    def failed(self) -> None:
+        self.failures += 1
+
+    def synced(self, *, revision: int, wall: float | None = None) -> None:
+        """The rules of ``revision`` are in place since ``wall`` (default: now)."""
+        wall = time.time() if wall is None else wall
         self.revision = revision
         self.last_synced = wall
         for listener in self.listeners:
@@ -174,7 +178,15 @@ class Feeder:
     traceback, as a bug. ``stats`` tells how it keeps up.
     """
 
-    def __init__(self, name: str, backend: Backend, *, backoff: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        backend: Backend,
+        *,
+        backoff: Backoff | None = None,
+        sync: SyncStats | None = None,
+        reports_syncs: bool = False,
+    ) -> None:
         self.name = name
         self.backend = backend
         self.done = False
@@ -186,10 +198,9 @@ class Feeder:
         self._offered = asyncio.Event()
         self._queued_at: float | None = None  # when the oldest state still queued was offered
         self.stats = FeederStats()
-        own = getattr(backend, "sync_stats", None)
-        self.reports_syncs = isinstance(own, SyncStats)
-        """The backend keeps its own ``SyncStats``: it says when its rules are in place."""
-        self.sync = own if isinstance(own, SyncStats) else SyncStats()
+        self.reports_syncs = reports_syncs
+        """The backend reports into ``sync`` itself: it says when its rules are in place."""
+        self.sync = sync or SyncStats()
         self._no_local: dict[ServiceKey, Mapping[tuple[str, str], int]] = {}
 
     def offer(self, state: NodeState) -> None:
@@ -232,7 +243,7 @@ class Feeder:
             except Exception as exc:
                 self.stats.failures += 1
                 if not self.reports_syncs:
-                    self.sync.failures += 1
+                    self.sync.failed()
                     self.sync.attempted(seconds=time.monotonic() - started, full=full)
                 self._log_failure(state, exc)
                 if self._latest is None:
@@ -269,15 +280,16 @@ class Feeder:
 
     def _record_applied(self, state: NodeState, seconds: float, *, full: bool) -> None:
         self._count_no_local_endpoints(state)
+        wall = time.time()
         if not self.reports_syncs:
             self.sync.attempted(seconds=seconds, full=full)
-            self.sync.synced(revision=state.revision, wall=time.time())
+            self.sync.synced(revision=state.revision, wall=wall)
         stats = self.stats
         # Still pending if a newer state arrived while this one was being applied.
         stats.pending_since = self._queued_at
         stats.applied_revision = state.revision
         stats.applied_services = len(state.services)
-        stats.last_applied = time.time()
+        stats.last_applied = wall
         stats.applies += 1
         stats.apply_seconds += seconds
         stats.last_apply_seconds = seconds
@@ -330,8 +342,9 @@ class Fanout:
     the caller, and a newer state overtakes a retry.
     """
 
-    def __init__(self, backends: Sequence[tuple[str, Backend]]) -> None:
-        self.feeders = [Feeder(name, backend) for name, backend in backends]
+    def __init__(self, backends: Sequence[Feeder | tuple[str, Backend]]) -> None:
+        """Each backend's own ``Feeder``, or its name and the backend, fed with defaults."""
+        self.feeders = [b if isinstance(b, Feeder) else Feeder(*b) for b in backends]
         self._tasks: list[asyncio.Task[None]] = []
         self.all_done = asyncio.Event()
 

@@ -4,7 +4,8 @@ A backend receives the node-local state either whole (``run``/``watch_state`` wi
 a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental calls (a ``Sink`` for
 ``run``/``watch``, or ``SinkBackend`` in process). The same types arrive in process and over the
 network. ``DiffStore`` turns whole states into changes; ``BackendSpec`` and ``register`` make a
-packaged backend a ``to-<name>`` command. See docs/backend-tutorial.md. Built-in backends use
+packaged backend a ``to-<name>`` command, whose constructor gets a ``SyncReporter`` for what only
+the backend knows of its syncs. See docs/backend-tutorial.md. Built-in backends use
 exactly this surface; kpng's own feeding machinery is ``kpng.feeding``.
 """
 
@@ -12,6 +13,7 @@ from kpng.client._address import Api, ClientTls
 from kpng.client._backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
 from kpng.client._registering import BackendSpec, register
+from kpng.client._reporting import NoReporting, SyncReporter
 from kpng.client._running import run, watch, watch_state
 from kpng.client._sinks import Sink, SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
@@ -47,6 +49,7 @@ __all__ = [
     "IPFamilies",
     "IPFilter",
     "IPSet",
+    "NoReporting",
     "NodeState",
     "PortMapping",
     "PortName",
@@ -56,6 +59,7 @@ __all__ = [
     "ServiceKey",
     "Sink",
     "SinkBackend",
+    "SyncReporter",
     "register",
     "run",
     "watch",

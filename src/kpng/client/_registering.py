@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from kpng.client._reporting import SyncReporter
 from kpng.client._state import Backend
 
 
@@ -21,7 +22,11 @@ class BackendSpec:
     """The backend's command is ``to-<name>``."""
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    create: Callable[[argparse.Namespace], Backend]
+    create: Callable[[argparse.Namespace, SyncReporter], Backend]
+    """Makes the backend from its parsed arguments. The reporter is where it reports its syncs,
+    if it says it does (``reports_syncs``); other backends ignore it."""
+    reports_syncs: bool = False
+    """The backend reports its syncs itself: kpng does not infer them from ``apply``."""
     cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
     """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
 

@@ -15,7 +15,7 @@ import shlex
 
 from kpng.backends.exec.formats import FORMATS
 from kpng.backends.exec.running import ExecBackend
-from kpng.client import Backend, BackendSpec, register
+from kpng.client import Backend, BackendSpec, SyncReporter, register
 from kpng.errors import UsageError
 
 __all__ = ["ExecBackend"]
@@ -36,7 +36,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace) -> Backend:
+def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     try:
         argv = shlex.split(args.command)
     except ValueError as exc:

@@ -15,7 +15,7 @@ import sys
 from typing import BinaryIO
 
 from kpng.backends._jsonlines import StateLines
-from kpng.client import Backend, BackendSpec, NodeState, register
+from kpng.client import Backend, BackendSpec, NodeState, SyncReporter, register
 
 
 class JsonBackend:
@@ -45,7 +45,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="exit 0 after the first complete state")
 
 
-def _create(args: argparse.Namespace) -> Backend:
+def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     if args.output == "-":
         return JsonBackend(sys.stdout.buffer, once=args.once)
     return JsonBackend(open(args.output, "wb"), once=args.once, close_output=True)

@@ -30,10 +30,9 @@ from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nf
 from kpng.backends.nft.flows import stale_filters
 from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
-from kpng.client import Backend, BackendSpec, NodeState, register
+from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
 from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
-from kpng.feeding import SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 
@@ -74,14 +73,15 @@ class NftBackend:
         output: TextIO | None = None,
         sleep: Sleep = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        syncs: SyncReporter | None = None,
     ) -> None:
         self._nft = nft
         self._conntrack = conntrack
         self._health = health
         self.pending_since: float | None = None
-        self.sync_stats = SyncStats()
-        """Its syncs as the kernel took them (kpng's metrics read it): ``apply`` returns before
-        a refused transaction gets through."""
+        self._syncs = syncs or NoReporting()
+        """Its syncs as the kernel took them: a refused transaction may get through within the
+        same apply, with the services the kernel refused left out."""
         self._revision = 0
         if health is not None:
             health.proxy_healthy = self._rules_current
@@ -120,7 +120,7 @@ class NftBackend:
             self._output.flush()
             self.store.commit(plan)
             self._needs_full = False
-            self.sync_stats.synced(revision=state.revision, wall=time.time())
+            self._syncs.synced(revision=state.revision)
             return self._once
         if not self._looked_for_kube_proxy:
             self._looked_for_kube_proxy = True
@@ -238,12 +238,12 @@ class NftBackend:
             if error is None:
                 error = await self._run(plan)
             if error is not None:
-                self.sync_stats.failures += 1
+                self._syncs.failed()
             if error is not None and plan.full and await self._leave_out_refused_services():
                 with collector_paused():
                     plan = self._plan(touched, present)
                 error = await self._run(plan)
-            self.sync_stats.attempted(seconds=time.monotonic() - started, full=plan.full)
+            self._syncs.attempted(seconds=time.monotonic() - started, full=plan.full)
             if error is not None:
                 # The UDP flows this change makes stale are cleaned by the full resync's
                 # reconciliation.
@@ -260,7 +260,7 @@ class NftBackend:
             self.store.commit(plan)
             self._needs_full = False
             self.pending_since = None
-            self.sync_stats.synced(revision=self._revision, wall=time.time())
+            self._syncs.synced(revision=self._revision)
             log.debug(
                 "applied a %s transaction of %d operations",
                 "full" if plan.full else "incremental",
@@ -537,7 +537,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
     return options, from_node
 
 
-def _create(args: argparse.Namespace) -> Backend:
+def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options, from_node = options_from_args(args)
     if args.dry_run and args.once is False and sys.stdout.isatty():
         log.info("dry run: transactions are printed, nothing is applied")
@@ -557,6 +557,7 @@ def _create(args: argparse.Namespace) -> Backend:
         health=None if args.no_health_check or args.dry_run else HealthServers(),
         once=args.once,
         dry_run=args.dry_run,
+        syncs=syncs,
     )
 
 
@@ -572,6 +573,7 @@ register(
         help="program the node-local state as nftables rules in the inet kpng table",
         add_arguments=_add_arguments,
         create=_create,
+        reports_syncs=True,
         cleanup=cleanup,
     )
 )

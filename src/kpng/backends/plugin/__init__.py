@@ -16,7 +16,7 @@ from pathlib import Path
 from kpng.backends.plugin.config import check_unique, parse_plugin
 from kpng.backends.plugin.connection import PluginBackend, PluginError
 from kpng.backends.plugin.feeding import PluginsBackend
-from kpng.client import Backend, BackendSpec, register
+from kpng.client import Backend, BackendSpec, SyncReporter, register
 from kpng.errors import UsageError
 
 __all__ = ["PluginBackend", "PluginError", "PluginsBackend"]
@@ -48,7 +48,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(args: argparse.Namespace) -> Backend:
+def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     plugins = check_unique(parse_plugin(text) for text in args.plugin)
     if not plugins and args.plugin_dir is None:
         raise UsageError("to-plugin needs --plugin NAME=unix:///PATH or --plugin-dir DIR")

@@ -102,6 +102,6 @@ register(
         name="python",
         help="a backend in a Python file (a Backend, a Sink or a handler), loaded in process",
         add_arguments=_add_arguments,
-        create=lambda args: load(args.module),
+        create=lambda args, _syncs: load(args.module),
     )
 )
