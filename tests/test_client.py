@@ -12,9 +12,10 @@ import kpng.client
 from kpng.api import localv1_pb2
 from kpng.client import Backoff, DiffStore, NodeState, ServiceKey, SinkBackend
 from kpng.client._sinks import FilterReset, FullState
-from kpng.model.messages import Endpoint, EndpointScopes, IPSet, PortName, Service, ServiceEndpoints
+from kpng.model.messages import Endpoint, EndpointScopes, Service, ServiceEndpoints
 from kpng.remote.watching import LocalOps
 from kpng.server.changesets import local_ops
+from kpng.testing import states
 
 
 def test_public_names_are_exactly_the_documented_surface() -> None:
@@ -48,13 +49,7 @@ def _svc(name: str, port: int = 80) -> Service:
 
 
 def _ep(ip: str, *, internal: bool = True) -> Endpoint:
-    return Endpoint(
-        IPs=IPSet(V4=(ip,)),
-        PortOverrides=(PortName(Name="http", Port=8080, Protocol="TCP"),),
-        Scopes=EndpointScopes(Internal=internal, Cluster=True),
-        Ready=True,
-        Serving=True,
-    )
+    return states.endpoint(ip, scopes=EndpointScopes(Internal=internal, Cluster=True))
 
 
 class _Recorder:

@@ -6,6 +6,7 @@ Services are plain data (the node-local messages); the expected elements are tab
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import re
 from collections.abc import Sequence
@@ -36,54 +37,14 @@ from kpng.model.messages import (
     ServiceEndpoints,
     ServiceIPs,
 )
+from kpng.testing import states
 
 ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
 
 
-def _service(
-    name: str = "web",
-    *,
-    cluster_ip: str = "10.96.0.10",
-    port: int = 80,
-    protocol: str = "TCP",
-    node_port: int = 0,
-    external_ips: tuple[str, ...] = (),
-    usable: bool = True,
-    etp_local: bool = False,
-    affinity: int = 0,
-    filters: tuple[IPFilter, ...] = (),
-) -> Service:
-    return Service(
-        Namespace="ns",
-        Name=name,
-        Type="NodePort" if node_port else "ClusterIP",
-        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(cluster_ip,)), ExternalIPs=IPSet(V4=external_ips)),
-        Ports=(
-            PortMapping(
-                Name="p",
-                Protocol=protocol,
-                Port=port,
-                NodePort=node_port,
-                UsableEndpoints=IPFamilies(V4=usable),
-            ),
-        ),
-        ExternalTrafficToLocal=etp_local,
-        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
-        IPFilters=filters,
-    )
-
-
-def _ep(
-    addr: str, port: int = 8080, *, scopes: EndpointScopes = ALL, local: bool = False
-) -> Endpoint:
-    return Endpoint(
-        IPs=IPSet(V4=(addr,)),
-        Local=local,
-        PortOverrides=(PortName(Name="p", Port=port, Protocol="TCP"),),
-        Scopes=scopes,
-        Ready=True,
-        Serving=True,
-    )
+# Port "p" and no target port: the rule names and goldens below spell them.
+_service = functools.partial(states.service, cluster_ip="10.96.0.10", port_name="p", target_port=0)
+_ep = functools.partial(states.endpoint, port_name="p", scopes=ALL)
 
 
 def _elements(se: ServiceEndpoints) -> dict[str, str]:

@@ -22,25 +22,19 @@ from kpng.model.messages import (
     IPFamilies,
     IPSet,
     PortMapping,
-    PortName,
     Service,
     ServiceEndpoints,
     ServiceIPs,
 )
+from kpng.testing import states
 from kpng.testing.cluster import free_port
 
 LB: ServiceKey = ("ns", "lb")
 
 
 def _ep(addr: str, *, local: bool = True, ready: bool = True) -> Endpoint:
-    return Endpoint(
-        IPs=IPSet(V6=(addr,)) if ":" in addr else IPSet(V4=(addr,)),
-        Local=local,
-        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
-        Scopes=EndpointScopes(Internal=True, External=local, Cluster=True),
-        Ready=ready,
-        Serving=True,
-    )
+    scopes = EndpointScopes(Internal=True, External=local, Cluster=True)
+    return states.endpoint(addr, port_name="p", scopes=scopes, local=local, ready=ready)
 
 
 def _dual(v4: str, v6: str) -> Endpoint:

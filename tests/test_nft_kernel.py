@@ -7,6 +7,7 @@ it writes them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -24,18 +25,16 @@ from kpng.client import Backoff
 from kpng.feeding import Fanout, SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
-    ClientIPAffinity,
-    Endpoint,
     EndpointScopes,
     IPFamilies,
     IPFilter,
     IPSet,
     PortMapping,
-    PortName,
     Service,
     ServiceEndpoints,
     ServiceIPs,
 )
+from kpng.testing import states
 from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
@@ -99,35 +98,8 @@ def _ruleset(netns: str) -> str:
     ).stdout
 
 
-def _service(
-    *, affinity: int = 0, node_port: int = 0, cluster_ip: str = "10.96.0.10", name: str = "web"
-) -> Service:
-    return Service(
-        Namespace="ns",
-        Name=name,
-        Type="NodePort" if node_port else "ClusterIP",
-        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(cluster_ip,))),
-        Ports=(
-            PortMapping(
-                Name="p",
-                Protocol="TCP",
-                Port=80,
-                NodePort=node_port,
-                UsableEndpoints=IPFamilies(V4=True),
-            ),
-        ),
-        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
-    )
-
-
-def _ep(addr: str) -> Endpoint:
-    return Endpoint(
-        IPs=IPSet(V4=(addr,)),
-        PortOverrides=(PortName(Name="p", Port=8080, Protocol="TCP"),),
-        Scopes=ALL,
-        Ready=True,
-        Serving=True,
-    )
+_service = functools.partial(states.service, cluster_ip="10.96.0.10", port_name="p", target_port=0)
+_ep = functools.partial(states.endpoint, port_name="p")
 
 
 def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:

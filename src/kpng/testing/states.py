@@ -8,9 +8,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from kpng.client import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
+    ClientIPAffinity,
     Endpoint,
     EndpointScopes,
     IPFamilies,
+    IPFilter,
     IPSet,
     PortMapping,
     PortName,
@@ -20,31 +22,69 @@ from kpng.model.messages import (
 )
 
 
-def service(name: str, *, node_port: int = 0, index: int = 1) -> Service:
+ALL_SCOPES = EndpointScopes(Internal=True, External=True, Cluster=True)
+
+
+def service(
+    name: str = "web",
+    *,
+    index: int = 1,
+    cluster_ip: str | None = None,
+    port: int = 80,
+    port_name: str = "http",
+    protocol: str = "TCP",
+    target_port: int = 8080,
+    node_port: int = 0,
+    external_ips: tuple[str, ...] = (),
+    usable: bool = True,
+    etp_local: bool = False,
+    affinity: int = 0,
+    filters: tuple[IPFilter, ...] = (),
+) -> Service:
+    """A single-port IPv4 service in namespace ``ns``; its cluster IP from ``index`` unless
+    given. The one builder of node-local services for backend tests and ``kpng check``."""
+    ip = cluster_ip or f"10.96.{index // 250}.{index % 250 + 1}"
     return Service(
         Namespace="ns",
         Name=name,
         Type="NodePort" if node_port else "ClusterIP",
-        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(f"10.96.{index // 250}.{index % 250 + 1}",))),
+        IPs=ServiceIPs(
+            ClusterIPs=IPSet(V4=(ip,)),
+            ExternalIPs=IPSet(V4=external_ips) if external_ips else None,
+        ),
         Ports=(
             PortMapping(
-                Name="http",
-                Protocol="TCP",
-                Port=80,
+                Name=port_name,
+                Protocol=protocol,
+                Port=port,
                 NodePort=node_port,
-                TargetPort=8080,
-                UsableEndpoints=IPFamilies(V4=True),
+                TargetPort=target_port,
+                UsableEndpoints=IPFamilies(V4=usable),
             ),
         ),
+        ExternalTrafficToLocal=etp_local,
+        ClientIP=ClientIPAffinity(TimeoutSeconds=affinity) if affinity else None,
+        IPFilters=filters,
     )
 
 
-def endpoint(address: str) -> Endpoint:
+def endpoint(
+    address: str,
+    port: int = 8080,
+    *,
+    port_name: str = "http",
+    protocol: str = "TCP",
+    scopes: EndpointScopes = ALL_SCOPES,
+    local: bool = False,
+    ready: bool = True,
+) -> Endpoint:
+    """A serving endpoint at ``address`` (IPv4 or IPv6) for the port named ``port_name``."""
     return Endpoint(
-        IPs=IPSet(V4=(address,)),
-        PortOverrides=(PortName(Name="http", Port=8080, Protocol="TCP"),),
-        Scopes=EndpointScopes(Internal=True, External=True, Cluster=True),
-        Ready=True,
+        IPs=IPSet(V6=(address,)) if ":" in address else IPSet(V4=(address,)),
+        Local=local,
+        PortOverrides=(PortName(Name=port_name, Port=port, Protocol=protocol),),
+        Scopes=scopes,
+        Ready=ready,
         Serving=True,
     )
 
