@@ -15,10 +15,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from kpng.backends._conntrack import Conntrack, Flow
 from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import Conntrack
 from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.flows import Flow
 from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
 from kpng.backends.nft.nftables import NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState

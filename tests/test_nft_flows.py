@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kpng.backends.nft.flows import Flow, Frontends, parse_flows, stale_filters
+from kpng.backends._conntrack import Flow, Frontends, parse_flows, stale_filters
 
 LISTING = """\
 udp      17 29 src=10.0.0.1 dst=10.96.0.10 sport=40000 dport=53 src=10.244.1.2 dst=10.0.0.1 \

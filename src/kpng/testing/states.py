@@ -21,7 +21,6 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 
-
 ALL_SCOPES = EndpointScopes(Internal=True, External=True, Cluster=True)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import ipaddress
 import logging
 import math
@@ -24,14 +23,15 @@ from collections.abc import Awaitable, Callable
 from typing import TextIO
 
 from kpng.backends._collector import collector_paused
+from kpng.backends._conntrack import Conntrack, stale_filters
 from kpng.backends._healthchecks import HealthServers, listen_hosts, local_addresses
+from kpng.backends._node import add_arguments
+from kpng.backends._node import options_from_args as options_from_args
 from kpng.backends.nft.diffing import Plan, TableState, Touched, check_transaction
-from kpng.backends.nft.executing import Conntrack, KernelNft, LibNft, default_nft
-from kpng.backends.nft.flows import stale_filters
-from kpng.backends.nft.layout import MASQUERADE_BIT, TABLE, FromNode, Options, contribute
+from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
+from kpng.backends.nft.layout import TABLE, FromNode, Options, contribute
 from kpng.backends.nft.nftables import Nft, NftError, Table, TableObjects
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
-from kpng.durations import parse_duration
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
@@ -332,7 +332,7 @@ class NftBackend:
         return refused
 
     async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
-        """Delete the stale UDP flows (``flows.py``) of ``only`` these frontends, or of all."""
+        """Delete the stale UDP flows (``backends/_conntrack.py``) of ``only`` these frontends, or of all."""
         if self._conntrack is None or (only is not None and not only):
             return
         frontends = self.store.udp_frontends()
@@ -389,154 +389,6 @@ async def cleanup_kube_proxy(nft: Nft | None = None) -> list[Table]:
     return [table for table in KUBE_PROXY_TABLES if await nft.delete_table(table)]
 
 
-PRIMARY = "primary"
-DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
-
-
-NODEPORT_KEYWORDS = {"all": ("0.0.0.0/0", "::/0"), "localhost": ("127.0.0.0/8", "::1/128")}
-"""kube-proxy 1.37's keywords of nodePortAddresses, besides ``primary``: each stands for its CIDRs
-(to-nft, as kube-proxy's nftables mode without its alpha localhost gate, never serves node ports
-on loopback, so ``localhost`` alone serves none)."""
-
-
-def _cidr_list(value: str, *, keywords: bool = False) -> tuple[str, ...]:
-    """CIDRs; with ``keywords``, also ``primary`` (kept as is), ``all`` and ``localhost``
-    (expanded), each at most once, in any combination."""
-    items = [c.strip() for c in value.split(",") if c.strip()]
-    cidrs: list[str] = []
-    for c in items:
-        if keywords and c in (PRIMARY, *NODEPORT_KEYWORDS):
-            if items.count(c) > 1:
-                raise argparse.ArgumentTypeError(f"{c!r} is given twice")
-            cidrs += NODEPORT_KEYWORDS.get(c, (c,))
-            continue
-        try:
-            ipaddress.ip_network(c, strict=False)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"not a CIDR: {c!r}") from exc
-        cidrs.append(c)
-    return tuple(cidrs)
-
-
-def _ip(value: str) -> str:
-    try:
-        return str(ipaddress.ip_address(value))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from exc
-
-
-def _duration(value: str) -> float:
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _masquerade_bit(value: str) -> int:
-    if not value.isdigit() or int(value) > 31:
-        raise argparse.ArgumentTypeError(f"a bit number from 0 to 31, not {value!r}")
-    return int(value)
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    # kube-proxy's flag names, meaning what they mean there.
-    parser.add_argument(
-        "--cluster-cidr",
-        type=_cidr_list,
-        default=(),
-        metavar="CIDR[,CIDR]",
-        help="the pods' CIDRs (one per family): traffic from outside them to a ClusterIP is "
-        "masqueraded, and pods inside are short-circuited under externalTrafficPolicy Local",
-    )
-    parser.add_argument(
-        "--detect-local-mode",
-        choices=DETECT_LOCAL_MODES,
-        default="ClusterCIDR",
-        help="what traffic comes from this node's pods: sources in --cluster-cidr, sources in "
-        "the node's spec.podCIDRs (NodeCIDR), what arrives on --pod-bridge-interface, or on "
-        "interfaces named --pod-interface-name-prefix* (default: ClusterCIDR)",
-    )
-    parser.add_argument("--pod-bridge-interface", metavar="NAME", default="")
-    parser.add_argument("--pod-interface-name-prefix", metavar="PREFIX", default="")
-    parser.add_argument(
-        "--masquerade-all",
-        action="store_true",
-        help="masquerade all traffic to ClusterIPs, pods' included",
-    )
-    parser.add_argument(
-        "--masquerade-bit",
-        "--iptables-masquerade-bit",
-        type=_masquerade_bit,
-        default=MASQUERADE_BIT,
-        metavar="BIT",
-        help=f"the packet mark bit that asks for masquerade (default: {MASQUERADE_BIT})",
-    )
-    parser.add_argument(
-        "--nodeport-addresses",
-        type=functools.partial(_cidr_list, keywords=True),
-        default=(),
-        metavar="CIDR|primary|all|localhost[,...]",
-        help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
-        "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
-        "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
-        "address, and loopback never serves them (default: every local address but loopback; "
-        "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
-    )
-    parser.add_argument(
-        "--bind-address",
-        metavar="IP",
-        type=_ip,
-        help="this node's primary IP of its family, in place of the Node's (for primary)",
-    )
-    parser.add_argument(
-        "--min-sync-period",
-        type=_duration,
-        default=0.0,
-        metavar="DURATION",
-        help="least time between two transactions; changes meanwhile are applied together "
-        "(e.g. 1s; default: 0, each change as soon as the previous one is applied)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print each transaction instead of applying it"
-    )
-    parser.add_argument(
-        "--once", action="store_true", help="exit 0 once the first complete state is applied"
-    )
-    parser.add_argument(
-        "--no-conntrack", action="store_true", help="do not delete stale UDP conntrack entries"
-    )
-    parser.add_argument(
-        "--no-health-check", action="store_true", help="do not serve health check node ports"
-    )
-
-
-def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
-    """The layout's options, and what is filled in from the node, that these flags ask for."""
-    mode = args.detect_local_mode
-    interface = {
-        "BridgeInterface": ("--pod-bridge-interface", args.pod_bridge_interface),
-        "InterfaceNamePrefix": ("--pod-interface-name-prefix", args.pod_interface_name_prefix),
-    }.get(mode)
-    if interface is not None and not interface[1]:
-        raise UsageError(f"--detect-local-mode {mode} needs {interface[0]}")
-    pod_interface = ""
-    if interface is not None:
-        pod_interface = interface[1] + ("*" if mode == "InterfaceNamePrefix" else "")
-    options = Options(
-        cluster_cidrs=args.cluster_cidr if mode == "ClusterCIDR" else (),
-        pod_interface=pod_interface,
-        nodeport_addresses=tuple(c for c in args.nodeport_addresses if c != PRIMARY),
-        masquerade_all=args.masquerade_all,
-        masquerade_bit=args.masquerade_bit,
-    )
-    from_node = FromNode(
-        primary_nodeports=PRIMARY in args.nodeport_addresses,
-        pod_cidrs=mode == "NodeCIDR",
-        bind_address=args.bind_address or "",
-    )
-    return options, from_node
-
-
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options, from_node = options_from_args(args)
     if args.dry_run and args.once is False and sys.stdout.isatty():
@@ -571,7 +423,7 @@ register(
     BackendSpec(
         name="nft",
         help="program the node-local state as nftables rules in the inet kpng table",
-        add_arguments=_add_arguments,
+        add_arguments=add_arguments,
         create=_create,
         reports_syncs=True,
         cleanup=cleanup,

@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Literal, cast, overload
 
-from kpng.backends.nft.flows import Flow, parse_flows
 from kpng.backends.nft.nftables import (
     Nft,
     NftError,
@@ -306,32 +305,3 @@ def default_nft(library: str = LIBNFTABLES) -> Nft:
     except (OSError, AttributeError) as exc:
         log.info("running the nft command for each transaction: no %s (%s)", library, exc)
         return KernelNft()
-
-
-class Conntrack:
-    """Lists and deletes conntrack entries with the ``conntrack`` tool (conntrack-tools)."""
-
-    def __init__(self, conntrack: str = "conntrack") -> None:
-        self._conntrack = conntrack
-
-    async def udp_flows(self) -> list[Flow]:
-        """Every UDP flow of both families (none, logged, if they cannot be listed)."""
-        flows: list[Flow] = []
-        for family in ("ipv4", "ipv6"):
-            try:
-                rc, out, err = await _run_output([self._conntrack, "-L", "-p", "udp", "-f", family])
-            except NftError as exc:
-                log.warning("cannot list the UDP conntrack flows: %s", exc)
-                return flows
-            if rc != 0:
-                log.warning("conntrack -L -f %s failed: %s", family, err.strip())
-                continue
-            flows += parse_flows(out)
-        return flows
-
-    async def delete(self, filters: Sequence[str]) -> None:
-        """``conntrack -D FILTERS``; finding nothing to delete is not an error."""
-        rc, err = await _run([self._conntrack, "-D", *filters])
-        # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
-        if rc != 0 and "0 flow entries" not in err:
-            log.warning("conntrack -D %s failed: %s", " ".join(filters), err.strip())

@@ -89,7 +89,6 @@ non-loopback address, where kube-proxy's nftables mode defaults to the node's pr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import ipaddress
@@ -97,6 +96,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+# The node's options are every node backend's; to-nft's callers find them here too.
+from kpng.backends._node import FAMILIES, Fam
+from kpng.backends._node import MASQUERADE_BIT as MASQUERADE_BIT
+from kpng.backends._node import FromNode as FromNode
+from kpng.backends._node import Options as Options
 from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
 from kpng.model.messages import Endpoint, PortMapping, ServiceEndpoints
 
@@ -104,16 +108,11 @@ TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by
 CHECK_TABLE = Table("inet", "kpng-check")
 """Where kpng asks the kernel whether it takes some services' rules: made and deleted in the
 same transaction, without hooks."""
-MASQUERADE_BIT = 14
-"""The packet mark bit asking for masquerade by default: kube-proxy's, so that CNI plugins that
-know it keep working (``--masquerade-bit`` changes it, as kube-proxy's does)."""
 DEFAULT_AFFINITY_TIMEOUT_S = 10800
 AFFINITY_CLIENTS = 1 << 20
 """The most (client, endpoint) pairs the affinity memory of a family holds: a bound on kernel
 memory that spoofed sources could otherwise grow (about 100 bytes each)."""
 
-Fam = Literal["v4", "v6"]
-FAMILIES: tuple[Fam, ...] = ("v4", "v6")
 _IP = {"v4": "ip", "v6": "ip6"}
 _ADDR = {"v4": "ipv4_addr", "v6": "ipv6_addr"}
 _LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1"}
@@ -127,74 +126,15 @@ ElementKey = tuple[str, tuple[str, ...]]
 """(container, key fields): what identifies an element."""
 
 
-@dataclass(frozen=True)
-class Options:
-    """The node's settings that shape the skeleton."""
-
-    cluster_cidrs: tuple[str, ...] = ()
-    """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
-    short-circuit); sources outside reaching a ClusterIP are masqueraded. kube-proxy's
-    ``--detect-local-mode`` ClusterCIDR, or NodeCIDR when they are the node's own."""
-    pod_interface: str = ""
-    """Instead of CIDRs, pods are whatever arrives on this interface (``cbr0``: kube-proxy's
-    BridgeInterface mode) or on interfaces named with this prefix (``veth*``:
-    InterfaceNamePrefix)."""
-    nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs of the node addresses that serve node ports: local addresses inside them, never
-    loopback; a family with none of them: every local address of it but loopback."""
-    masquerade_all: bool = False
-    """Masquerade all traffic to ClusterIPs, pods' included (kube-proxy's --masquerade-all)."""
-    service_cidrs: tuple[str, ...] = ()
-    """The cluster's ServiceCIDRs: new connections to their IPs that no service holds are
-    dropped, as kube-proxy does."""
-    masquerade_bit: int = MASQUERADE_BIT
-
-    def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
-        want = 4 if fam == "v4" else 6
-        return [c for c in values if ipaddress.ip_network(c, strict=False).version == want]
-
-    @property
-    def mark(self) -> int:
-        return 1 << self.masquerade_bit
-
-    def local_source(self, fam: Fam, *, negate: bool = False) -> str | None:
-        """The match for traffic from this node's pods, or from anything else (``negate``);
-        None when kpng is not told what is local for ``fam``."""
-        op = "!= " if negate else ""
-        if self.pod_interface:
-            return f'iifname {op}"{self.pod_interface}"'
-        if self.cidrs(self.cluster_cidrs, fam):
-            return f"{_IP[fam]} saddr {op}@cluster-cidrs-{fam}"
-        return None
-
-
-@dataclass(frozen=True)
-class FromNode:
-    """Options kube-proxy takes from its Node object, filled in from each state."""
-
-    primary_nodeports: bool = False
-    """``--nodeport-addresses primary``: node ports on the node's primary IPs."""
-    pod_cidrs: bool = False
-    """``--detect-local-mode NodeCIDR``: the node's pod CIDRs are the local pods."""
-    bind_address: str = ""
-    """kube-proxy's ``--bind-address``: the primary IP of its family, in place of the Node's."""
-
-    def resolve(
-        self, options: Options, node_ips: Sequence[str], pod_cidrs: Sequence[str]
-    ) -> Options:
-        """``options`` for a node with these primary IPs and pod CIDRs (either may be unknown:
-        empty, and then node ports stay on every local address, and no source is local)."""
-        if self.primary_nodeports:
-            if self.bind_address and not ipaddress.ip_address(self.bind_address).is_unspecified:
-                v6 = ":" in self.bind_address
-                node_ips = [self.bind_address, *(ip for ip in node_ips if (":" in ip) != v6)]
-            hosts = tuple(f"{ip}/{128 if ':' in ip else 32}" for ip in node_ips)
-            options = dataclasses.replace(
-                options, nodeport_addresses=(*options.nodeport_addresses, *hosts)
-            )
-        if self.pod_cidrs:
-            options = dataclasses.replace(options, cluster_cidrs=tuple(pod_cidrs))
-        return options
+def local_source(options: Options, fam: Fam, *, negate: bool = False) -> str | None:
+    """The match for traffic from this node's pods, or from anything else (``negate``);
+    None when kpng is not told what is local for ``fam``."""
+    op = "!= " if negate else ""
+    if options.pod_interface:
+        return f'iifname {op}"{options.pod_interface}"'
+    if options.cidrs(options.cluster_cidrs, fam):
+        return f"{_IP[fam]} saddr {op}@cluster-cidrs-{fam}"
+    return None
 
 
 def _mark(options: Options, expr: str) -> str:
@@ -282,7 +222,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
 
         np = _nodeport_match(options, fam)
         mark = functools.partial(_mark, options)
-        remote = options.local_source(fam, negate=True)
+        remote = local_source(options, fam, negate=True)
         # Masquerade marks first: the DNAT below ends the chain.
         if options.masquerade_all:
             svc(mark(f"{tup} @cluster-{fam}"))
@@ -295,7 +235,7 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         # eTP=Local short-circuit: the node's own traffic is masqueraded, as kube-proxy does.
         svc(mark(f"fib saddr type local {tup} @external-sc-{fam}"))
         svc(mark(f"fib saddr type local {np} meta l4proto . th dport @nodeport-sc-{fam}"))
-        local = options.local_source(fam)
+        local = local_source(options, fam)
         for source in ([local] if local is not None else []) + ["fib saddr type local"]:
             svc(f"{source} {tup} vmap @external-sc-{fam}")
             svc(f"{source} {np} meta l4proto . th dport vmap @nodeport-sc-{fam}")

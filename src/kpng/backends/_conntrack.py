@@ -1,4 +1,4 @@
-"""Stale UDP conntrack flows, by kube-proxy's rule (pure: no I/O).
+"""Stale UDP conntrack flows, by kube-proxy's rule, and the conntrack tool that deletes them.
 
 UDP has no connection end: a flow DNATed to an endpoint that is gone keeps sending there, and a
 flow made while a service had no endpoint keeps bypassing it. kube-proxy (1.37,
@@ -12,12 +12,15 @@ though this node would not pick them for a new flow (terminating, another zone, 
 stay: changes to a service must not break its existing flows, as with TCP.
 
 ``parse_flows`` reads ``conntrack -L -p udp`` output; ``stale_filters`` gives the ``conntrack -D``
-filters of the flows to delete, one per distinct (frontend, endpoint), as kube-proxy's.
+filters of the flows to delete, one per distinct (frontend, endpoint), as kube-proxy's (both
+pure); ``Conntrack`` runs the tool. Every backend that DNATs UDP uses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 Frontends = Mapping[tuple[str, str], frozenset[tuple[str, str]]]
@@ -73,3 +76,58 @@ def stale_filters(
         if serving and endpoint not in serving:
             filters.add((*family, "-p", "udp", *port, *reply))
     return [list(f) for f in sorted(filters)]
+
+
+log = logging.getLogger(__name__)
+
+
+class Conntrack:
+    """Lists and deletes conntrack entries with the ``conntrack`` tool (conntrack-tools)."""
+
+    def __init__(self, conntrack: str = "conntrack") -> None:
+        self._conntrack = conntrack
+
+    async def udp_flows(self) -> list[Flow]:
+        """Every UDP flow of both families (none, logged, if they cannot be listed)."""
+        flows: list[Flow] = []
+        for family in ("ipv4", "ipv6"):
+            try:
+                rc, out, err = await _run_output([self._conntrack, "-L", "-p", "udp", "-f", family])
+            except ConntrackError as exc:
+                log.warning("cannot list the UDP conntrack flows: %s", exc)
+                return flows
+            if rc != 0:
+                log.warning("conntrack -L -f %s failed: %s", family, err.strip())
+                continue
+            flows += parse_flows(out)
+        return flows
+
+    async def delete(self, filters: Sequence[str]) -> None:
+        """``conntrack -D FILTERS``; finding nothing to delete is not an error."""
+        try:
+            rc, _, err = await _run_output([self._conntrack, "-D", *filters])
+        except ConntrackError as exc:
+            log.warning("cannot delete UDP conntrack flows: %s", exc)
+            return
+        # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
+        if rc != 0 and "0 flow entries" not in err:
+            log.warning("conntrack -D %s failed: %s", " ".join(filters), err.strip())
+
+
+async def _run_output(argv: Sequence[str]) -> tuple[int, str, str]:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        raise ConntrackError(f"cannot run {argv[0]}: {exc}") from exc
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+class ConntrackError(Exception):
+    """The conntrack tool cannot be run."""

@@ -1,0 +1,235 @@
+"""What every backend that programs a node's packet path takes from it and its flags:
+kube-proxy's options (local traffic detection, node port addresses, masquerade mark) and what is
+filled in from the Node object. Shared by to-nft and to-iptables so that the two mean the same
+by the same flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kpng.durations import parse_duration
+from kpng.errors import UsageError
+
+Fam = Literal["v4", "v6"]
+FAMILIES: tuple[Fam, ...] = ("v4", "v6")
+
+MASQUERADE_BIT = 14
+"""The packet mark bit asking for masquerade by default: kube-proxy's, so that CNI plugins that
+know it keep working (``--masquerade-bit`` changes it, as kube-proxy's does)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """The node's settings that shape the skeleton."""
+
+    cluster_cidrs: tuple[str, ...] = ()
+    """Pod CIDRs: sources inside are pods (no masquerade to ClusterIPs; eTP=Local
+    short-circuit); sources outside reaching a ClusterIP are masqueraded. kube-proxy's
+    ``--detect-local-mode`` ClusterCIDR, or NodeCIDR when they are the node's own."""
+    pod_interface: str = ""
+    """Instead of CIDRs, pods are whatever arrives on this interface (``cbr0``: kube-proxy's
+    BridgeInterface mode) or on interfaces named with this prefix (``veth*``:
+    InterfaceNamePrefix)."""
+    nodeport_addresses: tuple[str, ...] = ()
+    """CIDRs of the node addresses that serve node ports: local addresses inside them, never
+    loopback; a family with none of them: every local address of it but loopback."""
+    masquerade_all: bool = False
+    """Masquerade all traffic to ClusterIPs, pods' included (kube-proxy's --masquerade-all)."""
+    service_cidrs: tuple[str, ...] = ()
+    """The cluster's ServiceCIDRs: new connections to their IPs that no service holds are
+    dropped, as kube-proxy does."""
+    masquerade_bit: int = MASQUERADE_BIT
+
+    def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
+        want = 4 if fam == "v4" else 6
+        return [c for c in values if ipaddress.ip_network(c, strict=False).version == want]
+
+    @property
+    def mark(self) -> int:
+        return 1 << self.masquerade_bit
+
+
+@dataclass(frozen=True)
+class FromNode:
+    """Options kube-proxy takes from its Node object, filled in from each state."""
+
+    primary_nodeports: bool = False
+    """``--nodeport-addresses primary``: node ports on the node's primary IPs."""
+    pod_cidrs: bool = False
+    """``--detect-local-mode NodeCIDR``: the node's pod CIDRs are the local pods."""
+    bind_address: str = ""
+    """kube-proxy's ``--bind-address``: the primary IP of its family, in place of the Node's."""
+
+    def resolve(
+        self, options: Options, node_ips: Sequence[str], pod_cidrs: Sequence[str]
+    ) -> Options:
+        """``options`` for a node with these primary IPs and pod CIDRs (either may be unknown:
+        empty, and then node ports stay on every local address, and no source is local)."""
+        if self.primary_nodeports:
+            if self.bind_address and not ipaddress.ip_address(self.bind_address).is_unspecified:
+                v6 = ":" in self.bind_address
+                node_ips = [self.bind_address, *(ip for ip in node_ips if (":" in ip) != v6)]
+            hosts = tuple(f"{ip}/{128 if ':' in ip else 32}" for ip in node_ips)
+            options = dataclasses.replace(
+                options, nodeport_addresses=(*options.nodeport_addresses, *hosts)
+            )
+        if self.pod_cidrs:
+            options = dataclasses.replace(options, cluster_cidrs=tuple(pod_cidrs))
+        return options
+
+
+PRIMARY = "primary"
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+
+
+NODEPORT_KEYWORDS = {"all": ("0.0.0.0/0", "::/0"), "localhost": ("127.0.0.0/8", "::1/128")}
+"""kube-proxy 1.37's keywords of nodePortAddresses, besides ``primary``: each stands for its CIDRs
+(to-nft, as kube-proxy's nftables mode without its alpha localhost gate, never serves node ports
+on loopback, so ``localhost`` alone serves none)."""
+
+
+def _cidr_list(value: str, *, keywords: bool = False) -> tuple[str, ...]:
+    """CIDRs; with ``keywords``, also ``primary`` (kept as is), ``all`` and ``localhost``
+    (expanded), each at most once, in any combination."""
+    items = [c.strip() for c in value.split(",") if c.strip()]
+    cidrs: list[str] = []
+    for c in items:
+        if keywords and c in (PRIMARY, *NODEPORT_KEYWORDS):
+            if items.count(c) > 1:
+                raise argparse.ArgumentTypeError(f"{c!r} is given twice")
+            cidrs += NODEPORT_KEYWORDS.get(c, (c,))
+            continue
+        try:
+            ipaddress.ip_network(c, strict=False)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a CIDR: {c!r}") from exc
+        cidrs.append(c)
+    return tuple(cidrs)
+
+
+def _ip(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from exc
+
+
+def _duration(value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _masquerade_bit(value: str) -> int:
+    if not value.isdigit() or int(value) > 31:
+        raise argparse.ArgumentTypeError(f"a bit number from 0 to 31, not {value!r}")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """kube-proxy's flags that shape a node's rules, and those every such backend has."""
+    # kube-proxy's flag names, meaning what they mean there.
+    parser.add_argument(
+        "--cluster-cidr",
+        type=_cidr_list,
+        default=(),
+        metavar="CIDR[,CIDR]",
+        help="the pods' CIDRs (one per family): traffic from outside them to a ClusterIP is "
+        "masqueraded, and pods inside are short-circuited under externalTrafficPolicy Local",
+    )
+    parser.add_argument(
+        "--detect-local-mode",
+        choices=DETECT_LOCAL_MODES,
+        default="ClusterCIDR",
+        help="what traffic comes from this node's pods: sources in --cluster-cidr, sources in "
+        "the node's spec.podCIDRs (NodeCIDR), what arrives on --pod-bridge-interface, or on "
+        "interfaces named --pod-interface-name-prefix* (default: ClusterCIDR)",
+    )
+    parser.add_argument("--pod-bridge-interface", metavar="NAME", default="")
+    parser.add_argument("--pod-interface-name-prefix", metavar="PREFIX", default="")
+    parser.add_argument(
+        "--masquerade-all",
+        action="store_true",
+        help="masquerade all traffic to ClusterIPs, pods' included",
+    )
+    parser.add_argument(
+        "--masquerade-bit",
+        "--iptables-masquerade-bit",
+        type=_masquerade_bit,
+        default=MASQUERADE_BIT,
+        metavar="BIT",
+        help=f"the packet mark bit that asks for masquerade (default: {MASQUERADE_BIT})",
+    )
+    parser.add_argument(
+        "--nodeport-addresses",
+        type=functools.partial(_cidr_list, keywords=True),
+        default=(),
+        metavar="CIDR|primary|all|localhost[,...]",
+        help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
+        "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
+        "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
+        "address, and loopback never serves them (default: every local address but loopback; "
+        "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
+    )
+    parser.add_argument(
+        "--bind-address",
+        metavar="IP",
+        type=_ip,
+        help="this node's primary IP of its family, in place of the Node's (for primary)",
+    )
+    parser.add_argument(
+        "--min-sync-period",
+        type=_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="least time between two transactions; changes meanwhile are applied together "
+        "(e.g. 1s; default: 0, each change as soon as the previous one is applied)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each change of the rules instead of applying it",
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="exit 0 once the first complete state is applied"
+    )
+    parser.add_argument(
+        "--no-conntrack", action="store_true", help="do not delete stale UDP conntrack entries"
+    )
+    parser.add_argument(
+        "--no-health-check", action="store_true", help="do not serve health check node ports"
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
+    """The layout's options, and what is filled in from the node, that these flags ask for."""
+    mode = args.detect_local_mode
+    interface = {
+        "BridgeInterface": ("--pod-bridge-interface", args.pod_bridge_interface),
+        "InterfaceNamePrefix": ("--pod-interface-name-prefix", args.pod_interface_name_prefix),
+    }.get(mode)
+    if interface is not None and not interface[1]:
+        raise UsageError(f"--detect-local-mode {mode} needs {interface[0]}")
+    pod_interface = ""
+    if interface is not None:
+        pod_interface = interface[1] + ("*" if mode == "InterfaceNamePrefix" else "")
+    options = Options(
+        cluster_cidrs=args.cluster_cidr if mode == "ClusterCIDR" else (),
+        pod_interface=pod_interface,
+        nodeport_addresses=tuple(c for c in args.nodeport_addresses if c != PRIMARY),
+        masquerade_all=args.masquerade_all,
+        masquerade_bit=args.masquerade_bit,
+    )
+    from_node = FromNode(
+        primary_nodeports=PRIMARY in args.nodeport_addresses,
+        pod_cidrs=mode == "NodeCIDR",
+        bind_address=args.bind_address or "",
+    )
+    return options, from_node
