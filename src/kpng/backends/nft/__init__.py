@@ -332,7 +332,8 @@ class NftBackend:
         return refused
 
     async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
-        """Delete the stale UDP flows (``backends/_conntrack.py``) of ``only`` these frontends, or of all."""
+        """Delete the stale UDP flows (``backends/_conntrack.py``) of ``only`` these frontends,
+        or of all."""
         if self._conntrack is None or (only is not None and not only):
             return
         frontends = self.store.udp_frontends()

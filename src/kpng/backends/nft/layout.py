@@ -91,10 +91,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from kpng.backends._endpoints import (
+    EndpointValue,
+    allowed_from_node,
+    allowed_ranges,
+    endpoints_by_scope,
+    local_addresses,
+    serving_endpoints,
+)
 
 # The node's options are every node backend's; to-nft's callers find them here too.
 from kpng.backends._node import FAMILIES, Fam
@@ -102,7 +110,7 @@ from kpng.backends._node import MASQUERADE_BIT as MASQUERADE_BIT
 from kpng.backends._node import FromNode as FromNode
 from kpng.backends._node import Options as Options
 from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
-from kpng.model.messages import Endpoint, PortMapping, ServiceEndpoints
+from kpng.model.messages import ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
 CHECK_TABLE = Table("inet", "kpng-check")
@@ -301,88 +309,6 @@ class Contribution:
     empty for a node port (flows to any address on that port)."""
 
 
-EndpointValue = tuple[str, str]
-"""(address, port): the value of an endpoint map element."""
-
-
-def _endpoints(
-    endpoints: Sequence[Endpoint], port: PortMapping, v6: bool
-) -> tuple[list[EndpointValue], list[EndpointValue], list[EndpointValue]]:
-    """The endpoints of ``port`` in one family: Internal, External and Cluster scope, each
-    ordered by address and port number (the order gives the numgen indexes)."""
-    internal: dict[tuple[str, int], EndpointValue] = {}
-    external: dict[tuple[str, int], EndpointValue] = {}
-    cluster: dict[tuple[str, int], EndpointValue] = {}
-    name, protocol = port.Name, port.Protocol
-    for ep in endpoints:
-        scopes, ips = ep.Scopes, ep.IPs
-        if scopes is None or ips is None:
-            continue
-        addrs = ips.V6 if v6 else ips.V4
-        if not addrs:
-            continue
-        for po in ep.PortOverrides:
-            if po.Name == name and po.Protocol == protocol and po.Port:
-                number, text = po.Port, str(po.Port)
-                for a in addrs:
-                    # One value tuple per endpoint, shared by every map it appears in; an
-                    # address that comes twice (two slices, two scope sets) counts once.
-                    key, value = (a, number), (a, text)
-                    if scopes.Internal:
-                        internal[key] = value
-                    if scopes.External:
-                        external[key] = value
-                    if scopes.Cluster:
-                        cluster[key] = value
-                break
-    return _ordered(internal), _ordered(external), _ordered(cluster)
-
-
-def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointValue]:
-    return [endpoints[k] for k in sorted(endpoints)]
-
-
-@functools.cache
-def _allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
-    """The source ranges of one family, merged: overlapping ranges in one interval set make
-    the kernel refuse the transaction ("File exists"), and their union is what is allowed."""
-    if v6:
-        merged6 = ipaddress.collapse_addresses(
-            ipaddress.IPv6Network(r, strict=False) for r in ranges if ":" in r
-        )
-        return tuple(str(n) for n in merged6)
-    merged4 = ipaddress.collapse_addresses(
-        ipaddress.IPv4Network(r, strict=False) for r in ranges if ":" not in r
-    )
-    return tuple(str(n) for n in merged4)
-
-
-def _serving(port: PortMapping, used: Iterable[EndpointValue]) -> frozenset[EndpointValue]:
-    """The endpoints of ``port`` serving anywhere (the brain's list; from a brain without it, as
-    Go KPNG's, those this node may use)."""
-    if port.ServingEndpoints:
-        return frozenset((e.IP, str(e.Port)) for e in port.ServingEndpoints)
-    return frozenset(used)
-
-
-def _from_node(
-    ranges: Sequence[str], node_ips: Sequence[str], lb_ips: Sequence[str]
-) -> tuple[str, ...]:
-    """kube-proxy's allowFromNode: when the source ranges hold the node's IP, the LB IPs are
-    allowed sources too. A VIP-like LB's IP is often a local address of the node, and the node's
-    own connections to it then come from that IP, not through the load balancer."""
-    nets = [ipaddress.ip_network(r, strict=False) for r in ranges]
-    if any(ipaddress.ip_address(ip) in net for ip in node_ips for net in nets):
-        return tuple(lb_ips)
-    return ()
-
-
-def _local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
-    return frozenset(
-        a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
-    )
-
-
 def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contribution:
     """Every element, chain and map that ``se`` needs on a node with these primary IPs (pure;
     unsupported ports are reported in ``problems`` and left out)."""
@@ -394,7 +320,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
     timeout = 0
     if service.ClientIP is not None:
         timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
-    local = _local_addresses(se.endpoints)
+    local = local_addresses(se.endpoints)
     for fam in FAMILIES:
         v6 = fam == "v6"
         cluster_ips = ips.ClusterIPs.family(v6)
@@ -413,7 +339,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                 port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
             )
             p = str(port.Port)
-            internal, external, cluster_wide = _endpoints(se.endpoints, port, v6)
+            internal, external, cluster_wide = endpoints_by_scope(se.endpoints, port, v6)
             local_etp = service.ExternalTrafficToLocal
 
             sticky: _Affinity | None = None
@@ -446,7 +372,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                 else:
                     out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
             if proto == "udp":
-                serving = _serving(port, (*internal, *external, *cluster_wide))
+                serving = serving_endpoints(port, (*internal, *external, *cluster_wide))
                 # kube-proxy 1.37: an address frontend with no serving endpoint loses all its
                 # flows (still DNATed to a deleted endpoint, which the reject rule never sees);
                 # a node port frontend then keeps them, as its match is on the port alone.
@@ -462,8 +388,8 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                     if ep_addr in local:
                         out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
-                ranges = _allowed_ranges(
-                    (*flt.SourceRanges, *_from_node(flt.SourceRanges, node_ips, lb_ips)), v6
+                ranges = allowed_ranges(
+                    (*flt.SourceRanges, *allowed_from_node(flt.SourceRanges, node_ips, lb_ips)), v6
                 )
                 # As kube-proxy: ranges of the other family only leave this one unfiltered (an
                 # empty allow set would drop every client).

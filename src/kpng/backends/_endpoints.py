@@ -1,0 +1,92 @@
+"""What a node's rules read of each service, whatever renders them (pure): the endpoints of each
+kind of traffic, source ranges, the serving endpoints behind UDP flows, hairpin addresses.
+Shared by to-nft and to-iptables, so that both read the node-local state the same way."""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+from collections.abc import Iterable, Sequence
+
+from kpng.model.messages import Endpoint, PortMapping
+
+EndpointValue = tuple[str, str]
+"""(address, port): the value of an endpoint map element."""
+
+
+def endpoints_by_scope(
+    endpoints: Sequence[Endpoint], port: PortMapping, v6: bool
+) -> tuple[list[EndpointValue], list[EndpointValue], list[EndpointValue]]:
+    """The endpoints of ``port`` in one family: Internal, External and Cluster scope, each
+    ordered by address and port number (the order gives the numgen indexes)."""
+    internal: dict[tuple[str, int], EndpointValue] = {}
+    external: dict[tuple[str, int], EndpointValue] = {}
+    cluster: dict[tuple[str, int], EndpointValue] = {}
+    name, protocol = port.Name, port.Protocol
+    for ep in endpoints:
+        scopes, ips = ep.Scopes, ep.IPs
+        if scopes is None or ips is None:
+            continue
+        addrs = ips.V6 if v6 else ips.V4
+        if not addrs:
+            continue
+        for po in ep.PortOverrides:
+            if po.Name == name and po.Protocol == protocol and po.Port:
+                number, text = po.Port, str(po.Port)
+                for a in addrs:
+                    # One value tuple per endpoint, shared by every map it appears in; an
+                    # address that comes twice (two slices, two scope sets) counts once.
+                    key, value = (a, number), (a, text)
+                    if scopes.Internal:
+                        internal[key] = value
+                    if scopes.External:
+                        external[key] = value
+                    if scopes.Cluster:
+                        cluster[key] = value
+                break
+    return _ordered(internal), _ordered(external), _ordered(cluster)
+
+
+def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointValue]:
+    return [endpoints[k] for k in sorted(endpoints)]
+
+
+@functools.cache
+def allowed_ranges(ranges: tuple[str, ...], v6: bool) -> tuple[str, ...]:
+    """The source ranges of one family, merged: overlapping ranges in one interval set make
+    the kernel refuse the transaction ("File exists"), and their union is what is allowed."""
+    if v6:
+        merged6 = ipaddress.collapse_addresses(
+            ipaddress.IPv6Network(r, strict=False) for r in ranges if ":" in r
+        )
+        return tuple(str(n) for n in merged6)
+    merged4 = ipaddress.collapse_addresses(
+        ipaddress.IPv4Network(r, strict=False) for r in ranges if ":" not in r
+    )
+    return tuple(str(n) for n in merged4)
+
+
+def serving_endpoints(port: PortMapping, used: Iterable[EndpointValue]) -> frozenset[EndpointValue]:
+    """The endpoints of ``port`` serving anywhere (the brain's list; from a brain without it, as
+    Go KPNG's, those this node may use)."""
+    if port.ServingEndpoints:
+        return frozenset((e.IP, str(e.Port)) for e in port.ServingEndpoints)
+    return frozenset(used)
+
+
+def allowed_from_node(
+    ranges: Sequence[str], node_ips: Sequence[str], lb_ips: Sequence[str]
+) -> tuple[str, ...]:
+    """kube-proxy's allowFromNode: when the source ranges hold the node's IP, the LB IPs are
+    allowed sources too. A VIP-like LB's IP is often a local address of the node, and the node's
+    own connections to it then come from that IP, not through the load balancer."""
+    nets = [ipaddress.ip_network(r, strict=False) for r in ranges]
+    if any(ipaddress.ip_address(ip) in net for ip in node_ips for net in nets):
+        return tuple(lb_ips)
+    return ()
+
+
+def local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
+    return frozenset(
+        a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
+    )
