@@ -106,9 +106,28 @@ class HealthServers:
     ) -> None:
         self._host = host
         self._hosts: list[str] | None = None
+        self._cidrs: tuple[str, ...] | None = None
         self.proxy_healthy = proxy_healthy
         self._servers: dict[int, asyncio.Server] = {}
         self._answers: dict[int, Answer] = {}
+
+    async def follow(self, cidrs: tuple[str, ...]) -> None:
+        """Listen where node ports are served (``--nodeport-addresses``), as kube-proxy's: the
+        addresses are looked up when the CIDRs change, as kube-proxy does at start."""
+        if cidrs == self._cidrs:
+            return
+        self._cidrs = cidrs
+        local: list[str] = []
+        if any(ipaddress.ip_network(c, strict=False).num_addresses > 1 for c in cidrs):
+            try:
+                local = await local_addresses()
+            except OSError as exc:
+                log.warning("health check node ports listen everywhere: %s", exc)
+                self.listen_on(None)
+                return
+        else:  # host CIDRs (primary) name the addresses themselves
+            local = [c.split("/")[0] for c in cidrs]
+        self.listen_on(listen_hosts(cidrs, local))
 
     def listen_on(self, hosts: list[str] | None) -> None:
         """Listen on these addresses (None: every address) from the next ``update``."""

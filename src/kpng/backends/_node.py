@@ -9,12 +9,16 @@ import argparse
 import dataclasses
 import functools
 import ipaddress
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kpng.client import NodeState
 from kpng.durations import parse_duration
 from kpng.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 Fam = Literal["v4", "v6"]
 FAMILIES: tuple[Fam, ...] = ("v4", "v6")
@@ -233,3 +237,22 @@ def options_from_args(args: argparse.Namespace) -> tuple[Options, FromNode]:
         bind_address=args.bind_address or "",
     )
     return options, from_node
+
+
+def node_options(options: Options, from_node: FromNode, state: NodeState) -> Options:
+    """``options`` completed by what ``state`` says of the node and the cluster; what it does
+    not say yet is warned of, each time (a node's addresses come before its first state)."""
+    resolved = from_node.resolve(options, state.node_ips, state.pod_cidrs)
+    if from_node.primary_nodeports and not state.node_ips:
+        log.warning(
+            "node %s has no InternalIP or ExternalIP known to the source: node ports are "
+            "served on every local address until it has",
+            state.node,
+        )
+    if from_node.pod_cidrs and not state.pod_cidrs:
+        log.warning(
+            "node %s has no pod CIDRs known to the source: no traffic is detected as local "
+            "(--detect-local-mode NodeCIDR) until it has",
+            state.node,
+        )
+    return dataclasses.replace(resolved, service_cidrs=state.service_cidrs)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import ipaddress
 import logging
 import math
 import sys
@@ -24,8 +22,8 @@ from typing import TextIO
 
 from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack, stale_filters
-from kpng.backends._healthchecks import HealthServers, listen_hosts, local_addresses
-from kpng.backends._node import add_arguments
+from kpng.backends._healthchecks import HealthServers
+from kpng.backends._node import add_arguments, node_options
 from kpng.backends._node import options_from_args as options_from_args
 from kpng.backends.nft.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
@@ -98,7 +96,6 @@ class NftBackend:
         self._min_sync_period = min_sync_period
         self._last_sync = -math.inf
         self._node_ips: tuple[str, ...] = ()
-        self._health_cidrs: tuple[str, ...] | None = None
         self._recontribute = False
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._needs_full = True
@@ -127,7 +124,7 @@ class NftBackend:
             await _warn_about_kube_proxy(self._nft)
         refused = await self._sync(touched)
         if self._health is not None:
-            await self._listen_for_health_checks()
+            await self._health.follow(self.store.options.nodeport_addresses)
             await self._health.update(state.services)
         if refused is not None:
             raise refused
@@ -136,20 +133,7 @@ class NftBackend:
     def _follow_node(self, state: NodeState) -> None:
         """Re-render the skeleton (a full sync) when the node's IPs or pod CIDRs change what it
         holds: kube-proxy restarts for that."""
-        options = self._from_node.resolve(self._options, state.node_ips, state.pod_cidrs)
-        options = dataclasses.replace(options, service_cidrs=state.service_cidrs)
-        if self._from_node.primary_nodeports and not state.node_ips:
-            log.warning(
-                "node %s has no InternalIP or ExternalIP known to the source: node ports are "
-                "served on every local address until it has",
-                state.node,
-            )
-        if self._from_node.pod_cidrs and not state.pod_cidrs:
-            log.warning(
-                "node %s has no pod CIDRs known to the source: no traffic is detected as local "
-                "(--detect-local-mode NodeCIDR) until it has",
-                state.node,
-            )
+        options = node_options(self._options, self._from_node, state)
         if state.node_ips != self._node_ips:
             # Load-balancer source ranges holding the node's IP allow its LB IPs too: every
             # service is contributed anew.
@@ -165,26 +149,6 @@ class NftBackend:
                 )
             self.store.options = options
             self._needs_full = True
-
-    async def _listen_for_health_checks(self) -> None:
-        """Health check node ports listen where node ports are served, as kube-proxy's (the
-        addresses are looked up when the node-port CIDRs change, as kube-proxy does at start)."""
-        assert self._health is not None
-        cidrs = self.store.options.nodeport_addresses
-        if cidrs == self._health_cidrs:
-            return
-        self._health_cidrs = cidrs
-        local: list[str] = []
-        if any(ipaddress.ip_network(c, strict=False).num_addresses > 1 for c in cidrs):
-            try:
-                local = await local_addresses()
-            except OSError as exc:
-                log.warning("health check node ports listen everywhere: %s", exc)
-                self._health.listen_on(None)
-                return
-        else:  # host CIDRs (primary) name the addresses themselves
-            local = [c.split("/")[0] for c in cidrs]
-        self._health.listen_on(listen_hosts(cidrs, local))
 
     def _record(self, state: NodeState) -> Touched:
         """Record the services of ``state`` that changed in the store; what they touched."""
