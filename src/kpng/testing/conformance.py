@@ -14,8 +14,10 @@ Run it against a backend (root, nft and iproute2 needed)::
 
 ``KPNG_CONFORMANCE_BACKEND`` is the backend part of the command line (default as above;
 ``{cluster_cidrs}`` becomes the bed's pod CIDRs; one case restarts a node's backend with
-kube-proxy's ``--nodeport-addresses`` appended). ``tests/test_conformance.py`` runs it for
-``to-nft`` in ``make test``. Every wait is bounded.
+kube-proxy's ``--nodeport-addresses`` appended), or the ``backend_command`` fixture of a module
+that imports the suite. ``make test`` runs it for ``to-nft`` (``tests/test_conformance.py``) and
+for ``to-iptables`` with both iptables variants (``tests/test_conformance_iptables*.py``).
+Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -142,11 +144,16 @@ def node_object(node: Node, *, pod_cidrs: Sequence[str] | None = None) -> Json:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def backend_command() -> str:
+    """The backend part of each node's command line: ``KPNG_CONFORMANCE_BACKEND``, or to-nft's.
+    A test module that imports the suite overrides this fixture to run it against another."""
+    return os.environ.get("KPNG_CONFORMANCE_BACKEND", DEFAULT_BACKEND)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, backend_command: str) -> Iterator[Cluster]:
     """The three-node bed with the backend running on every node."""
-    backend = os.environ.get("KPNG_CONFORMANCE_BACKEND", DEFAULT_BACKEND).format(
-        cluster_cidrs=",".join(CLUSTER_CIDRS)
-    )
+    backend = backend_command.format(cluster_cidrs=",".join(CLUSTER_CIDRS))
     manifests = tmp_path_factory.mktemp("manifests")
     with TestBed(SPEC) as bed:
         logs = tmp_path_factory.mktemp("logs")

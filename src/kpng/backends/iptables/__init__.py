@@ -1,0 +1,271 @@
+"""to-iptables: the node-local state as kube-proxy's iptables rules, synced incrementally.
+
+The layout is kube-proxy's (``rules.py``); each sync is one ``iptables-restore --noflush`` per
+family that rewrites the shared chains and only the chains of the services that changed
+(``restore.py``), as kube-proxy has done since 1.28. The first sync, and the one after a
+failure or a change of the node's options, is full: every chain is rewritten and the service
+chains the kernel holds but kpng no longer wants are deleted. A refused restore changes nothing
+(iptables-restore commits a table whole or not at all), fails ``apply``, and kpng's Feeder
+retries with a full sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TextIO
+
+from kpng.backends._conntrack import Conntrack, stale_filters
+from kpng.backends._endpoints import EndpointValue
+from kpng.backends._healthchecks import HealthServers
+from kpng.backends._node import (
+    FAMILIES,
+    Fam,
+    FromNode,
+    Options,
+    add_arguments,
+    node_options,
+    options_from_args,
+)
+from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
+from kpng.backends.iptables.restore import FamilyTables
+from kpng.backends.iptables.rules import Contribution, contribute
+from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
+from kpng.errors import object_name
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+
+log = logging.getLogger(__name__)
+
+UNHEALTHY_AFTER_S = 60.0
+"""How long the rules may stay behind before health check node ports answer 503."""
+
+Frontends = dict[tuple[str, str], frozenset[EndpointValue]]
+
+
+class IptablesBackend:
+    """Programs the node-local state with iptables-restore, one family at a time.
+
+    ``iptables`` is None for a dry run, which prints each family's restore input instead.
+    """
+
+    def __init__(
+        self,
+        *,
+        iptables: Iptables | None,
+        options: Options,
+        from_node: FromNode | None = None,
+        families: tuple[Fam, ...] = FAMILIES,
+        conntrack: Conntrack | None = None,
+        health: HealthServers | None = None,
+        min_sync_period: float = 0.0,
+        once: bool = False,
+        output: TextIO | None = None,
+        syncs: SyncReporter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._iptables = iptables
+        self._options = options
+        self._from_node = from_node or FromNode()
+        self._families = families
+        self._conntrack = conntrack
+        self._health = health
+        self._once = once
+        self._output = output or sys.stdout
+        self._syncs = syncs or NoReporting()
+        self._clock = clock
+        self._sleep = sleep
+        self._min_sync_period = min_sync_period
+        self._last_sync = -math.inf
+        self.pending_since: float | None = None
+        """Monotonic time since when the kernel's rules have been behind the state."""
+        if health is not None:
+            health.proxy_healthy = self._rules_current
+        self.tables = {fam: FamilyTables(fam, options) for fam in families}
+        self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
+        self._node_ips: tuple[str, ...] = ()
+        self._needs_full = True
+
+    def _rules_current(self) -> bool:
+        since = self.pending_since
+        return since is None or self._clock() - since < UNHEALTHY_AFTER_S
+
+    async def apply(self, state: NodeState) -> bool:
+        # kube-proxy's --min-sync-period: the feeder coalesces the states that arrive meanwhile.
+        wait = self._last_sync + self._min_sync_period - self._clock()
+        if wait > 0 and self._iptables is not None:
+            await self._sleep(wait)
+        self._last_sync = self._clock()
+        options = node_options(self._options, self._from_node, state)
+        if options != self.tables[self._families[0]].options or state.node_ips != self._node_ips:
+            # The node's addresses and pod CIDRs are in every service's rules.
+            self._node_ips = state.node_ips
+            for tables in self.tables.values():
+                tables.options = options
+            self._recorded.clear()
+            self._needs_full = True
+        full = self._needs_full
+        changes = self._changes(state, everything=full)
+        before = self._udp_frontends()
+        started = time.monotonic()
+        try:
+            for fam in self._families:
+                await self._sync(fam, changes[fam], full=full)
+        except IptablesError as exc:
+            self._syncs.failed()
+            self._syncs.attempted(seconds=time.monotonic() - started, full=full)
+            self._needs_full = True
+            if self.pending_since is None:
+                self.pending_since = self._clock()
+            kind = "full" if full else "partial"
+            raise IptablesError(
+                f"{exc} (the {kind} sync was refused; the previous rules stay, and a "
+                "full resync follows)"
+            ) from exc
+        self._syncs.attempted(seconds=time.monotonic() - started, full=full)
+        self._syncs.synced(revision=state.revision)
+        self._needs_full = False
+        self.pending_since = None
+        if self._health is not None:
+            await self._health.follow(options.nodeport_addresses)
+            await self._health.update(state.services)
+        await self._clean_conntrack(before, full=full)
+        return self._once
+
+    def _changes(
+        self, state: NodeState, *, everything: bool
+    ) -> dict[Fam, dict[ServiceKey, Contribution | None]]:
+        """Each family's new contributions of the services that changed (of every one when
+        ``everything``); None for a service that went."""
+        changes: dict[Fam, dict[ServiceKey, Contribution | None]] = {f: {} for f in self._families}
+        gone = set(state.deleted)
+        if everything:
+            gone |= {key for t in self.tables.values() for key in t.contributions} - set(
+                state.services
+            )
+        for key in gone:
+            self._recorded.pop(key, None)
+            for fam in self._families:
+                changes[fam][key] = None
+        for key in state.services if everything else state.updated:
+            se = state.services[key]
+            if not everything and self._recorded.get(key) == se:
+                continue
+            self._recorded[key] = se
+            problems: set[str] = set()
+            for fam in self._families:
+                contribution = contribute(se, fam, self.tables[fam].options, self._node_ips)
+                changes[fam][key] = contribution
+                problems.update(contribution.problems)
+            for problem in sorted(problems):
+                log.warning("service %s: %s (skipped)", object_name(*key), problem)
+        return changes
+
+    async def _sync(
+        self, fam: Fam, changes: Mapping[ServiceKey, Contribution | None], *, full: bool
+    ) -> None:
+        tables = self.tables[fam]
+        if self._iptables is None:
+            plan = tables.plan(changes, present=set() if full else None)
+            self._output.write(f"# {fam}\n{plan.text}")
+            self._output.flush()
+            tables.commit(changes)
+            return
+        present = await self._iptables.chains(fam, "nat") if full else None
+        plan = tables.plan(changes, present=present)
+        await self._iptables.restore(fam, plan.text)
+        if full:
+            await self._iptables.ensure_jumps(fam)
+        tables.commit(changes)
+        log.debug(
+            "%s: a %s restore of %d rules (%d service chains written, %d deleted)",
+            fam,
+            "full" if plan.full else "partial",
+            plan.rules,
+            plan.written,
+            plan.deleted,
+        )
+
+    def _udp_frontends(self) -> Frontends:
+        frontends: Frontends = {}
+        for tables in self.tables.values():
+            for front, serving in tables.udp_frontends().items():
+                frontends[front] = frontends.get(front, frozenset()) | serving
+        return frontends
+
+    async def _clean_conntrack(self, before: Frontends, *, full: bool) -> None:
+        """Delete the stale UDP flows of the frontends whose serving endpoints changed (of
+        every frontend after a full sync, as kube-proxy at start)."""
+        if self._conntrack is None:
+            return
+        frontends = self._udp_frontends()
+        only = None if full else {f for f, s in frontends.items() if before.get(f) != s}
+        if not frontends or only == set():
+            return
+        flows = await self._conntrack.udp_flows()
+        for f in stale_filters(flows, frontends, only):
+            await self._conntrack.delete(f)
+
+    async def close(self) -> None:
+        if self._health is not None:
+            await self._health.close()
+
+
+async def cleanup(prefix: Sequence[str] = ()) -> bool:
+    """Remove kpng's chains and jumps from both variants and both families; True if any."""
+    found = False
+    for variant in ("nft", "legacy"):
+        iptables = Iptables(Tools(variant), prefix=prefix)
+        for fam in FAMILIES:
+            try:
+                found = await iptables.remove(fam) or found
+            except IptablesError as exc:
+                log.debug("iptables-%s %s: %s", variant, fam, exc)
+    return found
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.add_argument(
+        "--iptables-mode",
+        choices=MODES,
+        default="auto",
+        help="iptables-nft or iptables-legacy: the one the node's other rules are in "
+        "(default: auto, what the iptables command is)",
+    )
+
+
+def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
+    options, from_node = options_from_args(args)
+    iptables = None
+    if not args.dry_run:
+        iptables = Iptables(tools(args.iptables_mode))
+    return IptablesBackend(
+        iptables=iptables,
+        options=options,
+        from_node=from_node,
+        conntrack=None if args.no_conntrack or args.dry_run else Conntrack(),
+        health=None if args.no_health_check or args.dry_run else HealthServers(),
+        min_sync_period=args.min_sync_period,
+        once=args.once,
+        syncs=syncs,
+    )
+
+
+register(
+    BackendSpec(
+        name="iptables",
+        help="program the node-local state as kube-proxy's iptables rules (iptables-nft or "
+        "-legacy), rewriting only the chains of the services that changed",
+        add_arguments=_add_arguments,
+        create=_create,
+        reports_syncs=True,
+        cleanup=cleanup,
+    )
+)

@@ -1,0 +1,153 @@
+"""Running iptables: restore, list chains, keep the jumps in the built-in chains. Failures become
+``IptablesError`` here, and nowhere else.
+
+Debian ships two iptables: ``iptables-nft`` (rules in nftables, through the iptables API) and
+``iptables-legacy`` (the x_tables kernel API). The rules a node's other software writes (the CNI
+plugin, kubelet) are in one of them; kpng's must be in the same one, as packets see both and in
+an order no one chooses. ``auto`` takes what ``iptables`` (Debian's alternative) is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kpng.backends._node import Fam
+from kpng.backends.iptables.rules import (
+    JUMPS,
+    OWNER_CHAIN,
+    SERVICE_CHAIN_PREFIXES,
+    SHARED_CHAINS,
+    TABLES,
+)
+from kpng.errors import KpngError
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "nft", "legacy")
+LOCK_WAIT_S = 5
+"""How long a command waits for the xtables lock (``-w``) that iptables-legacy's writers share."""
+_FAILED_LINE = re.compile(r"line:? (\d+) failed|Error occurred at line: (\d+)")
+
+
+class IptablesError(KpngError):
+    """iptables refused a restore or could not be run."""
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The commands of one iptables variant, per family."""
+
+    variant: str
+    """``nft`` or ``legacy``."""
+
+    def command(self, fam: Fam, tool: str = "") -> str:
+        name = "iptables" if fam == "v4" else "ip6tables"
+        return f"{name}-{self.variant}{'-' + tool if tool else ''}"
+
+
+def tools(mode: str) -> Tools:
+    """The variant ``mode`` names; ``auto``: the one ``iptables --version`` says it is."""
+    if mode != "auto":
+        return Tools(mode)
+    try:
+        out = subprocess.run(
+            ["iptables", "--version"], capture_output=True, text=True, check=False
+        ).stdout
+    except OSError as exc:
+        raise IptablesError(f"cannot run iptables: {exc}") from exc
+    return Tools("legacy" if "legacy" in out else "nft")
+
+
+class Iptables:
+    """iptables commands for kpng's chains, in both families."""
+
+    def __init__(self, tools: Tools, *, prefix: Sequence[str] = ()) -> None:
+        self.tools = tools
+        self._prefix = list(prefix)
+        """Put before every command (``ip netns exec NS`` in tests)."""
+
+    def _command(self, fam: Fam, tool: str = "") -> list[str]:
+        return [*self._prefix, self.tools.command(fam, tool)]
+
+    async def restore(self, fam: Fam, text: str) -> None:
+        """``iptables-restore --noflush`` of ``text``; the line it refused, in the error."""
+        argv = [*self._command(fam, "restore"), "--noflush", "-w", str(LOCK_WAIT_S)]
+        rc, _, err = await _run(argv, text.encode())
+        if rc != 0:
+            raise IptablesError(_explain(err, text, self.tools.command(fam, "restore")))
+
+    async def chains(self, fam: Fam, table: str) -> set[str]:
+        """The chains of ``table`` (from ``iptables-save``, as kube-proxy reads them)."""
+        rc, out, err = await _run([*self._command(fam, "save"), "-t", table])
+        if rc != 0:
+            command = self.tools.command(fam, "save")
+            raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
+        return {line[1:].split()[0] for line in out.splitlines() if line.startswith(":")}
+
+    async def ensure_jumps(self, fam: Fam) -> None:
+        """The jumps from the built-in chains to kpng's, inserted first where missing (in
+        reverse, so that they end up in ``JUMPS``' order)."""
+        base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
+        for table, chain, rule in reversed(JUMPS):
+            spec = shlex.split(rule)
+            rc, _, _ = await _run([*base, "-t", table, "-C", chain, *spec])
+            if rc == 0:
+                continue
+            rc, _, err = await _run([*base, "-t", table, "-I", chain, "1", *spec])
+            if rc != 0:
+                raise IptablesError(f"cannot add the jump {table} {chain} {rule}: {err.strip()}")
+
+    async def remove(self, fam: Fam) -> bool:
+        """Remove the jumps and every chain of kpng's layout; True if there were any. Chains
+        of the same names without kpng's mark are kube-proxy's, and stay."""
+        if OWNER_CHAIN not in await self.chains(fam, "nat"):
+            return False
+        base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
+        for table, chain, rule in JUMPS:
+            spec = shlex.split(rule)
+            while (await _run([*base, "-t", table, "-D", chain, *spec]))[0] == 0:
+                pass
+        lines: list[str] = []
+        for table in TABLES:
+            present = await self.chains(fam, table)
+            ours = sorted(
+                c
+                for c in present
+                if c in SHARED_CHAINS[table] or c.startswith(SERVICE_CHAIN_PREFIXES)
+            )
+            lines += [f"*{table}", *(f":{c} - [0:0]" for c in ours), *(f"-X {c}" for c in ours)]
+            lines.append("COMMIT")
+        await self.restore(fam, "\n".join(lines) + "\n")
+        return True
+
+
+def _explain(stderr: str, text: str, command: str) -> str:
+    message = stderr.strip() or f"{command} failed without a message"
+    match = _FAILED_LINE.search(stderr)
+    if match is not None:
+        number = int(match.group(1) or match.group(2))
+        lines = text.splitlines()
+        if 0 < number <= len(lines):
+            message += f" (line {number}: {lines[number - 1]})"
+    return message
+
+
+async def _run(argv: Sequence[str], stdin: bytes = b"") -> tuple[int, str, str]:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        raise IptablesError(f"cannot run {argv[0]}: {exc}") from exc
+    out, err = await proc.communicate(stdin)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

@@ -1,0 +1,141 @@
+"""What to-iptables holds of each family, and the ``iptables-restore --noflush`` input that brings
+the kernel to it (pure: no I/O).
+
+``--noflush`` leaves every chain the input does not name as it is: that is how other software's
+rules survive, and how a partial sync (kube-proxy's since 1.28) rewrites only what changed. A
+chain declared in the input (``:KUBE-SVC-... - [0:0]``) is flushed and refilled; one declared and
+then ``-X``ed is deleted. Each sync declares the shared chains (which hold every service's rules)
+and the chains of the services that changed; a full sync (at start, after a failure) declares
+every chain it wants and deletes every service chain the kernel holds but it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kpng.backends._endpoints import EndpointValue
+from kpng.backends._node import Fam, Options
+from kpng.backends.iptables.rules import (
+    SERVICE_CHAIN_PREFIXES,
+    SHARED_CHAINS,
+    TABLES,
+    ChainKey,
+    Contribution,
+    skeleton,
+    tail,
+)
+from kpng.model.cluster import ServiceKey
+
+
+@dataclass
+class Plan:
+    """One family's restore input, and what it changes."""
+
+    text: str
+    full: bool
+    written: int
+    """Service chains declared and refilled."""
+    deleted: int
+    """Service chains deleted."""
+    rules: int
+
+
+@dataclass
+class FamilyTables:
+    """What kpng last put into one family's tables (its contributions by service)."""
+
+    fam: Fam
+    options: Options
+    contributions: dict[ServiceKey, Contribution] = field(default_factory=dict)
+
+    def plan(
+        self,
+        new: Mapping[ServiceKey, Contribution | None],
+        *,
+        present: Collection[str] | None = None,
+    ) -> Plan:
+        """The input that replaces the contributions of the services in ``new`` (None: the
+        service goes). ``present``, the nat chains the kernel holds, makes it a full sync."""
+        full = present is not None
+        contributions = dict(self.contributions)
+        for key, contribution in new.items():
+            if contribution is None:
+                contributions.pop(key, None)
+            else:
+                contributions[key] = contribution
+        write: dict[ChainKey, tuple[str, ...]] = {}
+        delete: set[ChainKey] = set()
+        if full:
+            for contribution in contributions.values():
+                write.update(contribution.chains)
+            assert present is not None
+            delete = {
+                ("nat", name)
+                for name in present
+                if name.startswith(SERVICE_CHAIN_PREFIXES) and ("nat", name) not in write
+            }
+        else:
+            for key in new:
+                old_chains = self.contributions[key].chains if key in self.contributions else {}
+                new_chains = contributions[key].chains if key in contributions else {}
+                write.update((k, v) for k, v in new_chains.items() if old_chains.get(k) != v)
+                delete.update(k for k in old_chains if k not in new_chains)
+        text, rules = _render(self.fam, self.options, contributions, write, delete)
+        return Plan(text, full, written=len(write), deleted=len(delete), rules=rules)
+
+    def commit(self, new: Mapping[ServiceKey, Contribution | None]) -> None:
+        """The kernel took the plan of ``new``."""
+        for key, contribution in new.items():
+            if contribution is None:
+                self.contributions.pop(key, None)
+            else:
+                self.contributions[key] = contribution
+
+    def udp_frontends(self) -> dict[tuple[str, str], frozenset[EndpointValue]]:
+        frontends: dict[tuple[str, str], frozenset[EndpointValue]] = {}
+        for contribution in self.contributions.values():
+            for front, serving in contribution.udp_frontends.items():
+                frontends[front] = frontends.get(front, frozenset()) | serving
+        return frontends
+
+
+def _render(
+    fam: Fam,
+    options: Options,
+    contributions: Mapping[ServiceKey, Contribution],
+    write: Mapping[ChainKey, tuple[str, ...]],
+    delete: Iterable[ChainKey],
+) -> tuple[str, int]:
+    head, last = skeleton(options, fam), tail(options, fam)
+    shared: dict[ChainKey, list[str]] = {
+        (table, chain): list(head.get((table, chain), ()))
+        for table in TABLES
+        for chain in SHARED_CHAINS[table]
+    }
+    # Sorted: the same state renders the same rules, whatever the order changes came in.
+    for key in sorted(contributions):
+        for where, rules in contributions[key].shared.items():
+            shared[where] += rules
+    for where, rules in last.items():
+        shared[where] += rules
+    deleting = sorted(delete)
+    lines: list[str] = []
+    count = 0
+    for table in TABLES:
+        lines.append(f"*{table}")
+        declared = [c for t, c in shared if t == table]
+        declared += sorted(c for t, c in write if t == table)
+        declared += [c for t, c in deleting if t == table]
+        lines += [f":{chain} - [0:0]" for chain in declared]
+        for (t, chain), shared_rules in shared.items():
+            if t == table:
+                lines += [f"-A {chain} {rule}" for rule in shared_rules]
+                count += len(shared_rules)
+        for (t, chain), own_rules in sorted(write.items()):
+            if t == table:
+                lines += [f"-A {chain} {rule}" for rule in own_rules]
+                count += len(own_rules)
+        lines += [f"-X {chain}" for t, chain in deleting if t == table]
+        lines.append("COMMIT")
+    return "\n".join(lines) + "\n", count

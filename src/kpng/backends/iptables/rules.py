@@ -1,0 +1,360 @@
+"""kube-proxy's iptables layout, rendered from the node-local state (pure: no I/O).
+
+The chains are kube-proxy's, so that an operator's habits (``iptables-save | grep KUBE-SVC``)
+and tools keep working. In the ``nat`` table:
+
+- ``KUBE-SERVICES`` (from PREROUTING and OUTPUT): one rule per service address and port, to the
+  port's chain; last, the node's local addresses (``--nodeport-addresses``) to ``KUBE-NODEPORTS``.
+- ``KUBE-NODEPORTS``: one rule per node port, to the port's ``KUBE-EXT-*``.
+- ``KUBE-SVC-*``: a pick among one list of endpoints (``statistic --mode random``, rule i taking
+  ``1/(n-i)`` of what is left), after ``recent`` checks for ClientIP affinity; the first rules of
+  the chain for ClusterIP traffic mark for masquerade what comes from outside the pods. A port
+  has one such chain per distinct list of endpoints it uses: ``KUBE-SVC-*`` for the endpoints of
+  cluster-wide traffic (``Endpoint.Scopes.Cluster``), ``KUBE-SVL-*`` for those of a Local
+  traffic policy, and ``KUBE-SVX-*`` in the rare case where internal and external traffic both
+  have a Local list and the two differ (terminating fallbacks).
+- ``KUBE-EXT-*``: external traffic (external IPs, LB IPs, node ports): masquerade under
+  ``externalTrafficPolicy: Cluster``; under ``Local``, the short-circuit first (the pods'
+  traffic and the node's, the latter masqueraded, go to the cluster-wide endpoints).
+- ``KUBE-FW-*``: an LB IP with ``loadBalancerSourceRanges``: one rule per allowed range to
+  ``KUBE-EXT-*``; the rest falls through, undNATed, to the filter table's drop.
+- ``KUBE-SEP-*``: one endpoint of one service port: hairpin masquerade, then DNAT (and the
+  ``recent --set`` of affinity).
+- ``KUBE-POSTROUTING`` and ``KUBE-MARK-MASQ``: masquerade of marked packets, random-fully.
+
+In the ``filter`` table, rules match what NAT left alone (a DNATed packet no longer has the
+service address): ``KUBE-SERVICES`` (FORWARD, OUTPUT) rejects a ClusterIP port with no endpoint
+(REJECT: none anywhere in the family; DROP: a Local policy with none here), rejects a ClusterIP
+on a port no service defines, and drops unallocated IPs of the ServiceCIDRs;
+``KUBE-EXTERNAL-SERVICES`` (INPUT, FORWARD) does the same for external IPs, LB IPs and node ports;
+``KUBE-PROXY-FIREWALL`` drops what ``KUBE-FW-*`` did not let through; ``KUBE-FORWARD`` accepts
+marked and established traffic where FORWARD's policy is DROP.
+
+Rules are written for ``iptables-restore`` (``-A CHAIN ...``, no table option), one family per
+rendering: IPv6 goes through ip6tables with the same chains.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kpng.backends._endpoints import (
+    EndpointValue,
+    allowed_from_node,
+    allowed_ranges,
+    endpoints_by_scope,
+    serving_endpoints,
+)
+from kpng.backends._node import Fam, Options
+from kpng.model.messages import PortMapping, ServiceEndpoints
+
+DEFAULT_AFFINITY_TIMEOUT_S = 10800
+_PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
+_LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1/128"}
+
+NAT, FILTER = "nat", "filter"
+TABLES = (NAT, FILTER)
+
+OWNER_CHAIN = "KPNG-IPTABLES"
+"""An empty nat chain that says the KUBE- chains are kpng's: kube-proxy's iptables mode has the
+same names, and ``kpng cleanup`` must not remove its rules."""
+
+SHARED_CHAINS: dict[str, tuple[str, ...]] = {
+    NAT: ("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", OWNER_CHAIN),
+    FILTER: ("KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL", "KUBE-FORWARD"),
+}
+"""Chains every sync rewrites whole: they hold a line or more of every service."""
+
+SERVICE_CHAIN_PREFIXES = (
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-SVX-",
+    "KUBE-EXT-",
+    "KUBE-FW-",
+    "KUBE-SEP-",
+)
+"""The chains of one service each (nat): kpng's to delete when their service goes."""
+
+_NEW = "-m conntrack --ctstate NEW"
+JUMPS: tuple[tuple[str, str, str], ...] = (
+    (NAT, "PREROUTING", '-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'),
+    (NAT, "OUTPUT", '-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'),
+    (NAT, "POSTROUTING", '-m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING'),
+    (FILTER, "INPUT", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
+    (FILTER, "INPUT", f"{_NEW} -j KUBE-EXTERNAL-SERVICES"),
+    (FILTER, "FORWARD", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
+    (FILTER, "FORWARD", "-j KUBE-FORWARD"),
+    (FILTER, "FORWARD", f"{_NEW} -j KUBE-SERVICES"),
+    (FILTER, "FORWARD", f"{_NEW} -j KUBE-EXTERNAL-SERVICES"),
+    (FILTER, "OUTPUT", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
+    (FILTER, "OUTPUT", f"{_NEW} -j KUBE-SERVICES"),
+)
+"""(table, built-in chain, rule): how packets reach kpng's chains; kept in place, never flushed
+(other software's rules live in those chains too)."""
+
+ChainKey = tuple[str, str]
+"""(table, chain)."""
+
+
+@dataclass
+class Contribution:
+    """What one service puts into one family's tables."""
+
+    chains: dict[ChainKey, tuple[str, ...]] = field(default_factory=dict)
+    """Its own chains (nat) and their rules."""
+    shared: dict[ChainKey, list[str]] = field(default_factory=dict)
+    """Its rules in the shared chains, in order."""
+    problems: list[str] = field(default_factory=list)
+    udp_frontends: dict[tuple[str, str], frozenset[EndpointValue]] = field(default_factory=dict)
+    """As to-nft's: UDP (service address or "" for a node port, port) -> the endpoints serving
+    it anywhere."""
+
+    def add(self, table: str, chain: str, rule: str) -> None:
+        self.shared.setdefault((table, chain), []).append(rule)
+
+
+def chain_name(prefix: str, *parts: str) -> str:
+    """kube-proxy's scheme: a prefix and 16 base32 characters of a SHA-256 of what the chain is
+    for, within iptables' 28 characters."""
+    digest = hashlib.sha256("".join(parts).encode()).digest()
+    return prefix + base64.b32encode(digest).decode()[:16]
+
+
+def _host(address: str) -> str:
+    return f"{address}/128" if ":" in address else f"{address}/32"
+
+
+def _to(address: str, port: str) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def local_source(options: Options, fam: Fam, *, negate: bool = False) -> str | None:
+    """The match for traffic from this node's pods (or, ``negate``, from anything else); None
+    when kpng is not told what is local for ``fam``. One pod CIDR per family, as kube-proxy's
+    iptables mode: the first of a family is the one matched."""
+    op = "! " if negate else ""
+    if options.pod_interface:
+        return f"{op}-i {options.pod_interface.replace('*', '+')}"
+    cidrs = options.cidrs(options.cluster_cidrs, fam)
+    return f"{op}-s {cidrs[0]}" if cidrs else None
+
+
+def skeleton(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
+    """The shared chains' fixed rules: those before every service's (masquerade) and after
+    (node ports, unallocated service IPs)."""
+    mark = f"{options.mark:#x}"
+    rules: dict[ChainKey, list[str]] = {
+        (NAT, "KUBE-MARK-MASQ"): [f"-j MARK --or-mark {mark}"],
+        (NAT, "KUBE-POSTROUTING"): [
+            f"-m mark ! --mark {mark}/{mark} -j RETURN",
+            f"-j MARK --xor-mark {mark}",
+            '-m comment --comment "kubernetes service traffic requiring SNAT" '
+            "-j MASQUERADE --random-fully",
+        ],
+        (FILTER, "KUBE-FORWARD"): [
+            f"-m mark --mark {mark}/{mark} -j ACCEPT",
+            "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+        ],
+    }
+    return rules
+
+
+def tail(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
+    """The shared chains' last rules, after every service's."""
+    nat = [f"-d {_LOOPBACK[fam]} -j RETURN"]  # never node ports on loopback, as to-nft
+    cidrs = options.cidrs(options.nodeport_addresses, fam)
+    local = "-m addrtype --dst-type LOCAL"
+    nat += [f"-d {c} {local} -j KUBE-NODEPORTS" for c in cidrs] or [f"{local} -j KUBE-NODEPORTS"]
+    drop = [f"-d {c} -j DROP" for c in options.cidrs(options.service_cidrs, fam)]
+    return {(NAT, "KUBE-SERVICES"): nat, (FILTER, "KUBE-SERVICES"): drop}
+
+
+def contribute(
+    se: ServiceEndpoints, fam: Fam, options: Options, node_ips: Sequence[str] = ()
+) -> Contribution:
+    """Every chain and shared rule of ``se`` in family ``fam`` (pure)."""
+    out = Contribution()
+    service = se.service
+    ips = service.IPs
+    v6 = fam == "v6"
+    if ips is None or ips.ClusterIPs is None or not ips.ClusterIPs.family(v6):
+        return out
+    cluster_ips = list(ips.ClusterIPs.family(v6))
+    external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
+    lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
+    timeout = 0
+    if service.ClientIP is not None:
+        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    name = f"{service.Namespace}/{service.Name}"
+    for port in service.Ports:
+        proto = _PROTOCOLS.get(port.Protocol)
+        if proto is None or not 0 < port.Port < 65536:
+            out.problems.append(f"port {port.Name or port.Port}: unsupported protocol or port")
+            continue
+        _port(
+            out,
+            se,
+            port,
+            fam=fam,
+            options=options,
+            proto=proto,
+            name=name,
+            timeout=timeout,
+            addresses=(cluster_ips, external_ips, lb_ips),
+            node_ips=node_ips,
+        )
+    for cip in cluster_ips:
+        # Still the cluster IP after NAT: a port no service defines. Refused at once.
+        out.add(FILTER, "KUBE-SERVICES", f"-d {_host(cip)} -j REJECT")
+    return out
+
+
+def _port(
+    out: Contribution,
+    se: ServiceEndpoints,
+    port: PortMapping,
+    *,
+    fam: Fam,
+    options: Options,
+    proto: str,
+    name: str,
+    timeout: int,
+    addresses: tuple[list[str], list[str], list[str]],
+    node_ips: Sequence[str],
+) -> None:
+    """``port``'s chains and shared rules; ``addresses``: the service's cluster, external and
+    LB IPs of the family."""
+    service = se.service
+    cluster_ips, external_ips, lb_ips = addresses
+    v6 = fam == "v6"
+    p = str(port.Port)
+    port_id = f"{name}:{port.Name}"
+    comment = f'-m comment --comment "{port_id}"'
+    match = f"-p {proto} -m {proto}"
+    usable = port.UsableEndpoints is not None and bool(
+        port.UsableEndpoints.V6 if v6 else port.UsableEndpoints.V4
+    )
+    internal, external, cluster_wide = endpoints_by_scope(se.endpoints, port, v6)
+    no_endpoints = "DROP" if usable else "REJECT"
+
+    def sep(ep: EndpointValue) -> str:
+        return chain_name("KUBE-SEP-", port_id, proto, _to(*ep))
+
+    def pick_chain(eps: list[EndpointValue]) -> str | None:
+        """The chain balancing over ``eps`` (made once per list), or None when empty."""
+        if not eps:
+            return None
+        if eps == cluster_wide:
+            prefix = "KUBE-SVC-"
+        elif eps == internal or internal == cluster_wide:
+            prefix = "KUBE-SVL-"
+        else:
+            prefix = "KUBE-SVX-"
+        chain = chain_name(prefix, port_id, proto)
+        key = (NAT, chain)
+        if key in out.chains:
+            return chain
+        rules: list[str] = []
+        if timeout:
+            rules += [
+                f"{comment} -m recent --name {sep(ep)} --rsource "
+                f"--rcheck --seconds {timeout} --reap -j {sep(ep)}"
+                for ep in eps
+            ]
+        n = len(eps)
+        for i, ep in enumerate(eps):
+            chance = f" -m statistic --mode random --probability {1 / (n - i):.10f}"
+            rules.append(f"{comment}{chance if i < n - 1 else ''} -j {sep(ep)}")
+            address, target = ep
+            remember = f" -m recent --name {sep(ep)} --rsource --set" if timeout else ""
+            out.chains[(NAT, sep(ep))] = (
+                f"{comment} -s {_host(address)} -j KUBE-MARK-MASQ",
+                f"{comment} {match}{remember} -j DNAT --to-destination {_to(address, target)}",
+            )
+        out.chains[key] = tuple(rules)
+        return chain
+
+    internal_chain = pick_chain(internal)
+    if internal_chain is not None:
+        remote = local_source(options, fam, negate=True)
+        masq: list[str] = []
+        for cip in cluster_ips:
+            dest = f"{comment} -d {_host(cip)} {match} --dport {p}"
+            if options.masquerade_all:
+                masq.append(f"{dest} -j KUBE-MARK-MASQ")
+            elif remote is not None:
+                masq.append(f"{dest} {remote} -j KUBE-MARK-MASQ")
+        out.chains[(NAT, internal_chain)] = (*masq, *out.chains[(NAT, internal_chain)])
+    for cip in cluster_ips:
+        dest = f"{comment} -d {_host(cip)} {match} --dport {p}"
+        if internal_chain is not None:
+            out.add(NAT, "KUBE-SERVICES", f"{dest} -j {internal_chain}")
+        else:
+            out.add(FILTER, "KUBE-SERVICES", f"{dest} -j {no_endpoints}")
+
+    reached = bool(external_ips or lb_ips or port.NodePort)
+    ext_chain: str | None = None
+    if reached and usable:
+        external_chain = pick_chain(external)
+        rules: list[str] = []
+        if service.ExternalTrafficToLocal:
+            short = pick_chain(cluster_wide)
+            if short is not None:
+                pods = local_source(options, fam)
+                if pods is not None:
+                    rules.append(f"{comment} {pods} -j {short}")
+                rules += [
+                    f"{comment} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+                    f"{comment} -m addrtype --src-type LOCAL -j {short}",
+                ]
+        else:
+            rules.append(f"{comment} -j KUBE-MARK-MASQ")
+        if external_chain is not None:
+            rules.append(f"{comment} -j {external_chain}")
+        if rules:
+            ext_chain = chain_name("KUBE-EXT-", port_id, proto)
+            out.chains[(NAT, ext_chain)] = tuple(rules)
+    external_filter = None if external else no_endpoints
+
+    firewalled: dict[str, tuple[str, ...]] = {}
+    for flt in service.IPFilters:
+        ranges = allowed_ranges(
+            (*flt.SourceRanges, *allowed_from_node(flt.SourceRanges, node_ips, lb_ips)), v6
+        )
+        if flt.TargetIPs and ranges:
+            for target in flt.TargetIPs.family(v6):
+                firewalled[target] = ranges
+    for address in external_ips + lb_ips:
+        dest = f"{comment} -d {_host(address)} {match} --dport {p}"
+        allowed = firewalled.get(address)
+        if allowed is not None:
+            out.add(FILTER, "KUBE-PROXY-FIREWALL", f"{dest} -j DROP")
+            if ext_chain is not None:
+                fw = chain_name("KUBE-FW-", port_id, proto)
+                out.chains[(NAT, fw)] = tuple(f"{comment} -s {r} -j {ext_chain}" for r in allowed)
+                out.add(NAT, "KUBE-SERVICES", f"{dest} -j {fw}")
+        elif ext_chain is not None:
+            out.add(NAT, "KUBE-SERVICES", f"{dest} -j {ext_chain}")
+        if external_filter is not None:
+            out.add(FILTER, "KUBE-EXTERNAL-SERVICES", f"{dest} -j {external_filter}")
+    if port.NodePort:
+        np = f"{comment} {match} --dport {port.NodePort}"
+        if ext_chain is not None:
+            out.add(NAT, "KUBE-NODEPORTS", f"{np} -j {ext_chain}")
+        if external_filter is not None:
+            out.add(
+                FILTER,
+                "KUBE-EXTERNAL-SERVICES",
+                f"{comment} -m addrtype --dst-type LOCAL {match} --dport {port.NodePort} "
+                f"-j {external_filter}",
+            )
+    if proto == "udp":
+        serving = serving_endpoints(port, (*internal, *external, *cluster_wide))
+        for address in (*cluster_ips, *external_ips, *lb_ips):
+            out.udp_frontends[(address, p)] = serving
+        if serving and port.NodePort:
+            front = ("", str(port.NodePort))
+            out.udp_frontends[front] = serving | out.udp_frontends.get(front, frozenset())

@@ -1,0 +1,115 @@
+"""to-iptables against the kernel, in fresh network namespaces, with both iptables variants:
+partial syncs touch only what changed, a restart's full sync removes what went meanwhile, other
+software's rules stay, and cleanup removes kpng's chains and nothing else. (Packets: the
+conformance suite, tests/test_conformance_iptables.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from kpng.backends._node import Options
+from kpng.backends.iptables import IptablesBackend, cleanup
+from kpng.backends.iptables.executing import Iptables, Tools
+from kpng.backends.iptables.rules import chain_name
+from kpng.model.messages import ServiceEndpoints
+from kpng.testing import states
+from kpng.testing.netns import available
+
+pytestmark = [
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+    pytest.mark.skipif(shutil.which("iptables-nft-restore") is None, reason="needs iptables"),
+]
+
+VARIANTS = ["nft", "legacy"]
+
+
+def _save(netns: str, variant: str) -> str:
+    argv = ["ip", "netns", "exec", netns, f"iptables-{variant}-save"]
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+def _chains(netns: str, variant: str) -> set[str]:
+    return set(re.findall(r"^:(\S+)", _save(netns, variant), re.MULTILINE))
+
+
+def _backend(netns: str, variant: str) -> IptablesBackend:
+    iptables = Iptables(Tools(variant), prefix=("ip", "netns", "exec", netns))
+    return IptablesBackend(iptables=iptables, options=Options(cluster_cidrs=("10.244.0.0/16",)))
+
+
+def _web(*addresses: str) -> ServiceEndpoints:
+    return ServiceEndpoints(states.service("web"), tuple(states.endpoint(a) for a in addresses))
+
+
+def _sep(address: str) -> str:
+    return chain_name("KUBE-SEP-", "ns/web:http", "tcp", f"{address}:8080")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_syncs_restart_and_cleanup_keep_to_kpngs_own_chains(netns: str, variant: str) -> None:
+    foreign = ["ip", "netns", "exec", netns, f"iptables-{variant}", "-t", "nat"]
+    subprocess.run([*foreign, "-N", "CNI-TEST"], check=True)
+    subprocess.run([*foreign, "-A", "PREROUTING", "-j", "CNI-TEST"], check=True)
+    db = states.entry("db", ["10.244.3.3"])
+
+    async def scenario() -> None:
+        backend = _backend(netns, variant)
+        services = {"web": _web("10.244.1.2", "10.244.2.2"), "db": db}
+        await backend.apply(states.state(1, services))
+        chains = _chains(netns, variant)
+        assert {_sep("10.244.1.2"), _sep("10.244.2.2"), "KPNG-IPTABLES"} <= chains
+        assert "-A PREROUTING -m comment --comment" in _save(netns, variant)
+
+        services["web"] = _web("10.244.1.2")
+        await backend.apply(states.state(2, services, updated=["web"]))
+        chains = _chains(netns, variant)
+        assert _sep("10.244.2.2") not in chains
+        assert _sep("10.244.1.2") in chains
+
+        # Gone while kpng was down: the next kpng's full sync removes its chains.
+        await backend.close()
+        restarted = _backend(netns, variant)
+        await restarted.apply(states.state(3, {"db": db}))
+        assert not any(c.startswith("KUBE-SEP-") and c != db_sep for c in _chains(netns, variant))
+        assert await cleanup(prefix=("ip", "netns", "exec", netns))
+
+    db_sep = chain_name("KUBE-SEP-", "ns/db:http", "tcp", "10.244.3.3:8080")
+    asyncio.run(scenario())
+    left = _chains(netns, variant)
+    assert not [c for c in left if c.startswith(("KUBE-", "KPNG-"))]
+    assert "CNI-TEST" in left
+    assert "-A PREROUTING -j CNI-TEST" in _save(netns, variant)
+
+
+def test_cleanup_leaves_kube_proxys_chains_of_the_same_names(netns: str) -> None:
+    cmd = ["ip", "netns", "exec", netns, "iptables-nft", "-t", "nat"]
+    subprocess.run([*cmd, "-N", "KUBE-SERVICES"], check=True)
+    subprocess.run([*cmd, "-A", "PREROUTING", "-j", "KUBE-SERVICES"], check=True)
+    assert not asyncio.run(cleanup(prefix=("ip", "netns", "exec", netns)))
+    assert "KUBE-SERVICES" in _chains(netns, "nft")
+
+
+def test_a_refused_restore_changes_nothing_and_fails_apply(netns: str) -> None:
+    async def scenario() -> None:
+        backend = _backend(netns, "nft")
+        await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
+        before = _save(netns, "nft")
+        # A port iptables cannot express: the restore is refused as a whole.
+        bad = states.service("bad", index=7, protocol="TCP", port=80)
+        bad_se = ServiceEndpoints(bad, (states.endpoint("10.244.9.9", port=99999),))
+        with pytest.raises(Exception, match="refused"):
+            await backend.apply(
+                states.state(2, {"web": _web("10.244.1.2"), "bad": bad_se}, updated=["bad"])
+            )
+        assert _strip_counters(_save(netns, "nft")) == _strip_counters(before)
+
+    asyncio.run(scenario())
+
+
+def _strip_counters(saved: str) -> str:
+    return "\n".join(line for line in saved.splitlines() if not line.startswith("#"))
