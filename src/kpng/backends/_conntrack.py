@@ -18,10 +18,11 @@ pure); ``Conntrack`` runs the tool. Every backend that DNATs UDP uses them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
+
+from kpng.backends._commands import CommandError, run_command
 
 Frontends = Mapping[tuple[str, str], frozenset[tuple[str, str]]]
 """(service address, or "" for a node port; port) -> (endpoint address, port) serving it."""
@@ -92,8 +93,8 @@ class Conntrack:
         flows: list[Flow] = []
         for family in ("ipv4", "ipv6"):
             try:
-                rc, out, err = await _run_output([self._conntrack, "-L", "-p", "udp", "-f", family])
-            except ConntrackError as exc:
+                rc, out, err = await run_command([self._conntrack, "-L", "-p", "udp", "-f", family])
+            except CommandError as exc:
                 log.warning("cannot list the UDP conntrack flows: %s", exc)
                 return flows
             if rc != 0:
@@ -105,29 +106,10 @@ class Conntrack:
     async def delete(self, filters: Sequence[str]) -> None:
         """``conntrack -D FILTERS``; finding nothing to delete is not an error."""
         try:
-            rc, _, err = await _run_output([self._conntrack, "-D", *filters])
-        except ConntrackError as exc:
+            rc, _, err = await run_command([self._conntrack, "-D", *filters])
+        except CommandError as exc:
             log.warning("cannot delete UDP conntrack flows: %s", exc)
             return
         # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
         if rc != 0 and "0 flow entries" not in err:
             log.warning("conntrack -D %s failed: %s", " ".join(filters), err.strip())
-
-
-async def _run_output(argv: Sequence[str]) -> tuple[int, str, str]:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except OSError as exc:
-        raise ConntrackError(f"cannot run {argv[0]}: {exc}") from exc
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
-
-
-class ConntrackError(Exception):
-    """The conntrack tool cannot be run."""

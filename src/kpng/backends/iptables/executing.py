@@ -9,7 +9,6 @@ an order no one chooses. ``auto`` takes what ``iptables`` (Debian's alternative)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import shlex
@@ -17,6 +16,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kpng.backends._commands import CommandError, run_command
 from kpng.backends._node import Fam
 from kpng.backends.iptables.rules import (
     JUMPS,
@@ -140,14 +140,6 @@ def _explain(stderr: str, text: str, command: str) -> str:
 
 async def _run(argv: Sequence[str], stdin: bytes = b"") -> tuple[int, str, str]:
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except OSError as exc:
-        raise IptablesError(f"cannot run {argv[0]}: {exc}") from exc
-    out, err = await proc.communicate(stdin)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+        return await run_command(argv, stdin)
+    except CommandError as exc:
+        raise IptablesError(str(exc)) from exc

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Literal, cast, overload
 
+from kpng.backends._commands import CommandError, run_command
 from kpng.backends.nft.nftables import (
     Nft,
     NftError,
@@ -69,17 +70,9 @@ async def _run_output(
     argv: Sequence[str], stdin: bytes = b"", *, output: bool = True
 ) -> tuple[int, str, str]:
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE if output else asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except OSError as exc:
-        raise NftError(f"cannot run {argv[0]}: {exc}") from exc
-    out, err = await proc.communicate(stdin)
-    assert proc.returncode is not None
-    return proc.returncode, (out or b"").decode(errors="replace"), err.decode(errors="replace")
+        return await run_command(argv, stdin, output=output)
+    except CommandError as exc:
+        raise NftError(str(exc)) from exc
 
 
 def parse_error(tx: Transaction, stderr: str) -> NftError:
