@@ -112,7 +112,7 @@ class IptablesBackend:
             self._needs_full = True
         full = self._needs_full
         changes = self._changes(state, everything=full)
-        before = self._udp_frontends()
+        touched = set() if full or self._conntrack is None else self._touched_frontends(changes)
         started = time.monotonic()
         try:
             for fam in self._families:
@@ -135,7 +135,7 @@ class IptablesBackend:
         if self._health is not None:
             await self._health.follow(options.nodeport_addresses)
             await self._health.update(state.services)
-        await self._clean_conntrack(before, full=full)
+        await self._clean_conntrack(None if full else touched)
         return self._once
 
     def _changes(
@@ -192,21 +192,30 @@ class IptablesBackend:
             plan.deleted,
         )
 
-    def _udp_frontends(self) -> Frontends:
+    def _touched_frontends(
+        self, changes: Mapping[Fam, Mapping[ServiceKey, Contribution | None]]
+    ) -> set[tuple[str, str]]:
+        """The UDP frontends whose serving endpoints ``changes`` alter (read before they are
+        committed), as to-nft finds them."""
+        touched: set[tuple[str, str]] = set()
+        for fam, new in changes.items():
+            old = self.tables[fam].contributions
+            for key, contribution in new.items():
+                before = old[key].udp_frontends if key in old else {}
+                after = contribution.udp_frontends if contribution is not None else {}
+                touched.update(f for f, serving in after.items() if before.get(f) != serving)
+        return touched
+
+    async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
+        """Delete the stale UDP flows of ``only`` these frontends (of every one after a full
+        sync, as kube-proxy at start)."""
+        if self._conntrack is None or only == set():
+            return
         frontends: Frontends = {}
         for tables in self.tables.values():
             for front, serving in tables.udp_frontends().items():
                 frontends[front] = frontends.get(front, frozenset()) | serving
-        return frontends
-
-    async def _clean_conntrack(self, before: Frontends, *, full: bool) -> None:
-        """Delete the stale UDP flows of the frontends whose serving endpoints changed (of
-        every frontend after a full sync, as kube-proxy at start)."""
-        if self._conntrack is None:
-            return
-        frontends = self._udp_frontends()
-        only = None if full else {f for f, s in frontends.items() if before.get(f) != s}
-        if not frontends or only == set():
+        if not frontends:
             return
         flows = await self._conntrack.udp_flows()
         for f in stale_filters(flows, frontends, only):
