@@ -21,7 +21,7 @@ from kpng.backends.iptables import IptablesBackend
 from kpng.backends.iptables.executing import Iptables, Tools
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
-from kpng.client import Backend, NodeState
+from kpng.client import Backend
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
@@ -43,22 +43,10 @@ def _services(count: int) -> dict[ServiceKey, ServiceEndpoints]:
     }
 
 
-def _state(
-    revision: int, services: dict[ServiceKey, ServiceEndpoints], updated: set[ServiceKey]
-) -> NodeState:
-    return NodeState(
-        node="n1",
-        revision=revision,
-        services=services,
-        updated=frozenset(updated),
-        deleted=frozenset(),
-    )
-
-
 async def _measure(backend: Backend, count: int, changes: int) -> tuple[float, float]:
     services = _services(count)
     started = time.perf_counter()
-    await backend.apply(_state(1, services, set(services)))
+    await backend.apply(states.keyed_state(1, services))
     full = time.perf_counter() - started
     times = []
     key = ("ns", "s0")
@@ -67,7 +55,7 @@ async def _measure(backend: Backend, count: int, changes: int) -> tuple[float, f
         moved = states.endpoint(f"10.250.{n // 250}.{n % 250 + 1}")
         services[key] = ServiceEndpoints(se.service, (moved, *se.endpoints[1:]))
         started = time.perf_counter()
-        await backend.apply(_state(n + 2, services, {key}))
+        await backend.apply(states.keyed_state(n + 2, services, {key}))
         times.append(time.perf_counter() - started)
     await backend.close()
     return full, statistics.median(times)
