@@ -8,7 +8,7 @@ import functools
 import msgspec
 import pytest
 
-from kpng.backends._node import Options
+from kpng.backends._node import Fam, Options
 from kpng.backends.iptables.restore import FamilyTables
 from kpng.backends.iptables.rules import FILTER, NAT, chain_name, contribute
 from kpng.model.messages import EndpointScopes, IPFilter, IPSet, ServiceEndpoints, ServiceIPs
@@ -169,3 +169,44 @@ def test_a_full_plan_deletes_the_service_chains_it_does_not_want_and_nothing_els
     assert plan.full
     assert [line for line in lines if line.startswith("-X")] == [f"-X {stale}"]
     assert lines.count("COMMIT") == 2
+
+
+@pytest.mark.parametrize("fam", ["v4", "v6"])
+def test_a_change_that_leaves_a_familys_rules_as_they_were_plans_no_restore(fam: Fam) -> None:
+    """A v4 service's new endpoint is nothing to the v6 tables: no ip6tables-restore is run
+    for it (a partial sync of every family cost twice the restore)."""
+    tables = FamilyTables(fam, POD_CIDR)
+    web = ServiceEndpoints(_service(), (_ep("10.244.1.2"),))
+    tables.commit({("ns", "web"): contribute(web, fam, POD_CIDR)})
+    moved = ServiceEndpoints(web.service, (_ep("10.244.9.9"),))
+    plan = tables.plan({("ns", "web"): contribute(moved, fam, POD_CIDR)})
+    assert (plan.text == "") is (fam == "v6")
+    full = tables.plan({}, present=set())
+    assert full.full
+    assert full.text
+
+
+def test_a_partial_plan_declares_only_the_shared_chains_whose_rules_change() -> None:
+    """An endpoint's change rewrites its service's chains alone; a new service adds its lines
+    to KUBE-SERVICES, which is then rewritten whole (nat's, and filter's REJECT of its IP)."""
+    tables = _tables()
+    web = ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.2.2")))
+    first = {("ns", "web"): contribute(web, "v4", POD_CIDR)}
+    tables.commit(first, tables.plan(first, present=set()))
+
+    moved = {
+        ("ns", "web"): contribute(ServiceEndpoints(web.service, web.endpoints[:1]), "v4", POD_CIDR)
+    }
+    plan = tables.plan(moved)
+    declared = {line for line in plan.text.splitlines() if line.startswith(":")}
+    assert declared == {f":{SVC} - [0:0]", f":{sep('10.244.2.2')} - [0:0]"}
+    tables.commit(moved, plan)
+
+    db = ServiceEndpoints(_service("db", cluster_ip="10.96.0.20"), (_ep("10.244.3.3"),))
+    added = {("ns", "db"): contribute(db, "v4", POD_CIDR)}
+    lines = tables.plan(added).text.splitlines()
+    assert lines.count(":KUBE-SERVICES - [0:0]") == 2
+    assert "-A KUBE-SERVICES -d 10.96.0.20/32 -j REJECT" in lines
+    # Every service's lines, not only db's: the chain is flushed and refilled.
+    assert any(line.startswith("-A KUBE-SERVICES") and "ns/web" in line for line in lines)
+    assert ":KUBE-NODEPORTS - [0:0]" not in lines

@@ -39,15 +39,22 @@ class Plan:
     deleted: int
     """Service chains deleted."""
     rules: int
+    shared: dict[ChainKey, tuple[str, ...]] = field(default_factory=dict)
+    """The shared chains the input rewrites, with their rules."""
 
 
 @dataclass
 class FamilyTables:
-    """What kpng last put into one family's tables (its contributions by service)."""
+    """What kpng last put into one family's tables: its contributions by service, and the
+    shared chains' rules as last written."""
 
     fam: Fam
     options: Options
     contributions: dict[ServiceKey, Contribution] = field(default_factory=dict)
+    shared: dict[ChainKey, tuple[str, ...]] = field(default_factory=dict)
+    """What the kernel holds in the shared chains; a partial sync leaves those that would not
+    change undeclared (``--noflush`` keeps them), so an endpoint's change restores its
+    service's chains alone rather than a line of every service. Empty: unknown, all written."""
 
     def plan(
         self,
@@ -58,6 +65,10 @@ class FamilyTables:
         """The input that replaces the contributions of the services in ``new`` (None: the
         service goes). ``present``, the nat chains the kernel holds, makes it a full sync."""
         full = present is not None
+        if not full and all(self.contributions.get(key) == c for key, c in new.items()):
+            # Nothing of this family changes (the v6 tables when a v4 slice changed, or an
+            # endpoint this node's rules leave out): no restore at all.
+            return Plan("", full=False, written=0, deleted=0, rules=0)
         contributions = dict(self.contributions)
         for key, contribution in new.items():
             if contribution is None:
@@ -81,16 +92,26 @@ class FamilyTables:
                 new_chains = contributions[key].chains if key in contributions else {}
                 write.update((k, v) for k, v in new_chains.items() if old_chains.get(k) != v)
                 delete.update(k for k in old_chains if k not in new_chains)
-        text, rules = _render(self.fam, self.options, contributions, write, delete)
-        return Plan(text, full, written=len(write), deleted=len(delete), rules=rules)
+        shared = _shared(self.fam, self.options, contributions)
+        if not full:
+            shared = {k: rules for k, rules in shared.items() if self.shared.get(k) != rules}
+        text, rules = _render(shared, write, delete)
+        return Plan(text, full, written=len(write), deleted=len(delete), rules=rules, shared=shared)
 
-    def commit(self, new: Mapping[ServiceKey, Contribution | None]) -> None:
-        """The kernel took the plan of ``new``."""
+    def commit(
+        self, new: Mapping[ServiceKey, Contribution | None], plan: Plan | None = None
+    ) -> None:
+        """The kernel took ``plan``, of ``new`` (without a plan: the shared chains are unknown
+        and the next plan writes them all)."""
         for key, contribution in new.items():
             if contribution is None:
                 self.contributions.pop(key, None)
             else:
                 self.contributions[key] = contribution
+        if plan is None:
+            self.shared.clear()
+        else:
+            self.shared.update(plan.shared)
 
     def udp_frontends(self) -> dict[tuple[str, str], frozenset[EndpointValue]]:
         frontends: dict[tuple[str, str], frozenset[EndpointValue]] = {}
@@ -100,13 +121,10 @@ class FamilyTables:
         return frontends
 
 
-def _render(
-    fam: Fam,
-    options: Options,
-    contributions: Mapping[ServiceKey, Contribution],
-    write: Mapping[ChainKey, tuple[str, ...]],
-    delete: Iterable[ChainKey],
-) -> tuple[str, int]:
+def _shared(
+    fam: Fam, options: Options, contributions: Mapping[ServiceKey, Contribution]
+) -> dict[ChainKey, tuple[str, ...]]:
+    """Every shared chain's rules: the skeleton's, every service's, the tail's."""
     head, last = skeleton(options, fam), tail(options, fam)
     shared: dict[ChainKey, list[str]] = {
         (table, chain): list(head.get((table, chain), ()))
@@ -119,6 +137,14 @@ def _render(
             shared[where] += rules
     for where, rules in last.items():
         shared[where] += rules
+    return {where: tuple(rules) for where, rules in shared.items()}
+
+
+def _render(
+    shared: Mapping[ChainKey, tuple[str, ...]],
+    write: Mapping[ChainKey, tuple[str, ...]],
+    delete: Iterable[ChainKey],
+) -> tuple[str, int]:
     deleting = sorted(delete)
     lines: list[str] = []
     count = 0

@@ -158,6 +158,9 @@ def skeleton(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
             f"-m mark --mark {mark}/{mark} -j ACCEPT",
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
         ],
+        # What NAT translated no longer has a service address: it need not walk the REJECT of
+        # every ClusterIP below, which would cost every new connection a rule per service.
+        (FILTER, "KUBE-SERVICES"): ["-m conntrack --ctstate DNAT -j RETURN"],
     }
     return rules
 
