@@ -28,9 +28,22 @@ pytestmark = [
 VARIANTS = ["nft", "legacy"]
 
 
-def _save(netns: str, variant: str) -> str:
-    argv = ["ip", "netns", "exec", netns, f"iptables-{variant}-save"]
+def _save(netns: str, variant: str, *table: str) -> str:
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        netns,
+        f"iptables-{variant}-save",
+        *(("-t", *table) if table else ()),
+    ]
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+def _nat(netns: str, variant: str, *args: str) -> None:
+    """Another program's edit of the nat table."""
+    argv = ["ip", "netns", "exec", netns, f"iptables-{variant}", "-w", "5", "-t", "nat", *args]
+    subprocess.run(argv, check=True)
 
 
 def _chains(netns: str, variant: str) -> set[str]:
@@ -113,3 +126,66 @@ def test_a_refused_restore_changes_nothing_and_fails_apply(netns: str) -> None:
 
 def _strip_counters(saved: str) -> str:
     return "\n".join(line for line in saved.splitlines() if not line.startswith("#"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rules_another_program_flushes_are_rewritten_within_a_sync_period(
+    netns: str, variant: str
+) -> None:
+    """kube-proxy's canary: `iptables -t nat -F; -X` (a firewall reload) takes kpng's jumps and
+    chains; the next check finds a jump gone and rewrites every rule from the last state."""
+
+    async def scenario() -> None:
+        iptables = Iptables(Tools(variant), prefix=("ip", "netns", "exec", netns))
+        backend = IptablesBackend(
+            iptables=iptables,
+            options=Options(cluster_cidrs=("10.244.0.0/16",)),
+            families=("v4",),
+            sync_period=0.2,
+        )
+        try:
+            await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
+            written = _strip_counters(_save(netns, variant))
+            _nat(netns, variant, "-F")
+            _nat(netns, variant, "-X")
+            assert _sep("10.244.1.2") not in _chains(netns, variant)
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if _strip_counters(_save(netns, variant)) == written:
+                    break
+            assert _strip_counters(_save(netns, variant)) == written
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("full_sync_period", [0.5, 3600.0], ids=["periodic-full", "none-due"])
+def test_an_edit_no_check_sees_lasts_until_the_periodic_full_sync(
+    netns: str, full_sync_period: float
+) -> None:
+    """A flushed KUBE-SERVICES leaves the jumps: only kube-proxy's hourly full resync (here
+    made short) repairs it."""
+
+    async def scenario() -> bool:
+        iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", netns))
+        backend = IptablesBackend(
+            iptables=iptables,
+            options=Options(cluster_cidrs=("10.244.0.0/16",)),
+            families=("v4",),
+            sync_period=0.1,
+            full_sync_period=full_sync_period,
+        )
+        try:
+            await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
+            _nat(netns, "nft", "-F", "KUBE-SERVICES")
+            assert "-A KUBE-SERVICES" not in _save(netns, "nft", "nat")
+            for _ in range(30):
+                await asyncio.sleep(0.1)
+                if "-A KUBE-SERVICES" in _save(netns, "nft", "nat"):
+                    return True
+            return False
+        finally:
+            await backend.close()
+
+    assert asyncio.run(scenario()) is (full_sync_period < 1)

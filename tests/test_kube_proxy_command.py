@@ -154,21 +154,53 @@ def test_configuration_fields_become_kpngs_flags(config: str, fragment: str, val
     assert argv[argv.index(fragment) + 1] == value
 
 
-def test_nftables_mode_reads_the_nftables_section_and_other_modes_the_iptables_one() -> None:
-    config = _edited(
-        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: false",
-        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: true",
+@pytest.mark.parametrize(
+    ("mode", "backend", "warned"),
+    [
+        ("nftables", "to-nft", False),
+        ("iptables", "to-iptables", False),
+        ('""', "to-iptables", False),
+        ("ipvs", "to-nft", True),
+    ],
+    ids=["nftables", "iptables", "default-is-iptables", "ipvs"],
+)
+def test_the_mode_picks_the_backend_and_the_section_its_settings_come_from(
+    mode: str, backend: str, warned: bool
+) -> None:
+    """kube-proxy's: nftables.* for nftables mode, iptables.* otherwise (ipvs.* periods for
+    ipvs); the masquerade settings of iptables.* serve ipvs too. IPVS is not programmed."""
+    config = _edited("mode: nftables", f"mode: {mode}").replace(
+        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: false\n  masqueradeBit: null\n"
+        "  minSyncPeriod: 0s\n  syncPeriod: 0s",
+        "iptables:\n  localhostNodePorts: null\n  masqueradeAll: true\n  masqueradeBit: null\n"
+        "  minSyncPeriod: 3s\n  syncPeriod: 45s",
     )
     argv, warnings = _build(["--config=config.conf"], config)
-    assert "--masquerade-all" not in argv
+    assert argv[argv.index("to-local") + 3] == backend
+    from_iptables_section = mode != "nftables"
+    assert ("--masquerade-all" in argv) is from_iptables_section
+    min_sync = argv[argv.index("--min-sync-period") + 1]
+    assert min_sync == ("3s" if backend == "to-iptables" else "1s")
+    if backend == "to-iptables":
+        # kube-proxy's canary period: how often the rules are checked and repaired.
+        assert argv[argv.index("--sync-period") + 1] == "45s"
+    else:
+        assert "--sync-period" not in argv
+    assert [w.split(":")[0] for w in warnings] == (['field "mode" is "ipvs"'] if warned else [])
+    if warned:
+        assert "kube-proxy --cleanup" in warnings[0]
+
+
+def test_a_change_from_kube_proxys_iptables_mode_needs_no_cleanup_and_is_not_warned_of() -> None:
+    """to-iptables takes over kube-proxy's chains in its first full sync, as a restarted
+    kube-proxy does."""
+    _, warnings = _build(["--proxy-mode=iptables", "--kubeconfig=/k"])
     assert warnings == []
-    argv, warnings = _build(
-        ["--config=config.conf"], config.replace("mode: nftables", "mode: iptables")
-    )
-    assert "--masquerade-all" in argv
-    assert len(warnings) == 1
-    assert 'field "mode"' in warnings[0]
-    assert "kube-proxy --cleanup" in warnings[0]
+    _, warnings = _build(["--proxy-mode=ipvs", "--kubeconfig=/k"])
+    assert warnings == [
+        "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules once "
+        "with `kube-proxy --cleanup`"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -223,7 +255,8 @@ def test_allow_service_external_ips_false_serves_no_external_ip(args: list[str])
     Other gates are only warned of."""
     config = KUBEADM + "featureGates:\n  AllowServiceExternalIPs: false\n  SomeGate: true\n"
     argv, warnings = _build(args, config)
-    assert argv[argv.index("to-local") : argv.index("to-nft")][-1] == "--no-external-ips"
+    backend = argv.index("--detect-local-mode") - 1
+    assert argv[argv.index("to-local") : backend][-1] == "--no-external-ips"
     assert [w.split(" is ")[0] for w in warnings] == ["feature gate SomeGate=true"]
     default, _ = _build(["--config=config.conf"], config.replace("AllowServiceExternalIPs", "X"))
     assert "--no-external-ips" not in default
@@ -239,9 +272,9 @@ def test_flags_alone_take_kube_proxys_defaults() -> None:
         "--log-level", "info", "--log-format", "text", "--healthz-timeout", "60",
         "--healthz-bind-address", "0.0.0.0:10300", "--metrics-bind-address", "127.0.0.1:10249",
         "kube", "--kubeconfig", "/k", "to-local", "--hostname-override", "n",
-        "to-nft", "--detect-local-mode", "NodeCIDR", "--cluster-cidr", "10.0.0.0/8",
+        "to-iptables", "--detect-local-mode", "NodeCIDR", "--cluster-cidr", "10.0.0.0/8",
         "--masquerade-all", "--masquerade-bit", "14", "--nodeport-addresses", "primary",
-        "--min-sync-period", "2s",
+        "--min-sync-period", "2s", "--sync-period", "30s",
     ]  # fmt: skip
     assert warnings == ["feature gate A=true is not acted on: kpng implements kube-proxy 1.37's "
                         "default semantics"]  # fmt: skip

@@ -124,7 +124,8 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from exc
 
 
-def _duration(value: str) -> float:
+def duration_argument(value: str) -> float:
+    """An argparse type: a Go duration (``1s``, ``500ms``) in seconds."""
     try:
         return parse_duration(value)
     except ValueError as exc:
@@ -190,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-sync-period",
-        type=_duration,
+        type=duration_argument,
         default=0.0,
         metavar="DURATION",
         help="least time between two transactions; changes meanwhile are applied together "

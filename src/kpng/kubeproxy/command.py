@@ -24,6 +24,7 @@ from kpng.errors import KpngError, UsageError
 from kpng.kubeproxy import conntrack
 from kpng.kubeproxy.config import (
     DETECT_LOCAL_MODES,
+    MODES,
     Conntrack,
     ProxyConfig,
     feature_gates,
@@ -84,8 +85,9 @@ def _duration(text: str) -> float:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kpng kube-proxy",
-        description="kube-proxy's flags and configuration file, served by kpng's nftables "
-        "backend. Flags kpng does not act on are accepted with a warning.",
+        description="kube-proxy's flags and configuration file, served by kpng's to-iptables "
+        "or to-nft backend as the proxy mode says. Flags kpng does not act on are accepted "
+        "with a warning.",
     )
     add = p.add_argument
     flag_bool: dict[str, Any] = {"nargs": "?", "const": True, "type": _bool, "metavar": "BOOL"}
@@ -98,7 +100,11 @@ def parser() -> argparse.ArgumentParser:
     add("--metrics-bind-address", metavar="IP:PORT", help="default 127.0.0.1:10249")
     add("--healthz-port", type=int, metavar="PORT", help="deprecated: --healthz-bind-address")
     add("--metrics-port", type=int, metavar="PORT", help="deprecated: --metrics-bind-address")
-    add("--proxy-mode", metavar="MODE", help="nftables (kpng programs nftables in every mode)")
+    add(
+        "--proxy-mode",
+        metavar="MODE",
+        help="iptables (the default: to-iptables), nftables (to-nft) or ipvs (to-nft)",
+    )
     add("--cluster-cidr", metavar="CIDR[,CIDR]")
     add("--detect-local-mode", choices=DETECT_LOCAL_MODES)
     add("--pod-bridge-interface", metavar="NAME")
@@ -203,12 +209,12 @@ def _with_logging_and_name(config: ProxyConfig, args: argparse.Namespace) -> Pro
 
 def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     mode = args.proxy_mode or ""
-    if mode not in ("", "iptables", "ipvs", "nftables"):
-        raise UsageError(f"--proxy-mode: kpng programs nftables on Linux, not {mode!r}")
-    if mode in ("iptables", "ipvs"):
+    if mode not in MODES:
+        raise UsageError(f"--proxy-mode: one of iptables, nftables or ipvs on Linux, not {mode!r}")
+    if mode == "ipvs":
         warnings.append(
-            f"--proxy-mode {mode}: kpng programs nftables; remove kube-proxy's own rules once "
-            "with `kube-proxy --cleanup`"
+            "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules "
+            "once with `kube-proxy --cleanup`"
         )
     base, ct = ProxyConfig(), Conntrack()
 

@@ -26,6 +26,8 @@ API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
+MODES = ("", "iptables", "nftables", "ipvs")
+"""kube-proxy's proxy modes on Linux; "" is its default there, iptables."""
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 
 _ANY = None
@@ -188,6 +190,12 @@ class ProxyConfig:
             nodeport_addresses=self.nodeport_addresses or ("primary",),
         )
 
+    @property
+    def backend(self) -> str:
+        """kpng's backend for kube-proxy's mode: to-iptables for iptables (kube-proxy's default
+        on Linux), to-nft for nftables and for ipvs, which kpng does not program."""
+        return "to-iptables" if self.mode in ("", "iptables") else "to-nft"
+
     def node_name(self) -> str:
         """kube-proxy's: ``hostnameOverride``, else the host name, lowercased."""
         return (self.hostname_override or socket.gethostname()).strip().lower()
@@ -315,14 +323,16 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         return seconds or (default if zero_is_default else 0.0)
 
     mode = get("mode", str, "")
-    if mode not in ("", "iptables", "ipvs", "nftables"):
-        raise UsageError(f'{source}: field "mode": kpng programs nftables on Linux, not {mode!r}')
+    if mode not in MODES:
+        raise UsageError(
+            f'{source}: field "mode": one of iptables, nftables or ipvs on Linux, not {mode!r}'
+        )
     # kube-proxy's own choice of section for the settings every mode has.
     section = {"nftables": "nftables", "ipvs": "ipvs"}.get(mode, "iptables")
     bits = "nftables" if mode == "nftables" else "iptables"
-    if mode in ("iptables", "ipvs"):
+    if mode == "ipvs":
         warnings.append(
-            f'field "mode" is {mode!r}: kpng programs nftables (the {section}.* periods and the '
+            'field "mode" is "ipvs": kpng programs nftables instead (the ipvs.* periods and the '
             "iptables.* masquerade settings apply to it, as in kube-proxy); remove kube-proxy's "
             "own rules once with `kube-proxy --cleanup`"
         )
@@ -382,7 +392,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
 
 def kpng_argv(config: ProxyConfig) -> list[str]:
     """kpng's own command line for ``config`` (resolved): ``kpng kube ... to-local ...
-    to-nft ...``, what ``kpng kube-proxy`` runs."""
+    to-iptables|to-nft ...``, what ``kpng kube-proxy`` runs."""
     healthz_off = config.healthz_bind_address.endswith(":0")
     metrics_off = config.metrics_bind_address.endswith(":0")
     argv = [
@@ -404,8 +414,7 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     argv += ["to-local", "--hostname-override", config.node_name()]
     if not config.external_ips:
         argv += ["--no-external-ips"]
-    argv += ["to-nft"]
-    argv += ["--detect-local-mode", config.detect_local_mode]
+    argv += [config.backend, "--detect-local-mode", config.detect_local_mode]
     if config.cluster_cidrs:
         argv += ["--cluster-cidr", ",".join(config.cluster_cidrs)]
     if config.bridge_interface:
@@ -419,4 +428,6 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     if config.bind_address and not ipaddress.ip_address(config.bind_address).is_unspecified:
         argv += ["--bind-address", config.bind_address]
     argv += ["--min-sync-period", format_duration(config.min_sync_period_s)]
+    if config.backend == "to-iptables":
+        argv += ["--sync-period", format_duration(config.sync_period_s)]
     return argv

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import sys
@@ -29,6 +30,7 @@ from kpng.backends._node import (
     FromNode,
     Options,
     add_arguments,
+    duration_argument,
     node_options,
     options_from_args,
 )
@@ -44,8 +46,11 @@ log = logging.getLogger(__name__)
 
 UNHEALTHY_AFTER_S = 60.0
 """How long the rules may stay behind before health check node ports answer 503."""
+FULL_SYNC_PERIOD_S = 3600.0
+"""kube-proxy's: a full resync every hour, for edits to kpng's chains that no check sees."""
 
 Frontends = dict[tuple[str, str], frozenset[EndpointValue]]
+Changes = dict[Fam, dict[ServiceKey, Contribution | None]]
 
 
 class IptablesBackend:
@@ -64,6 +69,8 @@ class IptablesBackend:
         conntrack: Conntrack | None = None,
         health: HealthServers | None = None,
         min_sync_period: float = 0.0,
+        sync_period: float = 0.0,
+        full_sync_period: float = FULL_SYNC_PERIOD_S,
         once: bool = False,
         output: TextIO | None = None,
         syncs: SyncReporter | None = None,
@@ -82,7 +89,14 @@ class IptablesBackend:
         self._clock = clock
         self._sleep = sleep
         self._min_sync_period = min_sync_period
+        self._sync_period = sync_period
+        self._full_sync_period = full_sync_period
         self._last_sync = -math.inf
+        self._last_full = -math.inf
+        self._revision = 0
+        self._lock = asyncio.Lock()
+        """One sync at a time: an apply, or a resync of the rules' monitor."""
+        self._monitor: asyncio.Task[None] | None = None
         self.pending_since: float | None = None
         """Monotonic time since when the kernel's rules have been behind the state."""
         if health is not None:
@@ -101,6 +115,13 @@ class IptablesBackend:
         wait = self._last_sync + self._min_sync_period - self._clock()
         if wait > 0 and self._iptables is not None:
             await self._sleep(wait)
+        async with self._lock:
+            done = await self._apply(state)
+        if self._sync_period > 0 and self._iptables is not None and self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch_rules(), name="iptables-monitor")
+        return done
+
+    async def _apply(self, state: NodeState) -> bool:
         self._last_sync = self._clock()
         options = node_options(self._options, self._from_node, state)
         if options != self.tables[self._families[0]].options or state.node_ips != self._node_ips:
@@ -111,16 +132,11 @@ class IptablesBackend:
             self._recorded.clear()
             self._needs_full = True
         full = self._needs_full
-        changes = self._changes(state, everything=full)
+        changes, sources = self._changes(state, everything=full)
         touched = set() if full or self._conntrack is None else self._touched_frontends(changes)
-        started = time.monotonic()
         try:
-            for fam in self._families:
-                await self._sync(fam, changes[fam], full=full)
+            await self._sync_families(changes, full=full)
         except IptablesError as exc:
-            self._syncs.failed()
-            self._syncs.attempted(seconds=time.monotonic() - started, full=full)
-            self._needs_full = True
             if self.pending_since is None:
                 self.pending_since = self._clock()
             kind = "full" if full else "partial"
@@ -128,9 +144,13 @@ class IptablesBackend:
                 f"{exc} (the {kind} sync was refused; the previous rules stay, and a "
                 "full resync follows)"
             ) from exc
-        self._syncs.attempted(seconds=time.monotonic() - started, full=full)
+        for key, se in sources.items():
+            if se is None:
+                self._recorded.pop(key, None)
+            else:
+                self._recorded[key] = se
+        self._revision = state.revision
         self._syncs.synced(revision=state.revision)
-        self._needs_full = False
         self.pending_since = None
         if self._health is not None:
             await self._health.follow(options.nodeport_addresses)
@@ -140,24 +160,26 @@ class IptablesBackend:
 
     def _changes(
         self, state: NodeState, *, everything: bool
-    ) -> dict[Fam, dict[ServiceKey, Contribution | None]]:
+    ) -> tuple[Changes, dict[ServiceKey, ServiceEndpoints | None]]:
         """Each family's new contributions of the services that changed (of every one when
-        ``everything``); None for a service that went."""
-        changes: dict[Fam, dict[ServiceKey, Contribution | None]] = {f: {} for f in self._families}
+        ``everything``), None for a service that went; and what they were made from, to record
+        once the kernel has them."""
+        changes: Changes = {f: {} for f in self._families}
+        sources: dict[ServiceKey, ServiceEndpoints | None] = {}
         gone = set(state.deleted)
         if everything:
             gone |= {key for t in self.tables.values() for key in t.contributions} - set(
                 state.services
             )
         for key in gone:
-            self._recorded.pop(key, None)
+            sources[key] = None
             for fam in self._families:
                 changes[fam][key] = None
         for key in state.services if everything else state.updated:
             se = state.services[key]
             if not everything and self._recorded.get(key) == se:
                 continue
-            self._recorded[key] = se
+            sources[key] = se
             problems: set[str] = set()
             for fam in self._families:
                 contribution = contribute(se, fam, self.tables[fam].options, self._node_ips)
@@ -165,7 +187,56 @@ class IptablesBackend:
                 problems.update(contribution.problems)
             for problem in sorted(problems):
                 log.warning("service %s: %s (skipped)", object_name(*key), problem)
-        return changes
+        return changes, sources
+
+    async def _sync_families(self, changes: Changes, *, full: bool) -> None:
+        """Every family's sync, reported as one; a failure leaves the next sync full."""
+        started = time.monotonic()
+        try:
+            for fam in self._families:
+                await self._sync(fam, changes[fam], full=full)
+        except IptablesError:
+            self._syncs.failed()
+            self._needs_full = True
+            raise
+        finally:
+            self._syncs.attempted(seconds=time.monotonic() - started, full=full)
+        self._needs_full = False
+        if full:
+            self._last_full = self._clock()
+
+    async def _watch_rules(self) -> None:
+        """kube-proxy's sync period: every period, check that kpng's jumps are still in place,
+        and rewrite every rule from the last state when another program removed them (or a
+        resync failed, or an hour has passed since the last full sync). A state that fails to
+        apply is not this loop's to retry: the Feeder does, with the state."""
+        assert self._iptables is not None
+        while True:
+            await asyncio.sleep(self._sync_period)
+            async with self._lock:
+                try:
+                    await self._check_rules(self._iptables)
+                except IptablesError as exc:
+                    log.error(
+                        "resync of the rules failed: %s; retrying in %gs", exc, self._sync_period
+                    )
+
+    async def _check_rules(self, iptables: Iptables) -> None:
+        if self.pending_since is not None:
+            return
+        if self._needs_full:
+            reason = "the last resync failed"
+        elif self._clock() - self._last_full >= self._full_sync_period:
+            reason = "the hourly full resync"
+        else:
+            missing = [fam for fam in self._families if not await iptables.jumps_present(fam)]
+            if not missing:
+                return
+            gone = "/".join(missing)
+            reason = f"another program removed kpng's jumps from the {gone} built-in chains"
+        log.warning("rewriting every rule: %s", reason)
+        await self._sync_families({fam: {} for fam in self._families}, full=True)
+        self._syncs.synced(revision=self._revision)
 
     async def _sync(
         self, fam: Fam, changes: Mapping[ServiceKey, Contribution | None], *, full: bool
@@ -173,16 +244,18 @@ class IptablesBackend:
         tables = self.tables[fam]
         if self._iptables is None:
             plan = tables.plan(changes, present=set() if full else None)
-            self._output.write(f"# {fam}\n{plan.text}")
-            self._output.flush()
-            tables.commit(changes)
+            if plan.text:
+                self._output.write(f"# {fam}\n{plan.text}")
+                self._output.flush()
+            tables.commit(changes, plan)
             return
         present = await self._iptables.chains(fam, "nat") if full else None
         plan = tables.plan(changes, present=present)
-        await self._iptables.restore(fam, plan.text)
+        if plan.text:
+            await self._iptables.restore(fam, plan.text)
         if full:
             await self._iptables.ensure_jumps(fam)
-        tables.commit(changes)
+        tables.commit(changes, plan)
         log.debug(
             "%s: a %s restore of %d rules (%d service chains written, %d deleted)",
             fam,
@@ -222,6 +295,10 @@ class IptablesBackend:
             await self._conntrack.delete(f)
 
     async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
         if self._health is not None:
             await self._health.close()
 
@@ -248,6 +325,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="iptables-nft or iptables-legacy: the one the node's other rules are in "
         "(default: auto, what the iptables command is)",
     )
+    parser.add_argument(
+        "--sync-period",
+        type=duration_argument,
+        default=30.0,
+        metavar="DURATION",
+        help="how often to check that kpng's jumps are still in the built-in chains, and "
+        "rewrite every rule if another program removed them, as kube-proxy's iptables.syncPeriod "
+        "(default 30s; 0: never; a full resync also runs hourly)",
+    )
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -262,6 +348,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         conntrack=None if args.no_conntrack or args.dry_run else Conntrack(),
         health=None if args.no_health_check or args.dry_run else HealthServers(),
         min_sync_period=args.min_sync_period,
+        sync_period=0.0 if args.once else args.sync_period,
         once=args.once,
         syncs=syncs,
     )

@@ -103,6 +103,17 @@ class Iptables:
             if rc != 0:
                 raise IptablesError(f"cannot add the jump {table} {chain} {rule}: {err.strip()}")
 
+    async def jumps_present(self, fam: Fam) -> bool:
+        """Whether every jump to kpng's chains is in place: kube-proxy's canary, in one check.
+        Another program flushing the built-in chains or deleting the KUBE- ones (a firewall
+        reload, ``iptables -F -X``) takes a jump with it."""
+        base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
+        for table, chain, rule in JUMPS:
+            rc, _, _ = await _run([*base, "-t", table, "-C", chain, *shlex.split(rule)])
+            if rc != 0:
+                return False
+        return True
+
     async def remove(self, fam: Fam) -> bool:
         """Remove the jumps and every chain of kpng's layout; True if there were any. Chains
         of the same names without kpng's mark are kube-proxy's, and stay."""
