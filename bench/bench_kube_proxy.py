@@ -1,12 +1,14 @@
-"""kpng against upstream kube-proxy in nftables mode: the same API server state, node and
-configuration file, one after the other, each in a network namespace of its own (root).
+"""kpng against upstream kube-proxy in nftables or iptables mode (``--mode``): the same API server
+state, node and configuration file, one after the other, each in a network namespace of its own
+(root). In iptables mode kpng runs to-iptables, and both use the node's ``iptables`` (Debian's
+alternative: iptables-nft unless switched).
 
 kube-proxy is built from the ``k8s.io/kubernetes`` Go module of the test control plane's release
 (``kpng.testing.cluster.ensure_programs``), as that kube-apiserver is. For each size
 (``--sizes``, services of the synthetic cluster of ``synthetic.py``, 10 endpoints each), a
 control plane of its own is filled, listening on a veth address the namespaces reach; then
 ``kube-proxy --config F`` and ``kpng kube-proxy --config F`` (kpng's drop-in command, the same
-file: ``mode: nftables``, node ``node-000``) run in turn, and for each:
+file: ``mode: nftables`` or ``iptables``, node ``node-000``) run in turn, and for each:
 
 1. **first full sync**: from process start until the rules of the complete state are in the
    kernel (``kubeproxy_sync_proxy_rules_last_timestamp_seconds`` set: both wait for every
@@ -19,13 +21,19 @@ file: ``mode: nftables``, node ``node-000``) run in turn, and for each:
    worst;
 3. **CPU seconds**, the process's own and its reaped children's (the ``nft`` processes
    kube-proxy runs, kpng's ``conntrack``): for the first sync, and per change;
-4. **peak RSS** of the process (VmHWM).
+4. **peak RSS** of the process (VmHWM);
+5. **connect latency** (after the first sync, before the changes): ``--connects`` TCP connects
+   from the proxy's namespace (the node itself) to the ClusterIPs of ``CONNECT_TARGETS`` services,
+   whose 10 endpoint addresses are made local there with a listener behind them; p50 and p99 of
+   the time ``connect()`` takes. Every connection's first packet crosses the proxy's rules:
+   iptables' KUBE-SERVICES is a list of a rule per service port, nftables' a map lookup.
 
 Ratios kpng / kube-proxy follow each size (targets at 10k: first sync <= 0.5, change -> rules
 <= 0.2, RSS and CPU per change <= 1). Every wait is bounded; namespaces, processes and the
 control plane are removed at the end, also on failure.
 
-    python bench/bench_kube_proxy.py [--sizes 1000,10000] [--changes 10]
+    python bench/bench_kube_proxy.py [--mode nftables|iptables] [--sizes 100,1000,10000]
+        [--changes 10] [--connects 2000]
 """
 
 from __future__ import annotations
@@ -65,10 +73,13 @@ CHANGE_TIMEOUT_S = 300.0
 CHANGE_GAP_S = 1.5
 TICK = os.sysconf("SC_CLK_TCK")
 
+CONNECT_TARGETS = 5
+"""Services connected to, taken at random: where a service sits in iptables' list matters."""
+
 CONFIG = """\
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
-mode: nftables
+mode: {mode}
 clientConnection:
   kubeconfig: {kubeconfig}
 hostnameOverride: {node}
@@ -76,7 +87,7 @@ bindAddress: {ns_ip}
 metricsBindAddress: {ns_ip}:10249
 healthzBindAddress: {ns_ip}:10256
 clusterCIDR: 10.128.0.0/9
-nftables:
+{mode}:
   minSyncPeriod: 1s
 conntrack:
   maxPerCore: 0
@@ -166,6 +177,88 @@ class Figures:
     change_ms: list[float]
     cpu_per_change_s: float
     rss_mib: float
+    connect_us: list[float]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ClusterIP service port to connect to, and its endpoints' addresses and port."""
+
+    cluster_ip: str
+    port: int
+    endpoints: tuple[str, ...]
+    endpoint_port: int
+
+
+PROBE = """
+import json, socket, sys, threading, time
+targets, count = json.loads(sys.argv[1]), int(sys.argv[2])
+for port in {t[2] for t in targets}:
+    listener = socket.create_server(("0.0.0.0", port), backlog=4096, reuse_port=True)
+    def serve(listener=listener):
+        while True:
+            listener.accept()[0].close()
+    threading.Thread(target=serve, daemon=True).start()
+took = []
+for i in range(count + 200):
+    ip, port, _ = targets[i % len(targets)]
+    client = socket.socket()
+    client.settimeout(5)
+    started = time.perf_counter_ns()
+    client.connect((ip, port))
+    if i >= 200:  # the first ones warm caches up
+        took.append((time.perf_counter_ns() - started) / 1000)
+    client.close()
+print(json.dumps(took))
+"""
+"""Run in the proxy's namespace: listeners on the endpoints' port, then timed connects."""
+
+
+def connect_latencies(netns: str, targets: list[Target], count: int) -> list[float]:
+    """Microseconds each connect to the targets' ClusterIPs took, from the proxy's namespace
+    (the node), with the targets' endpoint addresses local there (on a bridge of their own)."""
+    inside = ("ip", "netns", "exec", netns)
+    _run(*inside, "ip", "link", "add", "kpkp-ep", "type", "bridge")
+    _run(*inside, "ip", "link", "set", "kpkp-ep", "up")
+    for address in sorted({a for t in targets for a in t.endpoints}):
+        _run(*inside, "ip", "addr", "add", f"{address}/32", "dev", "kpkp-ep")
+    spec = [[t.cluster_ip, t.port, t.endpoint_port] for t in targets]
+    done = subprocess.run(
+        [*inside, sys.executable, "-c", PROBE, msgspec.json.encode(spec).decode(), str(count)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    _run(*inside, "ip", "link", "del", "kpkp-ep")
+    if done.returncode != 0:
+        raise RuntimeError(f"the connect probe failed: {done.stderr.strip()}")
+    return list(msgspec.json.decode(done.stdout))
+
+
+def connect_targets(api: KubeApi, slices: list[Obj]) -> list[Target]:
+    """``CONNECT_TARGETS`` single-port TCP ClusterIP services whose 10 endpoints are all
+    ready, at random (the same ones for both proxies); their ClusterIPs as the API server
+    allocated them."""
+    rng = random.Random(7)
+    found: list[Target] = []
+    for s in rng.sample(_candidates(slices), len(slices) // 2 or 1):
+        if len(found) == CONNECT_TARGETS:
+            break
+        meta = s["metadata"]
+        service = api.get(
+            "Service", meta["namespace"], meta["labels"]["kubernetes.io/service-name"]
+        )
+        spec = service["spec"]
+        if spec["type"] != "ClusterIP" or len(spec["ports"]) != 1 or len(s["ports"]) != 1:
+            continue
+        if spec["ports"][0].get("protocol", "TCP") != "TCP":
+            continue
+        endpoints = tuple(a for e in s["endpoints"] for a in e["addresses"])
+        found.append(
+            Target(spec["clusterIP"], spec["ports"][0]["port"], endpoints, s["ports"][0]["port"])
+        )
+    return found
 
 
 def _candidates(slices: list[Obj]) -> list[Obj]:
@@ -182,7 +275,14 @@ def _candidates(slices: list[Obj]) -> list[Obj]:
 
 
 def measure(
-    name: str, argv: list[str], plane: ControlPlane, slices: list[Obj], changes: int, log: Path
+    name: str,
+    argv: list[str],
+    plane: ControlPlane,
+    slices: list[Obj],
+    changes: int,
+    log: Path,
+    targets: list[Target],
+    connects: int,
 ) -> Figures:
     netns = f"kpng-kp-{os.getpid()}"
     with namespace(netns), log.open("wb") as out:
@@ -201,10 +301,17 @@ def measure(
                 raise RuntimeError(f"{name} exited with {proc.returncode}: see {log}")
             first = time.monotonic() - started
             first_cpu = cpu_seconds(proc.pid)
+            connect = connect_latencies(netns, targets, connects) if connects else []
+            before_changes = cpu_seconds(proc.pid)
             latencies = _changes(plane, slices, changes)
             cpu = cpu_seconds(proc.pid)
             return Figures(
-                first, first_cpu, latencies, (cpu - first_cpu) / changes, peak_rss_mib(proc.pid)
+                first,
+                first_cpu,
+                latencies,
+                (cpu - before_changes) / changes,
+                peak_rss_mib(proc.pid),
+                connect,
             )
         finally:
             proc.terminate()
@@ -259,8 +366,19 @@ def _changes(plane: ControlPlane, slices: list[Obj], count: int) -> list[float]:
     return out
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def run_size(
-    services: int, changes: int, kube_proxy: Path, workdir: Path, verbosity: list[str]
+    services: int,
+    changes: int,
+    connects: int,
+    mode: str,
+    kube_proxy: Path,
+    workdir: Path,
+    verbosity: list[str],
 ) -> None:
     document = synthetic.generate(services)
     items: list[Obj] = document["items"]
@@ -278,13 +396,16 @@ def run_size(
             status = {"status": {"addresses": [{"type": "InternalIP", "address": NS_IP}]}}
             path = f"/api/v1/nodes/{NODE}/status"
             api.request("PATCH", path, status, "application/merge-patch+json")
+            targets = connect_targets(api, slices)
         finally:
             api.close()
         print(
             f"\n{services} services x 10 endpoints: {len(items)} objects filled in {seconds:.0f} s"
         )
         config = workdir / f"config-{services}.yaml"
-        config.write_text(CONFIG.format(kubeconfig=plane.kubeconfig, node=NODE, ns_ip=NS_IP))
+        config.write_text(
+            CONFIG.format(kubeconfig=plane.kubeconfig, node=NODE, ns_ip=NS_IP, mode=mode)
+        )
         proxies = {
             "kube-proxy": [str(kube_proxy), "--config", str(config), *verbosity],
             "kpng": [sys.executable, "-m", "kpng", "kube-proxy", "--config", str(config)],
@@ -292,29 +413,36 @@ def run_size(
         figures = {}
         for name, argv in proxies.items():
             log = workdir / f"{name}-{services}.log"
-            figures[name] = f = measure(name, argv, plane, slices, changes, log)
+            figures[name] = f = measure(name, argv, plane, slices, changes, log, targets, connects)
             print(
                 f"   {name:10}  first sync {f.first_sync_s:6.2f} s "
                 f"({f.first_sync_cpu_s:5.2f} CPU s)"
                 f"   change -> rules median {statistics.median(f.change_ms):7.1f} ms, worst "
                 f"{max(f.change_ms):7.1f} ms   CPU per change {f.cpu_per_change_s * 1000:6.1f} ms"
-                f"   peak RSS {f.rss_mib:6.0f} MiB",
+                f"   peak RSS {f.rss_mib:6.0f} MiB   connect p50 "
+                f"{_percentile(f.connect_us, 0.5):6.1f} us, p99 "
+                f"{_percentile(f.connect_us, 0.99):6.1f} us",
                 flush=True,
             )
         k, p = figures["kpng"], figures["kube-proxy"]
         change = statistics.median(k.change_ms) / statistics.median(p.change_ms)
+        connect = _percentile(k.connect_us, 0.5) / _percentile(p.connect_us, 0.5)
         print(
             f"   kpng / kube-proxy: first sync {k.first_sync_s / p.first_sync_s:.2f}x, "
             f"change -> rules {change:.2f}x"
             f", CPU per change {k.cpu_per_change_s / max(p.cpu_per_change_s, 1e-9):.2f}x, "
-            f"peak RSS {k.rss_mib / p.rss_mib:.2f}x"
+            f"peak RSS {k.rss_mib / p.rss_mib:.2f}x, connect p50 {connect:.2f}x"
         )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")])
+    parser.add_argument("--mode", choices=("nftables", "iptables"), default="nftables")
     parser.add_argument("--changes", type=int, default=10)
+    parser.add_argument(
+        "--connects", type=int, default=2000, help="timed connects per proxy (0: none)"
+    )
     parser.add_argument("--logs", type=Path, help="keep the proxies' logs and configs here")
     parser.add_argument(
         "--verbose", action="store_true", help="kube-proxy at -v=4 (skews its figures)"
@@ -323,12 +451,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = args.sizes or [1000, 10000]
     kube_proxy = ensure_programs(["kube-proxy"])["kube-proxy"]
     version = subprocess.run([str(kube_proxy), "--version"], capture_output=True, text=True)
-    print(f"{version.stdout.strip()} against kpng, load average {os.getloadavg()[0]:.2f}")
+    iptables = subprocess.run(["iptables", "--version"], capture_output=True, text=True)
+    print(
+        f"{version.stdout.strip()} against kpng, {args.mode} mode "
+        f"({iptables.stdout.strip()}), load average {os.getloadavg()[0]:.2f}"
+    )
     with tempfile.TemporaryDirectory(prefix="kpng-bench-kp-") as tmp:
         workdir = args.logs or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         for size in sizes:
-            run_size(size, args.changes, kube_proxy, workdir, ["-v", "4"] if args.verbose else [])
+            verbosity = ["-v", "4"] if args.verbose else []
+            run_size(size, args.changes, args.connects, args.mode, kube_proxy, workdir, verbosity)
     return 0
 
 
