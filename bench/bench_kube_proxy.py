@@ -32,8 +32,8 @@ Ratios kpng / kube-proxy follow each size (targets at 10k: first sync <= 0.5, ch
 <= 0.2, RSS and CPU per change <= 1). Every wait is bounded; namespaces, processes and the
 control plane are removed at the end, also on failure.
 
-    python bench/bench_kube_proxy.py [--mode nftables|iptables] [--sizes 100,1000,10000]
-        [--changes 10] [--connects 2000]
+    python bench/bench_kube_proxy.py [--mode nftables|iptables] [--iptables nft|legacy]
+        [--sizes 100,1000,10000] [--changes 10] [--connects 2000] [--first-sync-timeout 900]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +69,7 @@ VETH_HOST_IP, NS_IP = "10.252.78.1", "10.252.78.2"
 """The veth pair between this namespace and the proxy's."""
 METRICS = f"http://{NS_IP}:10249/metrics"
 FIRST_SYNC_TIMEOUT_S = 900.0
+"""The default of ``--first-sync-timeout``: a proxy slower than that is reported as such."""
 CHANGE_TIMEOUT_S = 300.0
 CHANGE_GAP_S = 1.5
 TICK = os.sysconf("SC_CLK_TCK")
@@ -283,20 +284,33 @@ def measure(
     log: Path,
     targets: list[Target],
     connects: int,
-) -> Figures:
+    first_sync_timeout: float,
+    env: Mapping[str, str],
+) -> Figures | None:
+    """The proxy's figures; None if its first sync took longer than ``first_sync_timeout``."""
     netns = f"kpng-kp-{os.getpid()}"
     with namespace(netns), log.open("wb") as out:
         started = time.monotonic()
-        proc = subprocess.Popen(["ip", "netns", "exec", netns, *argv], stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", netns, *argv], stdout=out, stderr=out, env=env
+        )
         try:
-            wait_for(
-                lambda: (
-                    scrape().get("kubeproxy_sync_proxy_rules_last_timestamp_seconds", 0) > 0
-                    or proc.poll() is not None
-                ),
-                FIRST_SYNC_TIMEOUT_S,
-                f"{name}'s first sync",
-            )
+            try:
+                wait_for(
+                    lambda: (
+                        scrape().get("kubeproxy_sync_proxy_rules_last_timestamp_seconds", 0) > 0
+                        or proc.poll() is not None
+                    ),
+                    first_sync_timeout,
+                    f"{name}'s first sync",
+                )
+            except TimeoutError:
+                print(
+                    f"   {name:10}  no first sync within {first_sync_timeout:.0f} s "
+                    f"({cpu_seconds(proc.pid):.0f} CPU s spent); see {log}",
+                    flush=True,
+                )
+                return None
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}: see {log}")
             first = time.monotonic() - started
@@ -376,6 +390,8 @@ def run_size(
     changes: int,
     connects: int,
     mode: str,
+    first_sync_timeout: float,
+    env: Mapping[str, str],
     kube_proxy: Path,
     workdir: Path,
     verbosity: list[str],
@@ -413,7 +429,12 @@ def run_size(
         figures = {}
         for name, argv in proxies.items():
             log = workdir / f"{name}-{services}.log"
-            figures[name] = f = measure(name, argv, plane, slices, changes, log, targets, connects)
+            measured = measure(
+                name, argv, plane, slices, changes, log, targets, connects, first_sync_timeout, env
+            )
+            if measured is None:
+                continue
+            figures[name] = f = measured
             print(
                 f"   {name:10}  first sync {f.first_sync_s:6.2f} s "
                 f"({f.first_sync_cpu_s:5.2f} CPU s)"
@@ -424,6 +445,8 @@ def run_size(
                 f"{_percentile(f.connect_us, 0.99):6.1f} us",
                 flush=True,
             )
+        if len(figures) < 2:
+            return
         k, p = figures["kpng"], figures["kube-proxy"]
         change = statistics.median(k.change_ms) / statistics.median(p.change_ms)
         connect = _percentile(k.connect_us, 0.5) / _percentile(p.connect_us, 0.5)
@@ -435,11 +458,37 @@ def run_size(
         )
 
 
+def _variant_bin(variant: str, workdir: Path) -> Path:
+    """A directory where ``iptables``, ``ip6tables`` and their -save and -restore are
+    ``variant``'s (xtables-*-multi tells the command by its name), put first in both proxies'
+    PATH: the node's alternative stays as it is."""
+    directory = workdir / f"iptables-{variant}"
+    directory.mkdir(exist_ok=True)
+    for name in ("iptables", "ip6tables"):
+        for suffix in ("", "-save", "-restore"):
+            link = directory / f"{name}{suffix}"
+            link.unlink(missing_ok=True)
+            link.symlink_to(f"/usr/sbin/xtables-{variant}-multi")
+    return directory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")])
     parser.add_argument("--mode", choices=("nftables", "iptables"), default="nftables")
+    parser.add_argument(
+        "--iptables",
+        choices=("nft", "legacy"),
+        help="in iptables mode, the variant both proxies find as `iptables` (default: the "
+        "node's alternative)",
+    )
     parser.add_argument("--changes", type=int, default=10)
+    parser.add_argument(
+        "--first-sync-timeout",
+        type=float,
+        default=FIRST_SYNC_TIMEOUT_S,
+        help="seconds a proxy may take for its first sync before it is reported as too slow",
+    )
     parser.add_argument(
         "--connects", type=int, default=2000, help="timed connects per proxy (0: none)"
     )
@@ -451,17 +500,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = args.sizes or [1000, 10000]
     kube_proxy = ensure_programs(["kube-proxy"])["kube-proxy"]
     version = subprocess.run([str(kube_proxy), "--version"], capture_output=True, text=True)
-    iptables = subprocess.run(["iptables", "--version"], capture_output=True, text=True)
-    print(
-        f"{version.stdout.strip()} against kpng, {args.mode} mode "
-        f"({iptables.stdout.strip()}), load average {os.getloadavg()[0]:.2f}"
-    )
     with tempfile.TemporaryDirectory(prefix="kpng-bench-kp-") as tmp:
         workdir = args.logs or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if args.iptables:
+            env["PATH"] = f"{_variant_bin(args.iptables, workdir)}:{env['PATH']}"
+        iptables = subprocess.run(
+            ["iptables", "--version"], capture_output=True, text=True, env=env
+        )
+        print(
+            f"{version.stdout.strip()} against kpng, {args.mode} mode "
+            f"({iptables.stdout.strip()}), load average {os.getloadavg()[0]:.2f}"
+        )
         for size in sizes:
             verbosity = ["-v", "4"] if args.verbose else []
-            run_size(size, args.changes, args.connects, args.mode, kube_proxy, workdir, verbosity)
+            run_size(
+                size,
+                args.changes,
+                args.connects,
+                args.mode,
+                args.first_sync_timeout,
+                env,
+                kube_proxy,
+                workdir,
+                verbosity,
+            )
     return 0
 
 

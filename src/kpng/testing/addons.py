@@ -37,9 +37,11 @@ def _deploy_file(name: str) -> str:
     return path.read_text()
 
 
-def deploy_kpng(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
-    """deploy/rbac.yaml and deploy/kpng.yaml, applied as the operator would; returns once
-    every node's kpng pod is Ready."""
+def deploy_kpng(
+    cluster: RealCluster, image: str, *, mode: str = "nftables", timeout_s: int = 180
+) -> None:
+    """deploy/rbac.yaml and deploy/kpng.yaml, applied as the operator would (with kube-proxy's
+    ``mode`` in its configuration); returns once every node's kpng pod is Ready."""
     manifest = render(
         _deploy_file("kpng.yaml"),
         {
@@ -53,6 +55,8 @@ def deploy_kpng(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> No
     sized = "      maxPerCore: null\n"
     assert sized in manifest, "deploy/kpng.yaml no longer sets conntrack.maxPerCore"
     manifest = manifest.replace(sized, "      maxPerCore: 0\n")
+    assert "    mode: nftables\n" in manifest, "deploy/kpng.yaml no longer says mode: nftables"
+    manifest = manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
     cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
     cluster.kubectl("apply", "-f", "-", input=manifest)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)
@@ -63,13 +67,13 @@ def wait_rollout(cluster: RealCluster, workload: str, timeout_s: int) -> None:
     cluster.kubectl("-n", "kube-system", "rollout", "status", workload, f"--timeout={timeout_s}s")
 
 
-def kube_proxy_manifests(server: str, image: str) -> str:
-    """kubeadm's kube-proxy add-on, in nftables mode: its ServiceAccount and RBAC, a ConfigMap
-    with a KubeProxyConfiguration and a kubeconfig, and a privileged DaemonSet."""
+def kube_proxy_manifests(server: str, image: str, mode: str = "nftables") -> str:
+    """kubeadm's kube-proxy add-on, in ``mode``: its ServiceAccount and RBAC, a ConfigMap with a
+    KubeProxyConfiguration and a kubeconfig, and a privileged DaemonSet."""
     config = {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
-        "mode": "nftables",
+        "mode": mode,
         "clusterCIDR": CLUSTER_CIDR,
         "clientConnection": {"kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf"},
         "healthzBindAddress": "0.0.0.0:10256",
@@ -180,8 +184,11 @@ def kube_proxy_manifests(server: str, image: str) -> str:
     return yaml.safe_dump_all(documents, sort_keys=False)
 
 
-def deploy_kube_proxy(cluster: RealCluster, image: str, *, timeout_s: int = 180) -> None:
-    cluster.kubectl("apply", "-f", "-", input=kube_proxy_manifests(cluster.server, image))
+def deploy_kube_proxy(
+    cluster: RealCluster, image: str, *, mode: str = "nftables", timeout_s: int = 180
+) -> None:
+    manifest = kube_proxy_manifests(cluster.server, image, mode)
+    cluster.kubectl("apply", "-f", "-", input=manifest)
     wait_rollout(cluster, "daemonset/kube-proxy", timeout_s)
 
 

@@ -2,6 +2,7 @@
 
     python -m kpng.testing.e2e                      # kpng, then kube-proxy: ~15 min each
     python -m kpng.testing.e2e --proxy kpng --focus 'should serve a basic endpoint'
+    python -m kpng.testing.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
 
 Each run starts a ``RealCluster`` (``kpng.testing.nodes``), imports the locally built images into
 its nodes, deploys the proxy and CoreDNS, runs ``e2e.test`` (built from ``k8s.io/kubernetes``'
@@ -161,16 +162,19 @@ def run_suite(
     return report
 
 
-def start_cluster(proxy: str, nodes: int = 2, *, with_dns: bool = True) -> RealCluster:
-    """A started cluster with ``proxy`` (and CoreDNS) deployed and Ready."""
+def start_cluster(
+    proxy: str, nodes: int = 2, *, mode: str = "nftables", with_dns: bool = True
+) -> RealCluster:
+    """A started cluster with ``proxy`` (and CoreDNS) deployed and Ready, in kube-proxy's
+    ``mode`` (kpng: to-nft for nftables, to-iptables for iptables)."""
     archives = images.node_images(with_kube_proxy=proxy == "kube-proxy")
     cluster = RealCluster(nodes=nodes, images=archives, pause_image=images.pause_reference())
     cluster.start()
     try:
         if proxy == "kpng":
-            addons.deploy_kpng(cluster, images.KPNG_REFERENCE)
+            addons.deploy_kpng(cluster, images.KPNG_REFERENCE, mode=mode)
         else:
-            addons.deploy_kube_proxy(cluster, images.kube_proxy_reference())
+            addons.deploy_kube_proxy(cluster, images.kube_proxy_reference(), mode=mode)
         if with_dns:
             addons.deploy_coredns(cluster, images.COREDNS_REFERENCE)
     except BaseException:
@@ -221,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         help="the proxy to test; repeat for several (default: kpng, then kube-proxy)",
     )
+    parser.add_argument(
+        "--mode",
+        choices=("nftables", "iptables"),
+        default="nftables",
+        help="kube-proxy's proxy mode, in both proxies' configuration",
+    )
     parser.add_argument("--focus", default=PROXY_FOCUS, help="ginkgo focus regexp")
     parser.add_argument("--skip", default=PROXY_SKIP, help="ginkgo skip regexp")
     parser.add_argument("--smoke", action="store_true", help=f"focus on {SMOKE_FOCUS!r}")
@@ -237,8 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     try:
         for proxy in args.proxy or PROXIES:
-            log.info("e2e with %s: starting a cluster", proxy)
-            cluster = start_cluster(proxy)
+            log.info("e2e with %s in %s mode: starting a cluster", proxy, args.mode)
+            cluster = start_cluster(proxy, mode=args.mode)
             try:
                 report = run_suite(
                     cluster,

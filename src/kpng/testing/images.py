@@ -108,9 +108,18 @@ def kube_proxy_reference() -> str:
     return f"{LOCAL_REGISTRY}/kube-proxy:{kubernetes_release()}"
 
 
-KPNG_PACKAGES = ("python3", "nftables", "libnftables1", "conntrack", "iproute2", "ca-certificates")
-"""What kpng runs with: Python, libnftables (to-nft, in process) and nft, conntrack (UDP
-cleanup), iproute2 for whoever debugs the node from the pod."""
+KPNG_PACKAGES = (
+    "python3",
+    "nftables",
+    "libnftables1",
+    "iptables",
+    "conntrack",
+    "iproute2",
+    "ca-certificates",
+)
+"""What kpng runs with: Python, libnftables (to-nft, in process) and nft, iptables (to-iptables:
+kube-proxy's iptables mode), conntrack (UDP cleanup), iproute2 for whoever debugs the node from
+the pod."""
 
 AGNHOST_PACKAGES = (
     # What upstream's agnhost image adds to Alpine, in Debian's names, and wget: Alpine's is
