@@ -88,6 +88,9 @@ def test_syncs_restart_and_cleanup_keep_to_kpngs_own_chains(netns: str, variant:
         await backend.close()
         restarted = _backend(netns, variant)
         await restarted.apply(states.state(3, {"db": db}))
+        # The jumps it found in place are not inserted twice.
+        portal = '-A PREROUTING -m comment --comment "kubernetes service portals"'
+        assert _save(netns, variant).count(portal) == 1
         assert not any(c.startswith("KUBE-SEP-") and c != db_sep for c in _chains(netns, variant))
         assert await cleanup(prefix=("ip", "netns", "exec", netns))
 

@@ -3,7 +3,9 @@ and the conformance suite run them)."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 
 import msgspec
 import pytest
@@ -210,3 +212,12 @@ def test_a_partial_plan_declares_only_the_shared_chains_whose_rules_change() -> 
     # Every service's lines, not only db's: the chain is flushed and refilled.
     assert any(line.startswith("-A KUBE-SERVICES") and "ns/web" in line for line in lines)
     assert ":KUBE-NODEPORTS - [0:0]" not in lines
+
+
+@pytest.mark.parametrize(
+    "parts", [("ns/web:http", "tcp"), ("ns/web:p", "udp", "10.244.1.2:8080"), ("",), ("é" * 40,)]
+)
+def test_chain_names_are_kube_proxys_base32_of_a_sha256(parts: tuple[str, ...]) -> None:
+    digest = hashlib.sha256("".join(parts).encode()).digest()
+    expected = "KUBE-SVC-" + base64.b32encode(digest).decode()[:16]
+    assert chain_name("KUBE-SVC-", *parts) == expected

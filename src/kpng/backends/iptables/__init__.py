@@ -36,7 +36,7 @@ from kpng.backends._node import (
 )
 from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
 from kpng.backends.iptables.restore import FamilyTables
-from kpng.backends.iptables.rules import Contribution, contribute
+from kpng.backends.iptables.rules import JUMPS, Contribution, contribute
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
 from kpng.errors import object_name
 from kpng.model.cluster import ServiceKey
@@ -213,30 +213,31 @@ class IptablesBackend:
         assert self._iptables is not None
         while True:
             await asyncio.sleep(self._sync_period)
-            async with self._lock:
-                try:
-                    await self._check_rules(self._iptables)
-                except IptablesError as exc:
-                    log.error(
-                        "resync of the rules failed: %s; retrying in %gs", exc, self._sync_period
-                    )
+            try:
+                # Checked without the lock: a sync meanwhile removes no jump.
+                reason = await self._resync_reason(self._iptables)
+                if reason is None:
+                    continue
+                async with self._lock:
+                    if self.pending_since is None:
+                        log.warning("rewriting every rule: %s", reason)
+                        await self._sync_families({f: {} for f in self._families}, full=True)
+                        self._syncs.synced(revision=self._revision)
+            except IptablesError as exc:
+                log.error("resync of the rules failed: %s; retrying in %gs", exc, self._sync_period)
 
-    async def _check_rules(self, iptables: Iptables) -> None:
+    async def _resync_reason(self, iptables: Iptables) -> str | None:
         if self.pending_since is not None:
-            return
+            return None
         if self._needs_full:
-            reason = "the last resync failed"
-        elif self._clock() - self._last_full >= self._full_sync_period:
-            reason = "the hourly full resync"
-        else:
-            missing = [fam for fam in self._families if not await iptables.jumps_present(fam)]
-            if not missing:
-                return
-            gone = "/".join(missing)
-            reason = f"another program removed kpng's jumps from the {gone} built-in chains"
-        log.warning("rewriting every rule: %s", reason)
-        await self._sync_families({fam: {} for fam in self._families}, full=True)
-        self._syncs.synced(revision=self._revision)
+            return "the last resync failed"
+        if self._clock() - self._last_full >= self._full_sync_period:
+            return "the hourly full resync"
+        missing = [fam for fam in self._families if set(JUMPS) - await iptables.jumps(fam)]
+        if not missing:
+            return None
+        gone = "/".join(missing)
+        return f"another program removed kpng's jumps from the {gone} built-in chains"
 
     async def _sync(
         self, fam: Fam, changes: Mapping[ServiceKey, Contribution | None], *, full: bool
@@ -249,12 +250,13 @@ class IptablesBackend:
                 self._output.flush()
             tables.commit(changes, plan)
             return
-        present = await self._iptables.chains(fam, "nat") if full else None
-        plan = tables.plan(changes, present=present)
+        present, missing = None, set()
+        if full:
+            present = await self._iptables.chains(fam, "nat")
+            missing = set(JUMPS) - await self._iptables.jumps(fam)
+        plan = tables.plan(changes, present=present, missing_jumps=missing)
         if plan.text:
             await self._iptables.restore(fam, plan.text)
-        if full:
-            await self._iptables.ensure_jumps(fam)
         tables.commit(changes, plan)
         log.debug(
             "%s: a %s restore of %d rules (%d service chains written, %d deleted)",

@@ -24,6 +24,7 @@ from kpng.backends.iptables.rules import (
     SERVICE_CHAIN_PREFIXES,
     SHARED_CHAINS,
     TABLES,
+    Jump,
 )
 from kpng.errors import KpngError
 
@@ -90,29 +91,21 @@ class Iptables:
             raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
         return {line[1:].split()[0] for line in out.splitlines() if line.startswith(":")}
 
-    async def ensure_jumps(self, fam: Fam) -> None:
-        """The jumps from the built-in chains to kpng's, inserted first where missing (in
-        reverse, so that they end up in ``JUMPS``' order)."""
+    async def jumps(self, fam: Fam) -> set[Jump]:
+        """Which of ``JUMPS`` are in the built-in chains (``iptables -S`` of each chain: with
+        iptables-legacy every command reads the whole table, so one per chain rather than an
+        ``-C`` per jump). A missing jump is kube-proxy's canary: another program flushed the
+        built-in chains or deleted the KUBE- ones (a firewall reload, ``iptables -F -X``)."""
+        found: set[Jump] = set()
         base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
-        for table, chain, rule in reversed(JUMPS):
-            spec = shlex.split(rule)
-            rc, _, _ = await _run([*base, "-t", table, "-C", chain, *spec])
-            if rc == 0:
-                continue
-            rc, _, err = await _run([*base, "-t", table, "-I", chain, "1", *spec])
+        for table, chain in sorted({(t, c) for t, c, _ in JUMPS}):
+            rc, out, err = await _run([*base, "-t", table, "-S", chain])
             if rc != 0:
-                raise IptablesError(f"cannot add the jump {table} {chain} {rule}: {err.strip()}")
-
-    async def jumps_present(self, fam: Fam) -> bool:
-        """Whether every jump to kpng's chains is in place: kube-proxy's canary, in one check.
-        Another program flushing the built-in chains or deleting the KUBE- ones (a firewall
-        reload, ``iptables -F -X``) takes a jump with it."""
-        base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
-        for table, chain, rule in JUMPS:
-            rc, _, _ = await _run([*base, "-t", table, "-C", chain, *shlex.split(rule)])
-            if rc != 0:
-                return False
-        return True
+                raise IptablesError(f"cannot list {table} {chain}: {err.strip()}")
+            head = f"-A {chain} "
+            rules = {line[len(head) :] for line in out.splitlines() if line.startswith(head)}
+            found.update(j for j in JUMPS if j[:2] == (table, chain) and j[2] in rules)
+        return found
 
     async def remove(self, fam: Fam) -> bool:
         """Remove the jumps and every chain of kpng's layout; True if there were any. Chains

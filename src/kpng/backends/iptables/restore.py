@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from kpng.backends._endpoints import EndpointValue
 from kpng.backends._node import Fam, Options
 from kpng.backends.iptables.rules import (
+    JUMPS,
     SERVICE_CHAIN_PREFIXES,
     SHARED_CHAINS,
     TABLES,
     ChainKey,
     Contribution,
+    Jump,
     skeleton,
     tail,
 )
@@ -61,9 +63,12 @@ class FamilyTables:
         new: Mapping[ServiceKey, Contribution | None],
         *,
         present: Collection[str] | None = None,
+        missing_jumps: Collection[Jump] = (),
     ) -> Plan:
         """The input that replaces the contributions of the services in ``new`` (None: the
-        service goes). ``present``, the nat chains the kernel holds, makes it a full sync."""
+        service goes). ``present``, the nat chains the kernel holds, makes it a full sync;
+        ``missing_jumps`` (of a full sync) are inserted first in their built-in chains, in the
+        same transaction as the chains they jump to."""
         full = present is not None
         if not full and all(self.contributions.get(key) == c for key, c in new.items()):
             # Nothing of this family changes (the v6 tables when a v4 slice changed, or an
@@ -95,7 +100,7 @@ class FamilyTables:
         shared = _shared(self.fam, self.options, contributions)
         if not full:
             shared = {k: rules for k, rules in shared.items() if self.shared.get(k) != rules}
-        text, rules = _render(shared, write, delete)
+        text, rules = _render(shared, write, delete, missing_jumps)
         return Plan(text, full, written=len(write), deleted=len(delete), rules=rules, shared=shared)
 
     def commit(
@@ -144,8 +149,11 @@ def _render(
     shared: Mapping[ChainKey, tuple[str, ...]],
     write: Mapping[ChainKey, tuple[str, ...]],
     delete: Iterable[ChainKey],
+    missing_jumps: Collection[Jump] = (),
 ) -> tuple[str, int]:
     deleting = sorted(delete)
+    # Each inserted first, in reverse: they end up in JUMPS' order, before other software's.
+    inserts = [j for j in reversed(JUMPS) if j in missing_jumps]
     lines: list[str] = []
     count = 0
     for table in TABLES:
@@ -163,5 +171,6 @@ def _render(
                 lines += [f"-A {chain} {rule}" for rule in own_rules]
                 count += len(own_rules)
         lines += [f"-X {chain}" for t, chain in deleting if t == table]
+        lines += [f"-I {chain} 1 {rule}" for t, chain, rule in inserts if t == table]
         lines.append("COMMIT")
     return "\n".join(lines) + "\n", count
