@@ -1,12 +1,13 @@
 """to-iptables: the node-local state as kube-proxy's iptables rules, synced incrementally.
 
 The layout is kube-proxy's (``rules.py``); each sync is one ``iptables-restore --noflush`` per
-family that rewrites the shared chains and only the chains of the services that changed
-(``restore.py``), as kube-proxy has done since 1.28. The first sync, and the one after a
-failure or a change of the node's options, is full: every chain is rewritten and the service
-chains the kernel holds but kpng no longer wants are deleted. A refused restore changes nothing
-(iptables-restore commits a table whole or not at all), fails ``apply``, and kpng's Feeder
-retries with a full sync.
+family that rewrites only the chains whose rules change (``restore.py``): the changed services'
+own, and a shared chain only when a line of it changes. The first sync, the one after a
+failure or a change of the node's options, and one an hour are full: every chain is rewritten,
+missing jumps are inserted, and the service chains the kernel holds but kpng no longer wants
+are deleted. Every sync period the jumps are checked, as kube-proxy's canary. A refused
+restore changes nothing (iptables-restore commits a table whole or not at all), fails
+``apply``, and kpng's Feeder retries with a full sync.
 """
 
 from __future__ import annotations

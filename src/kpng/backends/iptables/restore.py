@@ -4,9 +4,10 @@ the kernel to it (pure: no I/O).
 ``--noflush`` leaves every chain the input does not name as it is: that is how other software's
 rules survive, and how a partial sync (kube-proxy's since 1.28) rewrites only what changed. A
 chain declared in the input (``:KUBE-SVC-... - [0:0]``) is flushed and refilled; one declared and
-then ``-X``ed is deleted. Each sync declares the shared chains (which hold every service's rules)
-and the chains of the services that changed; a full sync (at start, after a failure) declares
-every chain it wants and deletes every service chain the kernel holds but it does not.
+then ``-X``ed is deleted. Each sync declares the chains of the services that changed and the
+shared chains (which hold every service's rules) whose rules change; a full sync (at start,
+after a failure) declares every chain it wants and deletes every service chain the kernel holds
+but it does not.
 """
 
 from __future__ import annotations
