@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack, stale_filters
-from kpng.backends._endpoints import EndpointValue
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._node import (
     FAMILIES,
@@ -36,8 +35,8 @@ from kpng.backends._node import (
     options_from_args,
 )
 from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
-from kpng.backends.iptables.restore import FamilyTables
-from kpng.backends.iptables.rules import JUMPS, Contribution, contribute
+from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
+from kpng.backends.iptables.rules import Contribution, contribute
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
 from kpng.errors import object_name
 from kpng.model.cluster import ServiceKey
@@ -50,7 +49,6 @@ UNHEALTHY_AFTER_S = 60.0
 FULL_SYNC_PERIOD_S = 3600.0
 """kube-proxy's: a full resync every hour, for edits to kpng's chains that no check sees."""
 
-Frontends = dict[tuple[str, str], frozenset[EndpointValue]]
 Changes = dict[Fam, dict[ServiceKey, Contribution | None]]
 
 
@@ -145,11 +143,7 @@ class IptablesBackend:
                 f"{exc} (the {kind} sync was refused; the previous rules stay, and a "
                 "full resync follows)"
             ) from exc
-        for key, se in sources.items():
-            if se is None:
-                self._recorded.pop(key, None)
-            else:
-                self._recorded[key] = se
+        put_all(self._recorded, sources)
         self._revision = state.revision
         self._syncs.synced(revision=state.revision)
         self.pending_since = None
@@ -234,7 +228,7 @@ class IptablesBackend:
             return "the last resync failed"
         if self._clock() - self._last_full >= self._full_sync_period:
             return "the hourly full resync"
-        missing = [fam for fam in self._families if set(JUMPS) - await iptables.jumps(fam)]
+        missing = [fam for fam in self._families if await iptables.missing_jumps(fam)]
         if not missing:
             return None
         gone = "/".join(missing)
@@ -254,7 +248,7 @@ class IptablesBackend:
         present, missing = None, set()
         if full:
             present = await self._iptables.chains(fam, "nat")
-            missing = set(JUMPS) - await self._iptables.jumps(fam)
+            missing = await self._iptables.missing_jumps(fam)
         plan = tables.plan(changes, present=present, missing_jumps=missing)
         if plan.text:
             await self._iptables.restore(fam, plan.text)
@@ -287,10 +281,9 @@ class IptablesBackend:
         sync, as kube-proxy at start)."""
         if self._conntrack is None or only == set():
             return
-        frontends: Frontends = {}
-        for tables in self.tables.values():
-            for front, serving in tables.udp_frontends().items():
-                frontends[front] = frontends.get(front, frozenset()) | serving
+        frontends = udp_frontends(
+            c for tables in self.tables.values() for c in tables.contributions.values()
+        )
         if not frontends:
             return
         flows = await self._conntrack.udp_flows()

@@ -91,12 +91,12 @@ class Iptables:
             raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
         return {line[1:].split()[0] for line in out.splitlines() if line.startswith(":")}
 
-    async def jumps(self, fam: Fam) -> set[Jump]:
-        """Which of ``JUMPS`` are in the built-in chains (``iptables -S`` of each chain: with
-        iptables-legacy every command reads the whole table, so one per chain rather than an
-        ``-C`` per jump). A missing jump is kube-proxy's canary: another program flushed the
+    async def missing_jumps(self, fam: Fam) -> set[Jump]:
+        """Which of ``JUMPS`` are not in the built-in chains (``iptables -S`` of each chain:
+        with iptables-legacy every command reads the whole table, so one per chain rather than
+        an ``-C`` per jump). A missing jump is kube-proxy's canary: another program flushed the
         built-in chains or deleted the KUBE- ones (a firewall reload, ``iptables -F -X``)."""
-        found: set[Jump] = set()
+        missing = set(JUMPS)
         base = [*self._command(fam), "-w", str(LOCK_WAIT_S)]
         for table, chain in sorted({(t, c) for t, c, _ in JUMPS}):
             rc, out, err = await _run([*base, "-t", table, "-S", chain])
@@ -104,8 +104,8 @@ class Iptables:
                 raise IptablesError(f"cannot list {table} {chain}: {err.strip()}")
             head = f"-A {chain} "
             rules = {line[len(head) :] for line in out.splitlines() if line.startswith(head)}
-            found.update(j for j in JUMPS if j[:2] == (table, chain) and j[2] in rules)
-        return found
+            missing -= {(table, chain, rule) for rule in rules}
+        return missing
 
     async def remove(self, fam: Fam) -> bool:
         """Remove the jumps and every chain of kpng's layout; True if there were any. Chains

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kpng.backends._endpoints import EndpointValue
 from kpng.backends._node import Fam, Options
@@ -29,6 +30,9 @@ from kpng.backends.iptables.rules import (
     tail,
 )
 from kpng.model.cluster import ServiceKey
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass
@@ -76,11 +80,7 @@ class FamilyTables:
             # endpoint this node's rules leave out): no restore at all.
             return Plan("", full=False, written=0, deleted=0, rules=0)
         contributions = dict(self.contributions)
-        for key, contribution in new.items():
-            if contribution is None:
-                contributions.pop(key, None)
-            else:
-                contributions[key] = contribution
+        put_all(contributions, new)
         write: dict[ChainKey, tuple[str, ...]] = {}
         delete: set[ChainKey] = set()
         if full:
@@ -109,22 +109,31 @@ class FamilyTables:
     ) -> None:
         """The kernel took ``plan``, of ``new`` (without a plan: the shared chains are unknown
         and the next plan writes them all)."""
-        for key, contribution in new.items():
-            if contribution is None:
-                self.contributions.pop(key, None)
-            else:
-                self.contributions[key] = contribution
+        put_all(self.contributions, new)
         if plan is None:
             self.shared.clear()
         else:
             self.shared.update(plan.shared)
 
-    def udp_frontends(self) -> dict[tuple[str, str], frozenset[EndpointValue]]:
-        frontends: dict[tuple[str, str], frozenset[EndpointValue]] = {}
-        for contribution in self.contributions.values():
-            for front, serving in contribution.udp_frontends.items():
-                frontends[front] = frontends.get(front, frozenset()) | serving
-        return frontends
+
+def put_all(target: dict[K, V], new: Mapping[K, V | None]) -> None:
+    """``target`` updated with ``new``, where None removes the key."""
+    for key, value in new.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+
+def udp_frontends(
+    contributions: Iterable[Contribution],
+) -> dict[tuple[str, str], frozenset[EndpointValue]]:
+    """Every UDP frontend of ``contributions``, with the endpoints that serve it in any."""
+    frontends: dict[tuple[str, str], frozenset[EndpointValue]] = {}
+    for contribution in contributions:
+        for front, serving in contribution.udp_frontends.items():
+            frontends[front] = frontends.get(front, frozenset()) | serving
+    return frontends
 
 
 def _shared(
