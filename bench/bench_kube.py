@@ -215,7 +215,10 @@ class NotingBackend:
         pass
 
 
-def _nearest_rank(values: list[float], q: float) -> float:
+def nearest_rank(values: list[float], q: float) -> float:
+    """The smallest sample that a share ``q`` of the samples do not exceed (NaN: none)."""
+    if not values:
+        return math.nan
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
@@ -361,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     latencies = [x * 1000 for x in result["latencies"]]
     print(f"\n2. one endpoint not ready → new node-local state ({len(latencies)} changes)")
-    median, p99 = statistics.median(latencies), _nearest_rank(latencies, 0.99)
+    median, p99 = statistics.median(latencies), nearest_rank(latencies, 0.99)
     print(f"   median {median:.1f} ms   p99 {p99:.1f} ms   max {max(latencies):.1f} ms")
     events = result["churn_events"]
     print(f"\n3. churn kpng ignores ({args.churn} slice relabels)")

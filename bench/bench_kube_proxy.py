@@ -56,7 +56,7 @@ from typing import Any
 
 import msgspec
 import synthetic
-from bench_kube import APISERVER_ARGS, NODE, fill
+from bench_kube import APISERVER_ARGS, NODE, fill, nearest_rank
 
 from kpng.testing.cluster import ControlPlane, ensure_binaries, ensure_programs
 from kpng.testing.kubeapi import KubeApi
@@ -241,9 +241,10 @@ def connect_targets(api: KubeApi, slices: list[Obj]) -> list[Target]:
     """``CONNECT_TARGETS`` single-port TCP ClusterIP services whose 10 endpoints are all
     ready, at random (the same ones for both proxies); their ClusterIPs as the API server
     allocated them."""
-    rng = random.Random(7)
+    candidates = _candidates(slices)
+    random.Random(7).shuffle(candidates)
     found: list[Target] = []
-    for s in rng.sample(_candidates(slices), len(slices) // 2 or 1):
+    for s in candidates:
         if len(found) == CONNECT_TARGETS:
             break
         meta = s["metadata"]
@@ -380,11 +381,6 @@ def _changes(plane: ControlPlane, slices: list[Obj], count: int) -> list[float]:
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def run_size(
     services: int,
     changes: int,
@@ -441,15 +437,15 @@ def run_size(
                 f"   change -> rules median {statistics.median(f.change_ms):7.1f} ms, worst "
                 f"{max(f.change_ms):7.1f} ms   CPU per change {f.cpu_per_change_s * 1000:6.1f} ms"
                 f"   peak RSS {f.rss_mib:6.0f} MiB   connect p50 "
-                f"{_percentile(f.connect_us, 0.5):6.1f} us, p99 "
-                f"{_percentile(f.connect_us, 0.99):6.1f} us",
+                f"{nearest_rank(f.connect_us, 0.5):6.1f} us, p99 "
+                f"{nearest_rank(f.connect_us, 0.99):6.1f} us",
                 flush=True,
             )
         if len(figures) < 2:
             return
         k, p = figures["kpng"], figures["kube-proxy"]
         change = statistics.median(k.change_ms) / statistics.median(p.change_ms)
-        connect = _percentile(k.connect_us, 0.5) / _percentile(p.connect_us, 0.5)
+        connect = nearest_rank(k.connect_us, 0.5) / nearest_rank(p.connect_us, 0.5)
         print(
             f"   kpng / kube-proxy: first sync {k.first_sync_s / p.first_sync_s:.2f}x, "
             f"change -> rules {change:.2f}x"
