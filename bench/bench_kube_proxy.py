@@ -206,7 +206,10 @@ for i in range(count + 200):
     client = socket.socket()
     client.settimeout(5)
     started = time.perf_counter_ns()
-    client.connect((ip, port))
+    try:
+        client.connect((ip, port))
+    except OSError as exc:
+        sys.exit(f"connect {i} to {ip}:{port}: {exc}")
     if i >= 200:  # the first ones warm caches up
         took.append((time.perf_counter_ns() - started) / 1000)
     client.close()
@@ -237,11 +240,13 @@ def connect_latencies(netns: str, targets: list[Target], count: int) -> list[flo
     return list(msgspec.json.decode(done.stdout))
 
 
-def connect_targets(api: KubeApi, slices: list[Obj]) -> list[Target]:
+def connect_targets(api: KubeApi, slices: list[Obj], changing: list[Obj]) -> list[Target]:
     """``CONNECT_TARGETS`` single-port TCP ClusterIP services whose 10 endpoints are all
     ready, at random (the same ones for both proxies); their ClusterIPs as the API server
     allocated them."""
-    candidates = _candidates(slices)
+    # Not a slice the changes move: the first proxy's changes would take its endpoints away
+    # from the local addresses before the second proxy's connects.
+    candidates = [s for s in _candidates(slices) if not any(s is c for c in changing)]
     random.Random(7).shuffle(candidates)
     found: list[Target] = []
     for s in candidates:
@@ -280,8 +285,7 @@ def measure(
     name: str,
     argv: list[str],
     plane: ControlPlane,
-    slices: list[Obj],
-    changes: int,
+    changing: list[Obj],
     log: Path,
     targets: list[Target],
     connects: int,
@@ -318,13 +322,13 @@ def measure(
             first_cpu = cpu_seconds(proc.pid)
             connect = connect_latencies(netns, targets, connects) if connects else []
             before_changes = cpu_seconds(proc.pid)
-            latencies = _changes(plane, slices, changes)
+            latencies = _changes(plane, changing)
             cpu = cpu_seconds(proc.pid)
             return Figures(
                 first,
                 first_cpu,
                 latencies,
-                (cpu - before_changes) / changes,
+                (cpu - before_changes) / len(changing),
                 peak_rss_mib(proc.pid),
                 connect,
             )
@@ -340,14 +344,13 @@ def measure(
 _counter = iter(range(1, 1 << 20))
 
 
-def _changes(plane: ControlPlane, slices: list[Obj], count: int) -> list[float]:
+def _changes(plane: ControlPlane, changing: list[Obj]) -> list[float]:
     """Milliseconds from each change's trigger time to its rules, as the proxy reports it."""
     api = KubeApi.of(plane)
     metric = "kubeproxy_network_programming_duration_seconds"
-    rng = random.Random(11)
     out = []
     try:
-        for s in rng.sample(_candidates(slices), count):
+        for s in changing:
             time.sleep(CHANGE_GAP_S)
             before = scrape()
             n = next(_counter)
@@ -408,7 +411,9 @@ def run_size(
             status = {"status": {"addresses": [{"type": "InternalIP", "address": NS_IP}]}}
             path = f"/api/v1/nodes/{NODE}/status"
             api.request("PATCH", path, status, "application/merge-patch+json")
-            targets = connect_targets(api, slices)
+            # The same slices change under both proxies; connects avoid them.
+            changing = random.Random(11).sample(_candidates(slices), changes)
+            targets = connect_targets(api, slices, changing)
         finally:
             api.close()
         print(
@@ -426,7 +431,7 @@ def run_size(
         for name, argv in proxies.items():
             log = workdir / f"{name}-{services}.log"
             measured = measure(
-                name, argv, plane, slices, changes, log, targets, connects, first_sync_timeout, env
+                name, argv, plane, changing, log, targets, connects, first_sync_timeout, env
             )
             if measured is None:
                 continue
