@@ -26,6 +26,15 @@ async def run_command(
         )
     except OSError as exc:
         raise CommandError(f"cannot run {argv[0]}: {exc}") from exc
-    out, err = await proc.communicate(stdin)
+    try:
+        out, err = await proc.communicate(stdin)
+    except asyncio.CancelledError:
+        # A caller stopped (a backend closing): the child is not left running unreaped. The
+        # tools commit each table in one transaction, so a killed one changed all or nothing
+        # of it, and the next start's full sync rewrites everything anyway.
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        raise
     assert proc.returncode is not None
     return proc.returncode, (out or b"").decode(errors="replace"), err.decode(errors="replace")
