@@ -1,0 +1,283 @@
+"""``to-ebpf``: services balanced when a socket connects, by cgroup BPF programs.
+
+Two parts, each complete for the traffic it sees:
+
+- **Sockets** (``sockets.bpf.c``, ``entries.py``): programs on the cgroup hooks connect4/6,
+  sendmsg4/6, recvmsg4/6 and getpeername4/6 of ``--cgroup`` (by default the whole cgroup2
+  hierarchy: every pod and the node) give a socket that connects or sends to a ClusterIP, an
+  external or LB IP, or a node port on the node's own primary IPs, an endpoint picked from BPF
+  maps, before any packet exists. Its packets leave addressed to the endpoint: no DNAT, no
+  conntrack entry for the translation, a cost that does not grow with the number of services.
+  getpeername and recvmsg answer with the service's address.
+- **Packets** (to-nft's ruleset in ``inet kpng``, unchanged): what no local socket connected
+  to: node ports, external and LB IPs reached from outside, ClusterIPs routed to the node, and
+  the answers for services without endpoints (REJECT or DROP), which the programs leave
+  untranslated on purpose. It also serves the health check node ports.
+
+The maps are pinned under ``--pin-dir`` and the programs attached through pinned BPF links, so
+that the data path outlives kpng as rules outlive kube-proxy. A (re)start loads the programs,
+reuses the pinned maps (ClientIP affinity memory included), writes every entry, deletes the
+stale ones and only then switches the links to the new programs (BPF_LINK_UPDATE, atomic):
+connections never find a half-written state, and established ones are never touched. Later
+states change only the entries of the services that changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from kpng.backends._conntrack import Conntrack
+from kpng.backends._healthchecks import HealthServers
+from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
+from kpng.backends.ebpf import entries, libbpf, system, toolchain
+from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Changes, Contribution, SocketState
+from kpng.backends.ebpf.libbpf import BpfError, BpfObject
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft import cleanup as cleanup_nft
+from kpng.backends.nft.executing import LibNft, default_nft
+from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
+from kpng.errors import UsageError
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PIN_DIR = Path("/sys/fs/bpf/kpng")
+PROGRAMS = (
+    "kpng_connect4",
+    "kpng_connect6",
+    "kpng_sendmsg4",
+    "kpng_sendmsg6",
+    "kpng_recvmsg4",
+    "kpng_recvmsg6",
+    "kpng_peername4",
+    "kpng_peername6",
+)
+
+
+class SocketBalancer:
+    """The sockets part: loads and attaches the programs at the first state, then keeps the
+    maps in step with each state. A failed write leaves what the maps held, and the next state
+    (or the feeder's retry) rewrites everything."""
+
+    def __init__(
+        self,
+        *,
+        options: Options,
+        from_node: FromNode,
+        cgroup: Path | None,
+        pin_dir: Path,
+        bpf_object: Path | None,
+    ) -> None:
+        self._options, self._from_node = options, from_node
+        self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
+        self._object: BpfObject | None = None
+        self._fds: dict[entries.MapName, int] = {}
+        self.state = SocketState()
+        self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
+        self._cache: dict[tuple[str, str], bytes] = {}
+        self._node: tuple[Options, tuple[str, ...]] | None = None
+        self._needs_full = True
+        self._attached = False
+
+    @property
+    def maps_dir(self) -> Path:
+        return self._pin_dir / f"maps-v{LAYOUT_VERSION}"
+
+    async def apply(self, state: NodeState) -> Changes:
+        """Program ``state``; the changes made."""
+        options = node_options(self._options, self._from_node, state)
+        node = (options, state.node_ips)
+        if node != self._node:
+            # Node ports follow the node's primary IPs: every service is contributed anew.
+            self._node = node
+            self._recorded.clear()
+            self._needs_full = True
+        updated: dict[ServiceKey, Contribution | None] = dict.fromkeys(state.deleted)
+        for key in state.services.keys() if not self._recorded else state.updated:
+            se = state.services[key]
+            if self._recorded.get(key) != se:
+                self._recorded[key] = se
+                updated[key] = entries.contribute(se, options, state.node_ips, self._cache)
+        for key in state.deleted:
+            self._recorded.pop(key, None)
+        try:
+            if not self._attached:
+                return await asyncio.to_thread(self._start, updated)
+            if self._needs_full:
+                return await asyncio.to_thread(self._full, updated)
+            changes = self.state.changes(updated)
+            await asyncio.to_thread(self._write, changes)
+            return changes
+        except BpfError:
+            self._needs_full = True
+            raise
+
+    def _start(self, updated: dict[ServiceKey, Contribution | None]) -> Changes:
+        """Load, fill the maps, then switch the links: the programs see only whole states."""
+        cgroup = self._cgroup or system.cgroup2_root()
+        if not cgroup.is_dir():
+            raise BpfError(f"no cgroup directory {cgroup}")
+        if self._object is None:
+            system.ensure_bpffs(self._pin_dir)
+            self.maps_dir.mkdir(parents=True, exist_ok=True)
+            self._object = BpfObject(toolchain.ensure_object(self._bpf_object), self.maps_dir)
+            self._fds = {name: self._object.map_fd(name) for name in MAPS}
+        changes = self._full(updated)
+        # Links are pinned by cgroup (a cgroup2 directory's inode number is its id): those of
+        # another cgroup, from an earlier --cgroup, are detached once these are attached.
+        links = self._pin_dir / "links" / str(cgroup.stat().st_ino)
+        for name in PROGRAMS:
+            libbpf.attach(self._object.program(name), name, cgroup, links / name)
+        for other in links.parent.iterdir():
+            if other != links:
+                log.info("to-ebpf: detaching the programs of an earlier cgroup (%s)", other.name)
+                shutil.rmtree(other, ignore_errors=True)
+        self._attached = True
+        for old in self._pin_dir.glob("maps-v*"):
+            if old != self.maps_dir:
+                # Another layout's maps: no program uses them since the switch above.
+                shutil.rmtree(old, ignore_errors=True)
+        log.info(
+            "to-ebpf: programs attached to cgroup %s, maps pinned in %s", cgroup, self.maps_dir
+        )
+        return changes
+
+    def _full(self, updated: dict[ServiceKey, Contribution | None]) -> Changes:
+        present = {
+            name: list(
+                libbpf.keys(self._fds[name], entries.KEY_SIZES[name], entries.VALUE_SIZES[name])
+            )
+            for name in MAPS
+        }
+        changes = self.state.full(updated, present)
+        self._write(changes)
+        self._needs_full = False
+        return changes
+
+    def _write(self, changes: Changes) -> None:
+        for name, pairs in changes.updates:
+            libbpf.update_batch(self._fds[name], name, pairs)
+        for name, keys in changes.deletes:
+            libbpf.delete_batch(self._fds[name], name, keys)
+
+    def close(self) -> None:
+        # The pins keep programs and maps: closing only lets go of this process's handles.
+        if self._object is not None:
+            self._object.close()
+            self._object = None
+
+
+class EbpfBackend:
+    """The sockets part and the packets part, applied in that order for each state."""
+
+    def __init__(
+        self, *, sockets: SocketBalancer, packets: NftBackend, syncs: SyncReporter | None = None
+    ) -> None:
+        self.sockets, self.packets = sockets, packets
+        self._syncs = syncs or NoReporting()
+
+    async def apply(self, state: NodeState) -> bool:
+        started = time.monotonic()
+        try:
+            changes = await self.sockets.apply(state)
+            once = await self.packets.apply(state)
+        except Exception:
+            self._syncs.failed()
+            self._syncs.attempted(seconds=time.monotonic() - started, full=True)
+            raise
+        elapsed = time.monotonic() - started
+        self._syncs.attempted(seconds=elapsed, full=False)
+        self._syncs.synced(revision=state.revision)
+        log.debug("to-ebpf: %d map operations; state applied in %.3f s", len(changes), elapsed)
+        return once
+
+    async def close(self) -> None:
+        self.sockets.close()
+        await self.packets.close()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.add_argument(
+        "--cgroup",
+        type=Path,
+        metavar="DIR",
+        help="the cgroup2 directory whose sockets are balanced, descendants included (default: "
+        "the root of the cgroup2 hierarchy, mounted at /run/kpng/cgroup2 if nothing mounts it)",
+    )
+    parser.add_argument(
+        "--pin-dir",
+        type=Path,
+        default=DEFAULT_PIN_DIR,
+        metavar="DIR",
+        help=f"where the maps and links are pinned, on bpffs (default: {DEFAULT_PIN_DIR})",
+    )
+    parser.add_argument(
+        "--bpf-object",
+        type=Path,
+        metavar="FILE",
+        help="the compiled programs (python -m kpng.backends.ebpf.toolchain FILE makes one); "
+        "default: sockets.bpf.c compiled with clang at first start, cached",
+    )
+
+
+def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
+    if args.dry_run:
+        raise UsageError(
+            "to-ebpf has no --dry-run: its maps are binary (to-nft --dry-run shows the rules)"
+        )
+    options, from_node = options_from_args(args)
+    nft = default_nft()
+    if not isinstance(nft, LibNft) and shutil.which("nft") is None:
+        raise UsageError("to-ebpf needs libnftables or the nft command for traffic from outside")
+    packets = NftBackend(
+        nft=nft,
+        options=options,
+        from_node=from_node,
+        min_sync_period=args.min_sync_period,
+        conntrack=None if args.no_conntrack else Conntrack(),
+        health=None if args.no_health_check else HealthServers(),
+        once=args.once,
+    )
+    sockets = SocketBalancer(
+        options=options,
+        from_node=from_node,
+        cgroup=args.cgroup,
+        pin_dir=args.pin_dir,
+        bpf_object=args.bpf_object,
+    )
+    return EbpfBackend(sockets=sockets, packets=packets, syncs=syncs)
+
+
+def remove_pins(pin_dir: Path = DEFAULT_PIN_DIR) -> bool:
+    """Detach the programs (their links' pins are their last references) and drop the maps."""
+    if not pin_dir.is_dir():
+        return False
+    shutil.rmtree(pin_dir)
+    return True
+
+
+async def cleanup() -> bool:
+    """Remove the programs, links and maps at the default pin dir, and the nftables part."""
+    pins = remove_pins()
+    table = await cleanup_nft()
+    return pins or table
+
+
+register(
+    BackendSpec(
+        name="ebpf",
+        help="balance services when sockets connect (cgroup BPF), nftables for traffic from "
+        "outside",
+        add_arguments=_add_arguments,
+        create=_create,
+        reports_syncs=True,
+        cleanup=cleanup,
+    )
+)

@@ -1,0 +1,336 @@
+"""What to-ebpf writes in its BPF maps, and in which order (pure: bytes in, bytes out).
+
+``sockets.bpf.c`` describes the maps; the packing here is the C structs' layout, padding
+included. A service port contributes:
+
+- an **endpoint set** per scope of endpoints it uses (its id, 64 bits of a hash of the service
+  port, family and scope, is the same in every kpng process, so a restarted kpng finds its sets
+  where it left them), held as a count, one slot per index and one member per endpoint;
+- a **frontend** per address a local socket may reach it by: each ClusterIP (Internal
+  endpoints), each external and LB IP and, on the node's own primary IPs, the node port (the
+  External endpoints, or with eTP=Local every endpoint: a local client is short-circuited, as
+  kube-proxy does for pods and the node).
+
+A frontend is only written while its set has endpoints, and never for an LB IP with source
+ranges: what the programs leave untranslated is answered by the node's nftables rules (REJECT,
+DROP, source ranges), as for any connection from outside.
+
+Changes keep each set's slots in place: an endpoint that stays keeps its index, one that goes
+leaves its index to a newcomer or to the last slot's endpoint. A change of one endpoint writes a
+few entries, and at no moment does a reader find a slot below the count that holds no endpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kpng.backends._endpoints import EndpointValue, endpoints_by_scope
+from kpng.backends._node import FAMILIES, Fam, Options
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+
+LAYOUT_VERSION = 1
+"""Bumped whenever a key or value below changes shape: the pinned maps of another layout are
+then left for new ones (``kpng/backends/ebpf/loading.py``)."""
+
+MapName = Literal["kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members"]
+MAPS: tuple[MapName, ...] = ("kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members")
+"""The maps kpng writes; the programs alone write affinity, flows and revnat."""
+
+Scope = Literal["internal", "external", "cluster"]
+DEFAULT_AFFINITY_TIMEOUT_S = 10800
+_PROTOCOLS = {"TCP": 6, "UDP": 17}
+
+_FRONTEND_KEY = struct.Struct("=16s2sBx")
+_FRONTEND = struct.Struct("=QQI4x")
+_SET_KEY = struct.Struct("=Q")
+_SET_INFO = struct.Struct("=I4x")
+_SLOT_KEY = struct.Struct("=QI4x")
+_ENDPOINT = struct.Struct("=16s2s2x")
+_MEMBER_KEY = struct.Struct("=Q20s4x")
+MEMBER_PRESENT = b"\x01"
+
+KEY_SIZES: Mapping[MapName, int] = {
+    "kpng_frontends": _FRONTEND_KEY.size,
+    "kpng_sets": _SET_KEY.size,
+    "kpng_slots": _SLOT_KEY.size,
+    "kpng_members": _MEMBER_KEY.size,
+}
+VALUE_SIZES: Mapping[MapName, int] = {
+    "kpng_frontends": _FRONTEND.size,
+    "kpng_sets": _SET_INFO.size,
+    "kpng_slots": _ENDPOINT.size,
+    "kpng_members": len(MEMBER_PRESENT),
+}
+
+
+def address(text: str) -> bytes:
+    """16 bytes; IPv4 as IPv4-mapped IPv6, as the programs build their keys."""
+    ip = ipaddress.ip_address(text)
+    if ip.version == 4:
+        return b"\0" * 10 + b"\xff\xff" + ip.packed
+    return ip.packed
+
+
+def _port(number: int) -> bytes:
+    return number.to_bytes(2, "big")
+
+
+def _id(*parts: str) -> int:
+    """64 bits of a hash, never 0 (the programs read 0 as "no affinity")."""
+    digest = hashlib.blake2b("/".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _endpoint(value: EndpointValue, cache: dict[EndpointValue, bytes]) -> bytes:
+    packed = cache.get(value)
+    if packed is None:
+        packed = cache[value] = _ENDPOINT.pack(address(value[0]), _port(int(value[1])))
+    return packed
+
+
+@dataclass
+class Contribution:
+    """One service's frontends and endpoint sets, packed."""
+
+    frontends: dict[bytes, bytes] = field(default_factory=dict)
+    sets: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
+    """Set id: its endpoints, ordered (the slots of a new set)."""
+
+
+def contribute(
+    se: ServiceEndpoints,
+    options: Options,
+    node_ips: Sequence[str] = (),
+    cache: dict[EndpointValue, bytes] | None = None,
+) -> Contribution:
+    """The map entries of ``se`` on a node with these primary IPs and options."""
+    out = Contribution()
+    cache = {} if cache is None else cache
+    service = se.service
+    ips = service.IPs
+    if ips is None or ips.ClusterIPs is None:
+        return out
+    timeout = 0
+    if service.ClientIP is not None:
+        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    firewalled = {
+        ip
+        for flt in service.IPFilters
+        if flt.TargetIPs
+        for ip in (*flt.TargetIPs.V4, *flt.TargetIPs.V6)
+    }
+    for fam in FAMILIES:
+        v6 = fam == "v6"
+        cluster_ips = ips.ClusterIPs.family(v6)
+        if not cluster_ips:
+            continue
+        outside = [
+            ip
+            for ip in (
+                *(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ()),
+                *(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ()),
+            )
+            if ip not in firewalled
+        ]
+        own = node_port_addresses(options, node_ips, v6)
+        for port in service.Ports:
+            proto = _PROTOCOLS.get(port.Protocol)
+            if proto is None or not 0 < port.Port < 65536:
+                continue  # SCTP and the like stay with the nftables rules
+            internal, external, cluster_wide = endpoints_by_scope(se.endpoints, port, v6)
+            port_id = (service.Namespace, service.Name, port.Protocol, str(port.Port), fam)
+            affinity = _id("affinity", *port_id) if timeout else 0
+
+            def frontend(addr: str, number: int, scope: Scope, eps: list[EndpointValue]) -> None:
+                if not eps:
+                    return
+                set_id = _id("set", *port_id, scope)  # noqa: B023
+                out.sets[set_id] = tuple(_endpoint(e, cache) for e in eps)
+                key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
+                out.frontends[key] = _FRONTEND.pack(set_id, affinity, timeout)  # noqa: B023
+
+            for cip in cluster_ips:
+                frontend(cip, port.Port, "internal", internal)
+            scope: Scope = "cluster" if service.ExternalTrafficToLocal else "external"
+            reached = cluster_wide if service.ExternalTrafficToLocal else external
+            for ip in outside:
+                frontend(ip, port.Port, scope, reached)
+            if port.NodePort:
+                for ip in own:
+                    frontend(ip, port.NodePort, scope, reached)
+    return out
+
+
+def node_port_addresses(options: Options, node_ips: Sequence[str], v6: bool) -> list[str]:
+    """The node's primary IPs of a family that serve node ports (``--nodeport-addresses``)."""
+    fam: Fam = "v6" if v6 else "v4"
+    ranges = [
+        ipaddress.ip_network(c, strict=False)
+        for c in options.cidrs(options.nodeport_addresses, fam)
+    ]
+    ips = [ipaddress.ip_address(ip) for ip in node_ips if (":" in ip) == v6]
+    return [
+        str(ip) for ip in ips if not ip.is_loopback and (not ranges or any(ip in r for r in ranges))
+    ]
+
+
+# --- changes
+
+
+@dataclass
+class Changes:
+    """Map operations in the order they are to be made: ``updates`` first, map by map, then
+    ``deletes``. Members and slots come before the counts that expose them, and counts before
+    the frontends that lead to them; deletes go the other way."""
+
+    updates: list[tuple[MapName, list[tuple[bytes, bytes]]]] = field(default_factory=list)
+    deletes: list[tuple[MapName, list[bytes]]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(len(u) for _, u in self.updates) + sum(len(d) for _, d in self.deletes)
+
+
+def relayout(old: Sequence[bytes], new: Iterable[bytes]) -> list[bytes]:
+    """The slots of a set that held ``old`` and now holds ``new``: those that stay keep their
+    index, newcomers take the freed ones first, and the last slots fill what is left."""
+    wanted = list(dict.fromkeys(new))
+    keep = set(wanted)
+    slots: list[bytes | None] = [ep if ep in keep else None for ep in old]
+    newcomers = [ep for ep in wanted if ep not in set(old)]
+    for i, ep in enumerate(slots):
+        if ep is None and newcomers:
+            slots[i] = newcomers.pop(0)
+    slots.extend(newcomers)
+    # Compact: move the last endpoints into the holes that remain.
+    while None in slots:
+        hole = slots.index(None)
+        last = slots.pop()
+        if last is not None and hole < len(slots):
+            slots[hole] = last
+    return [ep for ep in slots if ep is not None]
+
+
+class SocketState:
+    """The maps' content as written, and the operations from it to a new content (pure).
+
+    Each call records what it returns as written: when the kernel refuses part of it, the
+    caller's next sync is ``full``, which starts again from what the maps hold."""
+
+    def __init__(self) -> None:
+        self.frontends: dict[bytes, bytes] = {}
+        self.sets: dict[int, list[bytes]] = {}
+        """Set id: its slots, in index order."""
+        self.contributions: dict[ServiceKey, Contribution] = {}
+
+    def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> Changes:
+        """The operations that replace these services' entries (None: the service is gone)."""
+        frontends: dict[bytes, bytes | None] = {}
+        sets: dict[int, tuple[bytes, ...] | None] = {}
+        for key, new in updated.items():
+            old = self.contributions.get(key)
+            if old is not None:
+                frontends.update(dict.fromkeys(old.frontends))
+                sets.update(dict.fromkeys(old.sets))
+            if new is not None:
+                frontends.update(new.frontends)
+                sets.update(new.sets)
+        self._record(updated)
+        return self._diff(
+            {k: v for k, v in frontends.items() if self.frontends.get(k) != v},
+            {
+                s: eps
+                for s, eps in sets.items()
+                if eps is None or set(eps) != set(self.sets.get(s, ()))
+            },
+        )
+
+    def full(
+        self,
+        updated: Mapping[ServiceKey, Contribution | None],
+        present: Mapping[MapName, Iterable[bytes]],
+    ) -> Changes:
+        """Every service's entries written anew over maps that hold the keys ``present`` (at
+        start, at a takeover, after a refusal); the keys no service wants are deleted."""
+        self._record(updated)
+        self.frontends, self.sets = {}, {}
+        frontends: dict[bytes, bytes | None] = {}
+        sets: dict[int, tuple[bytes, ...] | None] = {}
+        for c in self.contributions.values():
+            frontends.update(c.frontends)
+            sets.update(c.sets)
+        changes = self._diff(frontends, sets)
+        wanted = {name: {k for k, _ in entries} for name, entries in changes.updates}
+        for name in MAPS:
+            stale = [k for k in present.get(name, ()) if k not in wanted.get(name, ())]
+            if stale:
+                changes.deletes.append((name, stale))
+        return changes
+
+    def _record(self, updated: Mapping[ServiceKey, Contribution | None]) -> None:
+        for key, new in updated.items():
+            if new is None:
+                self.contributions.pop(key, None)
+            else:
+                self.contributions[key] = new
+
+    def _diff(
+        self, frontends: Mapping[bytes, bytes | None], sets: Mapping[int, tuple[bytes, ...] | None]
+    ) -> Changes:
+        """The operations for these frontends and sets (None: gone), recorded as written."""
+        member_adds: list[tuple[bytes, bytes]] = []
+        slot_writes: list[tuple[bytes, bytes]] = []
+        counts: list[tuple[bytes, bytes]] = []
+        set_deletes: list[bytes] = []
+        slot_deletes: list[bytes] = []
+        member_deletes: list[bytes] = []
+        for set_id, eps in sets.items():
+            old = self.sets.get(set_id, [])
+            new = relayout(old, eps or ())
+            for i, ep in enumerate(new):
+                if i >= len(old) or old[i] != ep:
+                    slot_writes.append((_SLOT_KEY.pack(set_id, i), ep))
+            slot_deletes.extend(_SLOT_KEY.pack(set_id, i) for i in range(len(new), len(old)))
+            was, now = set(old), set(new)
+            member_adds.extend(
+                (_MEMBER_KEY.pack(set_id, ep), MEMBER_PRESENT) for ep in new if ep not in was
+            )
+            member_deletes.extend(_MEMBER_KEY.pack(set_id, ep) for ep in old if ep not in now)
+            if new:
+                if len(new) != len(old):
+                    counts.append((_SET_KEY.pack(set_id), _SET_INFO.pack(len(new))))
+                self.sets[set_id] = new
+            else:
+                if old:
+                    set_deletes.append(_SET_KEY.pack(set_id))
+                self.sets.pop(set_id, None)
+        frontend_writes = [(k, v) for k, v in frontends.items() if v is not None]
+        frontend_deletes = [k for k, v in frontends.items() if v is None and k in self.frontends]
+        for k, v in frontends.items():
+            if v is None:
+                self.frontends.pop(k, None)
+            else:
+                self.frontends[k] = v
+        changes = Changes()
+        for name, entries in (
+            ("kpng_members", member_adds),
+            ("kpng_slots", slot_writes),
+            ("kpng_sets", counts),
+            ("kpng_frontends", frontend_writes),
+        ):
+            if entries:
+                changes.updates.append((name, entries))  # type: ignore[arg-type]
+        for name, keys in (
+            ("kpng_frontends", frontend_deletes),
+            ("kpng_sets", set_deletes),
+            ("kpng_slots", slot_deletes),
+            ("kpng_members", member_deletes),
+        ):
+            if keys:
+                changes.deletes.append((name, keys))  # type: ignore[arg-type]
+        return changes

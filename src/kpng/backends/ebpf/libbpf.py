@@ -1,0 +1,269 @@
+"""libbpf through ctypes: the calls to-ebpf makes, and nothing more.
+
+Why libbpf and ctypes: libbpf is the kernel's own loader (it resolves the maps' pinning, checks
+a pinned map against the program's definition, attaches through BPF links), Debian ships it as
+``libbpf1``, and ctypes needs no compiler at install time, as to-nft's libnftables binding. The
+Python bindings of BCC compile C at run time with LLVM in process, and those of other projects
+are not packaged by Debian.
+
+Every failure is a ``BpfError`` that says which call failed on what, with the errno's text and,
+for a program the verifier refused, the verifier's log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+_c_void_p = ctypes.c_void_p
+
+
+class BpfError(Exception):
+    pass
+
+
+class _OpenOpts(ctypes.Structure):
+    # struct bpf_object_open_opts of libbpf 1.x, up to kernel_log_level.
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("object_name", ctypes.c_char_p),
+        ("relaxed_maps", ctypes.c_bool),
+        ("pin_root_path", ctypes.c_char_p),
+        ("_attach_prog_fd", ctypes.c_uint32),
+        ("kconfig", ctypes.c_char_p),
+        ("btf_custom_path", ctypes.c_char_p),
+        ("kernel_log_buf", ctypes.c_void_p),
+        ("kernel_log_size", ctypes.c_size_t),
+        ("kernel_log_level", ctypes.c_uint32),
+    ]
+
+
+class _BatchOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("elem_flags", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """libbpf, loaded once; ``BpfError`` if it is not installed."""
+    global _lib
+    if _lib is None:
+        name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as exc:
+            raise BpfError(
+                f"to-ebpf needs libbpf (Debian: apt-get install libbpf1): {exc}"
+            ) from exc
+        for fn, args, res in (
+            ("bpf_object__open_file", [ctypes.c_char_p, ctypes.POINTER(_OpenOpts)], _c_void_p),
+            ("bpf_object__load", [_c_void_p], ctypes.c_int),
+            ("bpf_object__close", [_c_void_p], None),
+            ("bpf_object__find_program_by_name", [_c_void_p, ctypes.c_char_p], _c_void_p),
+            ("bpf_object__find_map_by_name", [_c_void_p, ctypes.c_char_p], _c_void_p),
+            ("bpf_map__fd", [_c_void_p], ctypes.c_int),
+            ("bpf_program__attach_cgroup", [_c_void_p, ctypes.c_int], _c_void_p),
+            ("bpf_link__open", [ctypes.c_char_p], _c_void_p),
+            ("bpf_link__pin", [_c_void_p, ctypes.c_char_p], ctypes.c_int),
+            ("bpf_link__update_program", [_c_void_p, _c_void_p], ctypes.c_int),
+            ("bpf_link__destroy", [_c_void_p], ctypes.c_int),
+            ("bpf_obj_get", [ctypes.c_char_p], ctypes.c_int),
+            (
+                "bpf_map_update_batch",
+                [ctypes.c_int, _c_void_p, _c_void_p, ctypes.POINTER(ctypes.c_uint32), _c_void_p],
+                ctypes.c_int,
+            ),
+            (
+                "bpf_map_delete_batch",
+                [ctypes.c_int, _c_void_p, ctypes.POINTER(ctypes.c_uint32), _c_void_p],
+                ctypes.c_int,
+            ),
+            (
+                "bpf_map_lookup_batch",
+                [
+                    ctypes.c_int,
+                    _c_void_p,
+                    _c_void_p,
+                    _c_void_p,
+                    _c_void_p,
+                    ctypes.POINTER(ctypes.c_uint32),
+                    _c_void_p,
+                ],
+                ctypes.c_int,
+            ),
+        ):
+            f = getattr(lib, fn)
+            f.argtypes, f.restype = args, res
+        _lib = lib
+    return _lib
+
+
+def _failure(call: str, what: object, code: int | None = None) -> BpfError:
+    number = ctypes.get_errno() if code is None else abs(code)
+    return BpfError(f"{call} {what}: {os.strerror(number)} ({errno.errorcode.get(number, number)})")
+
+
+class BpfObject:
+    """A loaded object file: its programs and maps, pinned maps reused from ``pin_root``."""
+
+    def __init__(self, path: Path, pin_root: Path) -> None:
+        self._lib = library()
+        self._path, self._pin_root = path, pin_root
+        self._ptr = self._open(verifier_log=None)
+        code = self._lib.bpf_object__load(self._ptr)
+        if code < 0:
+            self.close()
+            raise self._refused(code)
+
+    def _open(self, verifier_log: ctypes.Array[ctypes.c_char] | None) -> int:
+        opts = _OpenOpts(sz=ctypes.sizeof(_OpenOpts), pin_root_path=str(self._pin_root).encode())
+        if verifier_log is not None:
+            opts.kernel_log_buf = ctypes.cast(verifier_log, _c_void_p)
+            opts.kernel_log_size = len(verifier_log)
+            opts.kernel_log_level = 1
+        ptr = self._lib.bpf_object__open_file(str(self._path).encode(), ctypes.byref(opts))
+        if not ptr:
+            raise _failure("cannot open BPF object", self._path)
+        return int(ptr)
+
+    def _refused(self, code: int) -> BpfError:
+        """The load's failure, with the verifier's log: the load again, logging this time."""
+        log = ctypes.create_string_buffer(1 << 22)
+        try:
+            ptr = self._open(verifier_log=log)
+        except BpfError:
+            return _failure("cannot load BPF object", self._path, code)
+        self._lib.bpf_object__load(ptr)
+        self._lib.bpf_object__close(ptr)
+        text = log.value.decode(errors="replace").strip()
+        error = _failure("cannot load BPF object", self._path, code)
+        if text:
+            return BpfError(f"{error}; the verifier's log:\n{text}")
+        return error
+
+    def program(self, name: str) -> int:
+        ptr = self._lib.bpf_object__find_program_by_name(self._ptr, name.encode())
+        if not ptr:
+            raise BpfError(f"no program {name} in {self._path}")
+        return int(ptr)
+
+    def map_fd(self, name: str) -> int:
+        ptr = self._lib.bpf_object__find_map_by_name(self._ptr, name.encode())
+        if not ptr:
+            raise BpfError(f"no map {name} in {self._path}")
+        return int(self._lib.bpf_map__fd(ptr))
+
+    def close(self) -> None:
+        if self._ptr:
+            self._lib.bpf_object__close(self._ptr)
+            self._ptr = 0
+
+
+def attach(program: int, name: str, cgroup: Path, pin: Path) -> None:
+    """Run ``program`` on ``cgroup``'s sockets through the link pinned at ``pin``: an existing
+    link switches to it atomically (BPF_LINK_UPDATE), else a new link is made and pinned. The
+    pin keeps the program attached after kpng exits, as rules outlive kube-proxy."""
+    lib = library()
+    link = lib.bpf_link__open(str(pin).encode()) if pin.exists() else None
+    if link:
+        code = lib.bpf_link__update_program(link, program)
+        lib.bpf_link__destroy(link)
+        if code == 0:
+            return
+        # A link of another attach type or program type: replaced below.
+        pin.unlink()
+    fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        link = lib.bpf_program__attach_cgroup(program, fd)
+        if not link:
+            raise _failure(f"cannot attach {name} to cgroup", cgroup)
+    finally:
+        os.close(fd)
+    try:
+        pin.parent.mkdir(parents=True, exist_ok=True)
+        code = lib.bpf_link__pin(link, str(pin).encode())
+        if code < 0:
+            raise _failure(f"cannot pin the link of {name} at", pin, code)
+    finally:
+        lib.bpf_link__destroy(link)
+
+
+def pinned_map(path: Path) -> int:
+    """A file descriptor of the map pinned at ``path`` (the caller closes it)."""
+    fd = library().bpf_obj_get(str(path).encode())
+    if fd < 0:
+        raise _failure("cannot open the pinned map", path)
+    return int(fd)
+
+
+def update_batch(
+    fd: int, name: str, entries: Sequence[tuple[bytes, bytes]], chunk: int = 65536
+) -> None:
+    """Write ``entries`` in batches of at most ``chunk`` (one system call each)."""
+    lib = library()
+    for start in range(0, len(entries), chunk):
+        part = entries[start : start + chunk]
+        keys = b"".join(k for k, _ in part)
+        values = b"".join(v for _, v in part)
+        count = ctypes.c_uint32(len(part))
+        opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+        code = lib.bpf_map_update_batch(fd, keys, values, ctypes.byref(count), ctypes.byref(opts))
+        if code < 0:
+            raise _failure(f"cannot write {len(part)} entries of", name, code)
+
+
+def delete_batch(fd: int, name: str, keys: Sequence[bytes], chunk: int = 65536) -> None:
+    """Delete ``keys`` in batches; a key already gone is not an error (the programs' LRU maps
+    and a takeover may have removed it)."""
+    lib = library()
+    opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+    pending = list(keys)
+    while pending:
+        part, pending = pending[:chunk], pending[chunk:]
+        count = ctypes.c_uint32(len(part))
+        code = lib.bpf_map_delete_batch(fd, b"".join(part), ctypes.byref(count), ctypes.byref(opts))
+        if code < 0 and abs(code) != errno.ENOENT:
+            raise _failure(f"cannot delete {len(part)} entries of", name, code)
+        if code < 0:
+            # The batch stops at a missing key: go on after it.
+            pending = part[count.value + 1 :] + pending
+
+
+def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator[bytes]:
+    """Every key of a hash map, read in batches."""
+    lib = library()
+    keys_buf = ctypes.create_string_buffer(key_size * chunk)
+    values_buf = ctypes.create_string_buffer(value_size * chunk)
+    token_in = ctypes.create_string_buffer(8)
+    token_out = ctypes.create_string_buffer(8)
+    opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+    first = True
+    while True:
+        count = ctypes.c_uint32(chunk)
+        code = lib.bpf_map_lookup_batch(
+            fd,
+            None if first else token_in,
+            token_out,
+            keys_buf,
+            values_buf,
+            ctypes.byref(count),
+            ctypes.byref(opts),
+        )
+        if code < 0 and abs(code) != errno.ENOENT:
+            raise _failure("cannot read the keys of map fd", fd, code)
+        raw = keys_buf.raw
+        for i in range(count.value):
+            yield raw[i * key_size : (i + 1) * key_size]
+        if code < 0:  # ENOENT: that was the last batch
+            return
+        ctypes.memmove(token_in, token_out, 8)
+        first = False

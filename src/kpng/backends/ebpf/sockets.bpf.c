@@ -1,0 +1,350 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * to-ebpf's socket-level balancing: cgroup sock_addr programs that give a socket an endpoint
+ * when it connects to (or sends to) a service address, so that the packets leave already
+ * addressed to the endpoint: no per-packet NAT, no conntrack entry for the translation.
+ *
+ * Maps (every key and value is written by kpng/backends/ebpf/entries.py; keep both in step):
+ *   kpng_frontends  (address, port, protocol) -> the endpoint set, affinity memory and timeout
+ *   kpng_sets       set id -> how many endpoints it holds
+ *   kpng_slots      (set id, index) -> endpoint; the program picks an index below the count
+ *   kpng_members    (set id, endpoint) -> present: is a remembered endpoint still in the set
+ *   kpng_affinity   (network namespace, affinity id) -> ClientIP affinity memory (LRU)
+ *   kpng_flows      (socket, frontend) -> the endpoint of an unconnected UDP socket's sends
+ *   kpng_revnat     (socket, endpoint) -> frontend, for getpeername and recvmsg (LRU)
+ *
+ * Addresses are 16 bytes, IPv4 as IPv4-mapped IPv6 (::ffff:a.b.c.d), so one map serves both
+ * families and a dual-stack socket connecting to a mapped address finds the IPv4 frontend.
+ * Ports are in network byte order, as the socket calls carry them. Every key spells out its
+ * padding, so that a key built here compares equal to the bytes kpng wrote.
+ */
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define NS_PER_S 1000000000ULL
+
+struct addr {
+	__u32 w[4];
+};
+
+struct frontend_key {
+	struct addr addr;
+	__u16 port;
+	__u8 proto;
+	__u8 pad;
+};
+
+struct frontend {
+	__u64 set;
+	__u64 affinity; /* 0: no ClientIP affinity */
+	__u32 timeout_s;
+	__u32 pad;
+};
+
+struct set_info {
+	__u32 count;
+	__u32 pad;
+};
+
+struct slot_key {
+	__u64 set;
+	__u32 index;
+	__u32 pad;
+};
+
+struct endpoint {
+	struct addr addr;
+	__u16 port;
+	__u16 pad;
+};
+
+struct member_key {
+	__u64 set;
+	struct endpoint ep;
+	__u32 pad;
+};
+
+struct affinity_key {
+	__u64 netns;
+	__u64 affinity;
+};
+
+struct affinity_value {
+	struct endpoint ep;
+	__u32 pad;
+	__u64 last_ns;
+};
+
+struct flow_key {
+	__u64 cookie;
+	struct frontend_key frontend;
+	__u32 pad;
+};
+
+struct revnat_key {
+	__u64 cookie;
+	struct endpoint ep;
+	__u32 pad;
+};
+
+struct revnat_value {
+	struct addr addr;
+	__u16 port;
+	__u16 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct frontend_key);
+	__type(value, struct frontend);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_frontends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, struct set_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_sets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 2097152);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct slot_key);
+	__type(value, struct endpoint);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 2097152);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct member_key);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_members SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct affinity_key);
+	__type(value, struct affinity_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_affinity SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct flow_key);
+	__type(value, struct endpoint);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 131072);
+	__type(key, struct revnat_key);
+	__type(value, struct revnat_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_revnat SEC(".maps");
+
+static __always_inline int l4(const struct bpf_sock_addr *ctx, __u8 *proto)
+{
+	if (ctx->protocol == IPPROTO_TCP || ctx->protocol == IPPROTO_UDP) {
+		*proto = ctx->protocol;
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline void v4_key(const struct bpf_sock_addr *ctx, struct frontend_key *key)
+{
+	key->addr.w[0] = 0;
+	key->addr.w[1] = 0;
+	key->addr.w[2] = bpf_htonl(0xffff);
+	key->addr.w[3] = ctx->user_ip4;
+	key->port = (__u16)ctx->user_port;
+}
+
+static __always_inline void v6_key(const struct bpf_sock_addr *ctx, struct frontend_key *key)
+{
+	key->addr.w[0] = ctx->user_ip6[0];
+	key->addr.w[1] = ctx->user_ip6[1];
+	key->addr.w[2] = ctx->user_ip6[2];
+	key->addr.w[3] = ctx->user_ip6[3];
+	key->port = (__u16)ctx->user_port;
+}
+
+/* The endpoint a new connection of this network namespace gets: its remembered one while
+ * ClientIP affinity holds and the endpoint is still in the set, else a uniform pick. */
+static __always_inline int pick(struct bpf_sock_addr *ctx, const struct frontend *fe,
+				struct endpoint *out)
+{
+	struct set_info *info = bpf_map_lookup_elem(&kpng_sets, &fe->set);
+	if (!info || info->count == 0)
+		return 0;
+	struct affinity_key akey = {};
+	__u64 now = 0;
+	if (fe->affinity) {
+		akey.netns = bpf_get_netns_cookie(ctx);
+		akey.affinity = fe->affinity;
+		now = bpf_ktime_get_ns();
+		struct affinity_value *seen = bpf_map_lookup_elem(&kpng_affinity, &akey);
+		if (seen && now - seen->last_ns < (__u64)fe->timeout_s * NS_PER_S) {
+			struct member_key mkey = {.set = fe->set, .ep = seen->ep};
+			if (bpf_map_lookup_elem(&kpng_members, &mkey)) {
+				*out = seen->ep;
+				seen->last_ns = now;
+				return 1;
+			}
+		}
+	}
+	struct slot_key skey = {.set = fe->set, .index = bpf_get_prandom_u32() % info->count};
+	struct endpoint *ep = bpf_map_lookup_elem(&kpng_slots, &skey);
+	if (!ep)
+		return 0;
+	*out = *ep;
+	if (fe->affinity) {
+		struct affinity_value remembered = {.ep = *ep, .last_ns = now};
+		bpf_map_update_elem(&kpng_affinity, &akey, &remembered, BPF_ANY);
+	}
+	return 1;
+}
+
+/* What getpeername and recvmsg say instead of the endpoint: the frontend it was reached by. */
+static __always_inline void remember_frontend(struct bpf_sock_addr *ctx,
+					      const struct frontend_key *key,
+					      const struct endpoint *ep)
+{
+	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx), .ep = *ep};
+	struct revnat_value front = {.addr = key->addr, .port = key->port};
+	bpf_map_update_elem(&kpng_revnat, &rkey, &front, BPF_ANY);
+}
+
+/* Unconnected UDP: each send is translated, and a socket's sends to one frontend keep one
+ * endpoint while it stays in the set (as one conntrack entry keeps one flow on one endpoint). */
+static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
+					 const struct frontend_key *key,
+					 const struct frontend *fe, struct endpoint *out)
+{
+	struct flow_key fkey = {.cookie = bpf_get_socket_cookie(ctx), .frontend = *key};
+	struct endpoint *kept = bpf_map_lookup_elem(&kpng_flows, &fkey);
+	if (kept) {
+		struct member_key mkey = {.set = fe->set, .ep = *kept};
+		if (bpf_map_lookup_elem(&kpng_members, &mkey)) {
+			*out = *kept;
+			return 1;
+		}
+	}
+	if (!pick(ctx, fe, out))
+		return 0;
+	bpf_map_update_elem(&kpng_flows, &fkey, out, BPF_ANY);
+	return 1;
+}
+
+static __always_inline int translate4(struct bpf_sock_addr *ctx, int send)
+{
+	struct frontend_key key = {};
+	struct endpoint ep;
+	if (!l4(ctx, &key.proto))
+		return 1;
+	v4_key(ctx, &key);
+	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
+	/* No frontend, or no endpoint: the packet goes as addressed, and the node's nftables
+	 * rules answer it (REJECT or DROP, as for any proxy). */
+	if (!fe)
+		return 1;
+	if (!(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep)))
+		return 1;
+	ctx->user_ip4 = ep.addr.w[3];
+	ctx->user_port = ep.port;
+	remember_frontend(ctx, &key, &ep);
+	return 1;
+}
+
+static __always_inline int translate6(struct bpf_sock_addr *ctx, int send)
+{
+	struct frontend_key key = {};
+	struct endpoint ep;
+	if (!l4(ctx, &key.proto))
+		return 1;
+	v6_key(ctx, &key);
+	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
+	if (!fe)
+		return 1;
+	if (!(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep)))
+		return 1;
+	ctx->user_ip6[0] = ep.addr.w[0];
+	ctx->user_ip6[1] = ep.addr.w[1];
+	ctx->user_ip6[2] = ep.addr.w[2];
+	ctx->user_ip6[3] = ep.addr.w[3];
+	ctx->user_port = ep.port;
+	remember_frontend(ctx, &key, &ep);
+	return 1;
+}
+
+static __always_inline int reverse4(struct bpf_sock_addr *ctx)
+{
+	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx)};
+	rkey.ep.addr.w[2] = bpf_htonl(0xffff);
+	rkey.ep.addr.w[3] = ctx->user_ip4;
+	rkey.ep.port = (__u16)ctx->user_port;
+	struct revnat_value *front = bpf_map_lookup_elem(&kpng_revnat, &rkey);
+	if (front) {
+		ctx->user_ip4 = front->addr.w[3];
+		ctx->user_port = front->port;
+	}
+	return 1;
+}
+
+static __always_inline int reverse6(struct bpf_sock_addr *ctx)
+{
+	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx)};
+	rkey.ep.addr.w[0] = ctx->user_ip6[0];
+	rkey.ep.addr.w[1] = ctx->user_ip6[1];
+	rkey.ep.addr.w[2] = ctx->user_ip6[2];
+	rkey.ep.addr.w[3] = ctx->user_ip6[3];
+	rkey.ep.port = (__u16)ctx->user_port;
+	struct revnat_value *front = bpf_map_lookup_elem(&kpng_revnat, &rkey);
+	if (front) {
+		ctx->user_ip6[0] = front->addr.w[0];
+		ctx->user_ip6[1] = front->addr.w[1];
+		ctx->user_ip6[2] = front->addr.w[2];
+		ctx->user_ip6[3] = front->addr.w[3];
+		ctx->user_port = front->port;
+	}
+	return 1;
+}
+
+SEC("cgroup/connect4")
+int kpng_connect4(struct bpf_sock_addr *ctx) { return translate4(ctx, 0); }
+
+SEC("cgroup/connect6")
+int kpng_connect6(struct bpf_sock_addr *ctx) { return translate6(ctx, 0); }
+
+SEC("cgroup/sendmsg4")
+int kpng_sendmsg4(struct bpf_sock_addr *ctx) { return translate4(ctx, 1); }
+
+SEC("cgroup/sendmsg6")
+int kpng_sendmsg6(struct bpf_sock_addr *ctx) { return translate6(ctx, 1); }
+
+SEC("cgroup/recvmsg4")
+int kpng_recvmsg4(struct bpf_sock_addr *ctx) { return reverse4(ctx); }
+
+SEC("cgroup/recvmsg6")
+int kpng_recvmsg6(struct bpf_sock_addr *ctx) { return reverse6(ctx); }
+
+SEC("cgroup/getpeername4")
+int kpng_peername4(struct bpf_sock_addr *ctx) { return reverse4(ctx); }
+
+SEC("cgroup/getpeername6")
+int kpng_peername6(struct bpf_sock_addr *ctx) { return reverse6(ctx); }
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
