@@ -18,6 +18,11 @@ Layout (every address lives only inside the namespaces the bed creates, never le
 - nodes' default routes point at the external client (a dead end inside the bed), so that a
   node's own connections to service IPs have a route before DNAT.
 
+With ``sockets=True`` each node also gets a cgroup2 directory (``Node.cgroup``) holding every
+process the bed starts in the node or its pods, and a directory on bpffs (``Node.pin_dir``):
+what a backend balancing at connect time (to-ebpf) attaches to and pins in. The bed mounts both
+file systems under /run, since ``ip netns exec`` hides /sys's mounts.
+
 Names start with a prefix unique to the process and the bed, so parallel runs do not collide,
 and everything is removed on exit, also when the body raised. Needs root, ``ip`` (iproute2) and
 Python in every namespace (``ip netns exec``).
@@ -76,6 +81,8 @@ class Node:
     ip6: str
     pod_cidr4: str
     pod_cidr6: str
+    cgroup: Path | None = None
+    pin_dir: Path | None = None
 
     @property
     def pod_cidrs(self) -> tuple[str, str]:
@@ -107,7 +114,11 @@ class TestBed:
     nodes: dict[str, Node] = field(default_factory=dict)
     pods: dict[str, Pod] = field(default_factory=dict)
     external: External | None = None
+    sockets: bool = False
     _namespaces: list[str] = field(default_factory=list)
+    _cgroups: dict[str, Path] = field(default_factory=dict)
+    """netns: the cgroup its processes are started in."""
+    _mounts: list[Path] = field(default_factory=list)
     _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     __test__ = False  # not a pytest test class, whatever its name
@@ -145,7 +156,16 @@ class TestBed:
             self.exec(name, cmd)
         return name
 
+    def _mount(self, fstype: str, name: str) -> Path:
+        target = Path("/run/kpng-tests") / self.prefix / name
+        target.mkdir(parents=True)
+        _run(["mount", "-t", fstype, fstype, str(target)])
+        self._mounts.append(target)
+        return target
+
     def _build(self) -> None:
+        if self.sockets:
+            cgroups, pins = self._mount("cgroup2", "cgroup2"), self._mount("bpf", "bpf")
         underlay = self._netns("ul")
         self.exec(underlay, ["ip", "link", "add", "br0", "type", "bridge"])
         self.exec(underlay, ["ip", "link", "set", "br0", "up"])
@@ -156,6 +176,10 @@ class TestBed:
                 f"10.244.{i}.0/24", f"fd00:244:{i}::/64",
             )  # fmt: skip
             self.nodes[node.name] = node
+            if self.sockets:
+                node.cgroup, node.pin_dir = cgroups / self.prefix / node.name, pins / node.name
+                node.cgroup.mkdir(parents=True)
+                self._cgroups[ns] = node.cgroup
             self._uplink(underlay, ns, f"n{i}", node.ip4, node.ip6)
             for j, pod_name in enumerate(node_spec.pods, start=2):
                 self._pod(node, pod_name, j)
@@ -194,6 +218,8 @@ class TestBed:
     def _pod(self, node: Node, name: str, j: int) -> None:
         i = node.index
         ns = self._netns(f"n{i}p{j}")
+        if node.cgroup is not None:
+            self._cgroups[ns] = node.cgroup
         pod = Pod(name, node, ns, f"10.244.{i}.{j}", f"fd00:244:{i}::{j:x}")
         self.pods[name] = pod
         veth = f"vp{j}"
@@ -233,7 +259,15 @@ class TestBed:
         self, netns: str, argv: Sequence[str], *, check: bool = True, input: bytes | None = None
     ) -> str:
         """Run ``argv`` in ``netns`` and return its output; ``TestBedError`` if it fails."""
-        return _run(["ip", "netns", "exec", netns, *argv], check=check, input=input)
+        return _run(self._in(netns, argv), check=check, input=input)
+
+    def _in(self, netns: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run in ``netns``, and in its node's cgroup if the bed has them."""
+        command = ["ip", "netns", "exec", netns, *argv]
+        cgroup = self._cgroups.get(netns)
+        if cgroup is None:
+            return command
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *command]
 
     def spawn(
         self,
@@ -245,7 +279,7 @@ class TestBed:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` in ``netns``; it is stopped when the bed closes."""
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns, *argv],
+            self._in(netns, argv),
             stdout=stdout,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
@@ -302,6 +336,26 @@ class TestBed:
         for name in reversed(self._namespaces):
             _run(["ip", "netns", "del", name], check=False)
         self._namespaces.clear()
+        # A cgroup's programs' links go with it; unmounting bpffs drops every pin in it.
+        # (cgroup2 is one hierarchy for the whole machine: its directories outlive the mount.)
+        for cgroup in set(self._cgroups.values()):
+            _rmdir(cgroup)
+        if self._cgroups:
+            _rmdir(next(iter(self._cgroups.values())).parent)
+        for target in reversed(self._mounts):
+            _run(["umount", str(target)], check=False)
+            _rmdir(target)
+        if self._mounts:
+            _rmdir(self._mounts[0].parent)
+        self._cgroups.clear()
+        self._mounts.clear()
+
+
+def _rmdir(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError as exc:
+        log.warning("test bed: cannot remove %s: %s", directory, exc)
 
 
 def _run(argv: Sequence[str], *, check: bool = True, input: bytes | None = None) -> str:

@@ -11,9 +11,13 @@ included. A service port contributes:
   External endpoints, or with eTP=Local every endpoint: a local client is short-circuited, as
   kube-proxy does for pods and the node).
 
-A frontend is only written while its set has endpoints, and never for an LB IP with source
-ranges: what the programs leave untranslated is answered by the node's nftables rules (REJECT,
-DROP, source ranges), as for any connection from outside.
+A frontend is only written while its set has endpoints, never for an LB IP with source ranges
+and, with ``--masquerade-all``, never for a ClusterIP: what the programs leave untranslated is
+answered by the node's nftables rules (REJECT, DROP, source ranges, masquerade), as for any
+connection from outside.
+
+A UDP service port also has a set of the endpoints serving anywhere: a flow (one source port
+of one network namespace) keeps its endpoint while it is in that set.
 
 Changes keep each set's slots in place: an endpoint that stays keeps its index, one that goes
 leaves its index to a newcomer or to the last slot's endpoint. A change of one endpoint writes a
@@ -29,12 +33,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kpng.backends._endpoints import EndpointValue, endpoints_by_scope
+from kpng.backends._endpoints import EndpointValue, endpoints_by_scope, serving_endpoints
 from kpng.backends._node import FAMILIES, Fam, Options
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 """Bumped whenever a key or value below changes shape: the pinned maps of another layout are
 then left for new ones (``kpng/backends/ebpf/loading.py``)."""
 
@@ -42,12 +46,12 @@ MapName = Literal["kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members"]
 MAPS: tuple[MapName, ...] = ("kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members")
 """The maps kpng writes; the programs alone write affinity, flows and revnat."""
 
-Scope = Literal["internal", "external", "cluster"]
+Scope = Literal["internal", "external", "cluster", "serving"]
 DEFAULT_AFFINITY_TIMEOUT_S = 10800
 _PROTOCOLS = {"TCP": 6, "UDP": 17}
 
 _FRONTEND_KEY = struct.Struct("=16s2sBx")
-_FRONTEND = struct.Struct("=QQI4x")
+_FRONTEND = struct.Struct("=QQQI4x")
 _SET_KEY = struct.Struct("=Q")
 _SET_INFO = struct.Struct("=I4x")
 _SLOT_KEY = struct.Struct("=QI4x")
@@ -147,15 +151,26 @@ def contribute(
             port_id = (service.Namespace, service.Name, port.Protocol, str(port.Port), fam)
             affinity = _id("affinity", *port_id) if timeout else 0
 
+            serving = 0
+            if proto == _PROTOCOLS["UDP"]:
+                # A UDP flow keeps its endpoint while it serves anywhere (kube-proxy 1.35+).
+                all_used = (*internal, *external, *cluster_wide)
+                eps = sorted(e for e in serving_endpoints(port, all_used) if (":" in e[0]) == v6)
+                if eps:
+                    serving = _id("set", *port_id, "serving")
+                    out.sets[serving] = tuple(_endpoint(e, cache) for e in eps)
+
             def frontend(addr: str, number: int, scope: Scope, eps: list[EndpointValue]) -> None:
                 if not eps:
                     return
                 set_id = _id("set", *port_id, scope)  # noqa: B023
                 out.sets[set_id] = tuple(_endpoint(e, cache) for e in eps)
                 key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
-                out.frontends[key] = _FRONTEND.pack(set_id, affinity, timeout)  # noqa: B023
+                out.frontends[key] = _FRONTEND.pack(set_id, affinity, serving, timeout)  # noqa: B023
 
-            for cip in cluster_ips:
+            # --masquerade-all: every connection to a ClusterIP is to come from the node's
+            # address, which only the nftables part can give it.
+            for cip in () if options.masquerade_all else cluster_ips:
                 frontend(cip, port.Port, "internal", internal)
             scope: Scope = "cluster" if service.ExternalTrafficToLocal else "external"
             reached = cluster_wide if service.ExternalTrafficToLocal else external

@@ -10,7 +10,7 @@
  *   kpng_slots      (set id, index) -> endpoint; the program picks an index below the count
  *   kpng_members    (set id, endpoint) -> present: is a remembered endpoint still in the set
  *   kpng_affinity   (network namespace, affinity id) -> ClientIP affinity memory (LRU)
- *   kpng_flows      (socket, frontend) -> the endpoint of an unconnected UDP socket's sends
+ *   kpng_flows      (namespace, source port, frontend) -> the endpoint of unconnected UDP sends
  *   kpng_revnat     (socket, endpoint) -> frontend, for getpeername and recvmsg (LRU)
  *
  * Addresses are 16 bytes, IPv4 as IPv4-mapped IPv6 (::ffff:a.b.c.d), so one map serves both
@@ -39,6 +39,7 @@ struct frontend_key {
 struct frontend {
 	__u64 set;
 	__u64 affinity; /* 0: no ClientIP affinity */
+	__u64 serving;  /* UDP: the set of endpoints serving anywhere; 0: the set above */
 	__u32 timeout_s;
 	__u32 pad;
 };
@@ -78,9 +79,16 @@ struct affinity_value {
 };
 
 struct flow_key {
-	__u64 cookie;
+	__u64 netns;
 	struct frontend_key frontend;
+	__u16 src_port;
+	__u16 pad;
+};
+
+struct flow {
+	struct endpoint ep;
 	__u32 pad;
+	__u64 last_ns;
 };
 
 struct revnat_key {
@@ -143,7 +151,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct flow_key);
-	__type(value, struct endpoint);
+	__type(value, struct flow);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_flows SEC(".maps");
 
@@ -228,24 +236,36 @@ static __always_inline void remember_frontend(struct bpf_sock_addr *ctx,
 	bpf_map_update_elem(&kpng_revnat, &rkey, &front, BPF_ANY);
 }
 
-/* Unconnected UDP: each send is translated, and a socket's sends to one frontend keep one
- * endpoint while it stays in the set (as one conntrack entry keeps one flow on one endpoint). */
+/* Unconnected UDP: each send is translated. Sends from one source port to one frontend are a
+ * flow, as conntrack sees them (the port is bound by now: the kernel binds before this hook):
+ * the flow keeps its endpoint while that endpoint serves anywhere and the flow is not idle
+ * for FLOW_IDLE_NS (conntrack's UDP stream timeout), even across sockets, as kube-proxy's
+ * conntrack entries do. */
+#define FLOW_IDLE_NS (120 * NS_PER_S)
+
 static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 					 const struct frontend_key *key,
 					 const struct frontend *fe, struct endpoint *out)
 {
-	struct flow_key fkey = {.cookie = bpf_get_socket_cookie(ctx), .frontend = *key};
-	struct endpoint *kept = bpf_map_lookup_elem(&kpng_flows, &fkey);
-	if (kept) {
-		struct member_key mkey = {.set = fe->set, .ep = *kept};
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return pick(ctx, fe, out);
+	struct flow_key fkey = {.netns = bpf_get_netns_cookie(ctx), .frontend = *key,
+				.src_port = (__u16)sk->src_port};
+	__u64 now = bpf_ktime_get_ns();
+	struct flow *kept = bpf_map_lookup_elem(&kpng_flows, &fkey);
+	if (kept && now - kept->last_ns < FLOW_IDLE_NS) {
+		struct member_key mkey = {.set = fe->serving ? fe->serving : fe->set, .ep = kept->ep};
 		if (bpf_map_lookup_elem(&kpng_members, &mkey)) {
-			*out = *kept;
+			*out = kept->ep;
+			kept->last_ns = now;
 			return 1;
 		}
 	}
 	if (!pick(ctx, fe, out))
 		return 0;
-	bpf_map_update_elem(&kpng_flows, &fkey, out, BPF_ANY);
+	struct flow started = {.ep = *out, .last_ns = now};
+	bpf_map_update_elem(&kpng_flows, &fkey, &started, BPF_ANY);
 	return 1;
 }
 

@@ -59,6 +59,22 @@ def compile_object(output: Path) -> Path:
     return output
 
 
+def unavailable() -> str | None:
+    """Why to-ebpf cannot compile and load its programs here, or None."""
+    from kpng.backends.ebpf.libbpf import library
+
+    try:
+        library()
+    except BpfError as exc:
+        return str(exc)
+    if (
+        not any(shutil.which(c) for c in CLANGS)
+        or not Path("/usr/include/bpf/bpf_helpers.h").is_file()
+    ):
+        return "to-ebpf compiles its programs with clang and libbpf-dev (Debian: clang libbpf-dev)"
+    return None
+
+
 def ensure_object(given: Path | None = None) -> Path:
     """The object to load: ``given``, or the cached compile of this source (made if missing)."""
     if given is not None:
