@@ -1,0 +1,241 @@
+"""to-ebpf's map entries and the order they are written in, as plain data (no kernel:
+tests/test_ebpf_kernel.py and the conformance suite load them)."""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import struct
+
+import msgspec
+import pytest
+
+from kpng.backends._node import Options
+from kpng.backends.ebpf import entries
+from kpng.backends.ebpf.entries import SocketState, contribute, relayout
+from kpng.model.messages import EndpointAddress, EndpointScopes, IPFilter, IPSet, ServiceEndpoints
+from kpng.testing import states
+
+_service = functools.partial(states.service, cluster_ip="10.96.0.10", port_name="p")
+_ep = functools.partial(states.endpoint, port_name="p")
+REMOTE = EndpointScopes(Internal=False, External=False, Cluster=True)
+NODE_IP = "10.250.0.1"
+
+
+def _ip(raw: bytes) -> str:
+    ip = ipaddress.ip_address(raw)
+    assert isinstance(ip, ipaddress.IPv6Address)
+    return str(ip.ipv4_mapped or ip)
+
+
+def frontends(c: entries.Contribution) -> dict[tuple[str, int, int], tuple[list[str], bool]]:
+    """(address, port, protocol): (the endpoints of its set, sticky)."""
+    out = {}
+    for key, value in c.frontends.items():
+        addr, port, proto = struct.unpack("=16s2sBx", key)
+        set_id, affinity, _serving, _timeout = struct.unpack("=QQQI4x", value)
+        eps = [f"{_ip(e[:16])}:{int.from_bytes(e[16:18], 'big')}" for e in c.sets[set_id]]
+        out[(_ip(addr), int.from_bytes(port, "big"), proto)] = (eps, bool(affinity))
+    return out
+
+
+def test_a_cluster_ip_leads_to_its_internal_endpoints() -> None:
+    se = ServiceEndpoints(_service(), (_ep("10.244.2.2"), _ep("10.244.1.2")))
+    assert frontends(contribute(se, Options())) == {
+        ("10.96.0.10", 80, 6): (["10.244.1.2:8080", "10.244.2.2:8080"], False)
+    }
+
+
+CASES = [
+    (
+        "iTP Local: a ClusterIP has only this node's endpoints",
+        _service(),
+        (_ep("10.244.1.2", local=True), _ep("10.244.2.2", scopes=REMOTE)),
+        Options(),
+        {("10.96.0.10", 80, 6): ["10.244.1.2:8080"]},
+    ),
+    (
+        "no endpoint for a kind of traffic: no frontend, the nftables part answers",
+        _service(),
+        (_ep("10.244.2.2", scopes=REMOTE),),
+        Options(),
+        {},
+    ),
+    (
+        "eTP Local: a local socket reaching the node port or an external IP is short-circuited",
+        _service(node_port=30080, external_ips=("10.251.0.5",), etp_local=True),
+        (_ep("10.244.2.2", scopes=REMOTE), _ep("10.244.1.2", local=True)),
+        Options(),
+        {
+            ("10.96.0.10", 80, 6): ["10.244.1.2:8080"],
+            ("10.251.0.5", 80, 6): ["10.244.1.2:8080", "10.244.2.2:8080"],
+            (NODE_IP, 30080, 6): ["10.244.1.2:8080", "10.244.2.2:8080"],
+        },
+    ),
+    (
+        "node ports only on primary IPs inside --nodeport-addresses",
+        _service(node_port=30080),
+        (_ep("10.244.1.2"),),
+        Options(nodeport_addresses=("192.168.0.0/16",)),
+        {("10.96.0.10", 80, 6): ["10.244.1.2:8080"]},
+    ),
+    (
+        "--masquerade-all: ClusterIPs are left to the nftables part",
+        _service(external_ips=("10.251.0.5",)),
+        (_ep("10.244.1.2"),),
+        Options(masquerade_all=True),
+        {("10.251.0.5", 80, 6): ["10.244.1.2:8080"]},
+    ),
+    (
+        "an LB IP with source ranges is left to the nftables part",
+        msgspec.structs.replace(
+            _service(external_ips=("10.251.0.5", "10.251.0.6")),
+            IPFilters=(IPFilter(TargetIPs=IPSet(V4=("10.251.0.6",)), SourceRanges=("1.0.0.0/8",)),),
+        ),
+        (_ep("10.244.1.2"),),
+        Options(),
+        {
+            ("10.96.0.10", 80, 6): ["10.244.1.2:8080"],
+            ("10.251.0.5", 80, 6): ["10.244.1.2:8080"],
+        },
+    ),
+    (
+        "SCTP is left to the nftables part",
+        _service(protocol="SCTP"),
+        (_ep("10.244.1.2", protocol="SCTP"),),
+        Options(),
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("service", "endpoints", "options", "expected"),
+    [pytest.param(s, e, o, x, id=c) for c, s, e, o, x in CASES],
+)
+def test_frontends_and_their_endpoints(
+    service: object, endpoints: tuple[object, ...], options: Options, expected: object
+) -> None:
+    se = ServiceEndpoints(service, endpoints)  # type: ignore[arg-type]
+    got = frontends(contribute(se, options, (NODE_IP,)))
+    assert {k: eps for k, (eps, _) in got.items()} == expected
+
+
+def test_affinity_is_one_memory_per_service_port_across_its_frontends() -> None:
+    se = ServiceEndpoints(
+        _service(node_port=30080, affinity=60), (_ep("10.244.1.2"), _ep("10.244.2.2"))
+    )
+    values = contribute(se, Options(), (NODE_IP,)).frontends.values()
+    ids = {struct.unpack("=QQQI4x", v)[1:4:2] for v in values}
+    assert len(values) == 2
+    assert [timeout for _, timeout in ids] == [60]
+
+
+def test_a_udp_port_keeps_flows_on_endpoints_serving_anywhere() -> None:
+    """The set new flows pick from has the ready endpoint; the set a flow may stay on also has
+    the terminating one that still serves (states.service lists both as serving)."""
+    serving_port = msgspec.structs.replace(
+        _service(protocol="UDP").Ports[0],
+        ServingEndpoints=(
+            EndpointAddress(IP="10.244.1.2", Port=8080),
+            EndpointAddress(IP="10.244.2.2", Port=8080),
+        ),
+    )
+    service = msgspec.structs.replace(_service(protocol="UDP"), Ports=(serving_port,))
+    se = ServiceEndpoints(service, (_ep("10.244.1.2", protocol="UDP"),))
+    c = contribute(se, Options())
+    (value,) = c.frontends.values()
+    set_id, _, serving, _ = struct.unpack("=QQQI4x", value)
+    assert [_ip(e[:16]) for e in c.sets[set_id]] == ["10.244.1.2"]
+    assert [_ip(e[:16]) for e in c.sets[serving]] == ["10.244.1.2", "10.244.2.2"]
+
+
+# relayout: (old slots, new endpoints, new slots)
+RELAYOUT_CASES = [
+    ("a newcomer is appended", "ab", "abc", "abc"),
+    ("a newcomer takes a freed slot", "abc", "acd", "adc"),
+    ("the last endpoint fills a hole", "abcd", "abd", "abd"),
+    ("a middle removal moves the last one there", "abcd", "acd", "adc"),
+    ("all go", "ab", "", ""),
+    ("from nothing, in the given order", "", "ba", "ba"),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"), [pytest.param(o, n, x, id=c) for c, o, n, x in RELAYOUT_CASES]
+)
+def test_relayout_keeps_the_endpoints_that_stay_in_their_slots(
+    old: str, new: str, expected: str
+) -> None:
+    got = relayout([c.encode() for c in old], [c.encode() for c in new])
+    assert b"".join(got).decode() == expected
+
+
+def _contribution(*eps: str) -> dict[tuple[str, str], entries.Contribution | None]:
+    se = ServiceEndpoints(_service(), tuple(_ep(e) for e in eps))
+    return {("ns", "web"): contribute(se, Options())}
+
+
+def test_one_endpoint_added_writes_its_slot_member_and_the_count() -> None:
+    state = SocketState()
+    state.full(_contribution("10.244.1.2", "10.244.1.3"), {})
+    changes = state.changes(_contribution("10.244.1.2", "10.244.1.3", "10.244.1.4"))
+    assert [(name, len(e)) for name, e in changes.updates] == [
+        ("kpng_members", 1),
+        ("kpng_slots", 1),
+        ("kpng_sets", 1),
+    ]
+    assert changes.deletes == []
+
+
+def test_one_endpoint_removed_moves_the_last_into_its_slot_then_deletes() -> None:
+    state = SocketState()
+    state.full(_contribution("10.244.1.2", "10.244.1.3", "10.244.1.4"), {})
+    changes = state.changes(_contribution("10.244.1.3", "10.244.1.4"))
+    assert [(name, len(e)) for name, e in changes.updates] == [
+        ("kpng_slots", 1),
+        ("kpng_sets", 1),
+    ]
+    assert [(name, len(k)) for name, k in changes.deletes] == [
+        ("kpng_slots", 1),
+        ("kpng_members", 1),
+    ]
+    assert len(changes) == 4
+
+
+def test_a_service_that_goes_deletes_its_frontend_before_its_set() -> None:
+    state = SocketState()
+    state.full(_contribution("10.244.1.2"), {})
+    changes = state.changes({("ns", "web"): None})
+    assert changes.updates == []
+    assert [name for name, _ in changes.deletes] == [
+        "kpng_frontends",
+        "kpng_sets",
+        "kpng_slots",
+        "kpng_members",
+    ]
+
+
+def test_an_unchanged_service_sent_again_changes_nothing() -> None:
+    state = SocketState()
+    state.full(_contribution("10.244.1.2", "10.244.1.3"), {})
+    assert len(state.changes(_contribution("10.244.1.3", "10.244.1.2"))) == 0
+
+
+def test_a_full_sync_writes_everything_and_deletes_what_no_service_wants() -> None:
+    state = SocketState()
+    wanted = state.full(_contribution("10.244.1.2"), {})
+    written = {name: {k for k, _ in e} for name, e in wanted.updates}
+    stale = b"\x01" * entries.KEY_SIZES["kpng_frontends"]
+    present = {
+        name: [*keys, stale] if name == "kpng_frontends" else [*keys]
+        for name, keys in written.items()
+    }
+    again = SocketState().full(_contribution("10.244.1.2"), present)
+    assert [name for name, _ in again.updates] == [
+        "kpng_members",
+        "kpng_slots",
+        "kpng_sets",
+        "kpng_frontends",
+    ]
+    assert again.deletes == [("kpng_frontends", [stale])]
