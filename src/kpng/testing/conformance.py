@@ -13,11 +13,12 @@ Run it against a backend (root, nft and iproute2 needed)::
         pytest --pyargs kpng.testing.conformance
 
 ``KPNG_CONFORMANCE_BACKEND`` is the backend part of the command line (default as above;
-``{cluster_cidrs}`` becomes the bed's pod CIDRs, ``{cgroup}`` and ``{pin_dir}`` the node's cgroup
-and bpffs directory, for to-ebpf: see ``kpng.testing.netns``; one case restarts a node's backend with
-kube-proxy's ``--nodeport-addresses`` appended), or the ``backend_command`` fixture of a module
-that imports the suite. ``make test`` runs it for ``to-nft`` (``tests/test_conformance.py``) and
-for ``to-iptables`` with both iptables variants (``tests/test_conformance_iptables*.py``).
+``{cluster_cidrs}`` becomes the bed's pod CIDRs, ``{cgroup}`` and ``{pin_dir}`` the node's
+cgroup and bpffs directory, for to-ebpf: see ``kpng.testing.netns``; one case restarts a node's
+backend with kube-proxy's ``--nodeport-addresses`` appended), or the ``backend_command`` fixture
+of a module that imports the suite, which may also list the cases it cannot pass
+(``known_failures``). ``make test`` runs it for ``to-nft`` (``tests/test_conformance.py``),
+``to-ebpf`` and ``to-iptables`` with both iptables variants.
 Every wait is bounded.
 """
 
