@@ -224,7 +224,7 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
         (
             ["file", "--input", "x", "to-local", "--node-name", "n", "to-jsno", "--once"],
             "unknown backend 'to-jsno'; did you mean to-json? "
-            "(backends: to-exec, to-iptables, to-json,",
+            "(backends: to-ebpf, to-exec, to-iptables, to-json,",
         ),
         (
             ["file", "--input", "x", "to-local", "--node-name", "n", "to-json", "to-nfft"],
