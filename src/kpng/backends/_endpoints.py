@@ -8,10 +8,20 @@ import functools
 import ipaddress
 from collections.abc import Iterable, Sequence
 
-from kpng.model.messages import Endpoint, PortMapping
+from kpng.model.messages import Endpoint, PortMapping, Service
 
 EndpointValue = tuple[str, str]
 """(address, port): the value of an endpoint map element."""
+
+DEFAULT_AFFINITY_TIMEOUT_S = 10800
+"""Kubernetes' default ClientIP timeoutSeconds (3 hours)."""
+
+
+def affinity_timeout(service: Service) -> int:
+    """How long a client sticks to its endpoint, in seconds; 0 without ClientIP affinity."""
+    if service.ClientIP is None:
+        return 0
+    return service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
 
 
 def endpoints_by_scope(

@@ -33,21 +33,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kpng.backends._endpoints import EndpointValue, endpoints_by_scope, serving_endpoints
+from kpng.backends._endpoints import (
+    EndpointValue,
+    affinity_timeout,
+    endpoints_by_scope,
+    serving_endpoints,
+)
 from kpng.backends._node import FAMILIES, Fam, Options
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 
 LAYOUT_VERSION = 2
 """Bumped whenever a key or value below changes shape: the pinned maps of another layout are
-then left for new ones (``kpng/backends/ebpf/loading.py``)."""
+then left for new ones (``SocketBalancer`` pins each layout's maps in a directory of its own)."""
 
 MapName = Literal["kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members"]
 MAPS: tuple[MapName, ...] = ("kpng_frontends", "kpng_sets", "kpng_slots", "kpng_members")
 """The maps kpng writes; the programs alone write affinity, flows and revnat."""
 
 Scope = Literal["internal", "external", "cluster", "serving"]
-DEFAULT_AFFINITY_TIMEOUT_S = 10800
 _PROTOCOLS = {"TCP": 6, "UDP": 17}
 
 _FRONTEND_KEY = struct.Struct("=16s2sBx")
@@ -120,9 +124,7 @@ def contribute(
     ips = service.IPs
     if ips is None or ips.ClusterIPs is None:
         return out
-    timeout = 0
-    if service.ClientIP is not None:
-        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    timeout = affinity_timeout(service)
     firewalled = {
         ip
         for flt in service.IPFilters

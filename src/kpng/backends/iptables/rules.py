@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from kpng.backends._endpoints import (
     EndpointValue,
+    affinity_timeout,
     allowed_from_node,
     allowed_ranges,
     endpoints_by_scope,
@@ -51,7 +52,6 @@ from kpng.backends._endpoints import (
 from kpng.backends._node import Fam, Options
 from kpng.model.messages import PortMapping, ServiceEndpoints
 
-DEFAULT_AFFINITY_TIMEOUT_S = 10800
 _PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 _LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1/128"}
 
@@ -192,9 +192,7 @@ def contribute(
     cluster_ips = list(ips.ClusterIPs.family(v6))
     external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
     lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
-    timeout = 0
-    if service.ClientIP is not None:
-        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    timeout = affinity_timeout(service)
     name = f"{service.Namespace}/{service.Name}"
     for port in service.Ports:
         proto = _PROTOCOLS.get(port.Protocol)

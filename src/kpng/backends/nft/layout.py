@@ -97,6 +97,7 @@ from typing import Literal
 
 from kpng.backends._endpoints import (
     EndpointValue,
+    affinity_timeout,
     allowed_from_node,
     allowed_ranges,
     endpoints_by_scope,
@@ -116,7 +117,6 @@ TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by
 CHECK_TABLE = Table("inet", "kpng-check")
 """Where kpng asks the kernel whether it takes some services' rules: made and deleted in the
 same transaction, without hooks."""
-DEFAULT_AFFINITY_TIMEOUT_S = 10800
 AFFINITY_CLIENTS = 1 << 20
 """The most (client, endpoint) pairs the affinity memory of a family holds: a bound on kernel
 memory that spoofed sources could otherwise grow (about 100 bytes each)."""
@@ -317,9 +317,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
     ips = service.IPs
     if ips is None or ips.ClusterIPs is None:
         return out
-    timeout = 0
-    if service.ClientIP is not None:
-        timeout = service.ClientIP.TimeoutSeconds or DEFAULT_AFFINITY_TIMEOUT_S
+    timeout = affinity_timeout(service)
     local = local_addresses(se.endpoints)
     for fam in FAMILIES:
         v6 = fam == "v6"
