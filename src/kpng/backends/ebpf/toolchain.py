@@ -34,8 +34,9 @@ def object_path(cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / f"sockets-{digest}.o"
 
 
-def compile_object(output: Path) -> Path:
-    """Compile the programs into ``output``; ``BpfError`` with clang's message on failure."""
+def compile_object(output: Path, source: Path = SOURCE) -> Path:
+    """Compile ``source`` (the programs) into ``output``; ``BpfError`` with clang's message on
+    failure."""
     clang = next((c for c in CLANGS if shutil.which(c)), None)
     if clang is None:
         raise BpfError(
@@ -50,11 +51,11 @@ def compile_object(output: Path) -> Path:
         argv.append(f"-I/usr/include/{multiarch}")
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_suffix(f".{os.getpid()}.tmp")
-    argv += ["-c", str(SOURCE), "-o", str(partial)]
+    argv += ["-c", str(source), "-o", str(partial)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise BpfError(f"cannot compile {SOURCE.name} ({' '.join(argv)}):\n{proc.stderr.strip()}")
+        raise BpfError(f"cannot compile {source.name} ({' '.join(argv)}):\n{proc.stderr.strip()}")
     partial.rename(output)  # another kpng compiling meanwhile finds a whole file or none
     return output
 
