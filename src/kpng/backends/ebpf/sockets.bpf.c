@@ -172,22 +172,33 @@ static __always_inline int l4(const struct bpf_sock_addr *ctx, __u8 *proto)
 	return 0;
 }
 
-static __always_inline void v4_key(const struct bpf_sock_addr *ctx, struct frontend_key *key)
+/* The socket call's address as 16 bytes (IPv4 mapped), and back. v6 is a constant in each
+ * program, so each keeps only its family's accesses to the context. */
+static __always_inline void load_addr(const struct bpf_sock_addr *ctx, int v6, struct addr *a)
 {
-	key->addr.w[0] = 0;
-	key->addr.w[1] = 0;
-	key->addr.w[2] = bpf_htonl(0xffff);
-	key->addr.w[3] = ctx->user_ip4;
-	key->port = (__u16)ctx->user_port;
+	if (v6) {
+		a->w[0] = ctx->user_ip6[0];
+		a->w[1] = ctx->user_ip6[1];
+		a->w[2] = ctx->user_ip6[2];
+		a->w[3] = ctx->user_ip6[3];
+	} else {
+		a->w[0] = 0;
+		a->w[1] = 0;
+		a->w[2] = bpf_htonl(0xffff);
+		a->w[3] = ctx->user_ip4;
+	}
 }
 
-static __always_inline void v6_key(const struct bpf_sock_addr *ctx, struct frontend_key *key)
+static __always_inline void store_addr(struct bpf_sock_addr *ctx, int v6, const struct addr *a)
 {
-	key->addr.w[0] = ctx->user_ip6[0];
-	key->addr.w[1] = ctx->user_ip6[1];
-	key->addr.w[2] = ctx->user_ip6[2];
-	key->addr.w[3] = ctx->user_ip6[3];
-	key->port = (__u16)ctx->user_port;
+	if (v6) {
+		ctx->user_ip6[0] = a->w[0];
+		ctx->user_ip6[1] = a->w[1];
+		ctx->user_ip6[2] = a->w[2];
+		ctx->user_ip6[3] = a->w[3];
+	} else {
+		ctx->user_ip4 = a->w[3];
+	}
 }
 
 /* The endpoint a new connection of this network namespace gets: its remembered one while
@@ -269,13 +280,14 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 	return 1;
 }
 
-static __always_inline int translate4(struct bpf_sock_addr *ctx, int send)
+static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send)
 {
 	struct frontend_key key = {};
 	struct endpoint ep;
 	if (!l4(ctx, &key.proto))
 		return 1;
-	v4_key(ctx, &key);
+	load_addr(ctx, v6, &key.addr);
+	key.port = (__u16)ctx->user_port;
 	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
 	/* No frontend, or no endpoint: the packet goes as addressed, and the node's nftables
 	 * rules answer it (REJECT or DROP, as for any proxy). */
@@ -283,88 +295,47 @@ static __always_inline int translate4(struct bpf_sock_addr *ctx, int send)
 		return 1;
 	if (!(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep)))
 		return 1;
-	ctx->user_ip4 = ep.addr.w[3];
+	store_addr(ctx, v6, &ep.addr);
 	ctx->user_port = ep.port;
 	remember_frontend(ctx, &key, &ep);
 	return 1;
 }
 
-static __always_inline int translate6(struct bpf_sock_addr *ctx, int send)
-{
-	struct frontend_key key = {};
-	struct endpoint ep;
-	if (!l4(ctx, &key.proto))
-		return 1;
-	v6_key(ctx, &key);
-	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
-	if (!fe)
-		return 1;
-	if (!(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep)))
-		return 1;
-	ctx->user_ip6[0] = ep.addr.w[0];
-	ctx->user_ip6[1] = ep.addr.w[1];
-	ctx->user_ip6[2] = ep.addr.w[2];
-	ctx->user_ip6[3] = ep.addr.w[3];
-	ctx->user_port = ep.port;
-	remember_frontend(ctx, &key, &ep);
-	return 1;
-}
-
-static __always_inline int reverse4(struct bpf_sock_addr *ctx)
+static __always_inline int reverse(struct bpf_sock_addr *ctx, int v6)
 {
 	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx)};
-	rkey.ep.addr.w[2] = bpf_htonl(0xffff);
-	rkey.ep.addr.w[3] = ctx->user_ip4;
+	load_addr(ctx, v6, &rkey.ep.addr);
 	rkey.ep.port = (__u16)ctx->user_port;
 	struct revnat_value *front = bpf_map_lookup_elem(&kpng_revnat, &rkey);
 	if (front) {
-		ctx->user_ip4 = front->addr.w[3];
-		ctx->user_port = front->port;
-	}
-	return 1;
-}
-
-static __always_inline int reverse6(struct bpf_sock_addr *ctx)
-{
-	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx)};
-	rkey.ep.addr.w[0] = ctx->user_ip6[0];
-	rkey.ep.addr.w[1] = ctx->user_ip6[1];
-	rkey.ep.addr.w[2] = ctx->user_ip6[2];
-	rkey.ep.addr.w[3] = ctx->user_ip6[3];
-	rkey.ep.port = (__u16)ctx->user_port;
-	struct revnat_value *front = bpf_map_lookup_elem(&kpng_revnat, &rkey);
-	if (front) {
-		ctx->user_ip6[0] = front->addr.w[0];
-		ctx->user_ip6[1] = front->addr.w[1];
-		ctx->user_ip6[2] = front->addr.w[2];
-		ctx->user_ip6[3] = front->addr.w[3];
+		store_addr(ctx, v6, &front->addr);
 		ctx->user_port = front->port;
 	}
 	return 1;
 }
 
 SEC("cgroup/connect4")
-int kpng_connect4(struct bpf_sock_addr *ctx) { return translate4(ctx, 0); }
+int kpng_connect4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 0); }
 
 SEC("cgroup/connect6")
-int kpng_connect6(struct bpf_sock_addr *ctx) { return translate6(ctx, 0); }
+int kpng_connect6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 0); }
 
 SEC("cgroup/sendmsg4")
-int kpng_sendmsg4(struct bpf_sock_addr *ctx) { return translate4(ctx, 1); }
+int kpng_sendmsg4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 1); }
 
 SEC("cgroup/sendmsg6")
-int kpng_sendmsg6(struct bpf_sock_addr *ctx) { return translate6(ctx, 1); }
+int kpng_sendmsg6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 1); }
 
 SEC("cgroup/recvmsg4")
-int kpng_recvmsg4(struct bpf_sock_addr *ctx) { return reverse4(ctx); }
+int kpng_recvmsg4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0); }
 
 SEC("cgroup/recvmsg6")
-int kpng_recvmsg6(struct bpf_sock_addr *ctx) { return reverse6(ctx); }
+int kpng_recvmsg6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1); }
 
 SEC("cgroup/getpeername4")
-int kpng_peername4(struct bpf_sock_addr *ctx) { return reverse4(ctx); }
+int kpng_peername4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0); }
 
 SEC("cgroup/getpeername6")
-int kpng_peername6(struct bpf_sock_addr *ctx) { return reverse6(ctx); }
+int kpng_peername6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1); }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
