@@ -186,6 +186,7 @@ def test_one_endpoint_added_writes_its_slot_member_and_the_count() -> None:
         ("kpng_sets", 1),
     ]
     assert changes.deletes == []
+    assert not changes.full
 
 
 def test_one_endpoint_removed_moves_the_last_into_its_slot_then_deletes() -> None:
@@ -239,3 +240,4 @@ def test_a_full_sync_writes_everything_and_deletes_what_no_service_wants() -> No
         "kpng_frontends",
     ]
     assert again.deletes == [("kpng_frontends", [stale])]
+    assert again.full

@@ -189,10 +189,11 @@ class EbpfBackend:
             once = await self.packets.apply(state)
         except Exception:
             self._syncs.failed()
+            # Which kind the failed attempt was is not known here; the next one is full.
             self._syncs.attempted(seconds=time.monotonic() - started, full=True)
             raise
         elapsed = time.monotonic() - started
-        self._syncs.attempted(seconds=elapsed, full=False)
+        self._syncs.attempted(seconds=elapsed, full=changes.full)
         self._syncs.synced(revision=state.revision)
         log.debug("to-ebpf: %d map operations; state applied in %.3f s", len(changes), elapsed)
         return once

@@ -208,6 +208,8 @@ class Changes:
 
     updates: list[tuple[MapName, list[tuple[bytes, bytes]]]] = field(default_factory=list)
     deletes: list[tuple[MapName, list[bytes]]] = field(default_factory=list)
+    full: bool = False
+    """Every entry written anew (``SocketState.full``)."""
 
     def __len__(self) -> int:
         return sum(len(u) for _, u in self.updates) + sum(len(d) for _, d in self.deletes)
@@ -282,6 +284,7 @@ class SocketState:
             frontends.update(c.frontends)
             sets.update(c.sets)
         changes = self._diff(frontends, sets)
+        changes.full = True
         wanted = {name: {k for k, _ in entries} for name, entries in changes.updates}
         for name in MAPS:
             stale = [k for k in present.get(name, ()) if k not in wanted.get(name, ())]
