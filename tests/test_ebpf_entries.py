@@ -171,9 +171,39 @@ def test_relayout_keeps_the_endpoints_that_stay_in_their_slots(
     assert b"".join(got).decode() == expected
 
 
-def _contribution(*eps: str) -> dict[tuple[str, str], entries.Contribution | None]:
-    se = ServiceEndpoints(_service(), tuple(_ep(e) for e in eps))
+def _contribution(
+    *eps: str, affinity: int = 60
+) -> dict[tuple[str, str], entries.Contribution | None]:
+    """A service with ClientIP affinity by default: its set's members are written."""
+    se = ServiceEndpoints(_service(affinity=affinity), tuple(_ep(e) for e in eps))
     return {("ns", "web"): contribute(se, Options())}
+
+
+def _written(changes: entries.Changes) -> dict[str, int]:
+    return {name: len(e) for name, e in changes.updates}
+
+
+def test_members_are_written_only_for_sets_a_remembered_endpoint_is_checked_against() -> None:
+    """Without affinity a TCP set has no members; turning affinity on writes them all, and
+    off deletes them, with the slots left alone."""
+    state = SocketState()
+    plain = state.full(_contribution("10.244.1.2", "10.244.1.3", affinity=0), {})
+    assert _written(plain) == {"kpng_slots": 2, "kpng_sets": 1, "kpng_frontends": 1}
+    sticky = state.changes(_contribution("10.244.1.2", "10.244.1.3"))
+    assert _written(sticky) == {"kpng_members": 2, "kpng_frontends": 1}
+    assert sticky.deletes == []
+    off = state.changes(_contribution("10.244.1.2", "10.244.1.3", affinity=0))
+    assert _written(off) == {"kpng_frontends": 1}
+    assert [(name, len(k)) for name, k in off.deletes] == [("kpng_members", 2)]
+
+
+def test_a_udp_port_checks_flows_against_its_serving_set() -> None:
+    se = ServiceEndpoints(_service(protocol="UDP"), (_ep("10.244.1.2", protocol="UDP"),))
+    c = contribute(se, Options())
+    (value,) = c.frontends.values()
+    set_id, _, serving, _ = struct.unpack("=QQQI4x", value)
+    assert serving != set_id
+    assert c.checked == {serving}
 
 
 def test_one_endpoint_added_writes_its_slot_member_and_the_count() -> None:
@@ -241,3 +271,37 @@ def test_a_full_sync_writes_everything_and_deletes_what_no_service_wants() -> No
     ]
     assert again.deletes == [("kpng_frontends", [stale])]
     assert again.full
+
+
+def test_two_services_sharing_a_frontend_the_first_wins_and_the_other_stays_after_it() -> None:
+    """Two services claim one external IP and port, as to-nft resolves it: the first
+    service's value is written and reported as a conflict; deleting it hands the frontend to
+    the other; deleting the other too removes it."""
+
+    def claim(name: str, cluster_ip: str, ep: str) -> entries.Contribution:
+        svc = _service(cluster_ip=cluster_ip, external_ips=("10.251.0.5",))
+        svc = msgspec.structs.replace(svc, Name=name)
+        return contribute(ServiceEndpoints(svc, (_ep(ep),)), Options())
+
+    a, b = claim("a", "10.96.0.10", "10.244.1.2"), claim("b", "10.96.0.11", "10.244.2.2")
+    shared = next(k for k in a.frontends if entries.describe_frontend(k) == "10.251.0.5:80/TCP")
+    state = SocketState()
+    both = state.full({("ns", "b"): b, ("ns", "a"): a}, {})
+    assert state.frontends[shared] == a.frontends[shared]
+    assert both.conflicts == [(shared, [("ns", "a"), ("ns", "b")])]
+
+    without_a = state.changes({("ns", "a"): None})
+    assert state.frontends[shared] == b.frontends[shared]
+    assert [(name, [k for k, _ in e]) for name, e in without_a.updates][-1] == (
+        "kpng_frontends",
+        [shared],
+    )
+    assert without_a.conflicts == []
+
+    state.changes({("ns", "b"): None})
+    assert state.frontends == {}
+
+
+def test_frontends_read_as_address_port_and_protocol() -> None:
+    key6 = entries._FRONTEND_KEY.pack(entries.address("fd00::a"), (53).to_bytes(2, "big"), 17)
+    assert entries.describe_frontend(key6) == "[fd00::a]:53/UDP"

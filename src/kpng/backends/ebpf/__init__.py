@@ -31,6 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
@@ -41,7 +42,7 @@ from kpng.backends.nft import NftBackend
 from kpng.backends.nft import cleanup as cleanup_nft
 from kpng.backends.nft.executing import LibNft, default_nft
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
-from kpng.errors import UsageError
+from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 
@@ -98,28 +99,49 @@ class SocketBalancer:
             self._node = node
             self._recorded.clear()
             self._needs_full = True
-        updated: dict[ServiceKey, Contribution | None] = dict.fromkeys(state.deleted)
-        for key in state.services.keys() if not self._recorded else state.updated:
-            se = state.services[key]
-            if self._recorded.get(key) != se:
-                self._recorded[key] = se
-                updated[key] = entries.contribute(se, options, state.node_ips, self._cache)
-        for key in state.deleted:
-            self._recorded.pop(key, None)
+        full = self._needs_full or not self._attached
         try:
-            if not self._attached:
-                return await asyncio.to_thread(self._start, updated)
-            if self._needs_full:
-                return await asyncio.to_thread(self._full, updated)
-            changes = self.state.changes(updated)
-            await asyncio.to_thread(self._write, changes)
-            return changes
+            present: asyncio.Future[dict[entries.MapName, list[bytes]]] | None = None
+            if full:
+                cgroup = await asyncio.to_thread(self._load)
+                # What the maps hold is read while the services are contributed: the kernel's
+                # part of that read runs without the GIL.
+                present = asyncio.get_running_loop().run_in_executor(None, self._present)
+            updated = self._contribute(state, options)
+            if present is not None:
+                changes = await asyncio.to_thread(self._full, updated, await present, cgroup)
+            else:
+                changes = self.state.changes(updated)
+                await asyncio.to_thread(self._write, changes)
         except BpfError:
             self._needs_full = True
             raise
+        for key, owners in changes.conflicts:
+            log.warning(
+                "to-ebpf: frontend %s wanted differently by %s; %s wins",
+                entries.describe_frontend(key),
+                ", ".join(object_name(*o) for o in owners),
+                object_name(*owners[0]),
+            )
+        return changes
 
-    def _start(self, updated: dict[ServiceKey, Contribution | None]) -> Changes:
-        """Load, fill the maps, then switch the links: the programs see only whole states."""
+    def _contribute(
+        self, state: NodeState, options: Options
+    ) -> dict[ServiceKey, Contribution | None]:
+        """The entries of the services that changed since the last state (None: deleted)."""
+        updated: dict[ServiceKey, Contribution | None] = dict.fromkeys(state.deleted)
+        with collector_paused():
+            for key in state.services.keys() if not self._recorded else state.updated:
+                se = state.services[key]
+                if self._recorded.get(key) != se:
+                    self._recorded[key] = se
+                    updated[key] = entries.contribute(se, options, state.node_ips, self._cache)
+        for key in state.deleted:
+            self._recorded.pop(key, None)
+        return updated
+
+    def _load(self) -> Path:
+        """Load the programs (once), bound to the pinned maps; the cgroup they are for."""
         cgroup = self._cgroup or system.cgroup2_root()
         if not cgroup.is_dir():
             raise BpfError(f"no cgroup directory {cgroup}")
@@ -128,7 +150,34 @@ class SocketBalancer:
             self.maps_dir.mkdir(parents=True, exist_ok=True)
             self._object = BpfObject(toolchain.ensure_object(self._bpf_object), self.maps_dir)
             self._fds = {name: self._object.map_fd(name) for name in MAPS}
-        changes = self._full(updated)
+        return cgroup
+
+    def _present(self) -> dict[entries.MapName, list[bytes]]:
+        return {
+            name: list(
+                libbpf.keys(self._fds[name], entries.KEY_SIZES[name], entries.VALUE_SIZES[name])
+            )
+            for name in MAPS
+        }
+
+    def _full(
+        self,
+        updated: dict[ServiceKey, Contribution | None],
+        present: dict[entries.MapName, list[bytes]],
+        cgroup: Path,
+    ) -> Changes:
+        """Every entry written over what the maps hold; at the first state, the programs are
+        attached only then, so that they see only whole states."""
+        with collector_paused():
+            changes = self.state.full(updated, present)
+        self._write(changes)
+        self._needs_full = False
+        if not self._attached:
+            self._attach(cgroup)
+        return changes
+
+    def _attach(self, cgroup: Path) -> None:
+        assert self._object is not None
         # Links are pinned by cgroup (a cgroup2 directory's inode number is its id): those of
         # another cgroup, from an earlier --cgroup, are detached once these are attached.
         links = self._pin_dir / "links" / str(cgroup.stat().st_ino)
@@ -146,19 +195,6 @@ class SocketBalancer:
         log.info(
             "to-ebpf: programs attached to cgroup %s, maps pinned in %s", cgroup, self.maps_dir
         )
-        return changes
-
-    def _full(self, updated: dict[ServiceKey, Contribution | None]) -> Changes:
-        present = {
-            name: list(
-                libbpf.keys(self._fds[name], entries.KEY_SIZES[name], entries.VALUE_SIZES[name])
-            )
-            for name in MAPS
-        }
-        changes = self.state.full(updated, present)
-        self._write(changes)
-        self._needs_full = False
-        return changes
 
     def _write(self, changes: Changes) -> None:
         for name, pairs in changes.updates:

@@ -5,7 +5,10 @@ included. A service port contributes:
 
 - an **endpoint set** per scope of endpoints it uses (its id, 64 bits of a hash of the service
   port, family and scope, is the same in every kpng process, so a restarted kpng finds its sets
-  where it left them), held as a count, one slot per index and one member per endpoint;
+  where it left them), held as a count and one slot per index, and one member per endpoint
+  when the programs ask whether a remembered endpoint is still in it (ClientIP affinity, UDP
+  flows): most services need no members, and a full sync at 10k services writes a third fewer
+  entries;
 - a **frontend** per address a local socket may reach it by: each ClusterIP (Internal
   endpoints), each external and LB IP and, on the node's own primary IPs, the node port (the
   External endpoints, or with eTP=Local every endpoint: a local client is short-circuited, as
@@ -26,8 +29,10 @@ few entries, and at no moment does a reader find a slot below the count that hol
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
+import socket
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,12 +82,16 @@ VALUE_SIZES: Mapping[MapName, int] = {
 }
 
 
+_V4_MAPPED = b"\0" * 10 + b"\xff\xff"
+
+
 def address(text: str) -> bytes:
-    """16 bytes; IPv4 as IPv4-mapped IPv6, as the programs build their keys."""
-    ip = ipaddress.ip_address(text)
-    if ip.version == 4:
-        return b"\0" * 10 + b"\xff\xff" + ip.packed
-    return ip.packed
+    """16 bytes; IPv4 as IPv4-mapped IPv6, as the programs build their keys. (inet_pton, not
+    ipaddress: a full sync packs some 100,000 addresses at 10k services, and ipaddress's parser
+    took most of its time.)"""
+    if ":" in text:
+        return socket.inet_pton(socket.AF_INET6, text)
+    return _V4_MAPPED + socket.inet_pton(socket.AF_INET, text)
 
 
 def _port(number: int) -> bytes:
@@ -98,7 +107,8 @@ def _id(*parts: str) -> int:
 def _endpoint(value: EndpointValue, cache: dict[EndpointValue, bytes]) -> bytes:
     packed = cache.get(value)
     if packed is None:
-        packed = cache[value] = _ENDPOINT.pack(address(value[0]), _port(int(value[1])))
+        # _ENDPOINT's layout, written out: a full sync packs one per endpoint of every set.
+        packed = cache[value] = address(value[0]) + int(value[1]).to_bytes(2, "big") + b"\0\0"
     return packed
 
 
@@ -109,12 +119,14 @@ class Contribution:
     frontends: dict[bytes, bytes] = field(default_factory=dict)
     sets: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
     """Set id: its endpoints, ordered (the slots of a new set)."""
+    checked: set[int] = field(default_factory=set)
+    """The sets whose members are written: those a remembered endpoint is checked against."""
 
 
 def contribute(
     se: ServiceEndpoints,
     options: Options,
-    node_ips: Sequence[str] = (),
+    node_ips: tuple[str, ...] = (),
     cache: dict[EndpointValue, bytes] | None = None,
 ) -> Contribution:
     """The map entries of ``se`` on a node with these primary IPs and options."""
@@ -160,15 +172,20 @@ def contribute(
                 eps = sorted(e for e in serving_endpoints(port, all_used) if (":" in e[0]) == v6)
                 if eps:
                     serving = _id("set", *port_id, "serving")
-                    out.sets[serving] = tuple(_endpoint(e, cache) for e in eps)
+                    out.sets[serving] = tuple([_endpoint(e, cache) for e in eps])
 
             def frontend(addr: str, number: int, scope: Scope, eps: list[EndpointValue]) -> None:
                 if not eps:
                     return
                 set_id = _id("set", *port_id, scope)  # noqa: B023
-                out.sets[set_id] = tuple(_endpoint(e, cache) for e in eps)
+                out.sets[set_id] = tuple([_endpoint(e, cache) for e in eps])
                 key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
                 out.frontends[key] = _FRONTEND.pack(set_id, affinity, serving, timeout)  # noqa: B023
+                # What pick and pick_for_send look a remembered endpoint up in.
+                if affinity:  # noqa: B023
+                    out.checked.add(set_id)
+                if proto == _PROTOCOLS["UDP"]:  # noqa: B023
+                    out.checked.add(serving or set_id)  # noqa: B023
 
             # --masquerade-all: every connection to a ClusterIP is to come from the node's
             # address, which only the nftables part can give it.
@@ -184,8 +201,19 @@ def contribute(
     return out
 
 
-def node_port_addresses(options: Options, node_ips: Sequence[str], v6: bool) -> list[str]:
-    """The node's primary IPs of a family that serve node ports (``--nodeport-addresses``)."""
+def describe_frontend(key: bytes) -> str:
+    """A frontend key as a person reads it: ``10.96.0.10:80/TCP``, ``[fd00::a]:53/UDP``."""
+    addr, port, proto = _FRONTEND_KEY.unpack(key)
+    ip = ipaddress.IPv6Address(addr)
+    text = str(ip.ipv4_mapped) if ip.ipv4_mapped else f"[{ip}]"
+    name = next((n for n, p in _PROTOCOLS.items() if p == proto), str(proto))
+    return f"{text}:{int.from_bytes(port, 'big')}/{name}"
+
+
+@functools.lru_cache(maxsize=16)
+def node_port_addresses(options: Options, node_ips: tuple[str, ...], v6: bool) -> list[str]:
+    """The node's primary IPs of a family that serve node ports (``--nodeport-addresses``);
+    remembered, since every service of a sync asks the same."""
     fam: Fam = "v6" if v6 else "v4"
     ranges = [
         ipaddress.ip_network(c, strict=False)
@@ -210,6 +238,9 @@ class Changes:
     deletes: list[tuple[MapName, list[bytes]]] = field(default_factory=list)
     full: bool = False
     """Every entry written anew (``SocketState.full``)."""
+    conflicts: list[tuple[bytes, list[ServiceKey]]] = field(default_factory=list)
+    """Frontend keys that services want with different values, and those services (the
+    first one's value is written)."""
 
     def __len__(self) -> int:
         return sum(len(u) for _, u in self.updates) + sum(len(d) for _, d in self.deletes)
@@ -245,29 +276,43 @@ class SocketState:
         self.frontends: dict[bytes, bytes] = {}
         self.sets: dict[int, list[bytes]] = {}
         """Set id: its slots, in index order."""
+        self.checked: set[int] = set()
+        """The sets whose members are written."""
         self.contributions: dict[ServiceKey, Contribution] = {}
+        self._owners: dict[bytes, dict[ServiceKey, bytes]] = {}
+        """Frontend key: the value each service that has it wants (two services may share an
+        external IP and port); the first service's is written, as to-nft does, and deleting
+        one service leaves the key to the others."""
 
     def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> Changes:
         """The operations that replace these services' entries (None: the service is gone)."""
-        frontends: dict[bytes, bytes | None] = {}
+        touched: set[bytes] = set()
         sets: dict[int, tuple[bytes, ...] | None] = {}
+        checked: set[int] = set()
         for key, new in updated.items():
             old = self.contributions.get(key)
             if old is not None:
-                frontends.update(dict.fromkeys(old.frontends))
+                touched.update(old.frontends)
                 sets.update(dict.fromkeys(old.sets))
             if new is not None:
-                frontends.update(new.frontends)
+                touched.update(new.frontends)
                 sets.update(new.sets)
+                checked |= new.checked
         self._record(updated)
-        return self._diff(
+        frontends = {k: self._wanted(k) for k in touched}
+        changes = self._diff(
             {k: v for k, v in frontends.items() if self.frontends.get(k) != v},
             {
                 s: eps
                 for s, eps in sets.items()
-                if eps is None or set(eps) != set(self.sets.get(s, ()))
+                if eps is None
+                or set(eps) != set(self.sets.get(s, ()))
+                or (s in checked) != (s in self.checked)
             },
+            checked,
         )
+        changes.conflicts = self._conflicts(touched)
+        return changes
 
     def full(
         self,
@@ -277,32 +322,64 @@ class SocketState:
         """Every service's entries written anew over maps that hold the keys ``present`` (at
         start, at a takeover, after a refusal); the keys no service wants are deleted."""
         self._record(updated)
-        self.frontends, self.sets = {}, {}
-        frontends: dict[bytes, bytes | None] = {}
+        self.frontends, self.sets, self.checked = {}, {}, set()
+        frontends = {k: owners[min(owners)] for k, owners in self._owners.items()}
         sets: dict[int, tuple[bytes, ...] | None] = {}
+        checked: set[int] = set()
         for c in self.contributions.values():
-            frontends.update(c.frontends)
             sets.update(c.sets)
-        changes = self._diff(frontends, sets)
+            checked |= c.checked
+        changes = self._diff(frontends, sets, checked)
         changes.full = True
-        wanted = {name: {k for k, _ in entries} for name, entries in changes.updates}
+        changes.conflicts = self._conflicts(self._owners)
+        written = dict(changes.updates)
         for name in MAPS:
-            stale = [k for k in present.get(name, ()) if k not in wanted.get(name, ())]
-            if stale:
-                changes.deletes.append((name, stale))
+            keys = set(present.get(name, ()))
+            if keys:
+                keys.difference_update(k for k, _ in written.get(name, ()))
+            if keys:
+                changes.deletes.append((name, sorted(keys)))
         return changes
 
     def _record(self, updated: Mapping[ServiceKey, Contribution | None]) -> None:
+        owners = self._owners
         for key, new in updated.items():
-            if new is None:
-                self.contributions.pop(key, None)
-            else:
+            old = self.contributions.pop(key, None)
+            if old is not None:
+                for k in old.frontends:
+                    wanting = owners[k]
+                    del wanting[key]
+                    if not wanting:
+                        del owners[k]
+            if new is not None:
                 self.contributions[key] = new
+                for k, v in new.frontends.items():
+                    others = owners.get(k)
+                    if others is None:
+                        owners[k] = {key: v}
+                    else:
+                        others[key] = v
+
+    def _wanted(self, key: bytes) -> bytes | None:
+        owners = self._owners.get(key)
+        return owners[min(owners)] if owners else None
+
+    def _conflicts(self, keys: Iterable[bytes]) -> list[tuple[bytes, list[ServiceKey]]]:
+        out = []
+        for k in keys:
+            owners = self._owners.get(k)
+            if owners and len(owners) > 1 and len(set(owners.values())) > 1:
+                out.append((k, sorted(owners)))
+        return sorted(out)
 
     def _diff(
-        self, frontends: Mapping[bytes, bytes | None], sets: Mapping[int, tuple[bytes, ...] | None]
+        self,
+        frontends: Mapping[bytes, bytes | None],
+        sets: Mapping[int, tuple[bytes, ...] | None],
+        checked: set[int],
     ) -> Changes:
-        """The operations for these frontends and sets (None: gone), recorded as written."""
+        """The operations for these frontends and sets (None: gone; members for the sets in
+        ``checked``), recorded as written."""
         member_adds: list[tuple[bytes, bytes]] = []
         slot_writes: list[tuple[bytes, bytes]] = []
         counts: list[tuple[bytes, bytes]] = []
@@ -311,16 +388,35 @@ class SocketState:
         member_deletes: list[bytes] = []
         for set_id, eps in sets.items():
             old = self.sets.get(set_id, [])
+            if not old:
+                # A new set (every set of a full sync): no slot to keep, nothing to compare.
+                if eps:
+                    new = list(dict.fromkeys(eps))
+                    slot_writes += [(_SLOT_KEY.pack(set_id, i), ep) for i, ep in enumerate(new)]
+                    if set_id in checked:
+                        member_adds += [
+                            (_MEMBER_KEY.pack(set_id, ep), MEMBER_PRESENT) for ep in new
+                        ]
+                        self.checked.add(set_id)
+                    counts.append((_SET_KEY.pack(set_id), _SET_INFO.pack(len(new))))
+                    self.sets[set_id] = new
+                continue
             new = relayout(old, eps or ())
             for i, ep in enumerate(new):
                 if i >= len(old) or old[i] != ep:
                     slot_writes.append((_SLOT_KEY.pack(set_id, i), ep))
             slot_deletes.extend(_SLOT_KEY.pack(set_id, i) for i in range(len(new), len(old)))
-            was, now = set(old), set(new)
+            was = set(old) if set_id in self.checked else set()
+            now = set(new) if set_id in checked else set()
+            joined, left = now - was, was - now
             member_adds.extend(
-                (_MEMBER_KEY.pack(set_id, ep), MEMBER_PRESENT) for ep in new if ep not in was
+                (_MEMBER_KEY.pack(set_id, ep), MEMBER_PRESENT) for ep in new if ep in joined
             )
-            member_deletes.extend(_MEMBER_KEY.pack(set_id, ep) for ep in old if ep not in now)
+            member_deletes.extend(_MEMBER_KEY.pack(set_id, ep) for ep in old if ep in left)
+            if now:
+                self.checked.add(set_id)
+            else:
+                self.checked.discard(set_id)
             if new:
                 if len(new) != len(old):
                     counts.append((_SET_KEY.pack(set_id), _SET_INFO.pack(len(new))))

@@ -212,8 +212,8 @@ def update_batch(
     lib = library()
     for start in range(0, len(entries), chunk):
         part = entries[start : start + chunk]
-        keys = b"".join(k for k, _ in part)
-        values = b"".join(v for _, v in part)
+        keys = b"".join([k for k, _ in part])
+        values = b"".join([v for _, v in part])
         count = ctypes.c_uint32(len(part))
         opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
         code = lib.bpf_map_update_batch(fd, keys, values, ctypes.byref(count), ctypes.byref(opts))
@@ -261,8 +261,7 @@ def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator
         if code < 0 and abs(code) != errno.ENOENT:
             raise _failure("cannot read the keys of map fd", fd, code)
         raw = keys_buf.raw
-        for i in range(count.value):
-            yield raw[i * key_size : (i + 1) * key_size]
+        yield from [raw[i : i + key_size] for i in range(0, count.value * key_size, key_size)]
         if code < 0:  # ENOENT: that was the last batch
             return
         ctypes.memmove(token_in, token_out, 8)
