@@ -1,14 +1,17 @@
 """The kube source's pure logic with plain data: backoff, relist diff, line splitting, watch
-events, selectors and the choice of configuration. No API server: the one test that connects
-dials a loopback port where nothing listens."""
+events, selectors and the choice of configuration. No API server: the tests that connect dial a
+loopback port where nothing listens, or a scripted plain-HTTP server on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import cast
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 import pytest
@@ -18,17 +21,19 @@ from kpng.model import k8s
 from kpng.model.cluster import Slice
 from kpng.model.converting import service_from_k8s
 from kpng.model.messages import Service
-from kpng.sources.kube.client import ApiClient, WatchLineSplitter
+from kpng.sources.kube.client import ApiClient, StreamIdle, WatchLineSplitter
 from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
     BackoffPolicy,
     Gone,
     Key,
     Reflector,
+    ReflectorSettings,
     RelistDiff,
     Resource,
     WatchFailed,
     relist_diff,
+    watch_idle_timeout,
     watch_timeout,
 )
 from kpng.sources.kube.source import (
@@ -100,6 +105,16 @@ def test_watch_timeouts_spread_between_one_and_two_bases(rand: float, expected: 
 
 
 @pytest.mark.parametrize(
+    ("server_timeout", "idle", "expected"),
+    [(300, 150.0, 150.0), (599, 150.0, 150.0), (10, 150.0, 40.0), (300, 1000.0, 330.0)],
+)
+def test_a_watch_may_be_silent_for_the_idle_bound_and_never_long_past_its_end(
+    server_timeout: int, idle: float, expected: float
+) -> None:
+    assert watch_idle_timeout(server_timeout, idle) == expected
+
+
+@pytest.mark.parametrize(
     ("chunks", "expected"),
     [
         ([b'{"a":1}\n'], [[b'{"a":1}']]),
@@ -140,9 +155,11 @@ class RecordingSink:
     def __init__(self) -> None:
         self.applied: list[tuple[Key, str | None]] = []
         self.commits = 0
+        self.changed = asyncio.Event()
 
     def apply(self, key: Key, obj: k8s.Service | None) -> None:
         self.applied.append((key, None if obj is None else obj.spec.cluster_ip))
+        self.changed.set()
 
     def commit(self) -> None:
         self.commits += 1
@@ -287,15 +304,7 @@ def test_the_reflector_retries_an_unreachable_server_with_backoff() -> None:
                 enough.set()
                 await asyncio.Event().wait()  # park until cancelled
 
-        connection = Connection(
-            server=f"https://127.0.0.1:{free_port()}",
-            ssl_context=ssl.create_default_context(),
-            tls_server_name=None,
-            proxy=None,
-            source="test",
-            _configuration=Configuration(),
-            _loader=None,
-        )
+        connection = _connection(f"https://127.0.0.1:{free_port()}", ssl.create_default_context())
         async with ApiClient(connection) as client:
             resource = Resource("Service", "/api/v1/services", k8s.Service)
             reflector = Reflector(client, resource, RecordingSink(), sleep=sleep, rand=lambda: 0.5)
@@ -310,6 +319,134 @@ def test_the_reflector_retries_an_unreachable_server_with_backoff() -> None:
     assert reflector.stats.failures == 5
     assert "Connection refused" in reflector.last_error
     assert not reflector.synced.is_set()
+
+
+def _connection(server: str, context: ssl.SSLContext | None = None) -> Connection:
+    return Connection(
+        server=server,
+        ssl_context=context,
+        tls_server_name=None,
+        proxy=None,
+        source="test",
+        _configuration=Configuration(),
+        _loader=None,
+    )
+
+
+class ScriptedServer:
+    """Just enough of an API server, in plain HTTP on a loopback port: a list answers
+    ``listed``; each watch sends the lines of the next script, then nothing more until the
+    client hangs up (a stream that stopped delivering). Notes each watch's resourceVersion."""
+
+    def __init__(self, listed: object, watches: list[list[bytes]]) -> None:
+        self.listed = msgspec.json.encode(listed)
+        self.watches = watches
+        self.watched_from: list[str] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                query = parse_qs(urlsplit(head.split(b" ", 2)[1].decode()).query)
+                ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                if "watch" not in query:
+                    writer.write(ok + b"Content-Length: %d\r\n\r\n" % len(self.listed))
+                    writer.write(self.listed)
+                    continue
+                self.watched_from.append(query["resourceVersion"][0])
+                writer.write(ok + b"Transfer-Encoding: chunked\r\n\r\n")
+                for line in self.watches.pop(0) if self.watches else []:
+                    writer.write(b"%x\r\n%s\n\r\n" % (len(line) + 1, line))
+                await writer.drain()
+                await reader.read()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def client(self) -> AsyncIterator[ApiClient]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with ApiClient(_connection(f"http://127.0.0.1:{port}")) as client:
+                yield client
+        finally:
+            server.close()
+            # The client has hung up: its connections' handlers end, before the loop does.
+            if self._handlers:
+                await asyncio.wait(self._handlers, timeout=5)
+
+
+def test_a_stream_that_aiohttp_holds_paused_still_ends_at_the_idle_bound() -> None:
+    """aiohttp stops its own read timeout (sock_read) while it holds a connection's reading
+    paused: a stream wedged so would wait forever without a timer of kpng's."""
+    server = ScriptedServer({}, [[b'{"n":1}']])
+
+    async def scenario() -> None:
+        async with server.client() as client:
+            params = {"watch": "1", "resourceVersion": "1"}
+            async with client.stream_lines("/w", params, idle_timeout=0.3) as batches:
+                assert await anext(batches) == [b'{"n":1}']
+                connector = client._session.http.connector if client._session else None
+                assert connector is not None
+                (protocol,) = connector._acquired
+                protocol.pause_reading()
+                with pytest.raises(StreamIdle, match=r"no data for 0\.3 s"):
+                    await asyncio.wait_for(anext(batches), 10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("bookmarks_seen", "level"),
+    [(False, logging.INFO), (True, logging.WARNING)],
+    ids=["no-bookmark-yet", "server-sends-bookmarks"],
+)
+def test_a_silent_watch_is_resumed_at_once_from_where_it_was(
+    bookmarks_seen: bool, level: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watch that delivers nothing (not even a bookmark) past the idle bound is ended and
+    started again from the same resourceVersion, which then brings what the first withheld."""
+    caplog.set_level(logging.INFO, logger="kpng.sources.kube.reflector")
+    listed = {"metadata": {"resourceVersion": "10"}, "items": [_svc("a", "5")]}
+    server = ScriptedServer(listed, [[], [_event("ADDED", _svc("b", "11", "10.0.0.2"))]])
+    sink = RecordingSink()
+
+    async def scenario() -> Reflector[k8s.Service]:
+        async with server.client() as client:
+            resource = Resource("Service", "/api/v1/services", k8s.Service)
+            settings = ReflectorSettings(watch_idle_s=0.5)
+            reflector = Reflector(
+                client, resource, sink, settings, bookmarks_seen=lambda: bookmarks_seen
+            )
+            task = asyncio.create_task(reflector.run())
+            try:
+                async with asyncio.timeout(10):
+                    while len(sink.applied) < 2:
+                        sink.changed.clear()
+                        await sink.changed.wait()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return reflector
+
+    reflector = asyncio.run(scenario())
+    assert sink.applied == [(("ns", "a"), "10.0.0.1"), (("ns", "b"), "10.0.0.2")]
+    assert server.watched_from == ["10", "10"]
+    stats = reflector.stats
+    assert (stats.watches, stats.idle_watches, stats.failures) == (2, 1, 0)
+    (record,) = [r for r in caplog.records if "no data" in r.getMessage()]
+    assert record.levelno == level
+    assert record.getMessage().endswith(
+        "no data for 0.5 s on the watch, not even a bookmark; watching again from "
+        "resourceVersion 10"
+    )
 
 
 def test_objects_the_converters_reject_are_logged_and_dropped(

@@ -49,6 +49,10 @@ class TransportError(Exception):
     """The API server could not be reached or the connection broke."""
 
 
+class StreamIdle(TransportError):
+    """A stream delivered nothing for its idle timeout: it is taken as dead."""
+
+
 class ApiStatusError(Exception):
     """The API server answered with an error status."""
 
@@ -226,7 +230,8 @@ class ApiClient:
         self, path: str, params: Mapping[str, str], *, idle_timeout: float
     ) -> AsyncIterator[AsyncIterator[list[bytes]]]:
         """A streamed GET whose body is yielded as the lists of complete lines each network read
-        completes. ``idle_timeout``: the stream is considered dead after so long without data."""
+        completes. ``idle_timeout``: the stream is considered dead after so long without data
+        (StreamIdle once its headers have come, TransportError before)."""
         timeout = aiohttp.ClientTimeout(
             total=None, connect=_CONNECT_TIMEOUT_S, sock_read=idle_timeout
         )
@@ -244,18 +249,31 @@ class ApiClient:
                     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                         raise TransportError(self._describe(exc)) from exc
                     raise _status_error(response.status, body)
-                yield self._lines(response)
+                yield self._lines(response, idle_timeout)
             finally:
                 response.release()
 
-    async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    async def _lines(
+        self, response: aiohttp.ClientResponse, idle_timeout: float
+    ) -> AsyncIterator[list[bytes]]:
         splitter = WatchLineSplitter()
-        try:
-            async for chunk in response.content.iter_any():
-                lines = splitter.feed(chunk)
-                if lines:
-                    yield lines
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise TransportError(self._describe(exc)) from exc
+        while True:
+            try:
+                # A timer of our own, besides aiohttp's sock_read: aiohttp stops that one while
+                # it holds reading paused (flow control) and once the peer's EOF arrives, so a
+                # stream wedged in either state would never time out.
+                async with asyncio.timeout(idle_timeout):
+                    chunk = await response.content.readany()
+            except TimeoutError as exc:  # ours, or aiohttp's sock_read (a TimeoutError too)
+                raise StreamIdle(
+                    f"{self.connection.server}: no data for {idle_timeout:g} s"
+                ) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise TransportError(self._describe(exc)) from exc
+            if not chunk:
+                break
+            lines = splitter.feed(chunk)
+            if lines:
+                yield lines
         if splitter.pending:
             log.debug("stream ended inside a line (%d bytes dropped)", splitter.pending)

@@ -5,14 +5,20 @@
   taken from every event, bookmarks included, so a re-watch resumes where the stream stopped.
 - A watch that ends cleanly (the server's ``timeoutSeconds``, a closed connection) is resumed at
   once; a failure is retried after a jittered exponential backoff.
+- A watch silent for ``watch_idle_s`` (150 s) is taken as dead, ended and resumed at once from its
+  resourceVersion: the API server's watch cache sends a bookmark about every minute, so only a
+  stream that stopped delivering (a connection that carries nothing, a read that never
+  completes) is that quiet. Logged as a warning once a watch of the source has had a bookmark,
+  else as information (an API server without a watch cache sends none, and its quiet watches
+  are merely idle).
 - **410 Gone** (as the HTTP status of a watch or as an ERROR event) means the resourceVersion is
   older than the server's history: list again and diff against what was known, so that objects
   deleted meanwhile become deletes.
 - Each object is decoded on its own with msgspec straight into ``kpng.model.k8s`` types; one that
   does not decode is reported by kind, namespace and name and treated as absent, never fatal.
 
-The backoff, the relist diff and the watch timeouts are pure functions below, tested with plain
-data; the clock (``sleep``) and the randomness are injected.
+The backoff, the relist diff, the watch timeouts and the idle bound are pure functions below,
+tested with plain data; the clock (``sleep``) and the randomness are injected.
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ import msgspec
 
 from kpng.client import Backoff
 from kpng.model import k8s
-from kpng.sources.kube.client import ApiClient, ApiStatus, ApiStatusError, TransportError
+from kpng.sources.kube.client import (
+    ApiClient,
+    ApiStatus,
+    ApiStatusError,
+    StreamIdle,
+    TransportError,
+)
 from kpng.store import SourceCounter
 
 log = logging.getLogger(__name__)
@@ -99,6 +111,12 @@ def watch_timeout(base: float, rand: Callable[[], float] = random.random) -> int
     """The server-side timeout of one watch: in [base, 2 base), as client-go spreads them, so
     that the watches of many clients do not all end and restart together."""
     return max(1, int(base * (1.0 + rand())))
+
+
+def watch_idle_timeout(server_timeout: int, idle: float) -> float:
+    """How long a watch may stay silent before it is taken as dead: ``idle``, and never much
+    past the server's own end of the watch."""
+    return min(idle, server_timeout + 30.0)
 
 
 # --- wire types
@@ -173,6 +191,11 @@ class ReflectorSettings:
     healthy_watch_s: float = 1.0
     """A watch that ends sooner without an event counts as a failure (backoff), so that a server
     that closes every watch at once is not hammered."""
+    watch_idle_s: float = 150.0
+    """Silence after which a watch is ended and resumed. The API server sends a bookmark about
+    every minute (its watch cache's bookmark frequency) to a watch that allows them; 150 s lets
+    one go missing. A stream that stopped delivering then costs that long, not the 5 to 10
+    minutes of the server's timeout, every change meanwhile unseen and nothing logged."""
 
 
 def _counter(help: str) -> int:
@@ -188,6 +211,7 @@ class ReflectorStats:
     watches: int = _counter("watches started")
     events: int = _counter("watch events received, bookmarks excluded")
     bookmarks: int = _counter("watch bookmarks received")
+    idle_watches: int = _counter("watches ended for a silence longer than the idle bound")
     failures: int = _counter("failed lists and watches (each retried with backoff)")
     undecodable: int = _counter("objects that could not be decoded")
 
@@ -218,7 +242,10 @@ class Reflector(Generic[T]):
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
+        bookmarks_seen: Callable[[], bool] | None = None,
     ) -> None:
+        """``bookmarks_seen``: whether the API server has been seen sending bookmarks (default:
+        on this reflector's watches); reflectors of one server may share what they saw."""
         self.client = client
         self.resource: Resource[T] = resource
         self.output: ReflectorOutput[T] = output
@@ -234,6 +261,7 @@ class Reflector(Generic[T]):
         self.stats = ReflectorStats()
         self.last_error = ""
         self._listed_at = -math.inf
+        self._bookmarks_seen = bookmarks_seen or (lambda: self.stats.bookmarks > 0)
 
     @property
     def name(self) -> str:
@@ -257,6 +285,21 @@ class Reflector(Generic[T]):
                     backoff.reset()
                     continue  # a clean end: resume at once
                 failure = "the watch ended at once"
+            except StreamIdle as exc:
+                # The server took the watch, then its stream went quiet: resume from the last
+                # resourceVersion, which loses nothing, without a backoff (a server that cannot
+                # be reached fails the next watch and gets one).
+                self.stats.idle_watches += 1
+                self.last_error = str(exc)
+                log.log(
+                    logging.WARNING if self._bookmarks_seen() else logging.INFO,
+                    "%s: %s on the watch, not even a bookmark; watching again from "
+                    "resourceVersion %s",
+                    self.name,
+                    exc,
+                    self.resource_version,
+                )
+                continue
             except Gone as exc:
                 log.info("%s: %s; listing again", self.name, exc)
                 self.resource_version = ""
@@ -369,10 +412,10 @@ class Reflector(Generic[T]):
             "timeoutSeconds": str(timeout),
             **self.resource.selectors(),
         }
+        idle = watch_idle_timeout(timeout, self.settings.watch_idle_s)
         try:
-            # The server ends the watch after `timeout`; silence well past it is a dead peer.
             async with self.client.stream_lines(
-                self.resource.path, params, idle_timeout=timeout + 30
+                self.resource.path, params, idle_timeout=idle
             ) as batches:
                 self.stats.watches += 1
                 async for lines in batches:

@@ -153,11 +153,17 @@ class KubeSource:
         self.connection = await load_connection(options.kubeconfig, options.context)
         svc_res, slice_res, node_res, cidr_res = resources(options.proxy_name, options.node_name)
         async with ApiClient(self.connection) as client:
+            # The four watch one server: a bookmark on any of them says that it sends some, so
+            # that a silent watch is a fault even on a collection that has had none yet.
+            def seen() -> bool:
+                return any(r.stats.bookmarks for r in self.reflectors)
+
+            settings = options.settings
             self.reflectors = [
-                Reflector(client, svc_res, self._outputs[0], options.settings),
-                Reflector(client, slice_res, self._outputs[1], options.settings),
-                Reflector(client, node_res, self._outputs[2], options.settings),
-                Reflector(client, cidr_res, self._outputs[3], options.settings),
+                Reflector(client, svc_res, self._outputs[0], settings, bookmarks_seen=seen),
+                Reflector(client, slice_res, self._outputs[1], settings, bookmarks_seen=seen),
+                Reflector(client, node_res, self._outputs[2], settings, bookmarks_seen=seen),
+                Reflector(client, cidr_res, self._outputs[3], settings, bookmarks_seen=seen),
             ]
             for reflector, handle in zip(self.reflectors, self._handles, strict=True):
                 handle.counters = reflector.stats.counters
