@@ -1037,6 +1037,40 @@ def test_udp_flows_stay_with_an_endpoint_while_it_serves(cluster: Cluster) -> No
     cluster.remove("udp-flows")
 
 
+def test_a_connected_udp_socket_moves_when_its_endpoint_is_removed(cluster: Cluster) -> None:
+    """A client that connects its UDP socket once (a resolver, a metrics agent) keeps sending
+    on it: once its endpoint is gone, kube-proxy deletes the flow and the next datagram reaches
+    another endpoint. The old endpoint's pod still answers here, so a socket left on it shows."""
+    ip = cluster.cluster_ip()
+    udp_port = {"name": "dns", "port": 5353, "protocol": "UDP"}
+
+    def write(pod: str) -> None:
+        cluster.write(
+            "udp-connected",
+            service("udp-connected", ip, [port("dns", 53, 5353, "UDP")]),
+            endpoint_slice(cluster, "udp-connected", [pod], ports=[udp_port]),
+        )
+
+    write("a1")
+    cluster.eventually("c1", "udp", ip, 53, lambda r: names(r) == {"a1"})
+    argv = [sys.executable, "-m", "kpng.testing.probe", "udp", ip, "53", "--hold", "8"]
+    held = subprocess.Popen(
+        cluster.bed.command_in(cluster.ns("c1"), argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert held.stderr is not None
+    assert held.stderr.readline() == "connected\n"
+    write("b1")
+    cluster.eventually("c1", "udp", ip, 53, lambda r: names(r) == {"b1"})
+    out, _ = held.communicate(timeout=30)
+    results = json.loads(out)["results"]
+    assert results[0].startswith("a1"), results
+    assert results[-1].startswith("b1"), collections.Counter(results)
+    cluster.remove("udp-connected")
+
+
 def test_multiple_ports_and_named_target_ports(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
     cluster.write(
@@ -1086,7 +1120,7 @@ def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None
     cluster.eventually("c1", "tcp", ip, 80, answered)
     argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "8"]
     held = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.ns("c1"), *argv],
+        cluster.bed.command_in(cluster.ns("c1"), argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -259,10 +259,11 @@ class TestBed:
         self, netns: str, argv: Sequence[str], *, check: bool = True, input: bytes | None = None
     ) -> str:
         """Run ``argv`` in ``netns`` and return its output; ``TestBedError`` if it fails."""
-        return _run(self._in(netns, argv), check=check, input=input)
+        return _run(self.command_in(netns, argv), check=check, input=input)
 
-    def _in(self, netns: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` run in ``netns``, and in its node's cgroup if the bed has them."""
+    def command_in(self, netns: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run in ``netns``, and in its node's cgroup if the bed has them (where the
+        node's socket programs see it): for a process a test starts itself."""
         command = ["ip", "netns", "exec", netns, *argv]
         cgroup = self._cgroups.get(netns)
         if cgroup is None:
@@ -279,7 +280,7 @@ class TestBed:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` in ``netns``; it is stopped when the bed closes."""
         proc = subprocess.Popen(
-            self._in(netns, argv),
+            self.command_in(netns, argv),
             stdout=stdout,
             stderr=stderr,
             stdin=subprocess.DEVNULL,

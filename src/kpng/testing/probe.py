@@ -7,8 +7,9 @@ Each attempt (``--count`` of them, or as many as fit in ``--for`` seconds, one a
 is a new connection (TCP) or a new socket (UDP) sending one line, from ``--source``
 if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
-one TCP connection open for S seconds, asking every 0.2 s, and reports every answer (to see that
-a connection survives changes); it says ``connected`` on stderr after its first answer.
+one TCP connection (or one connected UDP socket) open for S seconds, asking every 0.2 s, and
+reports every answer (to see that a connection survives changes, or that a UDP socket moves);
+it says ``connected`` on stderr after its first answer.
 ``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
 ``--ports`` (tcp, udp) asks the echo server for the source port it saw and adds the one the
 probe sent from: ``"NAME CLIENT SEEN_PORT SENT_PORT"``, to tell how the port was translated.
@@ -139,6 +140,28 @@ def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
     return out
 
 
+def hold_udp(host: str, port: int, seconds: float, timeout: float) -> list[str]:
+    """One connected UDP socket (as a resolver or a metrics agent keeps one), a datagram every
+    0.2 s; a datagram that gets no answer is ``timeout`` and the socket goes on."""
+    out: list[str] = []
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                sock.send(b"hello\n")
+                out.append(sock.recv(4096).decode().strip())
+                if len(out) == 1:
+                    print("connected", file=sys.stderr, flush=True)
+            except TimeoutError:
+                out.append("timeout")
+            except OSError as exc:
+                out.append(f"error: {exc}")
+            time.sleep(0.2)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probe", description=__doc__)
     parser.add_argument("proto", choices=["tcp", "udp", "udp-same-source", "http"])
@@ -157,7 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[str] = []
     seconds: list[float] = []
     if args.hold:
-        results = hold(args.host, args.port, args.hold, args.timeout)
+        held = {"tcp": hold, "udp": hold_udp}.get(args.proto)
+        if held is None:
+            parser.error("--hold is for tcp and udp")
+        results = held(args.host, args.port, args.hold, args.timeout)
     elif args.proto == "udp-same-source":
         results = udp_same_source(args.host, args.port, args.count, args.timeout, args.source_port)
     else:

@@ -4,15 +4,18 @@ Two parts, each complete for the traffic it sees:
 
 - **Sockets** (``sockets.bpf.c``, ``entries.py``): programs on the cgroup hooks connect4/6,
   sendmsg4/6, recvmsg4/6 and getpeername4/6 of ``--cgroup`` (by default the whole cgroup2
-  hierarchy: every pod and the node) give a socket that connects or sends to a ClusterIP, an
-  external or LB IP, or a node port on the node's own primary IPs, an endpoint picked from BPF
-  maps, before any packet exists. Its packets leave addressed to the endpoint: no DNAT, no
-  conntrack entry for the translation, a cost that does not grow with the number of services.
+  hierarchy: every pod and the node) give a TCP socket that connects, or a UDP socket that
+  sends unconnected, to a ClusterIP, an external or LB IP, or a node port on the node's own
+  primary IPs, an endpoint picked from BPF maps, before any packet exists. Its packets leave
+  addressed to the endpoint: no DNAT, no conntrack entry for the translation, a cost that does
+  not grow with the number of services.
   getpeername and recvmsg answer with the service's address.
 - **Packets** (to-nft's ruleset in ``inet kpng``, unchanged): what no local socket connected
   to: node ports, external and LB IPs reached from outside, ClusterIPs routed to the node, and
   the answers for services without endpoints (REJECT or DROP), which the programs leave
-  untranslated on purpose. It also serves the health check node ports.
+  untranslated on purpose, and connected UDP sockets, which conntrack moves when their endpoint
+  goes (a socket translated at connect would stay on it). It also serves the health check node
+  ports.
 
 The maps are pinned under ``--pin-dir`` and the programs attached through pinned BPF links, so
 that the data path outlives kpng as rules outlive kube-proxy. A (re)start loads the programs,

@@ -286,6 +286,12 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	struct endpoint ep;
 	if (!l4(ctx, &key.proto))
 		return 1;
+	/* A connected UDP socket is left to the nftables part: translated here, it would stay on
+	 * its endpoint after that endpoint is gone, where kube-proxy deletes the flow and the next
+	 * datagram goes to another endpoint. Without a socket destroy per network namespace, only
+	 * conntrack can move it. */
+	if (!send && key.proto == IPPROTO_UDP)
+		return 1;
 	load_addr(ctx, v6, &key.addr);
 	key.port = (__u16)ctx->user_port;
 	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
