@@ -247,8 +247,8 @@ class IptablesBackend:
             return
         present, missing = None, set()
         if full:
-            present = await self._iptables.chains(fam, "nat")
-            missing = await self._iptables.missing_jumps(fam)
+            nat = await self._iptables.save(fam, "nat")
+            present, missing = nat.chains, await self._iptables.missing_jumps(fam, nat)
         plan = tables.plan(changes, present=present, missing_jumps=missing)
         if plan.text:
             await self._iptables.restore(fam, plan.text)
