@@ -1,9 +1,11 @@
 """to-ebpf in the kernel: what the conformance suite does not look at. Connections a program
 translated leave no conntrack entry to the service address; removing the pins detaches the
-programs; a program the verifier refuses is reported with the verifier's log."""
+programs; a program the verifier refuses is reported with the verifier's log; syncs reach
+kube-proxy's metrics as full or partial."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,11 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from kpng.backends.ebpf import remove_pins
+from kpng.backends._node import FromNode, Options
+from kpng.backends.ebpf import EbpfBackend, SocketBalancer, remove_pins
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.ebpf.toolchain import compile_object, unavailable
+from kpng.backends.nft import NftBackend
+from kpng.backends.nft.executing import KernelNft
+from kpng.client import NodeState
+from kpng.feeding import Fanout, Feeder, SyncStats
+from kpng.model.messages import ServiceEndpoints
+from kpng.status import Status
+from kpng.testing import states
 from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port, service
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
+from kpng.testing.states import keyed_state
+from tests.test_metrics import IPV4, _scrape
 
 pytestmark = pytest.mark.skipif(
     available() is not None or unavailable() is not None,
@@ -88,3 +100,40 @@ def test_a_program_the_verifier_refuses_is_reported_with_its_log(tmp_path: Path)
     with pytest.raises(BpfError, match="verifier's log") as refused:
         BpfObject(obj, tmp_path)
     assert "R1 invalid mem access 'scalar'" in str(refused.value)
+
+
+def test_to_ebpf_reports_its_syncs_as_full_or_partial_in_kube_proxy_metrics() -> None:
+    """Wired as the CLI wires it: the first state is a full sync, a change a partial one, and
+    both reach kube-proxy's sync metrics and kpng's applied revision."""
+    web = ("ns", "web")
+
+    def state(revision: int, *eps: str) -> NodeState:
+        se = ServiceEndpoints(states.service(cluster_ip=IP), tuple(states.endpoint(e) for e in eps))
+        return keyed_state(revision, {web: se})
+
+    with TestBed(ClusterSpec.parse({"node-1": ["a1"]}), sockets=True) as bed:
+        node = bed.nodes["node-1"]
+        syncs = SyncStats()
+        backend = EbpfBackend(
+            sockets=SocketBalancer(
+                options=Options(), from_node=FromNode(), cgroup=node.cgroup,
+                pin_dir=node.pin_dir or Path(), bpf_object=None,
+            ),
+            packets=NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")), options=Options()
+            ),
+            syncs=syncs,
+        )  # fmt: skip
+        status = Status(timeout=60.0)
+        fanout = status.track(Fanout([Feeder("to-ebpf", backend, sync=syncs, reports_syncs=True)]))
+
+        async def scenario() -> None:
+            await fanout.apply(state(1, "10.244.1.2"))
+            await fanout.apply(state(2, "10.244.1.2", "10.244.1.3"))
+            await backend.close()
+
+        asyncio.run(scenario())
+        got = _scrape(status)
+    assert got[("kubeproxy_sync_full_proxy_rules_duration_seconds_count", IPV4)] == 1
+    assert got[("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", IPV4)] == 1
+    assert got[("kpng_backend_applied_revision", (("backend", "to-ebpf"),))] == 2
