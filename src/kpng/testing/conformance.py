@@ -112,6 +112,22 @@ class Cluster:
     def probe(self, who: str, proto: str, host: str, port: int, **kw: Any) -> list[str]:
         return self.bed.probe(self.ns(who), proto, host, port, **kw)
 
+    def hold(self, who: str, proto: str, host: str, port: int) -> subprocess.Popen[str]:
+        """A probe from ``who`` holding one TCP connection or connected UDP socket for 8 s
+        (in the node's cgroup, where socket programs see it), returned once its first answer
+        came: the connection stands before the test changes anything. The probe's own timeout
+        bounds the wait."""
+        argv = [sys.executable, "-m", "kpng.testing.probe", proto, host, str(port), "--hold", "8"]
+        held = subprocess.Popen(
+            self.bed.command_in(self.ns(who), argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert held.stderr is not None
+        assert held.stderr.readline() == "connected\n"
+        return held
+
     def eventually(
         self, who: str, proto: str, host: str, port: int, ok: Any, *, count: int = 1
     ) -> list[str]:
@@ -986,16 +1002,22 @@ def test_terminating_endpoints_serve_when_none_is_ready(cluster: Cluster) -> Non
     cluster.remove("terminating")
 
 
+def _udp_service(cluster: Cluster, name: str, ip: str, pod: str) -> None:
+    """``name``: UDP port 53 of ``ip``, served by ``pod``'s port 5353."""
+    cluster.write(
+        name,
+        service(name, ip, [port("dns", 53, 5353, "UDP")]),
+        endpoint_slice(
+            cluster, name, [pod], ports=[{"name": "dns", "port": 5353, "protocol": "UDP"}]
+        ),
+    )
+
+
 def test_udp_service_moves_to_the_new_endpoint_after_removal(cluster: Cluster) -> None:
     ip = cluster.cluster_ip()
-    udp_port = {"name": "dns", "port": 5353, "protocol": "UDP"}
 
     def write(pod: str) -> None:
-        cluster.write(
-            "udp",
-            service("udp", ip, [port("dns", 53, 5353, "UDP")]),
-            endpoint_slice(cluster, "udp", [pod], ports=[udp_port]),
-        )
+        _udp_service(cluster, "udp", ip, pod)
 
     write("a1")
     assert names(cluster.eventually("c1", "udp", ip, 53, answered)) == {"a1"}
@@ -1042,26 +1064,13 @@ def test_a_connected_udp_socket_moves_when_its_endpoint_is_removed(cluster: Clus
     on it: once its endpoint is gone, kube-proxy deletes the flow and the next datagram reaches
     another endpoint. The old endpoint's pod still answers here, so a socket left on it shows."""
     ip = cluster.cluster_ip()
-    udp_port = {"name": "dns", "port": 5353, "protocol": "UDP"}
 
     def write(pod: str) -> None:
-        cluster.write(
-            "udp-connected",
-            service("udp-connected", ip, [port("dns", 53, 5353, "UDP")]),
-            endpoint_slice(cluster, "udp-connected", [pod], ports=[udp_port]),
-        )
+        _udp_service(cluster, "udp-connected", ip, pod)
 
     write("a1")
     cluster.eventually("c1", "udp", ip, 53, lambda r: names(r) == {"a1"})
-    argv = [sys.executable, "-m", "kpng.testing.probe", "udp", ip, "53", "--hold", "8"]
-    held = subprocess.Popen(
-        cluster.bed.command_in(cluster.ns("c1"), argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert held.stderr is not None
-    assert held.stderr.readline() == "connected\n"
+    held = cluster.hold("c1", "udp", ip, 53)
     write("b1")
     cluster.eventually("c1", "udp", ip, 53, lambda r: names(r) == {"b1"})
     out, _ = held.communicate(timeout=30)
@@ -1118,17 +1127,7 @@ def test_endpoint_changes_keep_established_connections(cluster: Cluster) -> None
         endpoint_slice(cluster, "keep", ["a1"]),
     )
     cluster.eventually("c1", "tcp", ip, 80, answered)
-    argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", ip, "80", "--hold", "8"]
-    held = subprocess.Popen(
-        cluster.bed.command_in(cluster.ns("c1"), argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert held.stderr is not None
-    # The connection stands (its first answer came) before the endpoints change; the probe's
-    # own timeout bounds the wait.
-    assert held.stderr.readline() == "connected\n"
+    held = cluster.hold("c1", "tcp", ip, 80)
     cluster.write(
         "established",
         service("keep", ip, [port("http", 80)]),

@@ -24,7 +24,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -112,15 +112,20 @@ def udp_same_source(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("::" if ":" in host else "0.0.0.0", source_port))
         for _ in range(count):
-            try:
-                sock.sendto(b"hello\n", (host, port))
-                out.append(sock.recv(4096).decode().strip())
-            except TimeoutError:
-                out.append("timeout")
-            except OSError as exc:
-                out.append(f"error: {exc}")
+            out.append(_ask(sock, lambda: sock.sendto(b"hello\n", (host, port))))
             time.sleep(0.2)
     return out
+
+
+def _ask(sock: socket.socket, send: Callable[[], object]) -> str:
+    """One datagram sent and its answer; a datagram that gets none is ``timeout``."""
+    try:
+        send()
+        return sock.recv(4096).decode().strip()
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"error: {exc}"
 
 
 def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
@@ -149,15 +154,10 @@ def hold_udp(host: str, port: int, seconds: float, timeout: float) -> list[str]:
         sock.connect((host, port))
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            try:
-                sock.send(b"hello\n")
-                out.append(sock.recv(4096).decode().strip())
-                if len(out) == 1:
-                    print("connected", file=sys.stderr, flush=True)
-            except TimeoutError:
-                out.append("timeout")
-            except OSError as exc:
-                out.append(f"error: {exc}")
+            answer = _ask(sock, lambda: sock.send(b"hello\n"))
+            out.append(answer)
+            if len(out) == 1 and answer != "timeout" and not answer.startswith("error: "):
+                print("connected", file=sys.stderr, flush=True)
             time.sleep(0.2)
     return out
 
