@@ -3,14 +3,17 @@ and the conformance suite run them)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import hashlib
+import io
 
 import msgspec
 import pytest
 
 from kpng.backends._node import Fam, Options
+from kpng.backends.iptables import IptablesBackend
 from kpng.backends.iptables.restore import FamilyTables
 from kpng.backends.iptables.rules import FILTER, NAT, chain_name, contribute
 from kpng.model.messages import EndpointScopes, IPFilter, IPSet, ServiceEndpoints, ServiceIPs
@@ -221,3 +224,50 @@ def test_chain_names_are_kube_proxys_base32_of_a_sha256(parts: tuple[str, ...]) 
     digest = hashlib.sha256("".join(parts).encode()).digest()
     expected = "KUBE-SVC-" + base64.b32encode(digest).decode()[:16]
     assert chain_name("KUBE-SVC-", *parts) == expected
+
+
+def test_without_comments_the_endpoint_chains_carry_none_and_the_service_rules_keep_them() -> None:
+    """kube-proxy's large cluster mode: the KUBE-SVC and KUBE-SEP rules lose their comment,
+    KUBE-SERVICES and the masquerade rule keep it."""
+    se = ServiceEndpoints(_service(), (_ep("10.244.1.2"), _ep("10.244.2.2")))
+    out = contribute(se, "v4", POD_CIDR, comments=False)
+    a, b = sep("10.244.1.2"), sep("10.244.2.2")
+    assert out.chains[(NAT, SVC)] == (
+        f"{TO_CIP} ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ",
+        f"-m statistic --mode random --probability 0.5000000000 -j {a}",
+        f"-j {b}",
+    )
+    assert out.chains[(NAT, a)] == (
+        "-s 10.244.1.2/32 -j KUBE-MARK-MASQ",
+        "-p tcp -m tcp -j DNAT --to-destination 10.244.1.2:8080",
+    )
+    assert out.shared[(NAT, "KUBE-SERVICES")] == [f"{TO_CIP} -j {SVC}"]
+
+
+def test_past_a_thousand_endpoints_every_endpoint_chain_is_rewritten_without_comments() -> None:
+    """The mode is the whole state's: crossing the threshold either way is a full sync."""
+    output = io.StringIO()
+    backend = IptablesBackend(iptables=None, options=POD_CIDR, families=("v4",), output=output)
+
+    def services(count: int) -> dict[str, ServiceEndpoints]:
+        return {
+            f"s{i}": ServiceEndpoints(
+                states.service(f"s{i}", index=i),
+                tuple(states.endpoint(f"10.244.{i}.{e + 1}") for e in range(10)),
+            )
+            for i in range(count)
+        }
+
+    def sep_rules(revision: int, count: int, updated: list[str]) -> list[str]:
+        output.seek(0)
+        output.truncate()
+        asyncio.run(backend.apply(states.state(revision, services(count), updated=updated)))
+        return [r for r in output.getvalue().splitlines() if r.startswith("-A KUBE-SEP-")]
+
+    assert all("--comment" in r for r in sep_rules(1, 100, updated=[]))  # 1,000: with
+    large = sep_rules(2, 101, updated=["s100"])
+    assert len(large) == 2 * 1010
+    assert not any("--comment" in r for r in large)
+    small = sep_rules(3, 100, updated=[])
+    assert len(small) == 2 * 1000
+    assert all("--comment" in r for r in small)

@@ -36,7 +36,7 @@ from kpng.backends._node import (
 )
 from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
 from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
-from kpng.backends.iptables.rules import Contribution, contribute
+from kpng.backends.iptables.rules import LARGE_CLUSTER_ENDPOINTS, Contribution, contribute
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
 from kpng.errors import object_name
 from kpng.model.cluster import ServiceKey
@@ -104,6 +104,8 @@ class IptablesBackend:
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._node_ips: tuple[str, ...] = ()
         self._needs_full = True
+        self._comments = True
+        """False in kube-proxy's large cluster mode (``rules.LARGE_CLUSTER_ENDPOINTS``)."""
 
     def _rules_current(self) -> bool:
         since = self.pending_since
@@ -128,6 +130,20 @@ class IptablesBackend:
             self._node_ips = state.node_ips
             for tables in self.tables.values():
                 tables.options = options
+            self._recorded.clear()
+            self._needs_full = True
+        endpoints = sum(len(se.endpoints) * len(se.service.Ports) for se in state.services.values())
+        comments = endpoints <= LARGE_CLUSTER_ENDPOINTS
+        if comments != self._comments:
+            # In every service's endpoint chains: all are written anew.
+            log.info(
+                "%d endpoints: endpoint chains %s comments (kube-proxy's large cluster mode "
+                "above %d)",
+                endpoints,
+                "with" if comments else "without",
+                LARGE_CLUSTER_ENDPOINTS,
+            )
+            self._comments = comments
             self._recorded.clear()
             self._needs_full = True
         full = self._needs_full
@@ -177,7 +193,9 @@ class IptablesBackend:
             sources[key] = se
             problems: set[str] = set()
             for fam in self._families:
-                contribution = contribute(se, fam, self.tables[fam].options, self._node_ips)
+                contribution = contribute(
+                    se, fam, self.tables[fam].options, self._node_ips, comments=self._comments
+                )
                 changes[fam][key] = contribution
                 problems.update(contribution.problems)
             for problem in sorted(problems):
