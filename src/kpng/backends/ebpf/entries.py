@@ -211,7 +211,7 @@ def describe_frontend(key: bytes) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def node_port_addresses(options: Options, node_ips: tuple[str, ...], v6: bool) -> list[str]:
+def node_port_addresses(options: Options, node_ips: tuple[str, ...], v6: bool) -> tuple[str, ...]:
     """The node's primary IPs of a family that serve node ports (``--nodeport-addresses``);
     remembered, since every service of a sync asks the same."""
     fam: Fam = "v6" if v6 else "v4"
@@ -220,9 +220,9 @@ def node_port_addresses(options: Options, node_ips: tuple[str, ...], v6: bool) -
         for c in options.cidrs(options.nodeport_addresses, fam)
     ]
     ips = [ipaddress.ip_address(ip) for ip in node_ips if (":" in ip) == v6]
-    return [
+    return tuple(
         str(ip) for ip in ips if not ip.is_loopback and (not ranges or any(ip in r for r in ranges))
-    ]
+    )
 
 
 # --- changes
