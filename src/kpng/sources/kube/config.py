@@ -1,12 +1,12 @@
 """Where the API server is and how to authenticate: kubeconfig and in-cluster configuration.
 
-kubernetes_asyncio's configuration loaders read the configuration (kubeconfig merging of
-``$KUBECONFIG`` lists, contexts, client certificates and keys as files or data, bearer tokens and
-token files, exec credential plugins of any ``client.authentication.k8s.io`` version, including
-plugins that return client certificates and expiring tokens, custom CAs, ``tls-server-name``,
-the in-cluster service account with its rotated token). kpng uses them for that alone: the HTTP
-requests, lists and watches are kpng's own (``client.py``, ``reflector.py``). Tokens are
-refreshed as they expire. Client certificates rotate too: their files are checked (stat) before each
+kpng reads the in-cluster service account and kubeconfigs of plain fields itself (below);
+kubernetes_asyncio's configuration loaders read the rest (kubeconfig merging of ``$KUBECONFIG``
+lists, exec credential plugins of any ``client.authentication.k8s.io`` version, including
+plugins that return client certificates and expiring tokens, auth providers). kpng uses the
+library for that alone: the HTTP requests, lists and watches are kpng's own (``client.py``,
+``reflector.py``). Tokens are refreshed as they expire, and token files read again when they
+change. Client certificates rotate too: their files are checked (stat) before each
 list and watch and loaded again when they change (kubelet's ``kubelet-client-current.pem``,
 cert-manager); an exec plugin that returns certificates runs again when the server rejects them
 (401: the loader sets no expiry for certificates). A certificate and key caught mid-rotation (not
