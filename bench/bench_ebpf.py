@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench_kube import nearest_rank
 from bench_nft import TARGET_IP, _state
 
 from kpng.backends._node import FromNode, Options
@@ -32,11 +33,6 @@ from kpng.backends.ebpf import SocketBalancer
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.executing import KernelNft
 from kpng.testing.netns import ClusterSpec, TestBed
-
-
-def _p(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def _connects(bed: TestBed, count: int) -> list[float]:
@@ -98,8 +94,8 @@ async def _measure(
         f["change ms"] = statistics.median(took) * 1e3
         bed.exec(node.netns, ["conntrack", "-F"], check=False)
         seconds = _connects(bed, args.connects)
-        f["connect p50 us"] = _p(seconds, 0.5) * 1e6
-        f["connect p99 us"] = _p(seconds, 0.99) * 1e6
+        f["connect p50 us"] = nearest_rank(seconds, 0.5) * 1e6
+        f["connect p99 us"] = nearest_rank(seconds, 0.99) * 1e6
         f["conntrack entries to the ClusterIP"] = _conntrack(bed)
         figures[name] = f
         if sockets is not None:
