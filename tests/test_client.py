@@ -124,7 +124,7 @@ def test_sink_backend_gives_a_sink_the_calls_the_network_would() -> None:
     """Call for call, in order: the ops the server encodes, decoded by the client's LocalOps."""
     in_process, networked = _Recorder(), _Recorder()
     backend = SinkBackend(in_process)
-    remote = LocalOps(networked, json=True)
+    remote = LocalOps(networked, json=True, url="test", warned=set())
     remote.op("Reset", 0, "", b"")
     a1 = ServiceEndpoints(service=_svc("a"), endpoints=(_ep("10.0.0.1"), _ep("10.0.0.2")))
     b1 = ServiceEndpoints(service=_svc("b"), endpoints=(_ep("10.0.1.1"),))

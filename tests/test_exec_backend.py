@@ -14,6 +14,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 
 from kpng.backends._jsonlines import StateLines
@@ -63,7 +64,9 @@ def test_ops_format_writes_each_change_as_one_line_and_closes_states_with_sync()
 
     async def encode() -> list[bytes]:
         return [
-            await form.encode(states.state(1, {"a": a1})),
+            await form.encode(
+                msgspec.structs.replace(states.state(1, {"a": a1}), service_cidrs=("10.96.0.0/16",))
+            ),
             await form.encode(states.state(2, {"a": a2, "b": b})),
             await form.encode(states.state(3, {"b": b}, updated=[], deleted=["a"])),
         ]
@@ -73,13 +76,16 @@ def test_ops_format_writes_each_change_as_one_line_and_closes_states_with_sync()
     )
     ep1 = json.loads(json.dumps({"IPs": {"V4": ["10.0.0.1"]}}))
     assert first[0] == {"op": "reset", "node": "node-1"}
-    assert first[1]["op"] == "set_service"
-    assert first[1]["service"]["Name"] == "a"
-    assert first[2]["op"] == "set_endpoint"
-    assert (first[2]["namespace"], first[2]["service"], first[2]["key"]) == ("ns", "a", "10.0.0.1")
-    assert first[2]["endpoint"]["IPs"] == ep1["IPs"]
-    assert first[3] == {"op": "sync", "revision": 1}
+    # the node's facts first, as a watch sends them; again only when they change
+    assert first[1] == {"op": "set_node", "facts": {"ServiceCIDRs": ["10.96.0.0/16"]}}
+    assert first[2]["op"] == "set_service"
+    assert first[2]["service"]["Name"] == "a"
+    assert first[3]["op"] == "set_endpoint"
+    assert (first[3]["namespace"], first[3]["service"], first[3]["key"]) == ("ns", "a", "10.0.0.1")
+    assert first[3]["endpoint"]["IPs"] == ep1["IPs"]
+    assert first[4] == {"op": "sync", "revision": 1}
     assert [(op["op"], op.get("key") or op.get("service", {}).get("Name")) for op in second] == [
+        ("set_node", None),  # the facts went back to none
         ("set_service", "b"),  # the watch API's order: every service set first
         ("set_endpoint", "10.0.0.2"),
         ("delete_endpoint", "10.0.0.1"),

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,10 +160,16 @@ def test_network_programming_runs_from_the_trigger_time_to_the_rules_applied() -
         source.set_service(WEB, Service(Namespace="ns", Name="web"))
         # Changed before kpng started: not kpng's to time, as in kube-proxy.
         source.set_slice(("ns", "old"), _slice("old", "10.244.0.9", time.time() - 3600))
+        changes = store.subscribe()  # what to-local reads: the triggers come with the changes
         source.mark_synced()
         recorder = _Recorder()
         fanout = status.track(Fanout([("to-x", recorder)]))
-        await fanout.apply(keyed_state(store.revision, {}))
+
+        async def next_state() -> NodeState:
+            delta = await anext(changes)
+            return msgspec.structs.replace(keyed_state(delta.revision, {}), triggers=delta.triggers)
+
+        await fanout.apply(await next_state())
         before = _scrape(status)
         assert before[("kubeproxy_network_programming_duration_seconds_count", IPV4)] == 0
         assert before[("kubeproxy_sync_proxy_rules_service_changes_total", ())] == 1
@@ -178,7 +185,7 @@ def test_network_programming_runs_from_the_trigger_time_to_the_rules_applied() -
         assert pending[("kubeproxy_sync_proxy_rules_endpoint_changes_total", ())] == 3
         assert pending[("kubeproxy_network_programming_duration_seconds_count", IPV4)] == 0
 
-        await fanout.apply(keyed_state(store.revision, {}))
+        await fanout.apply(await next_state())
         after = _scrape(status)
         assert after[("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ())] == 0
         for fam in (IPV4, IPV6):
@@ -200,10 +207,15 @@ def test_a_change_waits_for_every_backend_before_it_counts_as_programmed() -> No
         status.store = store
         source = store.source("kube")
         source.set_slice(("ns", "a"), _slice("a", "10.244.0.1", time.time() - 1))
+        changes = store.subscribe()
         source.mark_synced()
         fanout = status.track(Fanout([("to-x", _Recorder()), ("to-y", _Recorder())]))
         fast, slow = fanout.feeders
-        state = keyed_state(store.revision, {})
+        delta = await anext(changes)
+        state = msgspec.structs.replace(keyed_state(delta.revision, {}), triggers=delta.triggers)
+        # the state as to-local hands it to the fanout, which tells its listeners first
+        for listener in fanout.listeners:
+            listener(state)
         fast.offer(state)
         await fast.feed_pending()
         programmed = ("kubeproxy_network_programming_duration_seconds_count", IPV4)

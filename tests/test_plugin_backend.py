@@ -162,6 +162,7 @@ def test_change_sets_are_whole_states_or_diffs_in_the_watch_framing() -> None:
         True,
         [
             ("Reset", ""),
+            ("Set", "node"),  # the node's facts, before the services
             ("Set", "ns/a"),
             ("Set", "ns/a/10.0.0.1"),
             ("Set", "ns/b"),
@@ -182,9 +183,10 @@ def test_change_sets_are_whole_states_or_diffs_in_the_watch_framing() -> None:
         ],
     )
     message = pluginv1_pb2.ApplyRequest.FromString(changes.whole(second))
-    assert localv1_pb2.Endpoint.FromString(message.Ops[2].Set.Bytes).IPs.V4 == ["10.0.0.2"]
+    assert localv1_pb2.NodeFacts.FromString(message.Ops[1].Set.Bytes) == localv1_pb2.NodeFacts()
+    assert localv1_pb2.Endpoint.FromString(message.Ops[3].Set.Bytes).IPs.V4 == ["10.0.0.2"]
     as_json = pluginv1_pb2.ApplyRequest.FromString(ChangeSets(pluginv1_pb2.JSON).whole(second))
-    assert json.loads(as_json.Ops[1].Set.Bytes)["Name"] == "a"
+    assert json.loads(as_json.Ops[2].Set.Bytes)["Name"] == "a"
 
 
 def test_failed_calls_are_explained_in_the_plugins_terms() -> None:
@@ -223,7 +225,8 @@ def test_a_diffs_plugin_gets_the_whole_state_then_only_changes(plugins: Plugins)
     _run(scenario())
     first, second = json_lines(record)
     assert (first["revision"], first["full"]) == (1, True)
-    assert [op[0] for op in first["ops"]] == ["Reset", "Set", "Set", "Set", "Set", "Sync"]
+    # Reset, the node's facts, two services and their endpoints, Sync
+    assert [op[0] for op in first["ops"]] == ["Reset", "Set", "Set", "Set", "Set", "Set", "Sync"]
     assert (second["revision"], second["full"]) == (2, False)
     assert second["ops"] == [
         ["Set", 2, "ns/a/10.0.0.2", "['10.0.0.2']"],
@@ -252,12 +255,13 @@ def test_a_full_plugin_gets_every_state_whole_in_json(plugins: Plugins) -> None:
     second = json_lines(record)[1]
     assert second["full"] is True
     assert [op[2] for op in second["ops"] if op[0] == "Set"] == [
+        "node",  # a whole state has the node's facts again
         "ns/a",
         "ns/a/10.0.0.1",
         "ns/b",
         "ns/b/10.0.0.9",
     ]
-    assert second["ops"][3][3] == "b"  # the JSON payload, decoded by the plugin
+    assert second["ops"][4][3] == "b"  # the JSON payload, decoded by the plugin
 
 
 def test_a_refused_state_is_logged_and_retried_whole(

@@ -65,7 +65,7 @@ def test_go_kpng_fields_keep_their_names_and_numbers(full_name: str) -> None:
 
 def test_sets_enum_and_services_match_go_kpng() -> None:
     sets = localv1_pb2.DESCRIPTOR.enum_types_by_name["Set"]
-    assert {v.name: v.number for v in sets.values} == {
+    go_kpng_sets = {
         "UnknownSet": 0,
         "ServicesSet": 1,
         "EndpointsSet": 2,
@@ -73,6 +73,10 @@ def test_sets_enum_and_services_match_go_kpng() -> None:
         "GlobalEndpointInfos": 11,
         "GlobalNodeInfos": 12,
     }
+    numbers = {v.name: v.number for v in sets.values}
+    assert {name: numbers.get(name) for name in go_kpng_sets} == go_kpng_sets
+    # kpng's sets are numbered from 100: a Go KPNG consumer skips a Set of a kind it does not know
+    assert all(n >= 100 for name, n in numbers.items() if name not in go_kpng_sets)
     protocols = localv1_pb2.DESCRIPTOR.enum_types_by_name["Protocol"]
     assert [(v.name, v.number) for v in protocols.values] == [
         ("UnknownProtocol", 0),
@@ -226,6 +230,19 @@ def test_every_model_message_has_its_codec() -> None:
                 ),
             ),
         ),
+        (
+            "NODE_FACTS",
+            messages.NodeFacts(
+                Addresses=(
+                    messages.NodeAddress(Type="InternalIP", Address="10.0.0.1"),
+                    messages.NodeAddress(Type="Hostname", Address="n1"),
+                ),
+                PodCIDRs=("10.244.1.0/24",),
+                ServiceCIDRs=("10.96.0.0/16", "fd00:96::/112"),
+                Draining=True,
+            ),
+        ),
+        ("CHANGE_TRIGGERS", messages.ChangeTriggers(V4=(1764080000.25,), V6=(1.5, 2.0))),
     ],
 )
 def test_codec_round_trips_through_protobuf_bytes(codec_name: str, value: msgspec.Struct) -> None:

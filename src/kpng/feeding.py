@@ -25,7 +25,7 @@ import msgspec
 from kpng.client import Backend, Backoff, NodeState
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.model.messages import NO_TRIGGERS, ServiceEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ class Feeder:
         self._latest: NodeState | None = None
         self._updated: set[ServiceKey] = set()
         self._deleted: set[ServiceKey] = set()
+        self._triggers = NO_TRIGGERS
         self._resync = False
         self._offered = asyncio.Event()
         self._queued_at: float | None = None  # when the oldest state still queued was offered
@@ -216,14 +217,18 @@ class Feeder:
         self._deleted.difference_update(state.updated)
         self._updated.update(state.updated)
         self._deleted.update(state.deleted)
+        self._triggers = self._triggers.followed_by(state.triggers)
         self._offered.set()
 
     def _take(self) -> NodeState:
         latest = self._latest
         assert latest is not None
         updated = frozenset(latest.services) if self._resync else frozenset(self._updated)
-        state = msgspec.structs.replace(latest, updated=updated, deleted=frozenset(self._deleted))
+        state = msgspec.structs.replace(
+            latest, updated=updated, deleted=frozenset(self._deleted), triggers=self._triggers
+        )
         self._latest = None
+        self._triggers = NO_TRIGGERS
         self._queued_at = None
         self._updated.clear()
         self._deleted.clear()
@@ -347,8 +352,13 @@ class Fanout:
         self.feeders = [b if isinstance(b, Feeder) else Feeder(*b) for b in backends]
         self._tasks: list[asyncio.Task[None]] = []
         self.all_done = asyncio.Event()
+        self.listeners: list[Callable[[NodeState], None]] = []
+        """Told of each state before the backends get it (kpng's metrics time network
+        programming from its triggers to the backends' syncs)."""
 
     async def apply(self, state: NodeState) -> bool:
+        for listener in self.listeners:
+            listener(state)
         if len(self.feeders) == 1 and not self._tasks:
             feeder = self.feeders[0]
             feeder.offer(state)

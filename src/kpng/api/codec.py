@@ -115,6 +115,9 @@ PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.TopologyHints, globalv1_pb2.TopologyHints),
     (messages.EndpointConditions, globalv1_pb2.EndpointConditions),
     (messages.NodeAddress, globalv1_pb2.NodeAddress),
+    (messages.NodeAddress, localv1_pb2.NodeAddress),
+    (messages.NodeFacts, localv1_pb2.NodeFacts),
+    (messages.ChangeTriggers, localv1_pb2.ChangeTriggers),
     (messages.Node, globalv1_pb2.Node),
     (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
     (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
@@ -135,6 +138,8 @@ ENDPOINT: Codec[messages.Endpoint] = _CODECS["localv1.Endpoint"]
 SERVICE_INFO: Codec[messages.ServiceInfo] = _CODECS["globalv1.ServiceInfo"]
 ENDPOINT_INFO: Codec[messages.EndpointInfo] = _CODECS["globalv1.EndpointInfo"]
 NODE_INFO: Codec[messages.NodeInfo] = _CODECS["globalv1.NodeInfo"]
+NODE_FACTS: Codec[messages.NodeFacts] = _CODECS["localv1.NodeFacts"]
+CHANGE_TRIGGERS: Codec[messages.ChangeTriggers] = _CODECS["localv1.ChangeTriggers"]
 
 
 # --- op framing (protobuf wire format, written by hand: see the module docstring)

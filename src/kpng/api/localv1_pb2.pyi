@@ -36,6 +36,14 @@ class _SetEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Set.ValueType], _
     GlobalServiceInfos: _Set.ValueType  # 10
     GlobalEndpointInfos: _Set.ValueType  # 11
     GlobalNodeInfos: _Set.ValueType  # 12
+    NodeFactsSet: _Set.ValueType  # 100
+    """kpng: the NodeFacts of the watched node, at path "node" (no slash: never a service's path).
+    Set in a stream's first change set and in every later one where they changed; never deleted.
+    """
+    ChangeTriggersSet: _Set.ValueType  # 101
+    """kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
+    any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
+    """
 
 class Set(_Set, metaclass=_SetEnumTypeWrapper): ...
 
@@ -45,6 +53,14 @@ EndpointsSet: Set.ValueType  # 2
 GlobalServiceInfos: Set.ValueType  # 10
 GlobalEndpointInfos: Set.ValueType  # 11
 GlobalNodeInfos: Set.ValueType  # 12
+NodeFactsSet: Set.ValueType  # 100
+"""kpng: the NodeFacts of the watched node, at path "node" (no slash: never a service's path).
+Set in a stream's first change set and in every later one where they changed; never deleted.
+"""
+ChangeTriggersSet: Set.ValueType  # 101
+"""kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
+any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
+"""
 Global___Set: _TypeAlias = Set  # noqa: Y015
 
 class _Protocol:
@@ -602,3 +618,104 @@ class EndpointScopes(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EndpointScopes: _TypeAlias = EndpointScopes  # noqa: Y015
+
+@_typing.final
+class NodeFacts(_message.Message):
+    """kpng: what a backend reads of its node and of the cluster besides the services, so that a
+    backend behind a remote brain programs exactly what it programs beside one. All empty while the
+    sources do not know the node.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    PODCIDRS_FIELD_NUMBER: _builtins.int
+    SERVICECIDRS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    Draining: _builtins.bool
+    """The node is being deleted, or tainted ToBeDeletedByClusterAutoscaler: its proxy's /healthz
+    answers 503 so that load balancers drain it (KEP-3836).
+    """
+    @_builtins.property
+    def Addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeAddress]:
+        """status.addresses, in the API server's order (kube-proxy takes the node's primary IPs from
+        them: the first InternalIP, else ExternalIP, then the first of the other family).
+        """
+
+    @_builtins.property
+    def PodCIDRs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """spec.podCIDRs (--detect-local-mode NodeCIDR)."""
+
+    @_builtins.property
+    def ServiceCIDRs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every networking.k8s.io/v1 ServiceCIDR's ranges, each once, sorted: new connections to their
+        IPs that no service holds are dropped.
+        """
+
+    def __init__(
+        self,
+        *,
+        Addresses: _abc.Iterable[Global___NodeAddress] | None = ...,
+        PodCIDRs: _abc.Iterable[_builtins.str] | None = ...,
+        ServiceCIDRs: _abc.Iterable[_builtins.str] | None = ...,
+        Draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Addresses", b"Addresses", "Draining", b"Draining", "PodCIDRs", b"PodCIDRs", "ServiceCIDRs", b"ServiceCIDRs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeFacts: _TypeAlias = NodeFacts  # noqa: Y015
+
+@_typing.final
+class NodeAddress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    Type: _builtins.str
+    """InternalIP, ExternalIP, Hostname..."""
+    Address: _builtins.str
+    def __init__(
+        self,
+        *,
+        Type: _builtins.str = ...,
+        Address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Address", b"Address", "Type", b"Type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeAddress: _TypeAlias = NodeAddress  # noqa: Y015
+
+@_typing.final
+class ChangeTriggers(_message.Message):
+    """kpng: the last-change-trigger-time of each EndpointSlice change since the previous change set
+    that had one, in seconds since the epoch, by family: network programming latency runs from
+    each to the moment the node's rules are in place.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    V4_FIELD_NUMBER: _builtins.int
+    V6_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def V4(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def V6(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        V4: _abc.Iterable[_builtins.float] | None = ...,
+        V6: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["V4", b"V4", "V6", b"V6"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeTriggers: _TypeAlias = ChangeTriggers  # noqa: Y015

@@ -17,8 +17,9 @@ _encoder = msgspec.json.Encoder()
 class StateLines:
     """Encodes successive states of one node as to-json lines.
 
-    Each line is ``{"node": NAME, "revision": N, "services": [{"service": <localv1.Service>,
-    "endpoints": [<localv1.Endpoint>, ...]}, ...]}``, messages in protobuf's canonical JSON
+    Each line is ``{"node": NAME, "revision": N, "facts": <localv1.NodeFacts>, "services":
+    [{"service": <localv1.Service>, "endpoints": [<localv1.Endpoint>, ...]}, ...]}``, messages
+    in protobuf's canonical JSON
     mapping, services by namespace and name, endpoints by key (kpng.model.paths). Each service's
     JSON is cached and re-encoded only when it changes, so a state costs its change plus one
     join; the states must be given in order, each naming what changed since the previous one.
@@ -33,8 +34,9 @@ class StateLines:
         for key in state.updated:
             self._encoded[key] = _encoder.encode(state.services[key])
         services = b",".join(self._encoded[key] for key in sorted(self._encoded))
-        head = b'{"node":%s,"revision":%d,"services":[' % (
+        head = b'{"node":%s,"revision":%d,"facts":%s,"services":[' % (
             _encoder.encode(state.node),
             state.revision,
+            _encoder.encode(state.facts),
         )
         return head + services + b"]}\n"

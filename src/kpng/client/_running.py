@@ -17,12 +17,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kpng.client._address import Api
-from kpng.client._backoff import Backoff
-from kpng.client._sinks import FilterReset, FullState, Sink, _maybe_await
+from kpng.backoff import Backoff
+from kpng.client._sinks import FilterReset, FullState, _maybe_await
 from kpng.client._state import Handler
 from kpng.errors import KpngError
+from kpng.model.messages import NodeFacts
 from kpng.remote import CONNECT_TIMEOUT, add_arguments, api_from_args
+from kpng.remote.address import Api
+from kpng.remote.sinks import NodeSink, Sink
 
 
 async def watch(
@@ -89,6 +91,10 @@ class _FirstSyncOnly:
         self.set_endpoint = sink.set_endpoint
         self.delete_endpoint = sink.delete_endpoint
         self._sink = sink
+
+    def set_node(self, facts: NodeFacts) -> None:
+        if isinstance(self._sink, NodeSink):
+            self._sink.set_node(facts)
 
     async def sync(self) -> bool:
         await _maybe_await(self._sink.sync())

@@ -3,40 +3,21 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from kpng.client._compat import complete
 from kpng.client._state import Handler, NodeState
 from kpng.model.cluster import ServiceKey
-from kpng.model.messages import Endpoint, Service, ServiceEndpoints
+from kpng.model.messages import (
+    NO_TRIGGERS,
+    ChangeTriggers,
+    Endpoint,
+    NodeFacts,
+    Service,
+    ServiceEndpoints,
+)
 from kpng.model.paths import endpoint_keys
-
-
-@runtime_checkable
-class Sink(Protocol):
-    """An incremental backend: the watch API's ops, one call each.
-
-    Between two ``sync`` calls the state is in flux; at ``sync`` it is complete and consistent.
-    ``reset`` means: forget everything, the whole state follows. Endpoint keys are stable within
-    a service (see kpng.model.paths). ``sync`` may be a coroutine function; it is awaited.
-
-    The calls between two syncs come in four runs, each sorted by namespace, name and endpoint
-    key: every ``set_service``, then every ``set_endpoint``, then every ``delete_endpoint``, then
-    every ``delete_service``. So a service is set before its endpoints, and its endpoints are
-    deleted before it. In process (SinkBackend) and over the network alike.
-    """
-
-    def reset(self) -> None: ...
-
-    def set_service(self, service: Service) -> None: ...
-
-    def delete_service(self, namespace: str, name: str) -> None: ...
-
-    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Endpoint) -> None: ...
-
-    def delete_endpoint(self, namespace: str, service: str, key: str) -> None: ...
-
-    def sync(self) -> Any: ...
+from kpng.remote.sinks import NodeSink, Sink, TriggerSink
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -55,6 +36,9 @@ class FilterReset:
 
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
+        self._node_sink = sink if isinstance(sink, NodeSink) else None
+        self._trigger_sink = sink if isinstance(sink, TriggerSink) else None
+        self._facts: NodeFacts | None = None
         self._services: dict[ServiceKey, Service] = {}
         self._endpoints: dict[tuple[str, str, str], Endpoint] = {}
         self._resetting = False
@@ -70,6 +54,15 @@ class FilterReset:
         self._resetting = True
         self._seen_services.clear()
         self._seen_endpoints.clear()
+
+    def set_node(self, facts: NodeFacts) -> None:
+        if self._node_sink is not None and facts != self._facts:
+            self._facts = facts
+            self._node_sink.set_node(facts)
+
+    def triggered(self, triggers: ChangeTriggers) -> None:
+        if self._trigger_sink is not None:
+            self._trigger_sink.triggered(triggers)
 
     def set_service(self, service: Service) -> None:
         key = (service.Namespace, service.Name)
@@ -117,8 +110,19 @@ class FullState:
         self._dirty: set[ServiceKey] = set()
         self._revision = 0
         self._first = True
+        self._facts = NodeFacts()
+        self._facts_changed = False
+        self._triggers = NO_TRIGGERS
         self.done = False
         """True once the handler asked to stop."""
+
+    def set_node(self, facts: NodeFacts) -> None:
+        if facts != self._facts:
+            self._facts = facts
+            self._facts_changed = True
+
+    def triggered(self, triggers: ChangeTriggers) -> None:
+        self._triggers = self._triggers.followed_by(triggers)
 
     def reset(self) -> None:
         self._dirty.update(self._state)
@@ -165,17 +169,20 @@ class FullState:
                 self._state[key] = value
                 updated.add(key)
         self._dirty.clear()
-        if not (updated or deleted or self._first):
-            return self.done
-        self._first = False
+        if not (updated or deleted or self._first or self._facts_changed):
+            return self.done  # the triggers wait for the state they are part of
+        self._first = self._facts_changed = False
         self._revision += 1
-        state = NodeState(
+        state = NodeState.of(
             node=self._node,
             revision=self._revision,
             services=self._state,
             updated=frozenset(updated),
             deleted=frozenset(deleted),
+            facts=self._facts,
+            triggers=self._triggers,
         )
+        self._triggers = NO_TRIGGERS
         if await _maybe_await(self._handler(state)):
             self.done = True
         return self.done
@@ -187,7 +194,9 @@ class SinkBackend:
 
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
+        self._node_sink = sink if isinstance(sink, NodeSink) else None
         self._started = False
+        self._facts: NodeFacts | None = None
         self._sent: dict[ServiceKey, ServiceEndpoints] = {}
 
     async def apply(self, state: NodeState) -> bool:
@@ -195,6 +204,9 @@ class SinkBackend:
         if not self._started:
             self._started = True
             sink.reset()
+        if self._node_sink is not None and (facts := state.facts) != self._facts:
+            self._facts = facts
+            self._node_sink.set_node(facts)
         # The watch API's order (kpng.server.changesets.local_ops), call for call.
         service_sets: list[Service] = []
         endpoint_sets: list[tuple[str, str, str, Endpoint]] = []

@@ -10,11 +10,11 @@ cycles.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import msgspec
 
-from kpng.model.messages import Node
+from kpng.model.messages import Node, NodeAddress
 
 ServiceKey = tuple[str, str]
 """(namespace, name) of a Service."""
@@ -77,13 +77,14 @@ def node_zone(node: Node | None) -> str:
 
 
 def node_ips(node: Node | None) -> tuple[str, ...]:
-    """The node's primary IPs, as kube-proxy finds them: the first InternalIP (else ExternalIP),
-    then the first address of the other family, if any."""
-    if node is None:
-        return ()
-    ordered = [
-        a.Address for t in ("InternalIP", "ExternalIP") for a in node.Addresses if a.Type == t
-    ]
+    """The node's primary IPs (``primary_ips`` of its addresses); none for no node."""
+    return () if node is None else primary_ips(node.Addresses)
+
+
+def primary_ips(addresses: Sequence[NodeAddress]) -> tuple[str, ...]:
+    """A node's primary IPs, as kube-proxy finds them in its addresses: the first InternalIP
+    (else ExternalIP), then the first address of the other family, if any."""
+    ordered = [a.Address for t in ("InternalIP", "ExternalIP") for a in addresses if a.Type == t]
     if not ordered:
         return ()
     first = ordered[0]

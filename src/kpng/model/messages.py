@@ -161,6 +161,33 @@ class NodeAddress(_Message, frozen=True):
     Address: str = ""
 
 
+class NodeFacts(_Message, frozen=True):
+    """localv1.NodeFacts: what a backend reads of its node and the cluster besides services."""
+
+    Addresses: tuple[NodeAddress, ...] = ()
+    PodCIDRs: tuple[str, ...] = ()
+    ServiceCIDRs: tuple[str, ...] = ()
+    Draining: bool = False
+
+
+class ChangeTriggers(_Message, frozen=True):
+    """localv1.ChangeTriggers: EndpointSlice trigger times (seconds since the epoch)."""
+
+    V4: tuple[float, ...] = ()
+    V6: tuple[float, ...] = ()
+
+    def followed_by(self, later: ChangeTriggers) -> ChangeTriggers:
+        """The triggers of two successive changes, for one change that stands for both."""
+        if not (later.V4 or later.V6):
+            return self
+        if not (self.V4 or self.V6):
+            return later
+        return ChangeTriggers(V4=self.V4 + later.V4, V6=self.V6 + later.V6)
+
+
+NO_TRIGGERS = ChangeTriggers()
+
+
 class NodeInfo(_Message, frozen=True):
     Hash: str = ""
     Node: Node | None = None

@@ -14,6 +14,12 @@ from collections.abc import Iterable
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import Endpoint
 
+NODE_FACTS_PATH = "node"
+"""The path of the NodeFacts item: without a ``/``, it is no service's or endpoint's path (Go
+KPNG's full-state client deletes by path alone, whatever the set)."""
+TRIGGERS_PATH = "triggers"
+"""The path of a change set's ChangeTriggers item."""
+
 
 def service_path(key: ServiceKey) -> str:
     return f"{key[0]}/{key[1]}"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kpng.client import Api
+    from kpng.remote.address import Api
 
 DEFAULT_API = "tcp://127.0.0.1:12090"
 CONNECT_TIMEOUT = 30.0
@@ -54,7 +54,7 @@ def seconds(value: str) -> float:
 
 def api_from_args(args: argparse.Namespace) -> Api:
     """The server the flags name (a UsageError if they name none)."""
-    from kpng.client import Api, ClientTls
+    from kpng.remote.address import Api, ClientTls
 
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key:

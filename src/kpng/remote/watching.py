@@ -13,9 +13,11 @@ import grpc
 import msgspec
 
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
-from kpng.client import Api, Backoff, Sink
+from kpng.backoff import Backoff
 from kpng.errors import KpngError
-from kpng.model.messages import Endpoint, Service
+from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
+from kpng.remote.address import Api
+from kpng.remote.sinks import NodeSink, Sink, TriggerSink
 
 log = logging.getLogger(__name__)
 
@@ -185,15 +187,26 @@ class _Resetting:
 
 _json_service = msgspec.json.Decoder(Service)
 _json_endpoint = msgspec.json.Decoder(Endpoint)
+_json_facts = msgspec.json.Decoder(NodeFacts)
+_json_triggers = msgspec.json.Decoder(ChangeTriggers)
 
 
 class LocalOps:
-    """Dispatches node-local ops to an incremental Sink."""
+    """Dispatches node-local ops to an incremental Sink: node facts to a NodeSink, trigger
+    times to a TriggerSink, each only if the sink is one."""
 
-    def __init__(self, sink: Sink, *, json: bool) -> None:
+    def __init__(self, sink: Sink, *, json: bool, url: str, warned: set[str]) -> None:
         self._sink = sink
         self._service = _json_service.decode if json else codec.SERVICE.decode
         self._endpoint = _json_endpoint.decode if json else codec.ENDPOINT.decode
+        self._facts = _json_facts.decode if json else codec.NODE_FACTS.decode
+        self._triggers = _json_triggers.decode if json else codec.CHANGE_TRIGGERS.decode
+        self._node_sink = sink if isinstance(sink, NodeSink) else None
+        self._trigger_sink = sink if isinstance(sink, TriggerSink) else None
+        self._url = url
+        self._warned = warned
+        self._first = True
+        self._facts_seen = False
 
     def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
         sink = self._sink
@@ -203,6 +216,12 @@ class LocalOps:
                 sink.set_endpoint(namespace, name, key, self._endpoint(payload))
             elif set_ == localv1_pb2.ServicesSet:
                 sink.set_service(self._service(payload))
+            elif set_ == localv1_pb2.NodeFactsSet:
+                self._facts_seen = True
+                if self._node_sink is not None:
+                    self._node_sink.set_node(self._facts(payload))
+            elif set_ == localv1_pb2.ChangeTriggersSet and self._trigger_sink is not None:
+                self._trigger_sink.triggered(self._triggers(payload))
         elif kind == "Delete":
             if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = path.split("/", 2)
@@ -214,6 +233,18 @@ class LocalOps:
             sink.reset()
 
     async def sync(self) -> bool:
+        if self._first:
+            self._first = False
+            if not self._facts_seen and "facts" not in self._warned:
+                # Go KPNG's brain: its backends run as they would under Go KPNG.
+                self._warned.add("facts")
+                log.warning(
+                    "%s sends no node facts (a Go KPNG brain?): the node's addresses, pod "
+                    "CIDRs and ServiceCIDRs are unknown here, so --nodeport-addresses primary "
+                    "serves every local address and --detect-local-mode NodeCIDR detects "
+                    "nothing as local",
+                    self._url,
+                )
         done = self._sink.sync()
         if inspect.isawaitable(done):
             done = await done
@@ -229,6 +260,7 @@ async def watch_local(
     first_state_within: float | None = None,
 ) -> None:
     target = Api(api) if isinstance(api, str) else api
+    warned: set[str] = set()
     await follow(
         target.check(),
         batched=_Rpc(
@@ -243,7 +275,7 @@ async def watch_local(
             localv1_pb2.OpItem,
             batched=False,
         ),
-        handle=lambda json: LocalOps(sink, json=json),
+        handle=lambda json: LocalOps(sink, json=json, url=target.url, warned=warned),
         backoff=backoff,
         first_state_within=first_state_within,
     )

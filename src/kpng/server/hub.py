@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from kpng.model.messages import NO_TRIGGERS, ChangeTriggers, NodeFacts
 from kpng.resolver.resolving import Changes, ClusterResolver, NodeView
 from kpng.store import Store
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+TRIGGER_REVISIONS = 65_536
+"""Revisions whose trigger times the hub keeps for watchers that have not answered them yet:
+a watcher further behind loses the oldest (and their network programming times)."""
 
 
 class Hub:
@@ -25,6 +31,8 @@ class Hub:
         self.synced = False
         self.revision = 0
         self._updated = asyncio.Condition()
+        self._triggers: list[tuple[int, ChangeTriggers]] = []
+        """(revision, trigger times) of the revisions that have some, oldest first."""
 
     async def run(self) -> None:
         subscription = self.store.subscribe()
@@ -36,6 +44,10 @@ class Hub:
                     self.cluster.set_service(key, self.store.services.get(key))
                 for sk in delta.slices:
                     self.cluster.set_slice(sk, self.store.slices.get(sk))
+                if delta.triggers.V4 or delta.triggers.V6:
+                    self._triggers.append((delta.revision, delta.triggers))
+                    if len(self._triggers) > TRIGGER_REVISIONS:
+                        del self._triggers[: TRIGGER_REVISIONS // 2]
                 self.synced = True
                 self.revision = delta.revision
                 async with self._updated:
@@ -49,14 +61,34 @@ class Hub:
             await self._updated.wait_for(lambda: self.synced and self.revision > after)
         return self.revision
 
-    async def next_changes(self, view: NodeView, *, first: bool) -> Changes:
-        """The view's next non-empty change set (the first one may be empty: an empty state)."""
+    async def next_change_set(
+        self, view: NodeView, *, sent: NodeFacts | None
+    ) -> tuple[Changes, NodeFacts, int]:
+        """The view's next change set: what changed in its services, its node's facts (changed
+        from ``sent`` or not), and the revision it is at. The first one (``sent`` is None) may
+        change no service: an empty state."""
         seen = -1
         while True:
             seen = await self.wait_revision(seen)
             changes = view.resolve()
-            if changes or first:
-                return changes
+            facts = self.store.node_facts(view.node_name)
+            if changes or facts != sent:
+                return changes, facts, seen
+
+    def triggers(self, *, after: int, upto: int) -> ChangeTriggers:
+        """The trigger times of the revisions after ``after`` up to ``upto``."""
+        log_ = self._triggers
+        start = bisect.bisect_right(log_, after, key=_revision)
+        found = NO_TRIGGERS
+        for revision, triggers in log_[start:]:
+            if revision > upto:
+                break
+            found = found.followed_by(triggers)
+        return found
+
+
+def _revision(entry: tuple[int, ChangeTriggers]) -> int:
+    return entry[0]
 
 
 class PayloadCache(Generic[T]):

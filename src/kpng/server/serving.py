@@ -22,9 +22,11 @@ from google.protobuf.message import DecodeError
 
 from kpng.addresses import check_grpc_url
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.api.localv1_pb2 import ChangeTriggersSet, NodeFactsSet
 from kpng.errors import UsageError
 from kpng.model.cluster import unknown_node
-from kpng.model.messages import Endpoint, Service
+from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
+from kpng.model.paths import NODE_FACTS_PATH, TRIGGERS_PATH
 from kpng.resolver.resolving import NodeView
 from kpng.server.changesets import FirstOps, GlobalTracker, local_ops
 from kpng.server.hub import Hub, PayloadCache
@@ -81,18 +83,27 @@ class Encoders:
     service: Callable[[Service], bytes]
     endpoint: Callable[[Endpoint], bytes]
     info: Callable[[msgspec.Struct], bytes]
+    facts: Callable[[NodeFacts], bytes]
+    triggers: Callable[[ChangeTriggers], bytes]
     first_ops: FirstOps
 
     @classmethod
     def protobuf(cls) -> Encoders:
         service = PayloadCache(codec.SERVICE.encode)  # protobuf encoding is costly: cached
         endpoint = PayloadCache(codec.ENDPOINT.encode)
-        return cls(service, endpoint, _encode_info_protobuf, FirstOps(service, endpoint))
+        return cls(
+            service,
+            endpoint,
+            _encode_info_protobuf,
+            codec.NODE_FACTS.encode,
+            codec.CHANGE_TRIGGERS.encode,
+            FirstOps(service, endpoint),
+        )
 
     @classmethod
     def json(cls) -> Encoders:
         encode = _JSON.encode
-        return cls(encode, encode, encode, FirstOps(encode, encode))
+        return cls(encode, encode, encode, encode, encode, FirstOps(encode, encode))
 
 
 def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
@@ -158,6 +169,8 @@ class WatchServer:
     ) -> AsyncIterator[list[bytes]]:
         view: NodeView | None = None
         answered = False
+        sent: NodeFacts | None = None
+        revision = 0  # the brain's revision of the last change set sent
         self.stats.local_watches += 1
         try:
             async for request in requests:
@@ -167,8 +180,9 @@ class WatchServer:
                         view.close()
                     view = self.hub.cluster.view(request.NodeName)
                     enc = encoders(request)
+                    sent = None
                 assert view is not None
-                changes = await self.hub.next_changes(view, first=first)
+                changes, facts, now = await self.hub.next_change_set(view, sent=sent)
                 ops = local_ops(
                     updated=changes.updated,
                     deleted=changes.deleted,
@@ -177,6 +191,15 @@ class WatchServer:
                     encode_endpoint=enc.endpoint,
                     first_ops=enc.first_ops,
                 )
+                if facts != sent:
+                    ops.insert(0, codec.op_set(NodeFactsSet, NODE_FACTS_PATH, enc.facts(facts)))
+                    sent = facts
+                if not first:  # a first state is not timed: its triggers predate the watcher
+                    triggers = self.hub.triggers(after=revision, upto=now)
+                    if triggers.V4 or triggers.V6:
+                        payload = enc.triggers(triggers)
+                        ops.append(codec.op_set(ChangeTriggersSet, TRIGGERS_PATH, payload))
+                revision = now
                 if first:
                     ops.insert(0, codec.OP_RESET)
                     if warning := unknown_node(view.node_name, self.store.nodes):

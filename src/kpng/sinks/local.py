@@ -12,8 +12,8 @@ import msgspec
 
 from kpng.backends.registry import Backend, NodeState
 from kpng.feeding import Fanout, until_done
-from kpng.model.cluster import node_ips, unknown_node
-from kpng.model.messages import Service
+from kpng.model.cluster import unknown_node
+from kpng.model.messages import NO_TRIGGERS, NodeFacts, Service
 from kpng.resolver.resolving import NodeResolver
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
@@ -48,11 +48,6 @@ def _without_external_ips(service: Service) -> Service:
     return msgspec.structs.replace(service, IPs=msgspec.structs.replace(ips, ExternalIPs=None))
 
 
-def service_cidrs(store: Store) -> tuple[str, ...]:
-    """Every ServiceCIDR's ranges, each once, in a stable order."""
-    return tuple(sorted({c for sc in store.service_cidrs.values() for c in sc.cidrs}))
-
-
 async def run_local(
     store: Store,
     *,
@@ -66,40 +61,40 @@ async def run_local(
     Without ``external_ips``, Services' externalIPs are ignored."""
     resolver = NodeResolver(node_name)
     subscription = store.subscribe()
-    first = True
-    sent_node_info: tuple[tuple[str, ...], ...] = ((), (), ())
+    sent_facts: NodeFacts | None = None
+    triggers = NO_TRIGGERS  # of the revisions that changed nothing here, for the next state
     try:
         async for delta in subscription:
             apply_delta(resolver, store, delta, external_ips=external_ips)
             changes = resolver.resolve()
-            node = store.nodes.get(node_name)
-            node_info = (
-                node_ips(node),
-                node.PodCIDRs if node else (),
-                service_cidrs(store) if delta.service_cidrs or first else sent_node_info[2],
-            )
-            if not (changes or first or node_info != sent_node_info):
+            facts = store.node_facts(node_name)
+            triggers = triggers.followed_by(delta.triggers)
+            if not (changes or facts != sent_facts):
                 continue
-            if first and (warning := unknown_node(node_name, store.nodes, all_listed=nodes_listed)):
+            if sent_facts is None and (
+                warning := unknown_node(node_name, store.nodes, all_listed=nodes_listed)
+            ):
                 log.warning("%s", warning)
-            sent_node_info = node_info
-            state = NodeState(
+            if sent_facts is None:
+                # As over the API: a first state is not timed, its triggers predate the backends.
+                triggers = NO_TRIGGERS
+            sent_facts = facts
+            state = NodeState.of(
                 node=node_name,
                 revision=delta.revision,
                 services=resolver.state,
                 updated=frozenset(changes.updated),
                 deleted=changes.deleted,
-                node_ips=node_info[0],
-                pod_cidrs=node_info[1],
-                service_cidrs=node_info[2],
+                facts=facts,
+                triggers=triggers,
             )
+            triggers = NO_TRIGGERS
             log.debug(
                 "revision %d: %d services updated, %d deleted",
                 delta.revision,
                 len(state.updated),
                 len(state.deleted),
             )
-            first = False
             if await backend.apply(state):
                 return
     finally:

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kpng.client import NodeState
 from kpng.feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
+from kpng.model.messages import ChangeTriggers
 from kpng.status.health import Verdict, judge
 from kpng.store import Published, Store
 
@@ -33,7 +35,7 @@ PROGRAMMING_BUCKETS_S = (
 
 LEDGER_LIMIT = 100_000
 """Revisions kept waiting for the backends: past this (backends stuck for that many changes)
-the oldest are forgotten, and with them their network programming times."""
+the oldest are forgotten, and with them their change counts and network programming times."""
 
 
 @runtime_checkable
@@ -94,7 +96,12 @@ class Status:
     started: float = field(default_factory=time.time)
     """Wall time kpng started: older trigger times are not this kpng's to time (as kube-proxy)."""
     _ledger: collections.deque[Published] = field(default_factory=collections.deque)
-    """Revisions not yet applied by every backend, oldest first."""
+    """The store's revisions not yet applied by every backend, oldest first."""
+    _triggered: collections.deque[tuple[int, ChangeTriggers]] = field(
+        default_factory=collections.deque
+    )
+    """The states given to the backends, with the trigger times they carry, that not every
+    backend has applied yet, oldest first: in process and behind a remote brain alike."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The CLI gives the store after building Status; changes are counted from then on.
@@ -104,6 +111,7 @@ class Status:
 
     def track(self, fanout: Fanout) -> Fanout:
         self.fanouts.append(fanout)
+        fanout.listeners.append(self._offered)
         for feeder in fanout.feeders:
             feeder.sync.listeners.append(self._synced)
         return fanout
@@ -123,17 +131,26 @@ class Status:
         if len(self._ledger) > LEDGER_LIMIT:
             self._forget(self._ledger.popleft())
 
+    def _offered(self, state: NodeState) -> None:
+        triggers = state.triggers
+        if triggers.V4 or triggers.V6:
+            self._triggered.append((state.revision, triggers))
+            if len(self._triggered) > LEDGER_LIMIT:
+                self._triggered.popleft()
+
     def _synced(self, _: int, wall: float) -> None:
         """A backend has its rules in place: the revisions every backend now has are done."""
         done = min(sync.revision for sync in self.syncs)
         ledger = self._ledger
         while ledger and ledger[0].revision <= done:
-            published = ledger.popleft()
-            self._forget(published)
-            for v6, triggered in published.triggers:
-                if triggered > self.started:
-                    histogram = self.counters.programming[FAMILIES[v6]]
-                    histogram.observe(max(0.0, wall - triggered))
+            self._forget(ledger.popleft())
+        triggered = self._triggered
+        while triggered and triggered[0][0] <= done:
+            triggers = triggered.popleft()[1]
+            for family, times in zip(FAMILIES, (triggers.V4, triggers.V6), strict=True):
+                for time_ in times:
+                    if time_ > self.started:
+                        self.counters.programming[family].observe(max(0.0, wall - time_))
 
     def _forget(self, published: Published) -> None:
         self.counters.service_changes_pending -= published.services

@@ -21,7 +21,7 @@ from typing import NamedTuple, TypeVar
 import msgspec
 
 from kpng.model.cluster import ServiceCIDR, ServiceKey, Slice, SliceKey
-from kpng.model.messages import Node, Service
+from kpng.model.messages import NO_TRIGGERS, ChangeTriggers, Node, NodeFacts, Service
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,14 @@ class Delta(msgspec.Struct, frozen=True):
     slices: frozenset[SliceKey]
     nodes: frozenset[str]
     service_cidrs: frozenset[str] = frozenset()
+    triggers: ChangeTriggers = NO_TRIGGERS
+    """The trigger times of the EndpointSlice changes since the previous read (at most
+    ``TRIGGER_LIMIT``, the newest), for network programming latency."""
+
+
+TRIGGER_LIMIT = 100_000
+"""Trigger times a subscriber that does not read keeps: past this, the oldest are forgotten
+(and with them their network programming times), so memory stays bounded."""
 
 
 class Published(msgspec.Struct, frozen=True):
@@ -46,9 +54,6 @@ class Published(msgspec.Struct, frozen=True):
     revision: int
     services: int
     slices: int
-    triggers: tuple[tuple[bool, float], ...] = ()
-    """(IPv6, wall time) of each changed EndpointSlice that says when its change was
-    triggered (``Slice.trigger_time``)."""
 
 
 class Subscription:
@@ -60,6 +65,7 @@ class Subscription:
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
         self._service_cidrs: set[str] = set()
+        self._triggers: list[tuple[bool, float]] = []
         self._revision = 0  # the last revision delivered
         self._wakeup = asyncio.Event()
         self._closed = False
@@ -70,11 +76,16 @@ class Subscription:
         slices: set[SliceKey],
         nodes: set[str],
         service_cidrs: set[str],
+        triggers: Sequence[tuple[bool, float]],
     ) -> None:
         self._services |= services
         self._slices |= slices
         self._nodes |= nodes
         self._service_cidrs |= service_cidrs
+        if triggers:
+            self._triggers += triggers
+            if len(self._triggers) > TRIGGER_LIMIT:
+                del self._triggers[: len(self._triggers) - TRIGGER_LIMIT]
         self._wakeup.set()
 
     def close(self) -> None:
@@ -103,7 +114,9 @@ class Subscription:
                     slices=frozenset(self._slices),
                     nodes=frozenset(self._nodes),
                     service_cidrs=frozenset(self._service_cidrs),
+                    triggers=_by_family(self._triggers),
                 )
+                self._triggers = []
                 self._services.clear()
                 self._slices.clear()
                 self._nodes.clear()
@@ -112,6 +125,14 @@ class Subscription:
                 return delta
             self._wakeup.clear()
             await self._wakeup.wait()
+
+
+def _by_family(triggers: Sequence[tuple[bool, float]]) -> ChangeTriggers:
+    if not triggers:
+        return NO_TRIGGERS
+    return ChangeTriggers(
+        V4=tuple(t for v6, t in triggers if not v6), V6=tuple(t for v6, t in triggers if v6)
+    )
 
 
 class SourceCounter(NamedTuple):
@@ -166,13 +187,14 @@ class SourceHandle:
         """Publish the staged changes as one revision; False if nothing really changed."""
         if not (self._services or self._slices or self._nodes or self._service_cidrs):
             return False
-        self._store._publish(self._services, self._slices, self._nodes, self._service_cidrs)
+        self._store._publish(
+            self._services, self._slices, self._nodes, self._service_cidrs, self._triggers
+        )
         if self._store.listeners:
             published = Published(
                 revision=self._store.revision,
                 services=len(self._services),
                 slices=len(self._slices),
-                triggers=tuple(self._triggers),
             )
             for listener in self._store.listeners:
                 listener(published)
@@ -213,6 +235,7 @@ class Store:
         self._slices: dict[SliceKey, Slice] = {}
         self._nodes: dict[str, Node] = {}
         self._service_cidrs: dict[str, ServiceCIDR] = {}
+        self._service_cidr_ranges: tuple[str, ...] | None = ()
         self._sources: list[SourceHandle] = []
         self._subscriptions: set[Subscription] = set()
         self.revision = 0
@@ -236,6 +259,28 @@ class Store:
     @property
     def service_cidrs(self) -> Mapping[str, ServiceCIDR]:
         return self._service_cidrs
+
+    @property
+    def service_cidr_ranges(self) -> tuple[str, ...]:
+        """Every ServiceCIDR's ranges, each once, sorted."""
+        if self._service_cidr_ranges is None:
+            self._service_cidr_ranges = tuple(
+                sorted({c for sc in self._service_cidrs.values() for c in sc.cidrs})
+            )
+        return self._service_cidr_ranges
+
+    def node_facts(self, name: str) -> NodeFacts:
+        """What a backend of node ``name`` reads of it and of the cluster (empty for a node the
+        sources do not know, but the ServiceCIDRs)."""
+        node = self._nodes.get(name)
+        if node is None:
+            return NodeFacts(ServiceCIDRs=self.service_cidr_ranges)
+        return NodeFacts(
+            Addresses=node.Addresses,
+            PodCIDRs=node.PodCIDRs,
+            ServiceCIDRs=self.service_cidr_ranges,
+            Draining=node.Draining,
+        )
 
     @property
     def sources(self) -> Sequence[SourceHandle]:
@@ -263,8 +308,11 @@ class Store:
         slices: set[SliceKey],
         nodes: set[str],
         service_cidrs: set[str],
+        triggers: Sequence[tuple[bool, float]],
     ) -> None:
         self.revision += 1
+        if service_cidrs:
+            self._service_cidr_ranges = None
         log.debug(
             "revision %d: %d services, %d slices, %d nodes, %d service CIDRs changed",
             self.revision,
@@ -274,7 +322,7 @@ class Store:
             len(service_cidrs),
         )
         for sub in self._subscriptions:
-            sub._note(services, slices, nodes, service_cidrs)
+            sub._note(services, slices, nodes, service_cidrs, triggers)
 
     def _source_synced(self, source: SourceHandle) -> None:
         log.info("source %s synced", source.name)

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
@@ -52,15 +54,7 @@ class RecordingBackend:
 
     async def apply(self, state: NodeState) -> bool:
         # `services` is live (it changes after apply returns): keep a copy.
-        self.states.append(
-            NodeState(
-                node=state.node,
-                revision=state.revision,
-                services=dict(state.services),
-                updated=state.updated,
-                deleted=state.deleted,
-            )
-        )
+        self.states.append(msgspec.structs.replace(state, services=dict(state.services)))
         self.applied_at.append(time.monotonic())
         self.changed.set()
         return False

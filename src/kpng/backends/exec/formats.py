@@ -27,7 +27,7 @@ import msgspec
 
 from kpng.backends._jsonlines import StateLines
 from kpng.client import NodeState, SinkBackend
-from kpng.model.messages import Endpoint, Service
+from kpng.model.messages import Endpoint, NodeFacts, Service
 
 _encode = msgspec.json.Encoder().encode
 
@@ -63,6 +63,9 @@ class _OpLines:
 
     def reset(self) -> None:
         self._out.append(b'{"op":"reset","node":%s}\n' % _encode(self.node))
+
+    def set_node(self, facts: NodeFacts) -> None:
+        self._out.append(b'{"op":"set_node","facts":%s}\n' % _encode(facts))
 
     def set_service(self, service: Service) -> None:
         self._out.append(b'{"op":"set_service","service":%s}\n' % _encode(service))

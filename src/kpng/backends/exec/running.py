@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kpng.backends.exec.formats import Format
 from kpng.backends.exec.output import BoundedLineSplitter, LineLimiter
-from kpng.client import Backoff, NodeState, ServiceEndpoints
+from kpng.client import Backoff, NodeFacts, NodeState, ServiceEndpoints
 from kpng.model.cluster import ServiceKey
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ExecBackend:
         # The node's state as last applied: what a newly started program is given.
         self._node = ""
         self._revision = 0
+        self._facts = NodeFacts()
         self._services: dict[ServiceKey, ServiceEndpoints] = {}
         self._updated: set[ServiceKey] = set()
         self._deleted: set[ServiceKey] = set()
@@ -85,7 +86,7 @@ class ExecBackend:
             self._services[key] = state.services[key]
             self._deleted.discard(key)
             self._updated.add(key)
-        self._node, self._revision = state.node, state.revision
+        self._node, self._revision, self._facts = state.node, state.revision, state.facts
         self._applied += 1
         wanted = self._applied
         if self._task is None:
@@ -190,12 +191,13 @@ class ExecBackend:
         deleted = frozenset() if whole else frozenset(self._deleted)
         self._updated.clear()
         self._deleted.clear()
-        return NodeState(
+        return NodeState.of(
             node=self._node,
             revision=self._revision,
             services=self._services,
             updated=updated,
             deleted=deleted,
+            facts=self._facts,
         )
 
     async def _write(self, stdin: asyncio.StreamWriter, data: bytes, revision: int) -> bool:

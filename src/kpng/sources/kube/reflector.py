@@ -35,7 +35,7 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
-from kpng.client import Backoff
+from kpng.backoff import Backoff
 from kpng.model import k8s
 from kpng.sources.kube.client import (
     ApiClient,

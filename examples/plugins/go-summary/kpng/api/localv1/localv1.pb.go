@@ -36,17 +36,25 @@ const (
 	Set_GlobalServiceInfos  Set = 10
 	Set_GlobalEndpointInfos Set = 11
 	Set_GlobalNodeInfos     Set = 12
+	// kpng: the NodeFacts of the watched node, at path "node" (no slash: never a service's path).
+	// Set in a stream's first change set and in every later one where they changed; never deleted.
+	Set_NodeFactsSet Set = 100
+	// kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
+	// any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
+	Set_ChangeTriggersSet Set = 101
 )
 
 // Enum value maps for Set.
 var (
 	Set_name = map[int32]string{
-		0:  "UnknownSet",
-		1:  "ServicesSet",
-		2:  "EndpointsSet",
-		10: "GlobalServiceInfos",
-		11: "GlobalEndpointInfos",
-		12: "GlobalNodeInfos",
+		0:   "UnknownSet",
+		1:   "ServicesSet",
+		2:   "EndpointsSet",
+		10:  "GlobalServiceInfos",
+		11:  "GlobalEndpointInfos",
+		12:  "GlobalNodeInfos",
+		100: "NodeFactsSet",
+		101: "ChangeTriggersSet",
 	}
 	Set_value = map[string]int32{
 		"UnknownSet":          0,
@@ -55,6 +63,8 @@ var (
 		"GlobalServiceInfos":  10,
 		"GlobalEndpointInfos": 11,
 		"GlobalNodeInfos":     12,
+		"NodeFactsSet":        100,
+		"ChangeTriggersSet":   101,
 	}
 )
 
@@ -1273,6 +1283,192 @@ func (x *EndpointScopes) GetCluster() bool {
 	return false
 }
 
+// kpng: what a backend reads of its node and of the cluster besides the services, so that a
+// backend behind a remote brain programs exactly what it programs beside one. All empty while the
+// sources do not know the node.
+type NodeFacts struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// status.addresses, in the API server's order (kube-proxy takes the node's primary IPs from
+	// them: the first InternalIP, else ExternalIP, then the first of the other family).
+	Addresses []*NodeAddress `protobuf:"bytes,1,rep,name=Addresses,proto3" json:"Addresses,omitempty"`
+	// spec.podCIDRs (--detect-local-mode NodeCIDR).
+	PodCIDRs []string `protobuf:"bytes,2,rep,name=PodCIDRs,proto3" json:"PodCIDRs,omitempty"`
+	// Every networking.k8s.io/v1 ServiceCIDR's ranges, each once, sorted: new connections to their
+	// IPs that no service holds are dropped.
+	ServiceCIDRs []string `protobuf:"bytes,3,rep,name=ServiceCIDRs,proto3" json:"ServiceCIDRs,omitempty"`
+	// The node is being deleted, or tainted ToBeDeletedByClusterAutoscaler: its proxy's /healthz
+	// answers 503 so that load balancers drain it (KEP-3836).
+	Draining      bool `protobuf:"varint,4,opt,name=Draining,proto3" json:"Draining,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeFacts) Reset() {
+	*x = NodeFacts{}
+	mi := &file_kpng_api_localv1_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeFacts) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeFacts) ProtoMessage() {}
+
+func (x *NodeFacts) ProtoReflect() protoreflect.Message {
+	mi := &file_kpng_api_localv1_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeFacts.ProtoReflect.Descriptor instead.
+func (*NodeFacts) Descriptor() ([]byte, []int) {
+	return file_kpng_api_localv1_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *NodeFacts) GetAddresses() []*NodeAddress {
+	if x != nil {
+		return x.Addresses
+	}
+	return nil
+}
+
+func (x *NodeFacts) GetPodCIDRs() []string {
+	if x != nil {
+		return x.PodCIDRs
+	}
+	return nil
+}
+
+func (x *NodeFacts) GetServiceCIDRs() []string {
+	if x != nil {
+		return x.ServiceCIDRs
+	}
+	return nil
+}
+
+func (x *NodeFacts) GetDraining() bool {
+	if x != nil {
+		return x.Draining
+	}
+	return false
+}
+
+type NodeAddress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// InternalIP, ExternalIP, Hostname...
+	Type          string `protobuf:"bytes,1,opt,name=Type,proto3" json:"Type,omitempty"`
+	Address       string `protobuf:"bytes,2,opt,name=Address,proto3" json:"Address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeAddress) Reset() {
+	*x = NodeAddress{}
+	mi := &file_kpng_api_localv1_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeAddress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeAddress) ProtoMessage() {}
+
+func (x *NodeAddress) ProtoReflect() protoreflect.Message {
+	mi := &file_kpng_api_localv1_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeAddress.ProtoReflect.Descriptor instead.
+func (*NodeAddress) Descriptor() ([]byte, []int) {
+	return file_kpng_api_localv1_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *NodeAddress) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *NodeAddress) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+// kpng: the last-change-trigger-time of each EndpointSlice change since the previous change set
+// that had one, in seconds since the epoch, by family: network programming latency runs from
+// each to the moment the node's rules are in place.
+type ChangeTriggers struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	V4            []float64              `protobuf:"fixed64,1,rep,packed,name=V4,proto3" json:"V4,omitempty"`
+	V6            []float64              `protobuf:"fixed64,2,rep,packed,name=V6,proto3" json:"V6,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChangeTriggers) Reset() {
+	*x = ChangeTriggers{}
+	mi := &file_kpng_api_localv1_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChangeTriggers) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChangeTriggers) ProtoMessage() {}
+
+func (x *ChangeTriggers) ProtoReflect() protoreflect.Message {
+	mi := &file_kpng_api_localv1_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChangeTriggers.ProtoReflect.Descriptor instead.
+func (*ChangeTriggers) Descriptor() ([]byte, []int) {
+	return file_kpng_api_localv1_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ChangeTriggers) GetV4() []float64 {
+	if x != nil {
+		return x.V4
+	}
+	return nil
+}
+
+func (x *ChangeTriggers) GetV6() []float64 {
+	if x != nil {
+		return x.V6
+	}
+	return nil
+}
+
 var File_kpng_api_localv1_proto protoreflect.FileDescriptor
 
 const file_kpng_api_localv1_proto_rawDesc = "" +
@@ -1366,7 +1562,18 @@ const file_kpng_api_localv1_proto_rawDesc = "" +
 	"\x0eEndpointScopes\x12\x1a\n" +
 	"\bInternal\x18\x01 \x01(\bR\bInternal\x12\x1a\n" +
 	"\bExternal\x18\x02 \x01(\bR\bExternal\x12\x18\n" +
-	"\aCluster\x18d \x01(\bR\aCluster*~\n" +
+	"\aCluster\x18d \x01(\bR\aCluster\"\x9b\x01\n" +
+	"\tNodeFacts\x122\n" +
+	"\tAddresses\x18\x01 \x03(\v2\x14.localv1.NodeAddressR\tAddresses\x12\x1a\n" +
+	"\bPodCIDRs\x18\x02 \x03(\tR\bPodCIDRs\x12\"\n" +
+	"\fServiceCIDRs\x18\x03 \x03(\tR\fServiceCIDRs\x12\x1a\n" +
+	"\bDraining\x18\x04 \x01(\bR\bDraining\";\n" +
+	"\vNodeAddress\x12\x12\n" +
+	"\x04Type\x18\x01 \x01(\tR\x04Type\x12\x18\n" +
+	"\aAddress\x18\x02 \x01(\tR\aAddress\"0\n" +
+	"\x0eChangeTriggers\x12\x0e\n" +
+	"\x02V4\x18\x01 \x03(\x01R\x02V4\x12\x0e\n" +
+	"\x02V6\x18\x02 \x03(\x01R\x02V6*\xa7\x01\n" +
 	"\x03Set\x12\x0e\n" +
 	"\n" +
 	"UnknownSet\x10\x00\x12\x0f\n" +
@@ -1375,7 +1582,9 @@ const file_kpng_api_localv1_proto_rawDesc = "" +
 	"\x12GlobalServiceInfos\x10\n" +
 	"\x12\x17\n" +
 	"\x13GlobalEndpointInfos\x10\v\x12\x13\n" +
-	"\x0fGlobalNodeInfos\x10\f*;\n" +
+	"\x0fGlobalNodeInfos\x10\f\x12\x10\n" +
+	"\fNodeFactsSet\x10d\x12\x15\n" +
+	"\x11ChangeTriggersSet\x10e*;\n" +
 	"\bProtocol\x12\x13\n" +
 	"\x0fUnknownProtocol\x10\x00\x12\a\n" +
 	"\x03TCP\x10\x01\x12\a\n" +
@@ -1397,7 +1606,7 @@ func file_kpng_api_localv1_proto_rawDescGZIP() []byte {
 }
 
 var file_kpng_api_localv1_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kpng_api_localv1_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_kpng_api_localv1_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_kpng_api_localv1_proto_goTypes = []any{
 	(Set)(0),                 // 0: localv1.Set
 	(Protocol)(0),            // 1: localv1.Protocol
@@ -1417,8 +1626,11 @@ var file_kpng_api_localv1_proto_goTypes = []any{
 	(*Endpoint)(nil),         // 15: localv1.Endpoint
 	(*PortName)(nil),         // 16: localv1.PortName
 	(*EndpointScopes)(nil),   // 17: localv1.EndpointScopes
-	nil,                      // 18: localv1.Service.LabelsEntry
-	nil,                      // 19: localv1.Service.AnnotationsEntry
+	(*NodeFacts)(nil),        // 18: localv1.NodeFacts
+	(*NodeAddress)(nil),      // 19: localv1.NodeAddress
+	(*ChangeTriggers)(nil),   // 20: localv1.ChangeTriggers
+	nil,                      // 21: localv1.Service.LabelsEntry
+	nil,                      // 22: localv1.Service.AnnotationsEntry
 }
 var file_kpng_api_localv1_proto_depIdxs = []int32{
 	4,  // 0: localv1.OpItem.Sync:type_name -> localv1.EmptyOp
@@ -1429,8 +1641,8 @@ var file_kpng_api_localv1_proto_depIdxs = []int32{
 	5,  // 5: localv1.Value.Ref:type_name -> localv1.Ref
 	8,  // 6: localv1.Service.IPs:type_name -> localv1.ServiceIPs
 	11, // 7: localv1.Service.Ports:type_name -> localv1.PortMapping
-	18, // 8: localv1.Service.Labels:type_name -> localv1.Service.LabelsEntry
-	19, // 9: localv1.Service.Annotations:type_name -> localv1.Service.AnnotationsEntry
+	21, // 8: localv1.Service.Labels:type_name -> localv1.Service.LabelsEntry
+	22, // 9: localv1.Service.Annotations:type_name -> localv1.Service.AnnotationsEntry
 	10, // 10: localv1.Service.IPFilters:type_name -> localv1.IPFilter
 	14, // 11: localv1.Service.ClientIP:type_name -> localv1.ClientIPAffinity
 	9,  // 12: localv1.ServiceIPs.ClusterIPs:type_name -> localv1.IPSet
@@ -1444,13 +1656,14 @@ var file_kpng_api_localv1_proto_depIdxs = []int32{
 	16, // 20: localv1.Endpoint.PortOverrides:type_name -> localv1.PortName
 	17, // 21: localv1.Endpoint.Scopes:type_name -> localv1.EndpointScopes
 	1,  // 22: localv1.PortName.Protocol:type_name -> localv1.Protocol
-	2,  // 23: localv1.Sets.Watch:input_type -> localv1.WatchReq
-	3,  // 24: localv1.Sets.Watch:output_type -> localv1.OpItem
-	24, // [24:25] is the sub-list for method output_type
-	23, // [23:24] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	19, // 23: localv1.NodeFacts.Addresses:type_name -> localv1.NodeAddress
+	2,  // 24: localv1.Sets.Watch:input_type -> localv1.WatchReq
+	3,  // 25: localv1.Sets.Watch:output_type -> localv1.OpItem
+	25, // [25:26] is the sub-list for method output_type
+	24, // [24:25] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kpng_api_localv1_proto_init() }
@@ -1473,7 +1686,7 @@ func file_kpng_api_localv1_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kpng_api_localv1_proto_rawDesc), len(file_kpng_api_localv1_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   18,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1,0 +1,262 @@
+"""The split: a backend behind a remote brain receives exactly the node state it receives beside
+one. Over real gRPC on a unix socket, through kpng.client's full-state path (what ``kpng local``
+runs), in both payload encodings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+
+from kpng.api import localv1_pb2
+from kpng.client import ChangeTriggers, NodeState, watch_state
+from kpng.client._sinks import FullState
+from kpng.remote.address import Api
+from kpng.remote.watching import LocalOps, _Rpc, follow
+from kpng.server.serving import ListenAddress, Serving, serve
+from kpng.sinks.local import run_local
+from kpng.sources.file import stage
+from kpng.sources.manifests import parse
+from kpng.store import SourceHandle, Store
+from kpng.testing.recording import RecordingBackend
+from kpng.testing.waiting import eventually
+
+T = TypeVar("T")
+NODE = "node-1"
+TRIGGERED = "2026-11-25T10:00:00Z"
+
+CLUSTER = b"""
+apiVersion: v1
+kind: Node
+metadata: {name: node-1, labels: {topology.kubernetes.io/zone: zone-a}}
+spec:
+  podCIDRs: [10.244.1.0/24, "fd00:10:244:1::/64"]
+  taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]
+status:
+  addresses:
+  - {type: Hostname, address: node-1}
+  - {type: InternalIP, address: 192.0.2.11}
+  - {type: InternalIP, address: "fd00:192::11"}
+  - {type: ExternalIP, address: 203.0.113.11}
+---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {name: kubernetes}
+spec: {cidrs: [10.96.0.0/16, "fd00:96::/112"]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10]
+  externalTrafficPolicy: Local
+  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.5], nodeName: node-1}
+- {addresses: [10.244.2.5], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec:
+  clusterIP: 10.96.0.20
+  clusterIPs: [10.96.0.20]
+  ports: [{name: sql, port: 5432, protocol: TCP}]
+"""
+
+CHANGED_SLICE = b"""
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+  annotations: {endpoints.kubernetes.io/last-change-trigger-time: "%s"}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.6], nodeName: node-1}
+""" % TRIGGERED.encode()
+
+MOVED_NODE = b"""
+apiVersion: v1
+kind: Node
+metadata: {name: node-1, labels: {topology.kubernetes.io/zone: zone-a}}
+spec: {podCIDRs: [10.244.9.0/24]}
+status: {addresses: [{type: InternalIP, address: 192.0.2.99}]}
+"""
+
+
+def _epoch(rfc3339: str) -> float:
+    return datetime.datetime.fromisoformat(rfc3339).timestamp()
+
+
+def _run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 60)
+
+    return asyncio.run(bounded())
+
+
+def _stage(handle: SourceHandle, manifest: bytes) -> None:
+    parsed = parse(manifest, filename="test.yaml")
+    assert not parsed.errors, parsed.errors
+    for key, obj in parsed.objects.items():
+        stage(handle, key, obj)
+
+
+def _pb_watch(api: Api, handler: Callable[[NodeState], Any]) -> Awaitable[None]:
+    """Go KPNG's localv1 watch (protobuf payloads, one op per message) into kpng's full-state
+    assembly: what kpng.client falls back to against a server without the batched watch."""
+    rpc = _Rpc(
+        "/localv1.Sets/Watch", localv1_pb2.WatchReq(NodeName=NODE), localv1_pb2.OpItem, False
+    )
+    full = FullState(handler, node=NODE)
+    return follow(
+        api,
+        batched=rpc,
+        compatible=rpc,
+        handle=lambda _: LocalOps(full, json=False, url=api.url, warned=set()),
+    )
+
+
+def _json_watch(api: Api, handler: Callable[[NodeState], Any]) -> Awaitable[None]:
+    """kpng.client's watch_state: the batched watch, JSON payloads."""
+    return watch_state(handler, api=api, node_name=NODE)
+
+
+WATCHES = {"batched-json": _json_watch, "localv1-protobuf": _pb_watch}
+
+
+@contextlib.asynccontextmanager
+async def _serving(store: Store, tmp_path: Path) -> AsyncIterator[Serving]:
+    ready: asyncio.Future[Serving] = asyncio.get_running_loop().create_future()
+    listen = [ListenAddress.parse(f"unix://{tmp_path}/kpng.sock")]
+    task = asyncio.create_task(serve(store, listen=listen, started=ready.set_result))
+    try:
+        yield await asyncio.wait_for(asyncio.shield(ready), 20)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _both_ways(
+    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Awaitable[None]]
+) -> tuple[list[NodeState], list[NodeState]]:
+    """The states a backend beside the brain and one behind it receive, through three changes:
+    the first state, a change of services with a trigger time, and a change of the node alone."""
+    store = Store()
+    handle = store.source("test")
+    _stage(handle, CLUSTER)
+    handle.mark_synced()
+    beside, behind = RecordingBackend(), RecordingBackend()
+    async with _serving(store, tmp_path) as serving:
+        tasks = [
+            asyncio.create_task(run_local(store, node_name=NODE, backend=beside)),
+            asyncio.create_task(watch(Api(serving.addresses[0]), behind.apply)),
+        ]
+        try:
+            for count, change in ((1, None), (2, CHANGED_SLICE), (3, MOVED_NODE)):
+                if change is not None:
+                    _stage(handle, change)
+                    if count == 2:
+                        handle.set_service(("shop", "db"), None)
+                    handle.commit()
+                await eventually(
+                    lambda n=count: len(beside.states) >= n and len(behind.states) >= n,  # type: ignore[misc]
+                    f"state {count} both ways",
+                )
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return beside.states, behind.states
+
+
+@pytest.mark.parametrize("watch", WATCHES.values(), ids=WATCHES.keys())
+def test_every_field_of_the_node_state_is_the_same_behind_the_api(
+    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Awaitable[None]]
+) -> None:
+    """Silent loss is impossible: every NodeState field, present and future, must reach a backend
+    behind the API as it is in process. A field added without its wire form fails here, since
+    the cluster above must make every field differ from its default in some state."""
+    beside, behind = _run(_both_ways(tmp_path, watch))
+    assert len(beside) == len(behind) == 3
+    fields = [f for f in msgspec.structs.fields(NodeState) if f.name != "revision"]
+    for i, (local, remote) in enumerate(zip(beside, behind, strict=True)):
+        for field in fields:
+            here, there = getattr(local, field.name), getattr(remote, field.name)
+            if field.name == "services":
+                here, there = dict(here), dict(there)
+            assert here == there, f"state {i + 1}: {field.name}"
+    # The revision means the brain's revision in process and a count of states behind it: both
+    # only grow.
+    for states in (beside, behind):
+        assert [s.revision for s in states] == sorted({s.revision for s in states})
+    unexercised = [
+        f.name
+        for f in fields
+        if f.default is not msgspec.NODEFAULT
+        and all(getattr(state, f.name) == f.default for state in beside)
+    ]
+    assert not unexercised, f"make these differ from their defaults in a state: {unexercised}"
+
+
+def test_the_node_facts_are_what_the_node_and_the_service_cidrs_say(tmp_path: Path) -> None:
+    """What the backends read, as kube-proxy reads it: primary IPs (the first InternalIP, then
+    the first of the other family), pod CIDRs, ServiceCIDRs, draining; then the node alone
+    changing is a state of its own, with no service in it."""
+    beside, _ = _run(_both_ways(tmp_path, _json_watch))
+    first, changed, moved = beside
+    assert first.node_ips == ("192.0.2.11", "fd00:192::11")
+    assert first.pod_cidrs == ("10.244.1.0/24", "fd00:10:244:1::/64")
+    assert first.service_cidrs == ("10.96.0.0/16", "fd00:96::/112")
+    assert first.draining
+    # its IP addresses, in the API server's order (a host name is no address a rule matches)
+    assert [(a.Type, a.Address) for a in first.node_addresses] == [
+        ("InternalIP", "192.0.2.11"),
+        ("InternalIP", "fd00:192::11"),
+        ("ExternalIP", "203.0.113.11"),
+    ]
+    assert first.triggers == ChangeTriggers()  # a first state is not timed
+    assert changed.updated == {("shop", "web")}
+    assert changed.deleted == {("shop", "db")}
+    assert changed.triggers == ChangeTriggers(V4=(_epoch(TRIGGERED),))
+    assert (moved.updated, moved.deleted) == (frozenset(), frozenset())
+    assert (moved.node_ips, moved.pod_cidrs, moved.draining) == (
+        ("192.0.2.99",),
+        ("10.244.9.0/24",),
+        False,
+    )
+
+
+def test_a_brain_that_sends_no_node_facts_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Go KPNG brain sends services and endpoints only: the backend runs on them, and the log
+    says once what it cannot know."""
+    full_states: list[NodeState] = []
+    full = FullState(full_states.append, node=NODE)
+    warned: set[str] = set()  # what one watch has said, across its reconnections
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # a stream, then another after a reconnection
+            ops = LocalOps(full, json=True, url="go", warned=warned)
+            ops.op("Reset", 0, "", b"")
+            _run(ops.sync())
+    assert caplog.text.count("sends no node facts") == 1
+    assert full_states[0].node_ips == ()
