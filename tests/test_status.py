@@ -12,12 +12,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, NodeState
-from kpng.feeding import Feeder, FeederStats
+from kpng.feeding import Fanout, Feeder, FeederStats
 from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry
@@ -465,3 +466,21 @@ def test_to_api_reports_its_watches(
             client.kill()
             client.wait()
         _stop(server, log)
+
+
+def test_behind_a_remote_brain_a_draining_node_fails_healthz_as_the_brain_says() -> None:
+    """kpng local has no store: what it knows of its node is what the brain's states say."""
+
+    async def scenario() -> list[bool]:
+        status = Status(timeout=60.0)  # no store: kpng local
+        fanout = status.track(Fanout([("to-x", _Flaky())]))
+        seen = [status.node_eligible]
+        for revision, draining in ((1, True), (2, False)):
+            await fanout.apply(
+                msgspec.structs.replace(states.keyed_state(revision, {}), draining=draining)
+            )
+            seen.append(status.node_eligible)
+        await fanout.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, True]

@@ -93,6 +93,9 @@ class Status:
     samplers: list[Callable[[], Iterable[Sample]]] = field(default_factory=list)
     """What other parts (the to-api server) report, read at each scrape."""
     counters: ProxyCounters = field(default_factory=ProxyCounters)
+    draining: bool = False
+    """The node was draining in the last state given to the backends: what ``kpng local``,
+    which has no store, knows of it (from the brain)."""
     started: float = field(default_factory=time.time)
     """Wall time kpng started: older trigger times are not this kpng's to time (as kube-proxy)."""
     _ledger: collections.deque[Published] = field(default_factory=collections.deque)
@@ -132,6 +135,7 @@ class Status:
             self._forget(self._ledger.popleft())
 
     def _offered(self, state: NodeState) -> None:
+        self.draining = state.draining
         triggers = state.triggers
         if triggers.V4 or triggers.V6:
             self._triggered.append((state.revision, triggers))
@@ -180,8 +184,10 @@ class Status:
     def node_eligible(self) -> bool:
         """False while this node is being deleted or about to be (``Node.Draining``), or does
         not exist (as kube-proxy's). Manifests need not list nodes: with none listed, an unknown
-        node is eligible."""
-        if self.store is None or self.node is None:
+        node is eligible. Behind a remote brain (no store), as the brain last said."""
+        if self.store is None:
+            return not self.draining
+        if self.node is None:
             return True
         node = self.store.nodes.get(self.node)
         if node is None:
