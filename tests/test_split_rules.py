@@ -5,6 +5,8 @@ in a network namespace of the test's."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.netns import available
+from kpng.backends.ebpf.toolchain import unavailable as ebpf_unavailable
+from kpng.testing.netns import ClusterSpec, TestBed, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -93,6 +96,13 @@ def _listing(netns: str, command: list[str]) -> str:
     return re.sub(r"\[\d+:\d+\]", "[0:0]", "\n".join(lines))
 
 
+def _map_entries(netns: str, pin: Path) -> list[str]:
+    """A pinned map's entries, in an order of their own (a hash map's is its history's)."""
+    done = _in(netns, "bpftool", "--json", "map", "dump", "pinned", str(pin))
+    assert done.returncode == 0, done.stderr
+    return sorted(json.dumps(entry, sort_keys=True) for entry in json.loads(done.stdout))
+
+
 @pytest.fixture
 def brain(tmp_path: Path) -> Iterator[str]:
     """``kpng file ... to-api`` on a unix socket: its URL."""
@@ -135,3 +145,41 @@ def test_a_backend_programs_the_same_rules_behind_the_api(
     for needed in WHAT_THE_NODE_FACTS_GIVE[backend]:
         assert needed in rules, f"{needed} is not in the rules:\n{rules}"
     assert _listing(behind, listing) == rules
+
+
+@pytest.mark.skipif(bool(ebpf_unavailable()), reason=str(ebpf_unavailable()))
+def test_to_ebpf_programs_the_same_maps_and_rules_behind_the_api(
+    brain: str, tmp_path: Path
+) -> None:
+    """to-ebpf's two parts: the maps its socket programs read (dumped by bpftool from their
+    pins) and its nftables rules for traffic from outside."""
+    with TestBed(ClusterSpec.parse({"beside": [], "behind": []}), sockets=True) as bed:
+        listings = []
+        for name, source in (
+            ("beside", ["file", "--input", str(tmp_path / "cluster.yaml"), "to-local"]),
+            ("behind", ["local", "--api", brain]),
+        ):
+            node = bed.nodes[name]
+            assert node.cgroup is not None
+            assert node.pin_dir is not None
+            flags = ["--cgroup", str(node.cgroup), "--pin-dir", str(node.pin_dir)]
+            done = _in(
+                node.netns, *KPNG, *source, "--node-name", NODE,
+                "to-ebpf", *flags, "--once", "--no-health-check", *KUBE_PROXY_DEFAULTS,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            maps = {
+                pin.name: _map_entries(node.netns, pin)
+                for pin in sorted(node.pin_dir.glob("maps-*/*"))
+            }
+            listings.append((maps, _listing(node.netns, ["nft", "list", "ruleset"])))
+        (maps, rules), (maps_behind, rules_behind) = listings
+        assert maps, "no pinned map"
+        # the node port's frontend on the node's primary IP (a word of its address, as bpftool
+        # prints the key: network order read as a little-endian u32)
+        node_ip = int.from_bytes(ipaddress.IPv4Address("192.0.2.11").packed, "little")
+        frontends = [json.loads(entry)["formatted"]["key"] for entry in maps["kpng_frontends"]]
+        assert any(key["addr"]["w"][3] == node_ip for key in frontends), frontends
+        assert "10.244.1.0/24" in rules
+        assert maps_behind == maps
+        assert rules_behind == rules
