@@ -18,12 +18,15 @@ import pytest
 from kpng.api import localv1_pb2
 from kpng.client import ChangeTriggers, NodeState, watch_state
 from kpng.client._sinks import FullState
+from kpng.feeding import Fanout, Histogram
 from kpng.remote.address import Api
 from kpng.remote.watching import LocalOps, _Rpc, follow
 from kpng.server.serving import ListenAddress, Serving, serve
 from kpng.sinks.local import run_local
 from kpng.sources.file import stage
+from kpng.sources.local import run_remote
 from kpng.sources.manifests import parse
+from kpng.status import Status
 from kpng.store import SourceHandle, Store
 from kpng.testing.recording import RecordingBackend
 from kpng.testing.waiting import eventually
@@ -260,3 +263,38 @@ def test_a_brain_that_sends_no_node_facts_is_reported_once(
             _run(ops.sync())
     assert caplog.text.count("sends no node facts") == 1
     assert full_states[0].node_ips == ()
+
+
+def test_behind_the_api_network_programming_is_timed_from_the_slices_trigger_times(
+    tmp_path: Path,
+) -> None:
+    """kube-proxy's network programming latency on the node that applies the rules, as ``kpng
+    local`` wires it: from an EndpointSlice's trigger time to the backend's sync."""
+
+    async def scenario() -> Histogram:
+        store = Store()
+        handle = store.source("test")
+        _stage(handle, CLUSTER)
+        handle.mark_synced()
+        status = Status(timeout=60.0)  # kpng local's: no store
+        status.started = _epoch(TRIGGERED) - 60
+        recorder = RecordingBackend()
+        fanout = status.track(Fanout([("to-x", recorder)]))
+        async with _serving(store, tmp_path) as serving:
+            api = Api(serving.addresses[0])
+            task = asyncio.create_task(
+                run_remote(api, node_name=NODE, backends=fanout, connect_timeout=20)
+            )
+            try:
+                await eventually(lambda: len(recorder.states) == 1, "the first state")
+                _stage(handle, CHANGED_SLICE)
+                handle.commit()
+                await eventually(lambda: len(recorder.states) == 2, "the changed slice")
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return status.counters.programming["IPv4"]
+
+    programmed = _run(scenario())
+    assert programmed.count == 1
+    assert programmed.sum > 60  # the trigger time is hours before the sync
