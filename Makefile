@@ -49,8 +49,10 @@ compat: $(BIN)/kpng
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
+# SHAPE: how kpng is deployed, daemonset (one process per node) or sidecar (brain and backend).
+SHAPE ?= daemonset
 e2e: $(BIN)/kpng
-	$(BIN)/python -m kpng.testing.e2e --report-dir e2e-results
+	$(BIN)/python -m kpng.testing.e2e --shape $(SHAPE) --report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(BIN)/kpng

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -123,7 +123,7 @@ def _stage(handle: SourceHandle, manifest: bytes) -> None:
         stage(handle, key, obj)
 
 
-def _pb_watch(api: Api, handler: Callable[[NodeState], Any]) -> Awaitable[None]:
+def _pb_watch(api: Api, handler: Callable[[NodeState], Any]) -> Coroutine[Any, Any, None]:
     """Go KPNG's localv1 watch (protobuf payloads, one op per message) into kpng's full-state
     assembly: what kpng.client falls back to against a server without the batched watch."""
     rpc = _Rpc(
@@ -138,7 +138,7 @@ def _pb_watch(api: Api, handler: Callable[[NodeState], Any]) -> Awaitable[None]:
     )
 
 
-def _json_watch(api: Api, handler: Callable[[NodeState], Any]) -> Awaitable[None]:
+def _json_watch(api: Api, handler: Callable[[NodeState], Any]) -> Coroutine[Any, Any, None]:
     """kpng.client's watch_state: the batched watch, JSON payloads."""
     return watch_state(handler, api=api, node_name=NODE)
 
@@ -159,7 +159,7 @@ async def _serving(store: Store, tmp_path: Path) -> AsyncIterator[Serving]:
 
 
 async def _both_ways(
-    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Awaitable[None]]
+    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Coroutine[Any, Any, None]]
 ) -> tuple[list[NodeState], list[NodeState]]:
     """The states a backend beside the brain and one behind it receive, through three changes:
     the first state, a change of services with a trigger time, and a change of the node alone."""
@@ -193,7 +193,7 @@ async def _both_ways(
 
 @pytest.mark.parametrize("watch", WATCHES.values(), ids=WATCHES.keys())
 def test_every_field_of_the_node_state_is_the_same_behind_the_api(
-    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Awaitable[None]]
+    tmp_path: Path, watch: Callable[[Api, Callable[[NodeState], Any]], Coroutine[Any, Any, None]]
 ) -> None:
     """Silent loss is impossible: every NodeState field, present and future, must reach a backend
     behind the API as it is in process. A field added without its wire form fails here, since

@@ -37,13 +37,24 @@ def _deploy_file(name: str) -> str:
     return path.read_text()
 
 
+SHAPES = {"daemonset": "kpng.yaml", "sidecar": "kpng-sidecar.yaml"}
+"""How kpng is deployed, each by its manifest in deploy/: one process per node (``kpng
+kube-proxy``), or a brain and a backend container per node sharing a socket."""
+
+
 def deploy_kpng(
-    cluster: RealCluster, image: str, *, mode: str = "nftables", timeout_s: int = 180
+    cluster: RealCluster,
+    image: str,
+    *,
+    mode: str = "nftables",
+    shape: str = "daemonset",
+    timeout_s: int = 180,
 ) -> None:
-    """deploy/rbac.yaml and deploy/kpng.yaml, applied as the operator would (with kube-proxy's
-    ``mode`` in its configuration); returns once every node's kpng pod is Ready."""
+    """deploy/rbac.yaml and the ``shape``'s manifest, applied as the operator would (with
+    kube-proxy's ``mode`` in the DaemonSet's configuration); returns once every node's kpng pod
+    is Ready."""
     manifest = render(
-        _deploy_file("kpng.yaml"),
+        _deploy_file(SHAPES[shape]),
         {
             "KPNG_API_SERVER": cluster.server,
             "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
@@ -53,10 +64,13 @@ def deploy_kpng(
     # Nodes are network namespaces of one machine, where only the first may size the machine's
     # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
     sized = "      maxPerCore: null\n"
-    assert sized in manifest, "deploy/kpng.yaml no longer sets conntrack.maxPerCore"
+    assert sized in manifest, f"deploy/{SHAPES[shape]} no longer sets conntrack.maxPerCore"
     manifest = manifest.replace(sized, "      maxPerCore: 0\n")
-    assert "    mode: nftables\n" in manifest, "deploy/kpng.yaml no longer says mode: nftables"
-    manifest = manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
+    if shape == "daemonset":
+        assert "    mode: nftables\n" in manifest, "deploy/kpng.yaml no longer says mode: nftables"
+        manifest = manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
+    elif mode != "nftables":
+        raise NodeError(f"the {shape} shape runs to-nft only, not {mode}")
     cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
     cluster.kubectl("apply", "-f", "-", input=manifest)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)

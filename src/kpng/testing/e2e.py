@@ -3,6 +3,7 @@
     python -m kpng.testing.e2e                      # kpng, then kube-proxy: ~15 min each
     python -m kpng.testing.e2e --proxy kpng --focus 'should serve a basic endpoint'
     python -m kpng.testing.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
+    python -m kpng.testing.e2e --shape sidecar      # kpng as a brain and a backend per node
 
 Each run starts a ``RealCluster`` (``kpng.testing.nodes``), imports the locally built images into
 its nodes, deploys the proxy and CoreDNS, runs ``e2e.test`` (built from ``k8s.io/kubernetes``'
@@ -163,16 +164,22 @@ def run_suite(
 
 
 def start_cluster(
-    proxy: str, nodes: int = 2, *, mode: str = "nftables", with_dns: bool = True
+    proxy: str,
+    nodes: int = 2,
+    *,
+    mode: str = "nftables",
+    shape: str = "daemonset",
+    with_dns: bool = True,
 ) -> RealCluster:
     """A started cluster with ``proxy`` (and CoreDNS) deployed and Ready, in kube-proxy's
-    ``mode`` (kpng: to-nft for nftables, to-iptables for iptables)."""
+    ``mode`` (kpng: to-nft for nftables, to-iptables for iptables), kpng in ``shape``
+    (``addons.SHAPES``)."""
     archives = images.node_images(with_kube_proxy=proxy == "kube-proxy")
     cluster = RealCluster(nodes=nodes, images=archives, pause_image=images.pause_reference())
     cluster.start()
     try:
         if proxy == "kpng":
-            addons.deploy_kpng(cluster, images.KPNG_REFERENCE, mode=mode)
+            addons.deploy_kpng(cluster, images.KPNG_REFERENCE, mode=mode, shape=shape)
         else:
             addons.deploy_kube_proxy(cluster, images.kube_proxy_reference(), mode=mode)
         if with_dns:
@@ -231,6 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="nftables",
         help="kube-proxy's proxy mode, in both proxies' configuration",
     )
+    parser.add_argument(
+        "--shape",
+        choices=tuple(addons.SHAPES),
+        default="daemonset",
+        help="how kpng is deployed: one process per node (deploy/kpng.yaml), or a brain and a "
+        "backend container per node (deploy/kpng-sidecar.yaml)",
+    )
     parser.add_argument("--focus", default=PROXY_FOCUS, help="ginkgo focus regexp")
     parser.add_argument("--skip", default=PROXY_SKIP, help="ginkgo skip regexp")
     parser.add_argument("--smoke", action="store_true", help=f"focus on {SMOKE_FOCUS!r}")
@@ -247,15 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     try:
         for proxy in args.proxy or PROXIES:
-            log.info("e2e with %s in %s mode: starting a cluster", proxy, args.mode)
-            cluster = start_cluster(proxy, mode=args.mode)
+            name = f"kpng-{args.shape}" if proxy == "kpng" and args.shape != "daemonset" else proxy
+            log.info("e2e with %s in %s mode: starting a cluster", name, args.mode)
+            cluster = start_cluster(proxy, mode=args.mode, shape=args.shape)
             try:
                 report = run_suite(
                     cluster,
-                    proxy=proxy,
+                    proxy=name,
                     focus=focus,
                     skip=args.skip,
-                    report_dir=args.report_dir / proxy,
+                    report_dir=args.report_dir / name,
                     timeout_s=args.timeout,
                     procs=args.procs,
                 )
@@ -270,8 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.report_dir / "summary.md").write_text(table)
     print(table)
     by_proxy = {r.proxy: r for r in reports}
-    if "kpng" in by_proxy and "kube-proxy" in by_proxy:
-        missing = regressions(by_proxy["kpng"], by_proxy["kube-proxy"])
+    kpng = next((r for r in reports if r.proxy.startswith("kpng")), None)
+    if kpng is not None and "kube-proxy" in by_proxy:
+        missing = regressions(kpng, by_proxy["kube-proxy"])
         for name in missing:
             print(f"kube-proxy passes, kpng does not: {name}")
         return 1 if missing else 0
