@@ -49,7 +49,8 @@ compat: $(BIN)/kpng
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
-# SHAPE: how kpng is deployed, daemonset (one process per node) or sidecar (brain and backend).
+# SHAPE: how kpng is deployed: daemonset (one process per node), sidecar (a brain and a backend
+# per node) or central (brains in a Deployment, a backend per node).
 SHAPE ?= daemonset
 e2e: $(BIN)/kpng
 	$(BIN)/python -m kpng.testing.e2e --shape $(SHAPE) --report-dir e2e-results

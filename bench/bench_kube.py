@@ -154,8 +154,8 @@ def _timed_process(argv: list[str]) -> tuple[float, float]:
 
 def baseline(kubeconfig: Path, decode: bool) -> None:
     """List the three collections as kpng does, and nothing else."""
-    from kpng.sources.kube.client import ApiClient
-    from kpng.sources.kube.config import load_connection
+    from kpng.kubeclient.client import ApiClient
+    from kpng.kubeclient.config import load_connection
 
     async def main() -> None:
         connection = await load_connection(kubeconfig)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.sources.kube.config import (
+from kpng.kubeclient.config import (
     Connection,
     files_stamp,
     load_connection,
@@ -71,7 +71,7 @@ def test_certificate_files_are_reloaded_when_they_change(
     connection.refresh_client_certificate()
     assert connection.ssl_context is first  # unchanged files: nothing loaded
 
-    caplog.set_level(logging.INFO, logger="kpng.sources.kube.config")
+    caplog.set_level(logging.INFO, logger="kpng.kubeclient.config")
     fresh = issue_client_cert(pki)
     _replace(cert, fresh.cert_pem)  # the key not yet: they do not match
     connection.refresh_client_certificate()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kpng.sources.kube.config import KubeConfigError, PlainSettings, _in_cluster, plain_kubeconfig
+from kpng.kubeclient.config import KubeConfigError, PlainSettings, _in_cluster, plain_kubeconfig
 
 CA = "-----BEGIN CERTIFICATE-----\nnot checked here\n-----END CERTIFICATE-----\n"
 
@@ -116,7 +116,7 @@ def test_a_plain_kubeconfig_is_loaded_without_importing_kubernetes_asyncio(tmp_p
     script = (
         "import asyncio, sys\n"
         "from pathlib import Path\n"
-        "from kpng.sources.kube.config import load_connection\n"
+        "from kpng.kubeclient.config import load_connection\n"
         f"c = asyncio.run(load_connection(Path({path!r})))\n"
         "print(c.server, 'kubernetes_asyncio' in sys.modules)\n"
     )

@@ -17,12 +17,12 @@ import msgspec
 import pytest
 from kubernetes_asyncio.client import Configuration
 
+from kpng.kubeclient.client import ApiClient, StreamIdle, WatchLineSplitter
+from kpng.kubeclient.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.model import k8s
 from kpng.model.cluster import Slice
 from kpng.model.converting import service_from_k8s
 from kpng.model.messages import Service
-from kpng.sources.kube.client import ApiClient, StreamIdle, WatchLineSplitter
-from kpng.sources.kube.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.sources.kube.reflector import (
     BackoffPolicy,
     Gone,

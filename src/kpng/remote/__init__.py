@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None
     parser.add_argument(
         "--api",
         default=DEFAULT_API,
-        metavar="URL",
-        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API})",
+        metavar="URL[,URL...]",
+        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API}); "
+        "several, comma-separated: replicas of one brain, each tried in turn when one fails",
     )
     parser.add_argument("--node-name", required=True, help="the node whose state to receive")
     if once:
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None
     )
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate")
     parser.add_argument("--tls-key", type=Path, metavar="FILE", help="client key")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="send this token to the server (authorization: Bearer), read again at each "
+        "connection: a projected ServiceAccount token, for a brain run with --token-audience",
+    )
 
 
 def seconds(value: str) -> float:
@@ -59,4 +67,4 @@ def api_from_args(args: argparse.Namespace) -> Api:
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key:
         tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-    return Api(args.api, tls=tls).check()
+    return Api.parse(args.api, tls=tls, token_file=args.token_file).check()

@@ -6,9 +6,10 @@ name a server (parsing ``--api``) or never connect (``kpng file ... to-local``) 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kpng.addresses import check_grpc_url
 
@@ -36,10 +37,31 @@ class ClientTls:
 
 @dataclass(frozen=True)
 class Api:
-    """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``."""
+    """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``; with
+    ``fallbacks``, other servers of the same state (replicas of a brain), tried in turn when
+    one fails. ``token_file``: a token sent to the server as ``authorization: Bearer``, read
+    again at each connection (projected tokens rotate)."""
 
     url: str
     tls: ClientTls | None = None
+    fallbacks: tuple[str, ...] = ()
+    token_file: Path | None = None
+
+    @classmethod
+    def parse(cls, urls: str, **kwargs: Any) -> Api:
+        """``URL[,URL...]``: the first, then its fallbacks."""
+        first, *rest = [u.strip() for u in urls.split(",") if u.strip()] or [""]
+        return cls(first, fallbacks=tuple(rest), **kwargs)
+
+    def replicas(self) -> list[Api]:
+        """This server and each fallback, as servers of their own."""
+        return [self, *(dataclasses.replace(self, url=u, fallbacks=()) for u in self.fallbacks)]
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a call sends: the token, if any (read now)."""
+        if self.token_file is None:
+            return ()
+        return (("authorization", f"Bearer {self.token_file.read_text().strip()}"),)
 
     @property
     def grpc_target(self) -> str:
@@ -49,7 +71,8 @@ class Api:
 
     def check(self) -> Api:
         """This address, if it names a kpng server; else a UsageError saying what would."""
-        check_grpc_url(self.url, flag="--api")
+        for url in (self.url, *self.fallbacks):
+            check_grpc_url(url, flag="--api")
         return self
 
     def channel(self) -> grpc.aio.Channel:

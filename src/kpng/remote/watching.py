@@ -41,7 +41,11 @@ class _Rpc:
 
 
 async def _follow_once(
-    channel: grpc.aio.Channel, rpc: _Rpc, handle: OpHandler, warned: set[str] | None = None
+    channel: grpc.aio.Channel,
+    rpc: _Rpc,
+    handle: OpHandler,
+    warned: set[str] | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> bool:
     """One stream, until it breaks (False) or the handler asks to stop (True). The server's
     warnings (a node it does not know) are logged, each once in ``warned``."""
@@ -49,7 +53,7 @@ async def _follow_once(
         rpc.path,
         request_serializer=type(rpc.request).SerializeToString,
         response_deserializer=rpc.response.FromString,
-    )()  # type: ignore[call-arg]  # aio: the call is written to, not given an iterator
+    )(metadata=metadata or None)  # type: ignore[call-arg]  # aio: written to, not iterated
     try:
         await call.write(rpc.request)
         on_op = handle.op
@@ -121,21 +125,30 @@ async def _reconnecting(
 ) -> None:
     batched = rpc
     warned: set[str] = set()
+    replicas = api.replicas()
+    turn = 0
     while True:
+        server = replicas[turn % len(replicas)]
         try:
-            async with api.channel() as channel:
+            metadata = server.metadata()
+            async with server.channel() as channel:
                 handler = _Resetting(backoff, outage, handle(rpc is batched), deadline)
-                if await _follow_once(channel, rpc, handler, warned):
+                if await _follow_once(channel, rpc, handler, warned, metadata):
                     return
-            outage.failed("the stream ended")
+            outage.failed(f"{server.url}: the stream ended")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and rpc is batched:
-                log.info("%s has no batched watch; using %s", api.url, compatible.path)
+                log.info("%s has no batched watch; using %s", server.url, compatible.path)
                 rpc = compatible
                 continue
-            outage.failed(f"{exc.code().name}: {exc.details()}")
+            outage.failed(f"{server.url}: {exc.code().name}: {exc.details()}")
+        except OSError as exc:
+            outage.failed(f"token file {server.token_file}: {exc.strerror or exc}")
+        # The next replica, if any: a state it serves is the same, so nothing changes on the
+        # node but what changed meanwhile (the full-state client compares; Sinks see no reset).
+        turn += 1
         delay = await backoff.wait()
-        log.debug("reconnecting to %s after %.2fs", api.url, delay)
+        log.debug("reconnecting to %s after %.2fs", replicas[turn % len(replicas)].url, delay)
 
 
 class NoStateError(KpngError):

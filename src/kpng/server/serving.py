@@ -28,6 +28,7 @@ from kpng.model.cluster import unknown_node
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
 from kpng.model.paths import NODE_FACTS_PATH, TRIGGERS_PATH
 from kpng.resolver.resolving import NodeView
+from kpng.server.auth import Refused, WatchAuth
 from kpng.server.changesets import FirstOps, GlobalTracker, local_ops
 from kpng.server.hub import Hub, PayloadCache
 from kpng.store import Store
@@ -147,13 +148,16 @@ class WatchStats:
     global_watches: int = 0
     local_change_sets: int = 0
     global_change_sets: int = 0
+    refused: int = 0
+    """Watches refused: no valid token, or a token asking for what is not its own."""
 
 
 class WatchServer:
     """The three watch services over one Hub."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, auth: WatchAuth | None = None) -> None:
         self.store = store
+        self.auth = auth
         self.hub = Hub(store)
         self.stats = WatchStats()
         self._warned: set[str] = set()
@@ -176,6 +180,7 @@ class WatchServer:
             async for request in requests:
                 first = view is None or view.node_name != request.NodeName
                 if first:
+                    await self._authorize(context, node=request.NodeName)
                     if view is not None:
                         view.close()
                     view = self.hub.cluster.view(request.NodeName)
@@ -213,6 +218,19 @@ class WatchServer:
             if view is not None:
                 view.close()
 
+    async def _authorize(self, context: Any, *, node: str | None) -> None:
+        """Abort the stream unless its token may watch ``node`` (None: the global state)."""
+        if self.auth is None:
+            return
+        try:
+            await self.auth.check(context.invocation_metadata() or (), node=node)
+        except Refused as exc:
+            self.stats.refused += 1
+            log.warning("refused a watch from %s: %s", context.peer(), exc)
+            code = grpc.StatusCode.UNAUTHENTICATED
+            await context.abort(code if exc.unauthenticated else grpc.StatusCode.PERMISSION_DENIED,
+                                str(exc))  # fmt: skip
+
     async def _warn(self, context: Any, node_name: str, warning: str, *, tell: bool) -> None:
         """Log an unknown node once per name; ``tell`` the watcher too, in the initial metadata
         (the warning channel of Kubernetes' API, as HTTP headers are there): only possible
@@ -249,8 +267,9 @@ class WatchServer:
     # --- global watches
 
     async def _global_changesets(
-        self, requests: AsyncIterator[Any], encoding: Callable[[Any], int]
+        self, requests: AsyncIterator[Any], encoding: Callable[[Any], int], context: Any
     ) -> AsyncIterator[list[bytes]]:
+        await self._authorize(context, node=None)
         subscription = self.store.subscribe()
         tracker: GlobalTracker | None = None
         self.stats.global_watches += 1
@@ -287,7 +306,7 @@ class WatchServer:
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context)
-        async for ops in self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF):
+        async for ops in self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF, context):
             for op in ops:
                 yield op
 
@@ -295,7 +314,7 @@ class WatchServer:
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context)
-        async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding)):
+        async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding), context):
             for batch in _batches(ops):
                 yield batch
 
@@ -333,11 +352,12 @@ async def serve(
     listen: list[ListenAddress],
     tls: TlsFiles | None = None,
     socket_mode: int = 0o600,
+    auth: WatchAuth | None = None,
     started: Callable[[Serving], None] | None = None,
 ) -> None:
-    """Serve the watches until cancelled. ``started`` is called once listening, with the bound
-    addresses (ports resolved)."""
-    watch = WatchServer(store)
+    """Serve the watches until cancelled, to the watchers ``auth`` allows (None: any).
+    ``started`` is called once listening, with the bound addresses (ports resolved)."""
+    watch = WatchServer(store, auth=auth)
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", 64 << 20),

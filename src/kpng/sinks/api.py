@@ -32,6 +32,34 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-ca", type=Path, metavar="FILE", help="require client certificates signed by this CA"
     )
     parser.add_argument(
+        "--token-audience",
+        metavar="AUDIENCE",
+        help="require a ServiceAccount token with this audience from every watcher, as gRPC "
+        "metadata 'authorization: Bearer TOKEN', reviewed by the API server (TokenReview): a "
+        "node agent may watch only the node its pod runs on (needs TLS on TCP)",
+    )
+    parser.add_argument(
+        "--node-user",
+        action="append",
+        metavar="USER",
+        help="with --token-audience: who may watch its own node's state (repeatable; default "
+        f"{DEFAULT_NODE_USER})",
+    )
+    parser.add_argument(
+        "--global-user",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="with --token-audience: who may watch the global state (repeatable; default: nobody)",
+    )
+    parser.add_argument(
+        "--review-kubeconfig",
+        type=Path,
+        metavar="PATH",
+        help="with --token-audience: the API server that reviews tokens (default: $KUBECONFIG, "
+        "then the in-cluster service account, then ~/.kube/config)",
+    )
+    parser.add_argument(
         "--socket-mode",
         type=lambda s: int(s, 8),
         default=0o600,
@@ -54,13 +82,50 @@ def _create(
         tls = serving.TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
     elif args.tls_ca:
         raise UsageError("--tls-ca needs --tls-cert and --tls-key")
+    if args.token_audience is None:
+        if args.node_user or args.global_user or args.review_kubeconfig:
+            raise UsageError(
+                "--node-user, --global-user and --review-kubeconfig need --token-audience"
+            )
+    elif tls is None and any(address.unix_path is None for address in listen):
+        raise UsageError(
+            "--token-audience on TCP needs --tls-cert and --tls-key: tokens are secrets"
+        )
 
     def started(server: serving.Serving) -> None:
         status.samplers.append(functools.partial(_samples, server.watch.stats))
 
-    return lambda: serving.serve(
-        store, listen=listen, tls=tls, socket_mode=args.socket_mode, started=started
-    )
+    async def run() -> None:
+        if args.token_audience is None:
+            await serving.serve(
+                store, listen=listen, tls=tls, socket_mode=args.socket_mode, started=started
+            )
+            return
+        from kpng.kubeclient.client import ApiClient
+        from kpng.kubeclient.config import load_connection
+        from kpng.server.auth import TokenReviews, WatchAuth
+
+        connection = await load_connection(args.review_kubeconfig)
+        async with ApiClient(connection) as client:
+            auth = WatchAuth(
+                TokenReviews(client, audience=args.token_audience),
+                node_users=frozenset(args.node_user or [DEFAULT_NODE_USER]),
+                global_users=frozenset(args.global_user),
+            )
+            await serving.serve(
+                store,
+                listen=listen,
+                tls=tls,
+                socket_mode=args.socket_mode,
+                auth=auth,
+                started=started,
+            )
+
+    return run
+
+
+DEFAULT_NODE_USER = "system:serviceaccount:kube-system:kpng-node"
+"""deploy/kpng-central.yaml's node agents."""
 
 
 def _samples(stats: WatchStats) -> Iterator[Sample]:
@@ -79,6 +144,12 @@ def _samples(stats: WatchStats) -> Iterator[Sample]:
             counter=True,
             labels=labels,
         )
+    yield Sample(
+        "kpng_api_watches_refused",
+        "watches refused: no valid token, or a token asking for another node's state",
+        stats.refused,
+        counter=True,
+    )
 
 
 SPEC = SinkSpec(

@@ -37,9 +37,12 @@ def _deploy_file(name: str) -> str:
     return path.read_text()
 
 
-SHAPES = {"daemonset": "kpng.yaml", "sidecar": "kpng-sidecar.yaml"}
+SHAPES = {"daemonset": "kpng.yaml", "sidecar": "kpng-sidecar.yaml", "central": "kpng-central.yaml"}
 """How kpng is deployed, each by its manifest in deploy/: one process per node (``kpng
-kube-proxy``), or a brain and a backend container per node sharing a socket."""
+kube-proxy``), a brain and a backend container per node sharing a socket, or a Deployment of
+brains serving a backend on every node."""
+
+BRAIN_PORT = 12090
 
 
 def deploy_kpng(
@@ -53,14 +56,14 @@ def deploy_kpng(
     """deploy/rbac.yaml and the ``shape``'s manifest, applied as the operator would (with
     kube-proxy's ``mode`` in the DaemonSet's configuration); returns once every node's kpng pod
     is Ready."""
-    manifest = render(
-        _deploy_file(SHAPES[shape]),
-        {
-            "KPNG_API_SERVER": cluster.server,
-            "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
-            "KPNG_IMAGE": image,
-        },
-    )
+    values = {
+        "KPNG_API_SERVER": cluster.server,
+        "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
+        "KPNG_IMAGE": image,
+    }
+    if shape == "central":
+        values["KPNG_BRAINS"] = _prepare_brains(cluster)
+    manifest = render(_deploy_file(SHAPES[shape]), values)
     # Nodes are network namespaces of one machine, where only the first may size the machine's
     # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
     sized = "      maxPerCore: null\n"
@@ -73,7 +76,35 @@ def deploy_kpng(
         raise NodeError(f"the {shape} shape runs to-nft only, not {mode}")
     cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
     cluster.kubectl("apply", "-f", "-", input=manifest)
+    if shape == "central":
+        wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)
+
+
+def _prepare_brains(cluster: RealCluster) -> str:
+    """deploy/kpng-central.yaml's steps 1 and 2, as its header tells an operator: every node
+    labelled to run a brain, a serving certificate for their addresses (from a CA of the test's)
+    in a Secret, the CA in a ConfigMap. Returns ``KPNG_BRAINS``."""
+    from kpng.testing.cluster import make_pki
+
+    for node in cluster.nodes:
+        cluster.kubectl("label", "--overwrite", "node", node.name, "kpng.io/brain=true")
+    directory = cluster.workdir / "kpng-brain-pki"
+    directory.mkdir(exist_ok=True)
+    pki = make_pki(directory, [node.ip for node in cluster.nodes])
+    cluster.kubectl(
+        "-n", "kube-system", "create", "secret", "tls", "kpng-brain-tls",
+        f"--cert={pki.serving_cert}", f"--key={pki.serving_key}",
+    )  # fmt: skip
+    cluster.kubectl(
+        "-n",
+        "kube-system",
+        "create",
+        "configmap",
+        "kpng-brain-ca",
+        f"--from-file=ca.crt={pki.ca_cert}",
+    )
+    return ",".join(f"tcp://{node.ip}:{BRAIN_PORT}" for node in cluster.nodes)
 
 
 def wait_rollout(cluster: RealCluster, workload: str, timeout_s: int) -> None:

@@ -4,6 +4,7 @@
     python -m kpng.testing.e2e --proxy kpng --focus 'should serve a basic endpoint'
     python -m kpng.testing.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
     python -m kpng.testing.e2e --shape sidecar      # kpng as a brain and a backend per node
+    python -m kpng.testing.e2e --shape central      # kpng's brains in a Deployment
 
 Each run starts a ``RealCluster`` (``kpng.testing.nodes``), imports the locally built images into
 its nodes, deploys the proxy and CoreDNS, runs ``e2e.test`` (built from ``k8s.io/kubernetes``'
@@ -242,8 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shape",
         choices=tuple(addons.SHAPES),
         default="daemonset",
-        help="how kpng is deployed: one process per node (deploy/kpng.yaml), or a brain and a "
-        "backend container per node (deploy/kpng-sidecar.yaml)",
+        help="how kpng is deployed: one process per node (deploy/kpng.yaml), a brain and a "
+        "backend container per node (deploy/kpng-sidecar.yaml), or brains in a Deployment "
+        "serving a backend on every node (deploy/kpng-central.yaml)",
     )
     parser.add_argument("--focus", default=PROXY_FOCUS, help="ginkgo focus regexp")
     parser.add_argument("--skip", default=PROXY_SKIP, help="ginkgo skip regexp")

@@ -36,14 +36,14 @@ from typing import Generic, Protocol, TypeVar
 import msgspec
 
 from kpng.backoff import Backoff
-from kpng.model import k8s
-from kpng.sources.kube.client import (
+from kpng.kubeclient.client import (
     ApiClient,
     ApiStatus,
     ApiStatusError,
     StreamIdle,
     TransportError,
 )
+from kpng.model import k8s
 from kpng.store import SourceCounter
 
 log = logging.getLogger(__name__)

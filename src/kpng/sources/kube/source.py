@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from kpng.errors import InvalidObject, KpngError
+from kpng.kubeclient.client import ApiClient
+from kpng.kubeclient.config import Connection, load_connection
 from kpng.model import k8s
 from kpng.model.cluster import ServiceCIDR, Slice, SliceKey
 from kpng.model.converting import (
@@ -23,8 +25,6 @@ from kpng.model.converting import (
     slice_from_k8s,
 )
 from kpng.model.messages import Node, Service
-from kpng.sources.kube.client import ApiClient
-from kpng.sources.kube.config import Connection, load_connection
 from kpng.sources.kube.reflector import Key, KubeObject, Reflector, ReflectorSettings, Resource
 from kpng.store import SourceHandle, Store
 

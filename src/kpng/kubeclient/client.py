@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from kpng.sources.kube.config import Connection
+from kpng.kubeclient.config import Connection
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,30 @@ class ApiClient:
                     self._note_status(response.status)
                     raise _status_error(response.status, body)
                 return body
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise TransportError(self._describe(exc)) from exc
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        """The body of a successful POST of a JSON ``body`` (a create: 200 or 201); raises
+        ApiStatusError or TransportError."""
+        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
+        try:
+            async with (
+                self._request() as (session, headers),
+                session.http.post(
+                    self.connection.server + path,
+                    data=body,
+                    headers={**headers, "Content-Type": "application/json"},
+                    timeout=timeout,
+                    proxy=self.connection.proxy,
+                    server_hostname=self.connection.tls_server_name,
+                ) as response,
+            ):
+                answer = await response.read()
+                if response.status not in (200, 201):
+                    self._note_status(response.status)
+                    raise _status_error(response.status, answer)
+                return answer
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise TransportError(self._describe(exc)) from exc
 
