@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from kpng.api import localv1_pb2
-from kpng.client import ChangeTriggers, NodeState, watch_state
+from kpng.client import Backoff, ChangeTriggers, NodeState, watch_state
 from kpng.client._sinks import FullState
 from kpng.feeding import Fanout, Histogram
 from kpng.remote.address import Api
@@ -298,3 +298,44 @@ def test_behind_the_api_network_programming_is_timed_from_the_slices_trigger_tim
     programmed = _run(scenario())
     assert programmed.count == 1
     assert programmed.sum > 60  # the trigger time is hours before the sync
+
+
+def test_a_node_moves_to_another_replica_and_nothing_changes_on_it(tmp_path: Path) -> None:
+    """Two brains of one cluster: the replica a node watches goes away, the node's client moves
+    to the other, and the backend is handed nothing (no reset, no rewrite) until the cluster
+    really changes, which then comes from the other replica."""
+
+    async def scenario() -> list[NodeState]:
+        store = Store()
+        handle = store.source("test")
+        _stage(handle, CLUSTER)
+        handle.mark_synced()
+        recorder = RecordingBackend()
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        async with _serving(store, tmp_path / "b") as second:
+            first = _serving(store, tmp_path / "a")
+            serving = await first.__aenter__()
+            api = Api.parse(f"{serving.addresses[0]},{second.addresses[0]}")
+            fast = Backoff(initial=0.05, maximum=0.2)
+            task = asyncio.create_task(
+                watch_state(recorder.apply, api=api, node_name=NODE, backoff=fast)
+            )
+            try:
+                await eventually(lambda: len(recorder.states) == 1, "the first state")
+                await first.__aexit__(None, None, None)  # the first replica goes away
+                await eventually(
+                    lambda: second.watch.stats.local_watches == 1, "a watch of the second"
+                )
+                assert len(recorder.states) == 1
+                handle.set_service(("shop", "db"), None)
+                handle.commit()
+                await eventually(lambda: len(recorder.states) == 2, "the change")
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return recorder.states
+
+    _, changed = _run(scenario())
+    assert changed.deleted == {("shop", "db")}
+    assert changed.updated == frozenset()
