@@ -339,3 +339,37 @@ def test_a_node_moves_to_another_replica_and_nothing_changes_on_it(tmp_path: Pat
     _, changed = _run(scenario())
     assert changed.deleted == {("shop", "db")}
     assert changed.updated == frozenset()
+
+
+def test_while_the_brain_is_away_the_node_stays_healthy_and_live(tmp_path: Path) -> None:
+    """The README's decision: with no brain, the node's rules stay in force and nothing is
+    pending, so /healthz and /livez keep answering 200, as kube-proxy's do while its API server
+    is away; the load balancers keep sending traffic to a node that still serves it."""
+
+    async def scenario() -> list[tuple[bool, bool]]:
+        store = Store()
+        handle = store.source("test")
+        _stage(handle, CLUSTER.replace(b"taints:", b"oldTaints:"))  # not draining
+        handle.mark_synced()
+        status = Status(timeout=0.5)  # a change may wait half a second
+        recorder = RecordingBackend()
+        fanout = status.track(Fanout([("to-x", recorder)]))
+        brain = _serving(store, tmp_path)
+        serving = await brain.__aenter__()
+        task = asyncio.create_task(
+            run_remote(
+                Api(serving.addresses[0]), node_name=NODE, backends=fanout, connect_timeout=20
+            )
+        )
+        try:
+            await eventually(lambda: len(recorder.states) == 1, "the first state")
+            verdicts = [(status.verdict().healthy, status.verdict().live)]
+            await brain.__aexit__(None, None, None)
+            await asyncio.sleep(1.5)  # three times the healthz timeout
+            verdicts.append((status.verdict().healthy, status.verdict().live))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return verdicts
+
+    assert _run(scenario()) == [(True, True), (True, True)]
