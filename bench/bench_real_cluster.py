@@ -10,6 +10,11 @@ endpoints once the EndpointSlice controller publishes them. sig-scalability's ne
 programming latency SLO measures that last part.
 
     sudo .venv/bin/python bench/bench_real_cluster.py [--runs 10] [--proxy kpng --proxy kube-proxy]
+        [--shape daemonset --shape sidecar --shape central]
+
+With several ``--shape``, kpng is measured in each (``kpng.testing.addons.SHAPES``), one after
+the other. For each, the API server's own metrics say how many watches of EndpointSlices it
+holds, and how many bytes of EndpointSlice watch events it sent per run.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kpng.testing import e2e, images
+from kpng.testing import addons, e2e, images
 from kpng.testing import kubeapi as k
 from kpng.testing.nodes import RealCluster
 
@@ -78,18 +83,35 @@ def one_run(cluster: RealCluster, index: int) -> float:
     return latency
 
 
-def measure(proxy: str, runs: int) -> list[float]:
-    cluster = e2e.start_cluster(proxy, with_dns=False)
+def slice_watch_figures(cluster: RealCluster) -> tuple[float, float]:
+    """(EndpointSlice watches the API server holds now, bytes of EndpointSlice watch events it
+    has sent so far), from its /metrics."""
+    watches = sent = 0.0
+    for line in cluster.kubectl("get", "--raw", "/metrics").splitlines():
+        if line.startswith("#") or "endpointslice" not in line.lower():
+            continue
+        if line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
+            watches += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("apiserver_watch_events_sizes_sum{"):
+            sent += float(line.rsplit(" ", 1)[1])
+    return watches, sent
+
+
+def measure(proxy: str, runs: int, shape: str = "daemonset") -> tuple[list[float], float, float]:
+    """Latencies, EndpointSlice watches held, and slice watch bytes sent per run."""
+    cluster = e2e.start_cluster(proxy, with_dns=False, shape=shape)
     try:
         image = images.agnhost_reference()
         cluster.apply(k.pod("bench-client", "default", image, ["pause"], node="node-1"))
         cluster.kubectl("wait", "--for=condition=Ready", "pod/bench-client", "--timeout=120s")
+        watches, sent_before = slice_watch_figures(cluster)
         latencies = []
         for i in range(runs):
             latency = one_run(cluster, i)
-            print(f"  {proxy} run {i + 1}: {latency:.2f} s", flush=True)
+            print(f"  {proxy} ({shape}) run {i + 1}: {latency:.2f} s", flush=True)
             latencies.append(latency)
-        return latencies
+        _, sent_after = slice_watch_figures(cluster)
+        return latencies, watches, (sent_after - sent_before) / runs
     finally:
         cluster.stop()
 
@@ -98,19 +120,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--proxy", choices=e2e.PROXIES, action="append")
+    parser.add_argument("--shape", choices=tuple(addons.SHAPES), action="append")
     args = parser.parse_args(argv)
     results = {}
     for proxy in args.proxy or e2e.PROXIES:
-        print(f"{proxy}: Deployment of {REPLICAS} pods → first connection through the ClusterIP")
-        results[proxy] = measure(proxy, args.runs)
-    print("\n| proxy | median | min | max | runs |\n|---|---|---|---|---|")
-    for proxy, latencies in results.items():
+        for shape in (args.shape or ["daemonset"]) if proxy == "kpng" else ["daemonset"]:
+            name = proxy if shape == "daemonset" else f"{proxy} ({shape})"
+            print(f"{name}: Deployment of {REPLICAS} pods → first connection through the ClusterIP")
+            results[name] = measure(proxy, args.runs, shape)
+    print(
+        "\n| proxy | median | min | max | runs | EndpointSlice watches | slice watch bytes / run |"
+        "\n|---|---|---|---|---|---|---|"
+    )
+    for name, (latencies, watches, sent) in results.items():
         print(
-            f"| {proxy} | {statistics.median(latencies):.2f} s | {min(latencies):.2f} s "
-            f"| {max(latencies):.2f} s | {len(latencies)} |"
+            f"| {name} | {statistics.median(latencies):.2f} s | {min(latencies):.2f} s "
+            f"| {max(latencies):.2f} s | {len(latencies)} | {watches:.0f} | {sent:,.0f} |"
         )
-    if len(results) == 2:
-        kpng, baseline = (statistics.median(results[p]) for p in e2e.PROXIES)
+    if set(e2e.PROXIES) <= set(results):
+        kpng, baseline = (statistics.median(results[p][0]) for p in e2e.PROXIES)
         print(f"\nkpng / kube-proxy (medians): {kpng / baseline:.2f}")
     return 0
 

@@ -6,6 +6,7 @@ The CI smoke part of the real-cluster work; upstream's e2e suite runs with ``mak
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -30,12 +31,19 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RealCluster]:
+@contextlib.contextmanager
+def deployed(shape: str) -> Iterator[RealCluster]:
+    """Two real nodes with kpng deployed in ``shape`` (``addons.SHAPES``), removed on exit."""
     with RealCluster(
         nodes=2, images=images.node_images(), pause_image=images.pause_reference()
     ) as cluster:
-        addons.deploy_kpng(cluster, images.KPNG_REFERENCE)
+        addons.deploy_kpng(cluster, images.KPNG_REFERENCE, shape=shape)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RealCluster]:
+    with deployed("daemonset") as cluster:
         yield cluster
 
 
@@ -158,7 +166,11 @@ class Traffic:
 
 @pytest.fixture(scope="module")
 def web(cluster: RealCluster) -> int:
-    """Two netexec pods behind a NodePort Service; its node port."""
+    return serve_web(cluster)
+
+
+def serve_web(cluster: RealCluster) -> int:
+    """Two netexec pods behind a NodePort Service, answering on every node: its node port."""
     labels = {"app": "web"}
     netexec = ["netexec", "--http-port=8080"]
     cluster.apply(

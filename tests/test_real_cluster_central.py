@@ -7,16 +7,23 @@ from __future__ import annotations
 import functools
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kpng.testing import addons, images
-from kpng.testing import kubeapi as k
 from kpng.testing.nodes import RealCluster, RealNode, missing_requirements
 from kpng.testing.waiting import until
-from tests.test_real_cluster import Traffic, _answers, _http_get, _node_port_service
+from tests.test_real_cluster import (
+    Traffic,
+    _answers,
+    _http_get,
+    _node_port_service,
+    deployed,
+    serve_web,
+)
 
 pytestmark = [
     pytest.mark.realcluster,
@@ -27,26 +34,13 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RealCluster]:
-    with RealCluster(
-        nodes=2, images=images.node_images(), pause_image=images.pause_reference()
-    ) as cluster:
-        addons.deploy_kpng(cluster, images.KPNG_REFERENCE, shape="central")
+    with deployed("central") as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def web(cluster: RealCluster) -> int:
-    """Two netexec pods behind a NodePort Service; its node port, served on both nodes."""
-    netexec = ["netexec", "--http-port=8080"]
-    cluster.apply(
-        k.deployment("web", "default", images.agnhost_reference(), netexec, replicas=2),
-        _node_port_service("web", {"app": "web"}),
-    )
-    cluster.kubectl("rollout", "status", "deployment/web", "--timeout=120s")
-    node_port: int = cluster.get("service", "web")["spec"]["ports"][0]["nodePort"]
-    for node in cluster.nodes:
-        until(functools.partial(_answers, node.ip, node_port), f"web on {node.name}", within=60)
-    return node_port
+    return serve_web(cluster)
 
 
 def _agent(name: str, node: str, argv: list[str], *, token: bool) -> dict[str, Any]:
@@ -175,3 +169,38 @@ def test_a_killed_brain_and_a_rolled_deployment_break_nothing(
     assert traffic.kept_failed == []
     assert traffic.new_ok >= 20
     assert traffic.kept_ok >= 20
+
+
+def test_brains_unreachable_for_a_minute_leave_the_nodes_serving(
+    cluster: RealCluster, web: int
+) -> None:
+    """Every node cut off from every brain for 60 s (packets to and from port 12090 dropped): the
+    nodes keep their rules, traffic goes on, /healthz and /livez stay 200, and a Service made
+    meanwhile reaches every node once the brains are reachable again."""
+    # Both ways: brains and agents share the nodes' network namespaces (host network).
+    cuts = [f"tcp dport {addons.BRAIN_PORT} drop", f"tcp sport {addons.BRAIN_PORT} drop"]
+    with Traffic([(n.ip, web) for n in cluster.nodes]) as traffic:
+        for node in cluster.nodes:
+            node.exec("nft", "add table inet kpng-test-cut")
+            node.exec(
+                "nft", "add chain inet kpng-test-cut out { type filter hook output priority 0 ; }"
+            )
+            for cut in cuts:
+                node.exec("nft", f"add rule inet kpng-test-cut out {cut}")
+        try:
+            cluster.apply(_node_port_service("away", {"app": "web"}))
+            away: int = cluster.get("service", "away")["spec"]["ports"][0]["nodePort"]
+            time.sleep(60)
+            for node in cluster.nodes:
+                assert not _answers(node.ip, away)  # no brain told the node of it
+                for path in ("healthz", "livez"):
+                    with urllib.request.urlopen(f"http://{node.ip}:10256/{path}", timeout=3) as r:
+                        assert r.status == 200
+        finally:
+            for node in cluster.nodes:
+                node.exec("nft", "delete table inet kpng-test-cut", check=False)
+        for node in cluster.nodes:
+            until(functools.partial(_answers, node.ip, away), f"away on {node.name}", within=120)
+    assert traffic.new_failed == []
+    assert traffic.kept_failed == []
+    assert traffic.new_ok >= 100

@@ -12,11 +12,17 @@ from typing import Any
 
 import pytest
 
-from kpng.testing import addons, images
-from kpng.testing import kubeapi as k
+from kpng.testing import images
 from kpng.testing.nodes import RealCluster, missing_requirements
 from kpng.testing.waiting import until
-from tests.test_real_cluster import Traffic, _answers, _http_get, _node_port_service
+from tests.test_real_cluster import (
+    Traffic,
+    _answers,
+    _http_get,
+    _node_port_service,
+    deployed,
+    serve_web,
+)
 
 pytestmark = [
     pytest.mark.realcluster,
@@ -29,10 +35,7 @@ TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RealCluster]:
-    with RealCluster(
-        nodes=2, images=images.node_images(), pause_image=images.pause_reference()
-    ) as cluster:
-        addons.deploy_kpng(cluster, images.KPNG_REFERENCE, shape="sidecar")
+    with deployed("sidecar") as cluster:
         yield cluster
 
 
@@ -75,18 +78,7 @@ def test_each_container_holds_one_power_the_brain_the_token_the_backend_net_admi
 
 @pytest.fixture(scope="module")
 def web(cluster: RealCluster) -> int:
-    """Two netexec pods behind a NodePort Service; its node port."""
-    labels = {"app": "web"}
-    netexec = ["netexec", "--http-port=8080"]
-    cluster.apply(
-        k.deployment("web", "default", images.agnhost_reference(), netexec, replicas=2),
-        _node_port_service("web", labels),
-    )
-    cluster.kubectl("rollout", "status", "deployment/web", "--timeout=120s")
-    node_port: int = cluster.get("service", "web")["spec"]["ports"][0]["nodePort"]
-    for node in cluster.nodes:
-        until(functools.partial(_answers, node.ip, node_port), f"web on {node.name}", within=60)
-    return node_port
+    return serve_web(cluster)
 
 
 def test_a_brain_that_crashes_leaves_the_node_serving_and_catches_it_up(
