@@ -20,9 +20,10 @@ from kpng.client import Backoff, ChangeTriggers, NodeState, watch_state
 from kpng.client._sinks import FullState
 from kpng.feeding import Fanout, Histogram
 from kpng.remote.address import Api
-from kpng.remote.watching import LocalOps, _Rpc, follow
+from kpng.remote.watching import LocalOps, _Rpc, follow, global_rpcs
 from kpng.server.serving import ListenAddress, Serving, serve
 from kpng.sinks.local import run_local
+from kpng.sources.api.ops import GlobalOps
 from kpng.sources.file import stage
 from kpng.sources.local import run_remote
 from kpng.sources.manifests import parse
@@ -373,3 +374,48 @@ def test_while_the_brain_is_away_the_node_stays_healthy_and_live(tmp_path: Path)
         return verdicts
 
     assert _run(scenario()) == [(True, True), (True, True)]
+
+
+def test_a_relays_nodes_get_the_node_state_a_brains_nodes_get(tmp_path: Path) -> None:
+    """A relay tier (``kpng api`` from a brain's global watch, then to-local): its node's
+    states equal the brain's own, ServiceCIDRs and trigger times included."""
+
+    async def scenario() -> tuple[list[NodeState], list[NodeState]]:
+        brain = Store()
+        handle = brain.source("test")
+        _stage(handle, CLUSTER)
+        handle.mark_synced()
+        relay = Store()
+        beside, behind = RecordingBackend(), RecordingBackend()
+        async with _serving(brain, tmp_path) as serving:
+            ops = GlobalOps(relay.source("api"))
+            batched, compatible = global_rpcs()
+            upstream = Api(serving.addresses[0])
+            tasks = [
+                asyncio.create_task(run_local(brain, node_name=NODE, backend=beside)),
+                asyncio.create_task(
+                    follow(upstream, batched=batched, compatible=compatible, handle=ops.handler)
+                ),
+                asyncio.create_task(run_local(relay, node_name=NODE, backend=behind)),
+            ]
+            try:
+                await eventually(lambda: len(behind.states) == 1, "the relay's first state")
+                _stage(handle, CHANGED_SLICE)
+                handle.commit()
+                await eventually(lambda: len(behind.states) == 2, "the changed slice")
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return beside.states, behind.states
+
+    beside, behind = _run(scenario())
+    fields = [f.name for f in msgspec.structs.fields(NodeState) if f.name != "revision"]
+    for local, relayed in zip(beside, behind, strict=True):
+        for name in fields:
+            here, there = getattr(local, name), getattr(relayed, name)
+            if name == "services":
+                here, there = dict(here), dict(there)
+            assert here == there, name
+    assert behind[0].service_cidrs == ("10.96.0.0/16", "fd00:96::/112")
+    assert behind[1].triggers == ChangeTriggers(V4=(_epoch(TRIGGERED),))

@@ -122,6 +122,7 @@ PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     (messages.ServiceInfo, globalv1_pb2.ServiceInfo),
     (messages.EndpointInfo, globalv1_pb2.EndpointInfo),
     (messages.NodeInfo, globalv1_pb2.NodeInfo),
+    (messages.ServiceCIDRInfo, globalv1_pb2.ServiceCIDRInfo),
 ]
 
 
@@ -138,6 +139,7 @@ ENDPOINT: Codec[messages.Endpoint] = _CODECS["localv1.Endpoint"]
 SERVICE_INFO: Codec[messages.ServiceInfo] = _CODECS["globalv1.ServiceInfo"]
 ENDPOINT_INFO: Codec[messages.EndpointInfo] = _CODECS["globalv1.EndpointInfo"]
 NODE_INFO: Codec[messages.NodeInfo] = _CODECS["globalv1.NodeInfo"]
+SERVICE_CIDR_INFO: Codec[messages.ServiceCIDRInfo] = _CODECS["globalv1.ServiceCIDRInfo"]
 NODE_FACTS: Codec[messages.NodeFacts] = _CODECS["localv1.NodeFacts"]
 CHANGE_TRIGGERS: Codec[messages.ChangeTriggers] = _CODECS["localv1.ChangeTriggers"]
 
@@ -197,4 +199,5 @@ GLOBAL_INFOS: dict[type[msgspec.Struct], Codec[Any]] = {
     messages.ServiceInfo: SERVICE_INFO,
     messages.EndpointInfo: ENDPOINT_INFO,
     messages.NodeInfo: NODE_INFO,
+    messages.ServiceCIDRInfo: SERVICE_CIDR_INFO,
 }

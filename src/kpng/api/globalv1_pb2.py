@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kpng.api import localv1_pb2 as kpng_dot_api_dot_localv1__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kpng/api/globalv1.proto\x12\x08globalv1\x1a\x16kpng/api/localv1.proto\"\x10\n\x0eGlobalWatchReq\">\n\x0bServiceInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12!\n\x07Service\x18\x02 \x01(\x0b\x32\x10.localv1.Service\"\x98\x02\n\x0c\x45ndpointInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12\x11\n\tNamespace\x18\x02 \x01(\t\x12\x12\n\nSourceName\x18\x03 \x01(\t\x12\x13\n\x0bServiceName\x18\x04 \x01(\t\x12#\n\x08\x45ndpoint\x18\x06 \x01(\x0b\x32\x11.localv1.Endpoint\x12\x30\n\nConditions\x18\x07 \x01(\x0b\x32\x1c.globalv1.EndpointConditions\x12\x0f\n\x07PodName\x18\x08 \x01(\t\x12(\n\x08Topology\x18\t \x01(\x0b\x32\x16.globalv1.TopologyInfo\x12&\n\x05Hints\x18\n \x01(\x0b\x32\x17.globalv1.TopologyHintsJ\x04\x08\x05\x10\x06\"I\n\x12\x45ndpointConditions\x12\r\n\x05Ready\x18\x01 \x01(\x08\x12\x0f\n\x07Serving\x18\x64 \x01(\x08\x12\x13\n\x0bTerminating\x18\x65 \x01(\x08\"*\n\x0cTopologyInfo\x12\x0c\n\x04Node\x18\x01 \x01(\t\x12\x0c\n\x04Zone\x18\x02 \x01(\t\"-\n\rTopologyHints\x12\r\n\x05Zones\x18\x01 \x03(\t\x12\r\n\x05Nodes\x18\x64 \x03(\t\"6\n\x08NodeInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12\x1c\n\x04Node\x18\x02 \x01(\x0b\x32\x0e.globalv1.Node\"\xd1\x02\n\x04Node\x12\x0c\n\x04Name\x18\x01 \x01(\t\x12*\n\x06Labels\x18\x02 \x03(\x0b\x32\x1a.globalv1.Node.LabelsEntry\x12\x34\n\x0b\x41nnotations\x18\x03 \x03(\x0b\x32\x1f.globalv1.Node.AnnotationsEntry\x12(\n\x08Topology\x18\x04 \x01(\x0b\x32\x16.globalv1.TopologyInfo\x12\x10\n\x08\x44raining\x18\x64 \x01(\x08\x12(\n\tAddresses\x18\x65 \x03(\x0b\x32\x15.globalv1.NodeAddress\x12\x10\n\x08PodCIDRs\x18\x66 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0bNodeAddress\x12\x0c\n\x04Type\x18\x01 \x01(\t\x12\x0f\n\x07\x41\x64\x64ress\x18\x02 \x01(\t2>\n\x04Sets\x12\x36\n\x05Watch\x12\x18.globalv1.GlobalWatchReq\x1a\x0f.localv1.OpItem(\x01\x30\x01\x42\x13Z\x11kpng/api/globalv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kpng/api/globalv1.proto\x12\x08globalv1\x1a\x16kpng/api/localv1.proto\"\x10\n\x0eGlobalWatchReq\">\n\x0bServiceInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12!\n\x07Service\x18\x02 \x01(\x0b\x32\x10.localv1.Service\"\xad\x02\n\x0c\x45ndpointInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12\x11\n\tNamespace\x18\x02 \x01(\t\x12\x12\n\nSourceName\x18\x03 \x01(\t\x12\x13\n\x0bServiceName\x18\x04 \x01(\t\x12#\n\x08\x45ndpoint\x18\x06 \x01(\x0b\x32\x11.localv1.Endpoint\x12\x30\n\nConditions\x18\x07 \x01(\x0b\x32\x1c.globalv1.EndpointConditions\x12\x0f\n\x07PodName\x18\x08 \x01(\t\x12(\n\x08Topology\x18\t \x01(\x0b\x32\x16.globalv1.TopologyInfo\x12&\n\x05Hints\x18\n \x01(\x0b\x32\x17.globalv1.TopologyHints\x12\x13\n\x0bTriggerTime\x18\x64 \x01(\x01J\x04\x08\x05\x10\x06\"I\n\x12\x45ndpointConditions\x12\r\n\x05Ready\x18\x01 \x01(\x08\x12\x0f\n\x07Serving\x18\x64 \x01(\x08\x12\x13\n\x0bTerminating\x18\x65 \x01(\x08\"*\n\x0cTopologyInfo\x12\x0c\n\x04Node\x18\x01 \x01(\t\x12\x0c\n\x04Zone\x18\x02 \x01(\t\"-\n\rTopologyHints\x12\r\n\x05Zones\x18\x01 \x03(\t\x12\r\n\x05Nodes\x18\x64 \x03(\t\"<\n\x0fServiceCIDRInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12\x0c\n\x04Name\x18\x02 \x01(\t\x12\r\n\x05\x43IDRs\x18\x03 \x03(\t\"6\n\x08NodeInfo\x12\x0c\n\x04Hash\x18\x01 \x01(\x04\x12\x1c\n\x04Node\x18\x02 \x01(\x0b\x32\x0e.globalv1.Node\"\xd1\x02\n\x04Node\x12\x0c\n\x04Name\x18\x01 \x01(\t\x12*\n\x06Labels\x18\x02 \x03(\x0b\x32\x1a.globalv1.Node.LabelsEntry\x12\x34\n\x0b\x41nnotations\x18\x03 \x03(\x0b\x32\x1f.globalv1.Node.AnnotationsEntry\x12(\n\x08Topology\x18\x04 \x01(\x0b\x32\x16.globalv1.TopologyInfo\x12\x10\n\x08\x44raining\x18\x64 \x01(\x08\x12(\n\tAddresses\x18\x65 \x03(\x0b\x32\x15.globalv1.NodeAddress\x12\x10\n\x08PodCIDRs\x18\x66 \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0bNodeAddress\x12\x0c\n\x04Type\x18\x01 \x01(\t\x12\x0f\n\x07\x41\x64\x64ress\x18\x02 \x01(\t2>\n\x04Sets\x12\x36\n\x05Watch\x12\x18.globalv1.GlobalWatchReq\x1a\x0f.localv1.OpItem(\x01\x30\x01\x42\x13Z\x11kpng/api/globalv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVICEINFO']._serialized_start=79
   _globals['_SERVICEINFO']._serialized_end=141
   _globals['_ENDPOINTINFO']._serialized_start=144
-  _globals['_ENDPOINTINFO']._serialized_end=424
-  _globals['_ENDPOINTCONDITIONS']._serialized_start=426
-  _globals['_ENDPOINTCONDITIONS']._serialized_end=499
-  _globals['_TOPOLOGYINFO']._serialized_start=501
-  _globals['_TOPOLOGYINFO']._serialized_end=543
-  _globals['_TOPOLOGYHINTS']._serialized_start=545
-  _globals['_TOPOLOGYHINTS']._serialized_end=590
-  _globals['_NODEINFO']._serialized_start=592
-  _globals['_NODEINFO']._serialized_end=646
-  _globals['_NODE']._serialized_start=649
-  _globals['_NODE']._serialized_end=986
-  _globals['_NODE_LABELSENTRY']._serialized_start=889
-  _globals['_NODE_LABELSENTRY']._serialized_end=934
-  _globals['_NODE_ANNOTATIONSENTRY']._serialized_start=936
-  _globals['_NODE_ANNOTATIONSENTRY']._serialized_end=986
-  _globals['_NODEADDRESS']._serialized_start=988
-  _globals['_NODEADDRESS']._serialized_end=1032
-  _globals['_SETS']._serialized_start=1034
-  _globals['_SETS']._serialized_end=1096
+  _globals['_ENDPOINTINFO']._serialized_end=445
+  _globals['_ENDPOINTCONDITIONS']._serialized_start=447
+  _globals['_ENDPOINTCONDITIONS']._serialized_end=520
+  _globals['_TOPOLOGYINFO']._serialized_start=522
+  _globals['_TOPOLOGYINFO']._serialized_end=564
+  _globals['_TOPOLOGYHINTS']._serialized_start=566
+  _globals['_TOPOLOGYHINTS']._serialized_end=611
+  _globals['_SERVICECIDRINFO']._serialized_start=613
+  _globals['_SERVICECIDRINFO']._serialized_end=673
+  _globals['_NODEINFO']._serialized_start=675
+  _globals['_NODEINFO']._serialized_end=729
+  _globals['_NODE']._serialized_start=732
+  _globals['_NODE']._serialized_end=1069
+  _globals['_NODE_LABELSENTRY']._serialized_start=972
+  _globals['_NODE_LABELSENTRY']._serialized_end=1017
+  _globals['_NODE_ANNOTATIONSENTRY']._serialized_start=1019
+  _globals['_NODE_ANNOTATIONSENTRY']._serialized_end=1069
+  _globals['_NODEADDRESS']._serialized_start=1071
+  _globals['_NODEADDRESS']._serialized_end=1115
+  _globals['_SETS']._serialized_start=1117
+  _globals['_SETS']._serialized_end=1179
 # @@protoc_insertion_point(module_scope)

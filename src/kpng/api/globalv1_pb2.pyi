@@ -73,12 +73,17 @@ class EndpointInfo(_message.Message):
     PODNAME_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     HINTS_FIELD_NUMBER: _builtins.int
+    TRIGGERTIME_FIELD_NUMBER: _builtins.int
     Hash: _builtins.int
     Namespace: _builtins.str
     SourceName: _builtins.str
     """The EndpointSlice the endpoint comes from."""
     ServiceName: _builtins.str
     PodName: _builtins.str
+    TriggerTime: _builtins.float
+    """kpng: the last-change-trigger-time of the endpoint's EndpointSlice, in seconds since the
+    epoch (0: not given), so that a relay's nodes time network programming too.
+    """
     @_builtins.property
     def Endpoint(self) -> _localv1_pb2.Endpoint: ...
     @_builtins.property
@@ -99,10 +104,11 @@ class EndpointInfo(_message.Message):
         PodName: _builtins.str = ...,
         Topology: Global___TopologyInfo | None = ...,
         Hints: Global___TopologyHints | None = ...,
+        TriggerTime: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["Conditions", b"Conditions", "Endpoint", b"Endpoint", "Hints", b"Hints", "Topology", b"Topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Conditions", b"Conditions", "Endpoint", b"Endpoint", "Hash", b"Hash", "Hints", b"Hints", "Namespace", b"Namespace", "PodName", b"PodName", "ServiceName", b"ServiceName", "SourceName", b"SourceName", "Topology", b"Topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Conditions", b"Conditions", "Endpoint", b"Endpoint", "Hash", b"Hash", "Hints", b"Hints", "Namespace", b"Namespace", "PodName", b"PodName", "ServiceName", b"ServiceName", "SourceName", b"SourceName", "Topology", b"Topology", "TriggerTime", b"TriggerTime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -181,6 +187,34 @@ class TopologyHints(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TopologyHints: _TypeAlias = TopologyHints  # noqa: Y015
+
+@_typing.final
+class ServiceCIDRInfo(_message.Message):
+    """kpng: a networking.k8s.io/v1 ServiceCIDR, in the global watch (Set GlobalServiceCIDRInfos)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HASH_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    CIDRS_FIELD_NUMBER: _builtins.int
+    Hash: _builtins.int
+    Name: _builtins.str
+    @_builtins.property
+    def CIDRs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        Hash: _builtins.int = ...,
+        Name: _builtins.str = ...,
+        CIDRs: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["CIDRs", b"CIDRs", "Hash", b"Hash", "Name", b"Name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServiceCIDRInfo: _TypeAlias = ServiceCIDRInfo  # noqa: Y015
 
 @_typing.final
 class NodeInfo(_message.Message):

@@ -44,6 +44,8 @@ class _SetEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Set.ValueType], _
     """kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
     any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
     """
+    GlobalServiceCIDRInfos: _Set.ValueType  # 102
+    """kpng, in the global watch: a globalv1.ServiceCIDRInfo at its name (no slash)."""
 
 class Set(_Set, metaclass=_SetEnumTypeWrapper): ...
 
@@ -61,6 +63,8 @@ ChangeTriggersSet: Set.ValueType  # 101
 """kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
 any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
 """
+GlobalServiceCIDRInfos: Set.ValueType  # 102
+"""kpng, in the global watch: a globalv1.ServiceCIDRInfo at its name (no slash)."""
 Global___Set: _TypeAlias = Set  # noqa: Y015
 
 class _Protocol:

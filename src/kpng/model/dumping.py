@@ -1,7 +1,8 @@
 """The global state as one globalv1 document (``to-file``), and back (``kpng file`` reads it).
 
 The document is ``{"apiVersion": "kpng.io/v1", "kind": "GlobalState", "revision": N, "nodes":
-[NodeInfo], "services": [ServiceInfo], "endpoints": [EndpointInfo]}``, each message in protobuf's
+[NodeInfo], "services": [ServiceInfo], "endpoints": [EndpointInfo], "serviceCIDRs":
+[ServiceCIDRInfo]}``, each message in protobuf's
 canonical JSON mapping, sorted by key, so two dumps of the same state are byte-identical. Each
 info carries Go KPNG's Hash: the first 8 bytes of a BLAKE2b digest of the message, stable across
 processes.
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from kpng.errors import InputError
-from kpng.model.cluster import ServiceKey, Slice, SliceEndpoint, SliceKey, SlicePort
+from kpng.model.cluster import ServiceCIDR, ServiceKey, Slice, SliceEndpoint, SliceKey, SlicePort
 from kpng.model.messages import (
     Endpoint,
     EndpointConditions,
@@ -25,6 +26,7 @@ from kpng.model.messages import (
     NodeInfo,
     PortName,
     Service,
+    ServiceCIDRInfo,
     ServiceInfo,
     TopologyHints,
     TopologyInfo,
@@ -42,13 +44,23 @@ def message_hash(message: msgspec.Struct) -> str:
     return str(int.from_bytes(digest, "big"))
 
 
-class GlobalState(msgspec.Struct, frozen=True, rename={"api_version": "apiVersion"}):
+class GlobalState(
+    msgspec.Struct,
+    frozen=True,
+    rename={"api_version": "apiVersion", "service_cidrs": "serviceCIDRs"},
+):
     api_version: str = API_VERSION
     kind: str = KIND
     revision: int = 0
     nodes: tuple[NodeInfo, ...] = ()
     services: tuple[ServiceInfo, ...] = ()
     endpoints: tuple[EndpointInfo, ...] = ()
+    service_cidrs: tuple[ServiceCIDRInfo, ...] = ()
+
+
+def service_cidr_info(cidr: ServiceCIDR) -> ServiceCIDRInfo:
+    info = ServiceCIDRInfo(Name=cidr.name, CIDRs=cidr.cidrs)
+    return msgspec.structs.replace(info, Hash=message_hash(info))
 
 
 def endpoint_infos(sl: Slice) -> Iterable[EndpointInfo]:
@@ -70,6 +82,7 @@ def endpoint_infos(sl: Slice) -> Iterable[EndpointInfo]:
             PodName=ep.pod,
             Topology=TopologyInfo(Node=ep.node, Zone=ep.zone),
             Hints=TopologyHints(Zones=ep.zone_hints, Nodes=ep.node_hints),
+            TriggerTime=sl.trigger_time,
         )
 
 
@@ -79,6 +92,7 @@ def dump(
     services: Mapping[ServiceKey, Service],
     slices: Mapping[SliceKey, Slice],
     nodes: Mapping[str, Node],
+    service_cidrs: Mapping[str, ServiceCIDR],
 ) -> bytes:
     infos = [info for key in sorted(slices) for info in endpoint_infos(slices[key])]
     state = GlobalState(
@@ -88,11 +102,12 @@ def dump(
             ServiceInfo(Hash=message_hash(s), Service=s) for _, s in sorted(services.items())
         ),
         endpoints=tuple(msgspec.structs.replace(i, Hash=message_hash(i)) for i in infos),
+        service_cidrs=tuple(service_cidr_info(c) for _, c in sorted(service_cidrs.items())),
     )
     return _encoder.encode(state) + b"\n"
 
 
-def load(data: bytes) -> list[Service | Slice | Node]:
+def load(data: bytes) -> list[Service | Slice | Node | ServiceCIDR]:
     """The model objects of a dump. Raises InputError if it is not one."""
     try:
         state = msgspec.json.decode(data, type=GlobalState)
@@ -100,7 +115,10 @@ def load(data: bytes) -> list[Service | Slice | Node]:
         raise InputError(f"invalid {KIND} document: {exc}") from None
     if state.api_version != API_VERSION:
         raise InputError(f"unsupported {KIND} apiVersion {state.api_version!r}")
-    objects: list[Service | Slice | Node] = [n.Node for n in state.nodes if n.Node is not None]
+    objects: list[Service | Slice | Node | ServiceCIDR] = [
+        n.Node for n in state.nodes if n.Node is not None
+    ]
+    objects += [ServiceCIDR(name=c.Name, cidrs=c.CIDRs) for c in state.service_cidrs]
     objects += [s.Service for s in state.services if s.Service is not None]
     grouped: dict[SliceKey, list[EndpointInfo]] = {}
     for info in state.endpoints:
@@ -148,4 +166,5 @@ def slice_from_infos(namespace: str, name: str, infos: list[EndpointInfo]) -> Sl
             for p in first.PortOverrides
         ),
         endpoints=tuple(sorted(endpoints, key=lambda ep: ep.ip)),
+        trigger_time=max(info.TriggerTime for info in infos),
     )

@@ -144,6 +144,7 @@ class EndpointInfo(_Message, frozen=True):
     PodName: str = ""
     Topology: TopologyInfo | None = None
     Hints: TopologyHints | None = None
+    TriggerTime: float = 0.0
 
 
 class Node(_Message, frozen=True):
@@ -159,6 +160,12 @@ class Node(_Message, frozen=True):
 class NodeAddress(_Message, frozen=True):
     Type: str = ""
     Address: str = ""
+
+
+class ServiceCIDRInfo(_Message, frozen=True):
+    Hash: str = ""
+    Name: str = ""
+    CIDRs: tuple[str, ...] = ()
 
 
 class NodeFacts(_Message, frozen=True):

@@ -18,15 +18,9 @@ CONNECT_TIMEOUT = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None:
-    """The standard flags of a kpng client: --api, --node-name, --connect-timeout, TLS, and
-    --once unless the program has its own notion of done."""
-    parser.add_argument(
-        "--api",
-        default=DEFAULT_API,
-        metavar="URL[,URL...]",
-        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API}); "
-        "several, comma-separated: replicas of one brain, each tried in turn when one fails",
-    )
+    """The standard flags of a kpng client: the server's (``add_server_arguments``),
+    --node-name, --connect-timeout, and --once unless the program has its own notion of done."""
+    add_server_arguments(parser)
     parser.add_argument("--node-name", required=True, help="the node whose state to receive")
     if once:
         parser.add_argument("--once", action="store_true", help="stop after the first state")
@@ -37,6 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, once: bool = True) -> None
         metavar="SECONDS",
         help=f"exit 1 if no state has come SECONDS after start (default {CONNECT_TIMEOUT:g}; "
         "0: wait forever); later outages are always waited out, the last state in force",
+    )
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the kpng server is and how to reach it: --api, TLS, --token-file."""
+    parser.add_argument(
+        "--api",
+        default=DEFAULT_API,
+        metavar="URL[,URL...]",
+        help=f"the kpng server: tcp://HOST:PORT or unix:///PATH (default {DEFAULT_API}); "
+        "several, comma-separated: replicas of one brain, each tried in turn when one fails",
     )
     parser.add_argument(
         "--tls-ca", type=Path, metavar="FILE", help="verify the server with this CA"

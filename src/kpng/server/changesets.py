@@ -16,11 +16,12 @@ from kpng.api.localv1_pb2 import (
     EndpointsSet,
     GlobalEndpointInfos,
     GlobalNodeInfos,
+    GlobalServiceCIDRInfos,
     GlobalServiceInfos,
     ServicesSet,
 )
-from kpng.model.cluster import ServiceKey, Slice, SliceKey
-from kpng.model.dumping import endpoint_infos, message_hash
+from kpng.model.cluster import ServiceCIDR, ServiceKey, Slice, SliceKey
+from kpng.model.dumping import endpoint_infos, message_hash, service_cidr_info
 from kpng.model.messages import (
     Endpoint,
     EndpointInfo,
@@ -118,13 +119,15 @@ class GlobalTracker:
     """What one global watcher holds, and the ops that bring it to the store's current state.
 
     Paths: services ``namespace/name``, nodes ``name``, endpoints
-    ``namespace/service/slice/address`` (one EndpointInfo per slice endpoint).
+    ``namespace/service/slice/address`` (one EndpointInfo per slice endpoint), ServiceCIDRs
+    ``name`` (a set of kpng's, GlobalServiceCIDRInfos).
     """
 
     def __init__(self, encode: EncodeInfo) -> None:
         self._encode = encode
         self._services: dict[str, bytes] = {}
         self._nodes: dict[str, bytes] = {}
+        self._service_cidrs: dict[str, bytes] = {}
         self._endpoints: dict[SliceKey, dict[str, bytes]] = {}
 
     def ops(
@@ -136,9 +139,15 @@ class GlobalTracker:
         changed_services: Iterable[ServiceKey],
         changed_slices: Iterable[SliceKey],
         changed_nodes: Iterable[str],
+        service_cidrs: Mapping[str, ServiceCIDR],
+        changed_service_cidrs: Iterable[str],
     ) -> list[bytes]:
         sets: list[bytes] = []
         deletes: list[bytes] = []
+        for name in sorted(changed_service_cidrs):
+            cidr = service_cidrs.get(name)
+            cidr_info = None if cidr is None else service_cidr_info(cidr)
+            self._put(self._service_cidrs, GlobalServiceCIDRInfos, name, cidr_info, sets, deletes)
         for name in sorted(changed_nodes):
             node = nodes.get(name)
             info = None if node is None else NodeInfo(Hash=message_hash(node), Node=node)

@@ -290,6 +290,8 @@ class WatchServer:
                         changed_services=delta.services,
                         changed_slices=delta.slices,
                         changed_nodes=delta.nodes,
+                        service_cidrs=self.store.service_cidrs,
+                        changed_service_cidrs=delta.service_cidrs,
                     )
                     if ops or first:
                         break

@@ -34,6 +34,7 @@ async def run_file(store: Store, *, output: Path, once: bool = False) -> None:
                 services=store.services,
                 slices=store.slices,
                 nodes=store.nodes,
+                service_cidrs=store.service_cidrs,
             )
             if str(output) == "-":
                 sys.stdout.buffer.write(data)

@@ -13,8 +13,7 @@ import argparse
 import functools
 import logging
 
-from kpng.client import Api
-from kpng.remote import CONNECT_TIMEOUT, DEFAULT_API, seconds
+from kpng.remote import CONNECT_TIMEOUT, add_server_arguments, api_from_args, seconds
 from kpng.sources import Runner, SourceSpec
 from kpng.store import Store
 
@@ -22,9 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--api", default=DEFAULT_API, metavar="URL", help="the upstream kpng's to-api address"
-    )
+    add_server_arguments(parser)
     parser.add_argument(
         "--connect-timeout",
         type=seconds,
@@ -40,7 +37,7 @@ def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
     from kpng.remote.watching import NoStateError, follow, global_rpcs
     from kpng.sources.api.ops import GlobalOps
 
-    api = Api(args.api).check()
+    api = api_from_args(args)
     handle = store.source("api")
     ops = GlobalOps(handle)
     batched, compatible = global_rpcs()

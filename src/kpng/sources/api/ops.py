@@ -10,10 +10,15 @@ from typing import Any
 import msgspec
 
 from kpng.api import codec
-from kpng.api.localv1_pb2 import GlobalEndpointInfos, GlobalNodeInfos, GlobalServiceInfos
-from kpng.model.cluster import ServiceKey, SliceKey
+from kpng.api.localv1_pb2 import (
+    GlobalEndpointInfos,
+    GlobalNodeInfos,
+    GlobalServiceCIDRInfos,
+    GlobalServiceInfos,
+)
+from kpng.model.cluster import ServiceCIDR, ServiceKey, SliceKey
 from kpng.model.dumping import slice_from_infos
-from kpng.model.messages import EndpointInfo, NodeInfo, ServiceInfo
+from kpng.model.messages import EndpointInfo, NodeInfo, ServiceCIDRInfo, ServiceInfo
 from kpng.model.paths import split_service_path
 from kpng.remote.watching import OpHandler
 from kpng.store import SourceHandle
@@ -24,11 +29,13 @@ _json: dict[int, Callable[[bytes], Any]] = {
     GlobalServiceInfos: msgspec.json.Decoder(ServiceInfo).decode,
     GlobalEndpointInfos: msgspec.json.Decoder(EndpointInfo).decode,
     GlobalNodeInfos: msgspec.json.Decoder(NodeInfo).decode,
+    GlobalServiceCIDRInfos: msgspec.json.Decoder(ServiceCIDRInfo).decode,
 }
 _protobuf: dict[int, Callable[[bytes], Any]] = {
     GlobalServiceInfos: codec.SERVICE_INFO.decode,
     GlobalEndpointInfos: codec.ENDPOINT_INFO.decode,
     GlobalNodeInfos: codec.NODE_INFO.decode,
+    GlobalServiceCIDRInfos: codec.SERVICE_CIDR_INFO.decode,
 }
 
 
@@ -39,6 +46,7 @@ class GlobalOps:
         self._out = out
         self._services: set[ServiceKey] = set()
         self._nodes: set[str] = set()
+        self._service_cidrs: set[str] = set()
         self._endpoints: dict[SliceKey, dict[str, EndpointInfo]] = {}
         self._dirty_slices: set[SliceKey] = set()
         self._resetting = False
@@ -71,6 +79,9 @@ class GlobalOps:
         elif set_ == GlobalNodeInfos and info.Node is not None:
             self._nodes.add(path)
             self._out.set_node(path, info.Node)
+        elif set_ == GlobalServiceCIDRInfos:
+            self._service_cidrs.add(path)
+            self._out.set_service_cidr(path, ServiceCIDR(name=path, cidrs=info.CIDRs))
         elif set_ == GlobalEndpointInfos:
             key = (info.Namespace, info.SourceName)
             self._endpoints.setdefault(key, {})[path] = info
@@ -84,6 +95,9 @@ class GlobalOps:
         elif set_ == GlobalNodeInfos:
             self._nodes.discard(path)
             self._out.set_node(path, None)
+        elif set_ == GlobalServiceCIDRInfos:
+            self._service_cidrs.discard(path)
+            self._out.set_service_cidr(path, None)
         elif set_ == GlobalEndpointInfos:
             namespace, _, slice_name, _ = path.split("/", 3)  # namespace/service/slice/address
             key = (namespace, slice_name)
@@ -101,6 +115,9 @@ class GlobalOps:
             for name in list(self._nodes):
                 if (GlobalNodeInfos, name) not in self._seen:
                     self._delete(GlobalNodeInfos, name)
+            for name in list(self._service_cidrs):
+                if (GlobalServiceCIDRInfos, name) not in self._seen:
+                    self._delete(GlobalServiceCIDRInfos, name)
             for sent in list(self._endpoints.values()):
                 for path in list(sent):
                     if (GlobalEndpointInfos, path) not in self._seen:
