@@ -239,6 +239,36 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             ["api", "--api", "127.0.0.1", "to-file", "--output", "-"],
             "--api 127.0.0.1: expected tcp://HOST:PORT, HOST:PORT or unix:///PATH",
         ),
+        (
+            ["local", "--api", "tcp://127.0.0.1:1,127.0.0.1", "--node-name", "n", "to-json"],
+            "--api 127.0.0.1: expected tcp://HOST:PORT, HOST:PORT or unix:///PATH",
+        ),
+        (
+            [
+                "file",
+                "--input",
+                "x",
+                "to-api",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--token-audience",
+                "kpng",
+            ],
+            "--token-audience on TCP needs --tls-cert and --tls-key: tokens are secrets",
+        ),
+        (
+            [
+                "file",
+                "--input",
+                "x",
+                "to-api",
+                "--listen",
+                "unix:///tmp/x.sock",
+                "--node-user",
+                "u",
+            ],
+            "--node-user, --global-user and --review-kubeconfig need --token-audience",
+        ),
     ],
     ids=[
         "no-sink",
@@ -251,6 +281,9 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
         "unknown-backend-of-local",
         "http-api-url",
         "api-url-without-port",
+        "a-replica-url-without-port",
+        "tokens-in-clear",
+        "token-flags-without-audience",
     ],
 )
 def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: str) -> None:

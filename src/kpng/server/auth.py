@@ -135,8 +135,8 @@ class TokenReviews:
             answer = _decode_review(await self._client.post(TOKEN_REVIEWS, body))
         except (ApiStatusError, TransportError) as exc:
             # Not cached: the next stream asks again.
-            raise Refused(f"the API server could not review the token: {exc}",
-                          unauthenticated=True) from exc  # fmt: skip
+            reason = f"the API server could not review the token: {exc}"
+            raise Refused(reason, unauthenticated=True) from exc
         identity = _identity(answer)
         self._cache[key] = (now + self._ttl, identity)
         if len(self._cache) > self._size:

@@ -227,9 +227,11 @@ class WatchServer:
         except Refused as exc:
             self.stats.refused += 1
             log.warning("refused a watch from %s: %s", context.peer(), exc)
-            code = grpc.StatusCode.UNAUTHENTICATED
-            await context.abort(code if exc.unauthenticated else grpc.StatusCode.PERMISSION_DENIED,
-                                str(exc))  # fmt: skip
+            status = grpc.StatusCode
+            await context.abort(
+                status.UNAUTHENTICATED if exc.unauthenticated else status.PERMISSION_DENIED,
+                str(exc),
+            )
 
     async def _warn(self, context: Any, node_name: str, warning: str, *, tell: bool) -> None:
         """Log an unknown node once per name; ``tell`` the watcher too, in the initial metadata
