@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -240,3 +242,47 @@ def test_against_go_kpngs_own_server(tmp_path: Path) -> None:
     assert {p.Protocol for ep in web.endpoints for p in ep.PortOverrides} == {"TCP", "UDP"}
     assert all(ep.Scopes is not None and ep.Scopes.Cluster for ep in web.endpoints)
     assert web.service.Ports[0].UsableEndpoints is not None
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KPNG_GO_KPNG_NODELOG"),
+    reason="set KPNG_GO_KPNG_NODELOG to Go KPNG's kpng-nodelog (go build ./kpng-nodelog in its "
+    "cmd module, by hand: it is not on the module proxy)",
+)
+def test_go_kpngs_own_client_reads_kpngs_stream_node_facts_and_all(tmp_path: Path) -> None:
+    """Go KPNG's localv1 client (its kpng-nodelog) against kpng's brain: the node facts, a set
+    kind it does not know, are skipped, and every service and endpoint reaches it."""
+    import subprocess
+
+    from kpng.testing.cluster import free_port
+
+    cluster = Path(__file__).parent.parent / "examples" / "cluster.yaml"
+    port = free_port()
+    brain = subprocess.Popen(
+        [sys.executable, "-m", "kpng", "file", "--input", str(cluster), "to-api",
+         "--listen", f"tcp://127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    log = tmp_path / "nodelog.txt"
+    try:
+        with log.open("w") as out:
+            client = subprocess.Popen(
+                [os.environ["KPNG_GO_KPNG_NODELOG"], f"--api=127.0.0.1:{port}",
+                 "--node-name=node-1"],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 30
+                while "> sync" not in log.read_text():
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.1)
+            finally:
+                client.terminate()
+                client.wait(timeout=10)
+    finally:
+        brain.terminate()
+        brain.wait(timeout=10)
+    text = log.read_text()
+    assert "unknown set: 100" in text  # the node facts, skipped
+    for path in ("shop/web", "shop/api", "edge/ingress", "shop/web/10.244.1.11"):
+        assert f'Path:"{path}"' in text, path
