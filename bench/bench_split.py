@@ -4,9 +4,10 @@ endpoints by default), each in a network namespace of its own (root).
 
 A node agent holds no global store and resolves nothing: only its node's state, as the brain
 sends it. Reported per run: the node process's peak RSS (``ru_maxrss`` of that process alone)
-and the wall time to its first programmed state (``--once``), with the brain's own peak RSS
-beside the split's. The in-process baseline reads the same file, so that both read the same
-store; ``kpng kube`` holds the same store plus its reflector's buffers.
+and the wall time to its first programmed state (``--once``); then, run again without
+``--once``, the RSS it holds once its rules are programmed (``/healthz`` 200, then 3 s); and
+the brain's own peak RSS beside the split's. The in-process baseline reads the same file, so
+that both hold the same store; ``kpng kube`` holds that store plus its reflector's buffers.
 
     python bench/bench_split.py [--services 10000] [--runs 3]
 """
@@ -29,7 +30,9 @@ import synthetic
 
 KPNG = [sys.executable, "-m", "kpng"]
 NODE = synthetic.node_name(0)
-BACKEND = ["to-nft", "--once", "--no-health-check", "--nodeport-addresses", "primary"]
+BACKEND = ["to-nft", "--no-health-check", "--nodeport-addresses", "primary"]
+HEALTHZ = "127.0.0.1:10299"
+"""In each namespace of its own: what tells that the first state is programmed."""
 
 
 @contextmanager
@@ -37,6 +40,7 @@ def _netns() -> Iterator[str]:
     name = f"kpng-bench-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
@@ -65,42 +69,73 @@ def _measured(argv: list[str], timeout: float = 600) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024
 
 
-def in_process(cluster: Path) -> tuple[float, float]:
+def _held(ns: str, argv: list[str], timeout: float = 600) -> float:
+    """Start ``argv`` (a kpng command, in ``ns``) serving /healthz: the RSS in MiB it holds 3 s
+    after its first state is programmed."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, *KPNG, f"--healthz-bind-address={HEALTHZ}", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    probe = f"import urllib.request; urllib.request.urlopen('http://{HEALTHZ}/healthz', timeout=2)"
+    in_ns = ["ip", "netns", "exec", ns, sys.executable, "-c", probe]
+    try:
+        deadline = time.monotonic() + timeout
+        while subprocess.run(in_ns, capture_output=True, check=False).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{' '.join(argv)}: never healthy")
+            time.sleep(0.5)
+        time.sleep(3)
+        return _kib(proc.pid, "VmRSS") / 1024
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _kib(pid: int, field: str) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith(field))
+
+
+def in_process(cluster: Path) -> tuple[float, float, float]:
+    """(wall seconds to the first programmed state, peak RSS, RSS held after it), in MiB."""
+    argv = ["file", "--input", str(cluster), "to-local", "--node-name", NODE, *BACKEND]
     with _netns() as ns:
-        argv = ["ip", "netns", "exec", ns, *KPNG, "file", "--input", str(cluster), "to-local",
-                "--node-name", NODE, *BACKEND]  # fmt: skip
-        return _measured(argv)
+        wall, peak = _measured(["ip", "netns", "exec", ns, *KPNG, *argv, "--once"])
+    with _netns() as ns:
+        return wall, peak, _held(ns, argv)
 
 
-def split(cluster: Path, workdir: Path) -> tuple[float, float, float]:
-    """(node agent's wall seconds, its peak RSS, the brain's peak RSS so far), in MiB."""
+def split(cluster: Path, workdir: Path) -> tuple[float, float, float, float]:
+    """The node agent's (wall seconds, peak RSS, RSS held) and the brain's peak RSS, in MiB."""
     socket = workdir / f"brain-{secrets.token_hex(3)}.sock"
     brain = subprocess.Popen(
         [*KPNG, "file", "--input", str(cluster), "to-api", "--listen", f"unix://{socket}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not socket.exists():
             if brain.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("the brain did not start")
             time.sleep(0.05)
+        argv = ["local", "--api", f"unix://{socket}", "--node-name", NODE]
+        argv += ["--connect-timeout", "300"]
         # A first watcher waits out the brain's own start: the node is timed against a brain
         # that has its state, as a node joining a running cluster finds it.
-        warm = ["--connect-timeout", "300", "to-json", "--once", "--output", os.devnull]
-        _measured([*KPNG, "local", "--api", f"unix://{socket}", "--node-name", NODE, *warm])
+        _measured([*KPNG, *argv, "to-json", "--once", "--output", os.devnull])
         with _netns() as ns:
-            argv = ["ip", "netns", "exec", ns, *KPNG, "local", "--api", f"unix://{socket}",
-                    "--node-name", NODE, "--connect-timeout", "300", *BACKEND]  # fmt: skip
-            wall, rss = _measured(argv)
-        status = Path(f"/proc/{brain.pid}/status").read_text()
-        brain_kib = next(
-            int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")
-        )
-        return wall, rss, brain_kib / 1024
+            wall, peak = _measured(["ip", "netns", "exec", ns, *KPNG, *argv, *BACKEND, "--once"])
+        with _netns() as ns:
+            held = _held(ns, [*argv, *BACKEND])
+        return wall, peak, held, _kib(brain.pid, "VmHWM") / 1024
     finally:
         brain.terminate()
         brain.wait(timeout=30)
+
+
+ROWS = ("in_wall", "in_peak", "in_held", "node_wall", "node_peak", "node_held", "brain_peak")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,33 +146,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
+    rows: dict[str, list[float]] = {name: [] for name in ROWS}
     with tempfile.TemporaryDirectory(prefix="kpng-bench-split-") as tmp:
         workdir = Path(tmp)
         cluster = workdir / "cluster.json"
         synthetic.write(cluster, args.services)
-        rows: dict[str, list[float]] = {k: [] for k in ("in_wall", "in_rss", "node_wall",
-                                                         "node_rss", "brain_rss")}  # fmt: skip
         for run in range(args.runs):  # alternated, so that drift hits both alike
-            wall, rss = in_process(cluster)
-            rows["in_wall"].append(wall)
-            rows["in_rss"].append(rss)
-            node_wall, node_rss, brain_rss = split(cluster, workdir)
-            rows["node_wall"].append(node_wall)
-            rows["node_rss"].append(node_rss)
-            rows["brain_rss"].append(brain_rss)
-            print(
-                f"run {run + 1}: in process {wall:.2f} s {rss:.0f} MiB; "
-                f"kpng local {node_wall:.2f} s {node_rss:.0f} MiB (brain {brain_rss:.0f} MiB)"
-            )
-    med = {k: statistics.median(v) for k, v in rows.items()}
+            figures = (*in_process(cluster), *split(cluster, workdir))
+            for name, value in zip(ROWS, figures, strict=True):
+                rows[name].append(value)
+            line = ", ".join(f"{n} {v:.2f}" for n, v in zip(ROWS, figures, strict=True))
+            print(f"run {run + 1}: {line}")
+    m = {name: statistics.median(values) for name, values in rows.items()}
     print(f"\n{args.services} services x 10 endpoints, node {NODE}, median of {args.runs}:")
     print("| | in process (kpng file ... to-local ... to-nft) | kpng local ... to-nft | ratio |")
     print("|---|---|---|---|")
-    print(f"| node peak RSS | {med['in_rss']:.0f} MiB | {med['node_rss']:.0f} MiB | "
-          f"{med['node_rss'] / med['in_rss']:.2f}x |")  # fmt: skip
-    print(f"| start to first programmed state | {med['in_wall']:.2f} s | {med['node_wall']:.2f} s"
-          f" (brain already synced) | {med['node_wall'] / med['in_wall']:.2f}x |")  # fmt: skip
-    print(f"| the brain's peak RSS | | {med['brain_rss']:.0f} MiB | |")
+    for label, key, unit in (
+        ("node RSS held once programmed", "held", "MiB"),
+        ("node peak RSS (the first sync)", "peak", "MiB"),
+        ("start to first programmed state", "wall", "s"),
+    ):
+        here, there = m[f"in_{key}"], m[f"node_{key}"]
+        print(f"| {label} | {here:.2f} {unit} | {there:.2f} {unit} | {there / here:.2f}x |")
+    print(f"| the brain's peak RSS | | {m['brain_peak']:.0f} MiB | |")
     return 0
 
 
