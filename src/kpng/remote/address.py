@@ -17,6 +17,19 @@ if TYPE_CHECKING:
     import grpc
 
 
+KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+"""A watch is mostly silent, so without pings a server that vanished without a word (a network
+cut, a node powered off) leaves the client waiting on a dead connection for good: pinged every
+10 s, a connection unanswered for 10 more is given up, and the next replica tried. (A server
+that wants fewer pings, Go's default policy, says so with GOAWAY, and gRPC doubles the
+interval.)"""
+
+
 @dataclass(frozen=True)
 class ClientTls:
     ca: Path | None = None
@@ -78,7 +91,7 @@ class Api:
     def channel(self) -> grpc.aio.Channel:
         import grpc
 
-        options = [("grpc.max_receive_message_length", 64 << 20)]
+        options = [("grpc.max_receive_message_length", 64 << 20), *KEEPALIVE]
         if self.tls is not None:
             return grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(), options)
         return grpc.aio.insecure_channel(self.grpc_target, options)

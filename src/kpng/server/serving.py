@@ -369,6 +369,14 @@ async def serve(
             # server has not picked up within 30 s by default, which turns one busy minute into
             # a reconnection storm.
             ("grpc.server_max_unrequested_time_in_server", 600),
+            # kpng's clients ping every 10 s (kpng.remote.address.KEEPALIVE) to notice a dead
+            # connection: allowed, as often as every 5 s. The server pings too, to free the
+            # views of watchers that vanished.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ]
     )
     server.add_generic_rpc_handlers(watch.handlers())

@@ -42,6 +42,8 @@ const (
 	// kpng: the ChangeTriggers of a change set, at path "triggers", in the change sets that have
 	// any. Not state: a consumer reads them with the change set they came in, and keeps nothing.
 	Set_ChangeTriggersSet Set = 101
+	// kpng, in the global watch: a globalv1.ServiceCIDRInfo at its name (no slash).
+	Set_GlobalServiceCIDRInfos Set = 102
 )
 
 // Enum value maps for Set.
@@ -55,16 +57,18 @@ var (
 		12:  "GlobalNodeInfos",
 		100: "NodeFactsSet",
 		101: "ChangeTriggersSet",
+		102: "GlobalServiceCIDRInfos",
 	}
 	Set_value = map[string]int32{
-		"UnknownSet":          0,
-		"ServicesSet":         1,
-		"EndpointsSet":        2,
-		"GlobalServiceInfos":  10,
-		"GlobalEndpointInfos": 11,
-		"GlobalNodeInfos":     12,
-		"NodeFactsSet":        100,
-		"ChangeTriggersSet":   101,
+		"UnknownSet":             0,
+		"ServicesSet":            1,
+		"EndpointsSet":           2,
+		"GlobalServiceInfos":     10,
+		"GlobalEndpointInfos":    11,
+		"GlobalNodeInfos":        12,
+		"NodeFactsSet":           100,
+		"ChangeTriggersSet":      101,
+		"GlobalServiceCIDRInfos": 102,
 	}
 )
 
@@ -1573,7 +1577,7 @@ const file_kpng_api_localv1_proto_rawDesc = "" +
 	"\aAddress\x18\x02 \x01(\tR\aAddress\"0\n" +
 	"\x0eChangeTriggers\x12\x0e\n" +
 	"\x02V4\x18\x01 \x03(\x01R\x02V4\x12\x0e\n" +
-	"\x02V6\x18\x02 \x03(\x01R\x02V6*\xa7\x01\n" +
+	"\x02V6\x18\x02 \x03(\x01R\x02V6*\xc3\x01\n" +
 	"\x03Set\x12\x0e\n" +
 	"\n" +
 	"UnknownSet\x10\x00\x12\x0f\n" +
@@ -1584,7 +1588,8 @@ const file_kpng_api_localv1_proto_rawDesc = "" +
 	"\x13GlobalEndpointInfos\x10\v\x12\x13\n" +
 	"\x0fGlobalNodeInfos\x10\f\x12\x10\n" +
 	"\fNodeFactsSet\x10d\x12\x15\n" +
-	"\x11ChangeTriggersSet\x10e*;\n" +
+	"\x11ChangeTriggersSet\x10e\x12\x1a\n" +
+	"\x16GlobalServiceCIDRInfos\x10f*;\n" +
 	"\bProtocol\x12\x13\n" +
 	"\x0fUnknownProtocol\x10\x00\x12\a\n" +
 	"\x03TCP\x10\x01\x12\a\n" +
