@@ -15,8 +15,8 @@ from kpng.errors import UsageError
 from kpng.kubeproxy import conntrack
 from kpng.kubeproxy.command import build
 from kpng.kubeproxy.config import Conntrack, kpng_argv
-from kpng.model.cluster import node_ips
-from kpng.model.messages import Node, NodeAddress
+from kpng.model.cluster import primary_ips
+from kpng.model.messages import NodeAddress
 
 # What `kubeadm init` writes into kube-proxy's ConfigMap (config.conf), nftables mode.
 KUBEADM = """\
@@ -369,8 +369,7 @@ def test_conntrack_apply_writes_only_what_differs_and_reports_what_it_cannot(
 def test_node_ips_are_kube_proxys_primary_ips(
     addresses: list[tuple[str, str]], expected: tuple[str, ...]
 ) -> None:
-    node = Node(Name="n", Addresses=tuple(NodeAddress(Type=t, Address=a) for t, a in addresses))
-    assert node_ips(node) == expected
+    assert primary_ips([NodeAddress(Type=t, Address=a) for t, a in addresses]) == expected
 
 
 @pytest.mark.parametrize(

@@ -76,11 +76,6 @@ def node_zone(node: Node | None) -> str:
     return node.Topology.Zone if node is not None and node.Topology is not None else ""
 
 
-def node_ips(node: Node | None) -> tuple[str, ...]:
-    """The node's primary IPs (``primary_ips`` of its addresses); none for no node."""
-    return () if node is None else primary_ips(node.Addresses)
-
-
 def primary_ips(addresses: Sequence[NodeAddress]) -> tuple[str, ...]:
     """A node's primary IPs, as kube-proxy finds them in its addresses: the first InternalIP
     (else ExternalIP), then the first address of the other family, if any."""
