@@ -162,18 +162,20 @@ def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 class Server:
-    """``kpng file --input F to-api --listen unix://SOCKET`` in a subprocess."""
+    """``kpng SOURCE... to-api --listen unix://SOCKET`` in a subprocess (``options`` go before
+    the source: ``--metrics-address``...)."""
 
-    def __init__(self, cluster: Path, socket: Path, log: Path) -> None:
+    def __init__(
+        self, source: Sequence[str], socket: Path, log: Path, options: Sequence[str] = ()
+    ) -> None:
         self.socket = socket
         self.api = f"unix://{socket}"
         script = Path(PYTHON).parent / "kpng"
         command = [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self._log_path = log
-        source = ("file", "--input", str(cluster))
         self.proc = subprocess.Popen(
-            [*command, "--log-level", "warning", *source, "to-api", "--listen", self.api],
+            [*command, "--log-level", "warning", *options, *source, "to-api", "--listen", self.api],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
@@ -218,7 +220,8 @@ class Server:
 
 @contextlib.contextmanager
 def served(cluster: ClusterFile, workdir: Path) -> Iterator[Server]:
-    server = Server(cluster.path, workdir / "kpng.sock", workdir / "server.log")
+    source = ("file", "--input", str(cluster.path))
+    server = Server(source, workdir / "kpng.sock", workdir / "server.log")
     try:
         server.wait_listening()
         yield server

@@ -767,6 +767,10 @@ class ControlPlane:
         processes = [*self._apiservers.values(), *([self._etcd] if self._etcd else [])]
         return [p.pid for p in processes]
 
+    def apiserver_pid(self, port: int | None = None) -> int:
+        """The process id of the apiserver on ``port`` (default: the kubeconfig's)."""
+        return self._apiservers[port or self.apiserver_port].pid
+
     def _start_etcd(self) -> None:
         self.etcd_port = free_port()
         peer = free_port()
