@@ -580,11 +580,15 @@ def free_port() -> int:
         return port
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+"""Looked up once here: a forked child of a process with other threads (gRPC's) must not load
+libraries (dlopen takes locks another thread may have held at the fork; the child crashed)."""
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGKILL when the process that started it dies, so that a
     test run killed hard leaves no etcd or apiserver behind (Linux' PR_SET_PDEATHSIG)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)
+    _PRCTL(1, signal.SIGKILL)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
