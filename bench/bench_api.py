@@ -698,19 +698,29 @@ class Watcher:
             try:
                 await call.write(request)
                 async for data in call:
-                    batch = batchv1_pb2.OpBatch.FromString(data)
-                    self.bytes += len(data)
-                    if self.keep:
-                        self._batches.append(data)
-                    if batch.Ops and batch.Ops[-1].WhichOneof("Op") == "Sync":
-                        self.syncs.append(time.perf_counter())
-                        if self.keep:
-                            self.change_sets.append(self._batches)
-                            self._batches = []
-                        self.synced.set()
+                    synced = self._take(data)
+                    # Held while the watcher idles otherwise: a first state's last batch is
+                    # a megabyte, times thousands of watchers.
+                    del data
+                    if synced:
                         await call.write(request)  # ask for the next change set
             finally:
                 call.cancel()
+
+    def _take(self, data: bytes) -> bool:
+        """Note one batch; True if it ends a change set."""
+        batch = batchv1_pb2.OpBatch.FromString(data)
+        self.bytes += len(data)
+        if self.keep:
+            self._batches.append(data)
+        if not batch.Ops or batch.Ops[-1].WhichOneof("Op") != "Sync":
+            return False
+        self.syncs.append(time.perf_counter())
+        if self.keep:
+            self.change_sets.append(self._batches)
+            self._batches = []
+        self.synced.set()
+        return True
 
 
 def _raw(data: bytes) -> bytes:

@@ -52,6 +52,7 @@ import contextlib
 import gc
 import hashlib
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -319,6 +320,10 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _terminated(signum: int, _: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--services", type=int, default=10_000, help="default: 10000")
@@ -335,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--changes: 1 to 100; --files: 1 to 10000; --wave: at least 1")
     if max(args.watchers) > args.nodes or min(args.watchers) < 1 or max(args.relays) > 50:
         parser.error("--watchers: 1 to --nodes each; --relays: 0 to 50 each")
+    # SIGTERM unwinds like an error: the servers' context managers stop them.
+    signal.signal(signal.SIGTERM, _terminated)
     # A connection per watcher, here and in the servers (children inherit the limit).
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 4 * max(args.watchers) + 1024
