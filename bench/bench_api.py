@@ -228,8 +228,14 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / self._clock_ticks
 
     def peak_rss_mb(self) -> float:
+        return self._status_mb("VmHWM:")
+
+    def rss_mb(self) -> float:
+        return self._status_mb("VmRSS:")
+
+    def _status_mb(self, field: str) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
         return math.nan
 

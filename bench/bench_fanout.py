@@ -102,6 +102,7 @@ class Round:
     distinct_ops: list[int] = field(default_factory=list)
     change_kb: list[float] = field(default_factory=list)
     initial_s: float = 0.0
+    rss_mb: float = 0.0  # the brain's (and relays') RSS once the watchers had their first states
 
 
 class Fleet:
@@ -220,7 +221,8 @@ def _print_round(r: Round) -> None:
     lat = r.latencies_s
     where = f"via {r.relays} relays" if r.relays else "direct"
     print(
-        f"  {r.watchers} watchers {where}: first states in {r.initial_s:.1f} s; "
+        f"  {r.watchers} watchers {where}: first states in {r.initial_s:.1f} s, then RSS "
+        f"{r.rss_mb:.0f} MB (brain{' and relays' if r.relays else ''}); "
         f"{len(r.brain_cpu_s)} changes, {median(r.change_kb):.0f} kB to all watchers each"
     )
     print(
@@ -295,6 +297,7 @@ async def _bench(args: argparse.Namespace, cluster: ClusterFile, brain: Server) 
                 for count in args.watchers:
                     result = Round(count, 0)
                     result.initial_s = await fleet.grow(count, [brain.api], args.wave)
+                    result.rss_mb = brain.rss_mb()
                     await _changes(fleet, mover, brain, [], args.changes, result)
                     _print_round(result)
                     rounds.append(result)
@@ -303,6 +306,7 @@ async def _bench(args: argparse.Namespace, cluster: ClusterFile, brain: Server) 
                 result = Round(top, relays)
                 apis = [s.api for s in servers]
                 result.initial_s = await fleet.grow(top, apis, args.wave)
+                result.rss_mb = brain.rss_mb() + sum(s.rss_mb() for s in servers)
                 await _changes(fleet, mover, brain, servers, args.changes, result)
                 await fleet.close()
             _print_round(result)

@@ -229,6 +229,9 @@ class WatchServer:
                 self.stats.local_change_sets += 1
                 answered = True
                 yield ChangeSet(head, shared, tail)
+                # Not held while the watcher waits for its next change: a first state's changes
+                # and ops are megabytes, times thousands of watchers.
+                del changes, shared, head, tail
         finally:
             self.stats.local_watches -= 1
             if view is not None:
@@ -270,6 +273,7 @@ class WatchServer:
         async for change_set in self._local_changesets(parsed, encoders, context):
             for op in change_set.ops():
                 yield op
+            del change_set  # not held while the watcher idles (see _local_changesets)
 
     async def watch_local_batched(
         self, requests: AsyncIterator[bytes], context: Any
@@ -281,6 +285,7 @@ class WatchServer:
         async for change_set in self._local_changesets(parsed, encoders, context):
             for batch in change_set.batches(BATCH_BYTES):
                 yield batch
+            del change_set, batch  # not held while the watcher idles (see _local_changesets)
 
     # --- global watches
 
