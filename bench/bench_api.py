@@ -119,28 +119,51 @@ class ClusterFile:
     """A synthetic cluster as one JSON List file, whose items can be changed one at a time.
 
     Items are kept encoded; a change re-encodes one item and writes the whole file anew, then
-    renames it over the old one, so kpng never reads half a file.
+    renames it over the old one, so kpng never reads half a file. With ``files`` > 1 the items
+    are split in order over that many List files in a directory (``path``), and a change
+    rewrites only the file holding the item: kpng re-reads only that file.
     """
 
-    def __init__(self, directory: Path, services: int, *, extra_nodes: int = 0) -> None:
-        self.path = directory / "cluster.json"
-        self._tmp = directory / ".cluster.json.tmp"  # hidden: kpng skips it
-        document = synthetic.generate(services)
+    def __init__(
+        self,
+        directory: Path,
+        services: int,
+        *,
+        extra_nodes: int = 0,
+        nodes: int = synthetic.NODES,
+        files: int = 1,
+    ) -> None:
+        if files > 1:
+            self.path = directory / "cluster"
+            self.path.mkdir()
+            self._files = [self.path / f"part-{k:04d}.json" for k in range(files)]
+        else:
+            self.path = directory / "cluster.json"
+            self._files = [self.path]
+        document = synthetic.generate(services, nodes=nodes)
         items: list[dict[str, Any]] = document["items"]
-        nodes = [item for item in items if item["kind"] == "Node"]
-        for i in range(synthetic.NODES, synthetic.NODES + extra_nodes):
-            items.append(_node_copy(nodes[i % len(nodes)], synthetic.node_name(i)))
+        node_items = [item for item in items if item["kind"] == "Node"]
+        for i in range(nodes, nodes + extra_nodes):
+            items.append(_node_copy(node_items[i % len(node_items)], synthetic.node_name(i)))
         self.items = [_encode(item) for item in items]
         self.slices = [i for i, item in enumerate(items) if item["kind"] == "EndpointSlice"]
         self.services = [i for i, item in enumerate(items) if item["kind"] == "Service"]
         self.nodes = sum(1 for item in items if item["kind"] == "Node")
         del document, items
+        self._per_file = -(-len(self.items) // len(self._files))
+        self._dirty = set(range(len(self._files)))
         self.write()
 
     def write(self) -> None:
-        data = b'{"apiVersion":"v1","items":[%s],"kind":"List"}' % b",".join(self.items)
-        self._tmp.write_bytes(data)
-        os.replace(self._tmp, self.path)
+        """Write the files whose items changed since the last write."""
+        for k in sorted(self._dirty):
+            chunk = self.items[k * self._per_file : (k + 1) * self._per_file]
+            data = b'{"apiVersion":"v1","items":[%s],"kind":"List"}' % b",".join(chunk)
+            path = self._files[k]
+            tmp = path.with_name(f".{path.name}.tmp")  # hidden: kpng skips it
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        self._dirty.clear()
 
     def item(self, i: int) -> dict[str, Any]:
         value: dict[str, Any] = msgspec.json.decode(self.items[i])
@@ -148,10 +171,11 @@ class ClusterFile:
 
     def set_item(self, i: int, item: dict[str, Any]) -> None:
         self.items[i] = _encode(item)
+        self._dirty.add(i // self._per_file)
 
     @property
     def size_mb(self) -> float:
-        return self.path.stat().st_size / 1e6
+        return sum(path.stat().st_size for path in self._files) / 1e6
 
 
 def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
@@ -163,15 +187,24 @@ def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
 
 class Server:
     """``kpng SOURCE... to-api --listen unix://SOCKET`` in a subprocess (``options`` go before
-    the source: ``--metrics-address``...)."""
+    the source: ``--metrics-address``...); under cProfile, writing ``profile`` when it stops, if
+    given."""
 
     def __init__(
-        self, source: Sequence[str], socket: Path, log: Path, options: Sequence[str] = ()
+        self,
+        source: Sequence[str],
+        socket: Path,
+        log: Path,
+        *,
+        options: Sequence[str] = (),
+        profile: Path | None = None,
     ) -> None:
         self.socket = socket
         self.api = f"unix://{socket}"
         script = Path(PYTHON).parent / "kpng"
         command = [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
+        if profile is not None:
+            command = [PYTHON, "-m", "cProfile", "-o", str(profile), "-m", "kpng"]
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self._log_path = log
         self.proc = subprocess.Popen(
@@ -197,8 +230,14 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / self._clock_ticks
 
     def peak_rss_mb(self) -> float:
+        return self._status_mb("VmHWM:")
+
+    def rss_mb(self) -> float:
+        return self._status_mb("VmRSS:")
+
+    def _status_mb(self, field: str) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
         return math.nan
 
@@ -219,9 +258,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(cluster: ClusterFile, workdir: Path) -> Iterator[Server]:
+def served(cluster: ClusterFile, workdir: Path, *, profile: Path | None = None) -> Iterator[Server]:
     source = ("file", "--input", str(cluster.path))
-    server = Server(source, workdir / "kpng.sock", workdir / "server.log")
+    server = Server(source, workdir / "kpng.sock", workdir / "server.log", profile=profile)
     try:
         server.wait_listening()
         yield server
@@ -639,6 +678,10 @@ class Watcher:
         self.bytes = 0
         self.reconnects = 0
         self.synced = asyncio.Event()
+        self.keep = False
+        """Keep the raw batches of each change set (off for first states: they are big)."""
+        self.change_sets: list[list[bytes]] = []
+        self._batches: list[bytes] = []
 
     async def run(self, api: str) -> None:
         backoff = Backoff()
@@ -663,14 +706,29 @@ class Watcher:
             try:
                 await call.write(request)
                 async for data in call:
-                    batch = batchv1_pb2.OpBatch.FromString(data)
-                    self.bytes += len(data)
-                    if batch.Ops and batch.Ops[-1].WhichOneof("Op") == "Sync":
-                        self.syncs.append(time.perf_counter())
-                        self.synced.set()
+                    synced = self._take(data)
+                    # Held while the watcher idles otherwise: a first state's last batch is
+                    # a megabyte, times thousands of watchers.
+                    del data
+                    if synced:
                         await call.write(request)  # ask for the next change set
             finally:
                 call.cancel()
+
+    def _take(self, data: bytes) -> bool:
+        """Note one batch; True if it ends a change set."""
+        batch = batchv1_pb2.OpBatch.FromString(data)
+        self.bytes += len(data)
+        if self.keep:
+            self._batches.append(data)
+        if not batch.Ops or batch.Ops[-1].WhichOneof("Op") != "Sync":
+            return False
+        self.syncs.append(time.perf_counter())
+        if self.keep:
+            self.change_sets.append(self._batches)
+            self._batches = []
+        self.synced.set()
+        return True
 
 
 def _raw(data: bytes) -> bytes:

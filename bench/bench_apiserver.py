@@ -447,7 +447,10 @@ async def brain_shape(
     metrics = f"127.0.0.1:{free_port()}"
     source = ("kube", "--kubeconfig", str(cluster.plane.kubeconfig))
     brain = Server(
-        source, workdir / "brain.sock", workdir / "brain.log", ("--metrics-address", metrics)
+        source,
+        workdir / "brain.sock",
+        workdir / "brain.log",
+        options=("--metrics-address", metrics),
     )
     try:
         brain.wait_listening()

@@ -3,10 +3,10 @@
 The document looks like ``kubectl get svc,endpointslices,nodes -A -o json``: keys sorted, the
 fields the API server fills in (uid, resourceVersion, creationTimestamp, the controller's labels
 and annotations, ...), services first, then slices, then nodes. Each service has 10 endpoints
-spread over 100 nodes in 3 zones; about 80% of services are ClusterIP, 15% NodePort and 5%
-LoadBalancer (half of those with externalTrafficPolicy Local and a health check node port). About
-10% of services ask for topology-aware routing (PreferClose) and their slices carry
-``hints.forZones``; about 3% of endpoints are not ready and 2% are terminating.
+spread over 100 nodes (``--nodes``) in 3 zones; about 80% of services are ClusterIP, 15%
+NodePort and 5% LoadBalancer (half of those with externalTrafficPolicy Local and a health check
+node port). About 10% of services ask for topology-aware routing (PreferClose) and their slices
+carry ``hints.forZones``; about 3% of endpoints are not ready and 2% are terminating.
 
 The JSON is compact, as the API server sends it: 10,000 services make 35.5 MB. That is near the
 floor for these objects: a slice is some 2.7 KB, 2.1 KB of it its 10 endpoints with their
@@ -89,7 +89,7 @@ class _Node:
 
 
 def node_name(i: int) -> str:
-    """The name of node ``i`` (0 <= i < NODES); every node hosts endpoints."""
+    """The name of node ``i`` (0 <= i < the generated node count, NODES by default)."""
     return f"node-{i:03d}"
 
 
@@ -118,10 +118,12 @@ class _Clock:
         return str(self._version)
 
 
-def _nodes(services: int) -> list[_Node]:
-    expected = services * ENDPOINTS_PER_SERVICE / NODES
+def _nodes(services: int, count: int) -> list[_Node]:
+    if not 1 <= count <= 250 * 256:  # node addresses: 250 per /24 of the node network
+        raise ValueError(f"{count} nodes: 1 to {250 * 256}")
+    expected = services * ENDPOINTS_PER_SERVICE / count
     block_bits = max(8, int(2 * expected + 2).bit_length())  # room for twice the mean
-    if NODES << block_bits > _POD_CIDR.num_addresses:
+    if count << block_bits > _POD_CIDR.num_addresses:
         raise ValueError(f"{services} services do not fit the pod network")
     base = int(_POD_CIDR.network_address)
     return [
@@ -132,7 +134,7 @@ def _nodes(services: int) -> list[_Node]:
             pod_base=base + (i << block_bits) + 2,
             block_bits=block_bits,
         )
-        for i in range(NODES)
+        for i in range(count)
     ]
 
 
@@ -198,7 +200,7 @@ def _node_object(node: _Node, i: int, clock: _Clock, rng: random.Random) -> Json
 
 
 class _Generator:
-    def __init__(self, services: int, seed: int, full: bool) -> None:
+    def __init__(self, services: int, seed: int, full: bool, nodes: int) -> None:
         if services < 0:
             raise ValueError("services must be >= 0")
         if services > _SERVICE_CIDR.num_addresses - 16:
@@ -206,8 +208,8 @@ class _Generator:
         self.full = full
         self.rng = random.Random(seed)
         self.clock = _Clock(self.rng)
-        self.nodes = _nodes(services)
-        self.pods_on_node = [0] * NODES
+        self.nodes = _nodes(services, nodes)
+        self.pods_on_node = [0] * nodes
         self.next_node_port = _NODE_PORT_BASE
         self.next_lb_ip = int(_LB_CIDR.network_address) + 10
         namespaces = max(1, -(-services // SERVICES_PER_NAMESPACE))
@@ -357,7 +359,7 @@ class _Generator:
         replica_set = _generated(rng, 10)
         endpoints: list[Json] = []
         for _ in range(ENDPOINTS_PER_SERVICE):
-            n = rng.randrange(NODES)
+            n = rng.randrange(len(self.nodes))
             node = self.nodes[n]
             roll = rng.random()
             if roll < 0.03:  # starting, or failing its readiness probe
@@ -384,14 +386,17 @@ class _Generator:
         return endpoints
 
 
-def generate(services: int, *, seed: int = 1, full: bool = False) -> dict[str, Any]:
+def generate(
+    services: int, *, seed: int = 1, full: bool = False, nodes: int = NODES
+) -> dict[str, Any]:
     """The cluster as one ``kind: List`` document (plain dicts and lists, ready for json).
 
     ``full`` adds what a real API server also writes but kpng never reads (owner references,
     the copied service labels, the pods' namespace and uid in targetRef...): the same cluster,
-    about twice the bytes.
+    about twice the bytes. ``nodes`` spreads the endpoints over that many nodes (each node
+    in a zone, round robin); the default NODES gives the same document as ever.
     """
-    gen = _Generator(services, seed, full)
+    gen = _Generator(services, seed, full, nodes)
     service_objects: list[Json] = []
     slice_objects: list[Json] = []
     for i in range(services):
@@ -461,11 +466,12 @@ def write(
     *,
     seed: int = 1,
     full: bool = False,
+    nodes: int = NODES,
     indent: int | None = None,
     describe_to: TextIO | None = None,
 ) -> int:
     """Generate and write the cluster; returns the size in bytes."""
-    document = generate(services, seed=seed, full=full)
+    document = generate(services, seed=seed, full=full, nodes=nodes)
     if describe_to is not None:
         print(describe(document), file=describe_to)
     data = dumps(document, indent=indent)
@@ -478,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--services", type=int, default=10_000, help="default: 10000")
     parser.add_argument("--seed", type=int, default=1, help="default: 1")
+    parser.add_argument("--nodes", type=int, default=NODES, help=f"default: {NODES}")
     parser.add_argument("--indent", type=int, default=None, help="pretty-print (default: compact)")
     parser.add_argument("--full", action="store_true", help="add the fields kpng never reads")
     parser.add_argument("--output", required=True, type=Path, help="the JSON file to write")
@@ -489,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.services,
         seed=args.seed,
         full=args.full,
+        nodes=args.nodes,
         indent=args.indent,
         describe_to=sys.stdout if args.describe else None,
     )

@@ -241,6 +241,10 @@ class ClusterResolver:
         self._log: list[ServiceKey] = []
         self._log_start = 0
         self._views: set[NodeView] = set()
+        # Views still at the log's start: only when the last of them moves on can the log be
+        # trimmed, so each read costs O(1) and not a pass over every view (5,000 watchers of
+        # one change would otherwise cost 25 million steps).
+        self._at_start = 0
 
     @property
     def services(self) -> Mapping[ServiceKey, Service]:
@@ -326,23 +330,35 @@ class ClusterResolver:
         """A new node-local state; its first ``resolve`` yields every service."""
         view = NodeView(self, node_name, self._log_start + len(self._log))
         self._views.add(view)
+        if view._position == self._log_start:
+            self._at_start += 1
         return view
 
     def _read_log(self, view: NodeView) -> list[ServiceKey]:
-        keys = self._log[view._position - self._log_start :]
+        old = view._position
+        keys = self._log[old - self._log_start :]
         view._position = self._log_start + len(self._log)
-        self._trim_log()
+        if old == self._log_start and view._position != old:
+            self._left_start()
         return keys
+
+    def _left_start(self) -> None:
+        self._at_start -= 1
+        if self._at_start <= 0:
+            self._trim_log()
 
     def _trim_log(self) -> None:
         done = min((v._position for v in self._views), default=self._log_start + len(self._log))
         if done > self._log_start:
             del self._log[: done - self._log_start]
             self._log_start = done
+        self._at_start = sum(1 for v in self._views if v._position == self._log_start)
 
     def _close(self, view: NodeView) -> None:
-        self._views.discard(view)
-        self._trim_log()
+        if view in self._views:
+            self._views.discard(view)
+            if view._position == self._log_start:
+                self._left_start()
 
 
 class NodeView:

@@ -7,7 +7,8 @@ Deletes of services; paths in sorted order within each group.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import msgspec
 
@@ -110,6 +111,128 @@ def local_ops(
                 endpoint_deletes.append(codec.op_delete(EndpointsSet, f"{path}/{ep_key}"))
         service_deletes.append(codec.op_delete(ServicesSet, path))
     return service_sets + endpoint_sets + endpoint_deletes + service_deletes
+
+
+class Shared:
+    """A change set's service and endpoint ops, and their OpBatch framing once asked for."""
+
+    __slots__ = ("_framed", "_held", "ops", "size")
+
+    def __init__(self, ops: list[bytes], held: object = None) -> None:
+        self.ops = ops
+        self.size = sum(len(op) for op in ops)
+        self._framed: bytes | None = None
+        self._held = held
+        """What the key of a SharedOps entry names by identity: kept alive with the entry."""
+
+    @property
+    def framed(self) -> bytes:
+        if self._framed is None:
+            self._framed = codec.op_batch(self.ops)
+        return self._framed
+
+
+_DELETED = 0  # id() of no object: a deleted service's "new value" in a SharedOps key
+
+
+class SharedOps:
+    """``local_ops`` of one transition, computed and framed once for every view that makes it.
+
+    Node views of one class share their ServiceEndpoints objects (ClusterResolver), so after a
+    change a thousand watchers hand in the same (service key, previous value, new value)
+    objects: keyed by those identities, the first view's ops and framed bytes serve the rest,
+    whose change sets then differ only in their own ops around them (node facts, triggers,
+    Reset, Sync). An entry holds its values, so no id in its key can name another object while
+    it is cached; the least recently used entries go past ``size``.
+    """
+
+    def __init__(
+        self,
+        encode_service: EncodeService,
+        encode_endpoint: EncodeEndpoint,
+        first_ops: FirstOps | None = None,
+        *,
+        size: int = 1024,
+    ) -> None:
+        self._encode_service = encode_service
+        self._encode_endpoint = encode_endpoint
+        self._first_ops = first_ops
+        self._size = size
+        self._cache: OrderedDict[frozenset[tuple[ServiceKey, int, int]], Shared] = OrderedDict()
+
+    def __call__(
+        self,
+        *,
+        updated: Mapping[ServiceKey, ServiceEndpoints],
+        deleted: Iterable[ServiceKey],
+        previous: Mapping[ServiceKey, ServiceEndpoints],
+        remember: bool = True,
+    ) -> Shared:
+        """The ops of this transition, computed now unless remembered; ``remember`` False
+        neither looks it up nor keeps it."""
+        deleted = tuple(deleted)
+        key: frozenset[tuple[ServiceKey, int, int]] = frozenset()
+        if remember:
+            transitions = [(k, id(previous.get(k)), id(new)) for k, new in updated.items()]
+            transitions += [(k, id(previous.get(k)), _DELETED) for k in deleted]
+            key = frozenset(transitions)
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                return entry
+        ops = local_ops(
+            updated=updated,
+            deleted=deleted,
+            previous=previous,
+            encode_service=self._encode_service,
+            encode_endpoint=self._encode_endpoint,
+            first_ops=self._first_ops,
+        )
+        if not remember:
+            return Shared(ops)
+        entry = self._cache[key] = Shared(ops, held=(tuple(updated.values()), dict(previous)))
+        if len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return entry
+
+
+def batches(ops: list[bytes], limit: int) -> Iterator[bytes]:
+    """Encoded OpBatches of ``ops``, each cut once it holds ``limit`` bytes of ops or more."""
+    chunk: list[bytes] = []
+    size = 0
+    for op in ops:
+        chunk.append(op)
+        size += len(op)
+        if size >= limit:
+            yield codec.op_batch(chunk)
+            chunk, size = [], 0
+    if chunk:
+        yield codec.op_batch(chunk)
+
+
+@dataclass(frozen=True)
+class ChangeSet:
+    """One node watch answer: the node's own ops around the ops its class of views shares."""
+
+    head: list[bytes]
+    """Reset, node facts: this watcher's own."""
+    shared: Shared
+    tail: list[bytes]
+    """Change triggers, Sync."""
+
+    def ops(self) -> list[bytes]:
+        return [*self.head, *self.shared.ops, *self.tail]
+
+    def batches(self, limit: int) -> Iterator[bytes]:
+        """What ``batches(self.ops(), limit)`` gives, byte for byte. A change set under the
+        limit is one batch, and OpBatch encodings concatenate into the OpBatch of all their ops
+        (Ops is the only field, repeated): the shared ops are framed once for all views."""
+        size = sum(len(op) for op in self.head) + self.shared.size
+        size += sum(len(op) for op in self.tail)
+        if 0 < size < limit:
+            yield codec.op_batch(self.head) + self.shared.framed + codec.op_batch(self.tail)
+        else:
+            yield from batches(self.ops(), limit)
 
 
 EncodeInfo = Callable[[msgspec.Struct], bytes]

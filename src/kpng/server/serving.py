@@ -1,7 +1,8 @@
 """``to-api``: the localv1, globalv1 and batchv1 watch services over gRPC (TCP or unix sockets).
 
 Responses are written as pre-encoded bytes (the generic handlers have no response serializer),
-so a change set is framed once and the payloads inside it are shared by every stream.
+so a change set is framed once and the payloads inside it are shared by every stream; watchers
+whose views make the same transition share its ops and their framing too (``SharedOps``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,13 @@ from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
 from kpng.model.paths import NODE_FACTS_PATH, TRIGGERS_PATH
 from kpng.resolver.resolving import NodeView
 from kpng.server.auth import Refused, WatchAuth
-from kpng.server.changesets import FirstOps, GlobalTracker, local_ops
+from kpng.server.changesets import (
+    ChangeSet,
+    FirstOps,
+    GlobalTracker,
+    SharedOps,
+    batches,
+)
 from kpng.server.hub import Hub, PayloadCache
 from kpng.store import Store
 
@@ -85,26 +92,46 @@ class Encoders:
     endpoint: Callable[[Endpoint], bytes]
     info: Callable[[msgspec.Struct], bytes]
     facts: Callable[[NodeFacts], bytes]
-    triggers: Callable[[ChangeTriggers], bytes]
+    triggers_op: Callable[[ChangeTriggers], bytes]
+    """The framed op: a revision's triggers are one object for every watcher that answers it."""
     first_ops: FirstOps
+    shared_ops: SharedOps
 
     @classmethod
     def protobuf(cls) -> Encoders:
         service = PayloadCache(codec.SERVICE.encode)  # protobuf encoding is costly: cached
         endpoint = PayloadCache(codec.ENDPOINT.encode)
+        first_ops = FirstOps(service, endpoint)
         return cls(
             service,
             endpoint,
             _encode_info_protobuf,
             codec.NODE_FACTS.encode,
-            codec.CHANGE_TRIGGERS.encode,
-            FirstOps(service, endpoint),
+            _triggers_op(codec.CHANGE_TRIGGERS.encode),
+            first_ops,
+            SharedOps(service, endpoint, first_ops),
         )
 
     @classmethod
     def json(cls) -> Encoders:
         encode = _JSON.encode
-        return cls(encode, encode, encode, encode, encode, FirstOps(encode, encode))
+        first_ops = FirstOps(encode, encode)
+        return cls(
+            encode,
+            encode,
+            encode,
+            encode,
+            _triggers_op(encode),
+            first_ops,
+            SharedOps(encode, encode, first_ops),
+        )
+
+
+def _triggers_op(encode: Callable[[ChangeTriggers], bytes]) -> PayloadCache[ChangeTriggers]:
+    def op(triggers: ChangeTriggers) -> bytes:
+        return codec.op_set(ChangeTriggersSet, TRIGGERS_PATH, encode(triggers))
+
+    return PayloadCache(op, size=1024)
 
 
 def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
@@ -124,19 +151,6 @@ async def _parsed(requests: AsyncIterator[bytes], message: Any, context: Any) ->
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.full_name}"
             )
-
-
-def _batches(ops: list[bytes]) -> Iterator[bytes]:
-    chunk: list[bytes] = []
-    size = 0
-    for op in ops:
-        chunk.append(op)
-        size += len(op)
-        if size >= BATCH_BYTES:
-            yield codec.op_batch(chunk)
-            chunk, size = [], 0
-    if chunk:
-        yield codec.op_batch(chunk)
 
 
 @dataclass
@@ -170,7 +184,7 @@ class WatchServer:
 
     async def _local_changesets(
         self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders], context: Any
-    ) -> AsyncIterator[list[bytes]]:
+    ) -> AsyncIterator[ChangeSet]:
         view: NodeView | None = None
         answered = False
         sent: NodeFacts | None = None
@@ -188,31 +202,36 @@ class WatchServer:
                     sent = None
                 assert view is not None
                 changes, facts, now = await self.hub.next_change_set(view, sent=sent)
-                ops = local_ops(
+                head: list[bytes] = []
+                tail: list[bytes] = []
+                # A first state is not remembered: its key would name every service, and a
+                # whole state is rarely another view's (a node hosting any endpoint has its own
+                # resolutions); FirstOps shares its framing per service instead.
+                shared = enc.shared_ops(
                     updated=changes.updated,
                     deleted=changes.deleted,
                     previous=changes.previous,
-                    encode_service=enc.service,
-                    encode_endpoint=enc.endpoint,
-                    first_ops=enc.first_ops,
+                    remember=not first,
                 )
+                if first:
+                    head.append(codec.OP_RESET)
                 if facts != sent:
-                    ops.insert(0, codec.op_set(NodeFactsSet, NODE_FACTS_PATH, enc.facts(facts)))
+                    head.append(codec.op_set(NodeFactsSet, NODE_FACTS_PATH, enc.facts(facts)))
                     sent = facts
                 if not first:  # a first state is not timed: its triggers predate the watcher
                     triggers = self.hub.triggers(after=revision, upto=now)
                     if triggers.V4 or triggers.V6:
-                        payload = enc.triggers(triggers)
-                        ops.append(codec.op_set(ChangeTriggersSet, TRIGGERS_PATH, payload))
+                        tail.append(enc.triggers_op(triggers))
                 revision = now
-                if first:
-                    ops.insert(0, codec.OP_RESET)
-                    if warning := unknown_node(view.node_name, self.store.nodes):
-                        await self._warn(context, view.node_name, warning, tell=not answered)
-                ops.append(codec.OP_SYNC)
+                if first and (warning := unknown_node(view.node_name, self.store.nodes)):
+                    await self._warn(context, view.node_name, warning, tell=not answered)
+                tail.append(codec.OP_SYNC)
                 self.stats.local_change_sets += 1
                 answered = True
-                yield ops
+                yield ChangeSet(head, shared, tail)
+                # Not held while the watcher waits for its next change: a first state's changes
+                # and ops are megabytes, times thousands of watchers.
+                del changes, shared, head, tail
         finally:
             self.stats.local_watches -= 1
             if view is not None:
@@ -251,9 +270,10 @@ class WatchServer:
             return self._encoders[batchv1_pb2.PROTOBUF]
 
         parsed = _parsed(requests, localv1_pb2.WatchReq, context)
-        async for ops in self._local_changesets(parsed, encoders, context):
-            for op in ops:
+        async for change_set in self._local_changesets(parsed, encoders, context):
+            for op in change_set.ops():
                 yield op
+            del change_set  # not held while the watcher idles (see _local_changesets)
 
     async def watch_local_batched(
         self, requests: AsyncIterator[bytes], context: Any
@@ -262,9 +282,10 @@ class WatchServer:
             return self._encoders.get(int(request.Encoding), self._encoders[batchv1_pb2.PROTOBUF])
 
         parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
-        async for ops in self._local_changesets(parsed, encoders, context):
-            for batch in _batches(ops):
+        async for change_set in self._local_changesets(parsed, encoders, context):
+            for batch in change_set.batches(BATCH_BYTES):
                 yield batch
+            del change_set, batch  # not held while the watcher idles (see _local_changesets)
 
     # --- global watches
 
@@ -319,7 +340,7 @@ class WatchServer:
     ) -> AsyncIterator[bytes]:
         parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context)
         async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding), context):
-            for batch in _batches(ops):
+            for batch in batches(ops, BATCH_BYTES):
                 yield batch
 
     def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
