@@ -229,11 +229,11 @@ def startup(cluster: Path) -> None:
         )
         if done.returncode != 0:
             raise SystemExit(f"{label}: {done.stderr[-2000:]}")
-        rows = []
+        rows: list[tuple[int, int, str]] = []
         for line in done.stderr.splitlines():
             if line.startswith("import time:") and "|" in line and "self [us]" not in line:
-                own, total, name = line[len("import time:") :].split("|")
-                rows.append((int(total), int(own), name.rstrip()))
+                self_us, cumulative_us, module = line[len("import time:") :].split("|")
+                rows.append((int(cumulative_us), int(self_us), module.rstrip()))
         top_level = sum(total for total, _, name in rows if not name.startswith("  "))
         print(f"  importtime, {label}: {top_level / 1e6:.3f} s, {len(rows)} modules")
         print("    most, cumulative (self) ms:")
