@@ -43,7 +43,7 @@ from pathlib import Path
 
 import synthetic
 from bench_nft import _ip
-from bench_split import KPNG, NODE, _measured, _netns
+from bench_split import KPNG, NODE, _netns, measured_usage
 
 from kpng.backends.nft.nftables import ELEMENTS_PER_LINE
 
@@ -72,10 +72,12 @@ def floor_text(services: int) -> str:
 
 @dataclass
 class Figures:
-    """Seconds and peak MiB of the runs of one command."""
+    """Seconds and peak MiB of the runs of one command, and the CPU seconds of its median run
+    in user space and in the kernel."""
 
     walls: list[float]
     peaks: list[float]
+    cpu: dict[float, tuple[float, float]]
 
     @property
     def wall(self) -> float:
@@ -85,24 +87,30 @@ class Figures:
     def peak(self) -> float:
         return max(self.peaks)
 
+    @property
+    def user_sys(self) -> tuple[float, float]:
+        return self.cpu[min(self.cpu, key=lambda wall: abs(wall - self.wall))]
+
     def line(self) -> str:
         each = ", ".join(f"{w:.2f}" for w in self.walls)
+        user, kernel = self.user_sys
         return (
-            f"median {self.wall:.2f} s (runs: {each}), peak RSS {self.peak:.0f} MiB "
-            f"({self.peak / GIB:.2f} GiB)"
+            f"median {self.wall:.2f} s (runs: {each}; CPU user {user:.2f} s, kernel "
+            f"{kernel:.2f} s), peak RSS {self.peak:.0f} MiB ({self.peak / GIB:.2f} GiB)"
         )
 
 
-def _in_netns(argv: Sequence[str], runs: int, prepare: Sequence[str] = ()) -> Figures:
-    """``argv`` run ``runs`` times, each in a fresh namespace (after ``prepare`` there)."""
-    figures = Figures([], [])
+def _in_netns(argv: Sequence[str], runs: int) -> Figures:
+    """``argv`` run ``runs`` times, each in a fresh namespace."""
+    figures = Figures([], [], {})
     for _ in range(runs):
         with _netns() as ns:
-            if prepare:
-                subprocess.run(["ip", "netns", "exec", ns, *prepare], check=True)
-            wall, peak = _measured(["ip", "netns", "exec", ns, *argv], timeout=TIMEOUT_S)
+            wall, peak, usage = measured_usage(
+                ["ip", "netns", "exec", ns, *argv], timeout=TIMEOUT_S
+            )
         figures.walls.append(wall)
         figures.peaks.append(peak)
+        figures.cpu[wall] = (usage.ru_utime, usage.ru_stime)
     return figures
 
 
@@ -171,10 +179,10 @@ def size_report(args: argparse.Namespace, size: int, cluster: Path, workdir: Pat
         raise SystemExit(f"kpng --dry-run failed: {done.stderr.decode()[-2000:]}")
     dry = time.perf_counter() - started
     nft_part = _in_netns(["nft", "-f", str(tx)], 1)
+    print(f"  split: --dry-run (all but nftables): {dry:.2f} s")
     print(
-        f"  split: --dry-run (all but nftables) {dry:.2f} s; nft -f of its transaction "
-        f"({tx.stat().st_size / 1e6:.0f} MB of text) {nft_part.wall:.2f} s, "
-        f"peak {nft_part.peak:.0f} MiB; ratio to the floor {nft_part.wall / floor.wall:.2f}x"
+        f"         nft -f of its transaction ({tx.stat().st_size / 1e6:.0f} MB of text): "
+        f"{nft_part.line()}; {nft_part.wall / floor.wall:.2f}x the floor"
     )
     ratio = whole.wall / floor.wall
     ok = ratio <= 2.0

@@ -38,9 +38,9 @@ _SCRIPT = textwrap.dedent(
 ).format(heavy=HEAVY)
 
 
-def _imported(*argv: str) -> dict[str, list[str]]:
+def _run_python(script: str, *argv: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, *argv],
+        [sys.executable, "-c", script, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,7 +48,11 @@ def _imported(*argv: str) -> dict[str, list[str]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    stages: dict[str, list[str]] = json.loads(done.stderr.splitlines()[-1])
+    return done
+
+
+def _imported(*argv: str) -> dict[str, list[str]]:
+    stages: dict[str, list[str]] = json.loads(_run_python(_SCRIPT, *argv).stderr.splitlines()[-1])
     return stages
 
 
@@ -73,13 +77,4 @@ def test_kpng_local_to_nft_builds_without_parsers_file_watcher_or_resolver() -> 
         f"print(json.dumps(sorted(m for m in {NOT_FOR_A_NODE_AGENT!r} if m in sys.modules)))"
     )
     argv = ["local", "--api", "unix:///nonexistent.sock", "--node-name", "node-1", "to-nft"]
-    done = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == []
+    assert json.loads(_run_python(script, *argv).stdout) == []
