@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -48,6 +49,14 @@ def _netns() -> Iterator[str]:
 
 def _measured(argv: list[str], timeout: float = 600) -> tuple[float, float]:
     """Run ``argv`` to its end: (wall seconds, its peak RSS in MiB)."""
+    wall, peak, _ = measured_usage(argv, timeout)
+    return wall, peak
+
+
+def measured_usage(
+    argv: list[str], timeout: float = 600
+) -> tuple[float, float, resource.struct_rusage]:
+    """Run ``argv`` to its end: (wall seconds, its peak RSS in MiB, its resource usage)."""
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
@@ -66,7 +75,7 @@ def _measured(argv: list[str], timeout: float = 600) -> tuple[float, float]:
         raise SystemExit(f"{' '.join(argv)} failed: {error}")
     if proc.stderr:
         proc.stderr.close()
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage
 
 
 def _held(ns: str, argv: list[str], timeout: float = 600) -> float:

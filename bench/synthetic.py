@@ -5,7 +5,8 @@ fields the API server fills in (uid, resourceVersion, creationTimestamp, the con
 and annotations, ...), services first, then slices, then nodes. Each service has 10 endpoints
 spread over 100 nodes (``--nodes``) in 3 zones; about 80% of services are ClusterIP, 15%
 NodePort and 5% LoadBalancer (half of those with externalTrafficPolicy Local and a health check
-node port). About 10% of services ask for topology-aware routing (PreferClose) and their slices
+node port; past some 80,000 services the node ports 30000-65535 are spent, and the rest are
+ClusterIP). About 10% of services ask for topology-aware routing (PreferClose) and their slices
 carry ``hints.forZones``; about 3% of endpoints are not ready and 2% are terminating.
 
 The JSON is compact, as the API server sends it: 10,000 services make 35.5 MB. That is near the
@@ -49,6 +50,8 @@ _POD_CIDR = ipaddress.IPv4Network("10.128.0.0/9")
 _NODE_CIDR = ipaddress.IPv4Network("10.0.0.0/16")
 _LB_CIDR = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544, the benchmarking range
 _NODE_PORT_BASE = 30000
+# The most node ports one service spends: two ports and a health check, each a stride of <= 2.
+_NODE_PORTS_PER_SERVICE = 6
 _BASE_TIME = dt.datetime(2024, 3, 1, tzinfo=dt.UTC)
 # Kubernetes' generated-name alphabet (no vowels, no look-alikes).
 _ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
@@ -241,6 +244,8 @@ class _Generator:
         name = f"{component}-{role}-{i}"
         roll = rng.random()
         kind = "ClusterIP" if roll < 0.80 else "NodePort" if roll < 0.95 else "LoadBalancer"
+        if self.next_node_port + _NODE_PORTS_PER_SERVICE > 65535:
+            kind = "ClusterIP"  # the range is spent: the rest still fit, as ClusterIPs
         profile = rng.choices(
             [p for _, p in _PORT_PROFILES], weights=[w for w, _ in _PORT_PROFILES]
         )[0]

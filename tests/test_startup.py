@@ -38,9 +38,9 @@ _SCRIPT = textwrap.dedent(
 ).format(heavy=HEAVY)
 
 
-def _imported(*argv: str) -> dict[str, list[str]]:
+def _run_python(script: str, *argv: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, *argv],
+        [sys.executable, "-c", script, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,7 +48,11 @@ def _imported(*argv: str) -> dict[str, list[str]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    stages: dict[str, list[str]] = json.loads(done.stderr.splitlines()[-1])
+    return done
+
+
+def _imported(*argv: str) -> dict[str, list[str]]:
+    stages: dict[str, list[str]] = json.loads(_run_python(_SCRIPT, *argv).stderr.splitlines()[-1])
     return stages
 
 
@@ -60,3 +64,17 @@ def test_file_to_local_to_json_imports_no_grpc_protobuf_or_entry_points(tmp_path
     )  # fmt: skip
     assert json.loads(out.read_text())["node"] == "node-2"  # the pipeline did run
     assert stages == {"import kpng.cli": [], "build": [], "run": []}
+
+
+# What a node agent behind a brain never uses: the file source's parsers and file watcher, and
+# the resolver (the brain resolves).
+NOT_FOR_A_NODE_AGENT = ("yaml", "watchfiles", "kpng.sources.manifests", "kpng.resolver.resolving")
+
+
+def test_kpng_local_to_nft_builds_without_parsers_file_watcher_or_resolver() -> None:
+    script = (
+        "import json, sys, kpng.cli; kpng.cli.build(sys.argv[1:]); "
+        f"print(json.dumps(sorted(m for m in {NOT_FOR_A_NODE_AGENT!r} if m in sys.modules)))"
+    )
+    argv = ["local", "--api", "unix:///nonexistent.sock", "--node-name", "node-1", "to-nft"]
+    assert json.loads(_run_python(script, *argv).stdout) == []

@@ -1,5 +1,6 @@
 """Pausing Python's cyclic garbage collector around a step that allocates heavily without
-awaiting: a helper for backends, which share the process's one collector with all of kpng."""
+awaiting: a helper for backends, which share the process's one collector with all of kpng, and
+for to-local's resolver."""
 
 from __future__ import annotations
 

@@ -17,16 +17,19 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
-
-import watchfiles
+from typing import TYPE_CHECKING, NamedTuple
 
 from kpng.errors import InputError, object_name
 from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
-from kpng.sources import Runner, SourceSpec, manifests
-from kpng.sources.manifests import Model, ObjectKey, Parsed
+from kpng.sources import Runner, SourceSpec
 from kpng.store import SourceHandle, Store
+
+if TYPE_CHECKING:
+    import watchfiles
+
+    from kpng.sources import manifests
+    from kpng.sources.manifests import Model, ObjectKey, Parsed
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,10 @@ class FileSource:
     def _read_all(self, paths: Iterable[Path]) -> dict[Path, _Read | None]:
         """Each file read and parsed (None if it is gone). Touches nothing the event loop reads
         (each file's parse memo is its own, one reload at a time)."""
+        # Imported here, in the worker thread: every command finds the file source, and the
+        # parsers (PyYAML, Kubernetes' objects) cost a node agent behind a brain 11 ms.
+        from kpng.sources import manifests
+
         results: dict[Path, _Read | None] = {}
         for path in paths:
             seen = (0, 0, 0)
@@ -289,6 +296,9 @@ class FileSource:
 
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
+        # Imported once needed: every command finds the file source, few follow files.
+        import watchfiles
+
         await self.load_off_loop(out)
         watch_root = self.path if self.path.is_dir() else self.path.parent
         catching_up: asyncio.Task[None] | None = None

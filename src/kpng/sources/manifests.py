@@ -8,17 +8,20 @@ that cannot be parsed at all raises ``InputError``, so the caller can keep what 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import yaml
 
 from kpng.errors import InputError, InvalidObject, object_name
-from kpng.model import converting, dumping, gokpng, k8s
+from kpng.model import converting, dumping, k8s
 from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
+
+if TYPE_CHECKING:
+    import yaml
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +139,14 @@ def _add_json_object(
 
 
 def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
+    # Imported here: PyYAML, and Go KPNG's format, cost a node agent reading JSON (or a remote
+    # kpng) some 13 ms of start-up for nothing.
+    import yaml
+
+    from kpng.model import gokpng
+
     try:
-        documents = list(yaml.load_all(data, Loader=_Loader))
+        documents = list(yaml.load_all(data, Loader=_loader()))
     except yaml.YAMLError as exc:
         raise InputError(f"{filename}: invalid YAML: {exc}") from None
     for d, doc in enumerate(documents):
@@ -236,6 +245,8 @@ def _add_dump(data: bytes, where: str, parsed: Parsed) -> None:
 def _add_go_kpng_state(
     doc: dict[str, Any], where: str, proxy_name: str | None, parsed: Parsed
 ) -> None:
+    from kpng.model import gokpng
+
     objects, errors = gokpng.load(doc)
     parsed.errors += [f"{where}: {error}" for error in errors]
     ignored: set[tuple[str, str]] = set()
@@ -264,11 +275,15 @@ def model_key(model: Model) -> ObjectKey:
     return ("Node", "", model.Name)
 
 
-class _Loader(yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader):  # type: ignore[misc]
+@functools.cache
+def _loader() -> type[yaml.SafeLoader]:
     """Safe YAML with timestamps left as strings (kpng reads none, and msgspec wants str keys)."""
+    import yaml
 
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
+    base = yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader
+    loader: type[yaml.SafeLoader] = type("_Loader", (base,), {})
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    return loader

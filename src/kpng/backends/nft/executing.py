@@ -41,8 +41,9 @@ LIBNFTABLES = "libnftables.so.1"
 TERSE = 1 << 11
 """libnftables' NFT_CTX_OUTPUT_TERSE (``nft -t``): listings without the elements of sets."""
 TRIM_AFTER_BYTES = 1 << 20
-"""After a transaction this long (a full sync), the C heap is given back to the system: see
-``LibNft``."""
+"""Before and after a transaction this long (a full sync), the C heap is given back to the
+system: see ``LibNft``."""
+WRITE_BUFFER = 1 << 20
 
 
 def libnftables_version() -> str:
@@ -167,7 +168,7 @@ class LibNft:
     async def run(self, tx: Transaction) -> None:
         if not tx.operations:
             return
-        ok, err = await asyncio.to_thread(self._run_text, tx.render().encode())
+        ok, err = await asyncio.to_thread(self._run_transaction, tx)
         if not ok:
             raise parse_error(tx, err)
 
@@ -204,19 +205,31 @@ class LibNft:
         """Free the context (also done when the executor is garbage-collected)."""
         self._free()
 
-    def _run_text(self, text: bytes) -> tuple[bool, str]:
+    def _run_transaction(self, tx: Transaction) -> tuple[bool, str]:
         # From a file, not a buffer: libnftables names neither the line nor the input of an
         # error in a buffer (it shows the buffer's first line), and from a file it writes
         # "FILE:LINE:COLS" as `nft -f` does. A memfd: private to this process, never on disk.
         fd = os.memfd_create("kpng-nft", os.MFD_CLOEXEC)
+        trim: Callable[[int], int] | None = None
         try:
-            with open(fd, "wb", closefd=False) as f:
-                f.write(text)
+            # Rendered a line at a time into the file: the whole text, and its bytes, never
+            # sit in memory beside what libnftables makes of them (100k services: 98 MB each).
+            size = 0
+            with open(fd, "w", encoding="utf-8", closefd=False, buffering=WRITE_BUFFER) as f:
+                for line, _ in tx.lines():
+                    f.write(line)
+                    f.write("\n")
+                    size += len(line) + 1
+            trim = self._trim if size >= TRIM_AFTER_BYTES else None
+            if trim is not None:
+                # What making the plan freed goes back to the system before libnftables grows
+                # to its peak, rather than after.
+                trim(0)
             return self._call(self._lib.nft_run_cmd_from_filename, f"/proc/self/fd/{fd}".encode())
         finally:
             os.close(fd)
-            if len(text) >= TRIM_AFTER_BYTES and self._trim is not None:
-                self._trim(0)
+            if trim is not None:
+                trim(0)
 
     @overload
     def _call(self, command: Callable[[int, bytes], int], arg: bytes) -> tuple[bool, str]: ...
