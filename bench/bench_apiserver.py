@@ -435,10 +435,14 @@ async def per_node_shape(
     return ShapeResult(nodes, change, change_s, own, relist, relist_s, relists, start_s)
 
 
-def _brain_metric(url: str, name: str) -> float:
+def _brain_relists(url: str) -> int:
+    """The brain's lists caused by 410 Gone, over its four reflectors."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    name = "kpng_source_relists_gone_total"
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(name)
+    )
 
 
 async def brain_shape(
@@ -486,11 +490,11 @@ async def brain_shape(
             change_s = statistics.median(c[1] for c in per_change)
             own = statistics.fmean(c[2] for c in per_change)
             brain_change = statistics.fmean(c[3] for c in per_change)
-            gone_before = _brain_metric(f"http://{metrics}/metrics", "kpng_source_relists_gone")
+            gone_before = _brain_relists(f"http://{metrics}/metrics")
             brain_before = brain.cpu_s()
             relist, relist_s = await counted(_measure_relist(cluster, arrived, restart_alone))
             brain_relist = brain.cpu_s() - brain_before
-            gone = _brain_metric(f"http://{metrics}/metrics", "kpng_source_relists_gone")
+            gone = _brain_relists(f"http://{metrics}/metrics")
         finally:
             for task in tasks:
                 task.cancel()
@@ -502,7 +506,7 @@ async def brain_shape(
     finally:
         brain.stop()
     result = ShapeResult(
-        nodes, change, change_s, own, relist, relist_s, int(gone - gone_before), start_s
+        nodes, change, change_s, own, relist, relist_s, gone - gone_before, start_s
     )
     result.brain_cpu_change_s = brain_change
     result.brain_cpu_relist_s = brain_relist

@@ -292,12 +292,20 @@ def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
     log = tmp_path / "kpng.log"
     proc = _start(kpng_command, subprocess_env, argv, log, port)
     try:
-        until(lambda: _get(f"{base}/healthz")[0] != 0, "the health server")
+
+        def to_json_applied() -> bool:
+            status, body = _get(f"{base}/healthz")
+            backends = json.loads(body).get("backends", {}) if status else {}
+            revision: int = backends.get("to-json", {}).get("revision", 0)
+            return revision == 1
+
+        # The server answers from the start, before the file is read: the plugin's state is
+        # late only once to-json has had its own.
+        until(to_json_applied, "to-json's first state")
         status, body = _get(f"{base}/healthz")
         assert status == 503
         report = json.loads(body)
         assert "to-plugin gone has not applied a state yet" in report["reasons"]
-        assert report["backends"]["to-json"]["revision"] == 1
         # The plugin's first state has waited past the 1 s timeout: not live either.
         until(lambda: _get(f"{base}/livez")[0] == 503, "/livez to turn 503")
         samples = _metrics(f"{base}/metrics")
