@@ -66,12 +66,12 @@ import msgspec
 import synthetic
 from bench_api import BenchError, Server, Watcher, _all_synced
 from bench_kube import APISERVER_ARGS, fill
+from bench_kube_proxy import cpu_split
 
 from kpng.testing.cluster import ControlPlane, ensure_binaries, free_port
 from kpng.testing.kubeapi import KubeApi
 
 Obj = dict[str, Any]
-TICK = os.sysconf("SC_CLK_TCK")
 EXTRAPOLATE_TO = 5_000
 LABELS = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
 """kube-proxy's label selector, for its Service and EndpointSlice informers alike."""
@@ -99,8 +99,7 @@ class Usage:
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return cpu_split(pid)[0]
 
 
 def usage(pid: int) -> Usage:
@@ -114,13 +113,6 @@ def usage(pid: int) -> Usage:
 def own_cpu_s() -> float:
     times = os.times()
     return times.user + times.system
-
-
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
 
 
 class Cluster:
@@ -162,19 +154,17 @@ class Cluster:
         patched = self.writer.patch("EndpointSlice", namespace, name, {"endpoints": endpoints})
         return name, int(patched["metadata"]["resourceVersion"])
 
-    def restart_a(self, between: Callable[[], object]) -> float:
-        """Stop A, run ``between`` (writes through B), start A on its port; seconds A was away.
+    def restart_a(self, between: Callable[[], object]) -> None:
+        """Stop A, run ``between`` (writes through B), start A on its port.
 
         Called in the main thread, blocking an event loop's clients meanwhile (they notice A's
         return at once): A dies with the thread that started it (``Daemon``'s parent-death
         signal), so not from a worker thread."""
-        started = time.perf_counter()
         self.plane.stop_apiserver(self.a_port, signal.SIGTERM)
         try:
             between()
         finally:
             self.plane.start_apiserver(self.a_port)
-        return time.perf_counter() - started
 
 
 # --- kube-proxy's shape: N node agents on the API server
@@ -597,6 +587,8 @@ def report(rows: list[tuple[ShapeResult, ShapeResult]], baseline: Baseline) -> N
 
 
 def _ratio(a: float, b: float, noise: float = 0.0) -> str:
+    if a <= noise:
+        return "—"
     if b <= noise:
         return f"≥ {a / noise:.0f}x" if noise > 0 else "—"
     return f"{a / b:.1f}x"
