@@ -27,7 +27,6 @@ import argparse
 import atexit
 import base64
 import contextlib
-import ctypes
 import datetime
 import fcntl
 import importlib.util
@@ -580,15 +579,15 @@ def free_port() -> int:
         return port
 
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-"""Looked up once here: a forked child of a process with other threads (gRPC's) must not load
-libraries (dlopen takes locks another thread may have held at the fork; the child crashed)."""
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the process that started it dies, so that a
-    test run killed hard leaves no etcd or apiserver behind (Linux' PR_SET_PDEATHSIG)."""
-    _PRCTL(1, signal.SIGKILL)
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the process that started it dies, and a test
+    run killed hard leaves no etcd or apiserver behind (Linux' PR_SET_PDEATHSIG, which survives
+    the exec). util-linux's setpriv sets it, not a ``preexec_fn``: Python code between fork and
+    exec in a process with other threads (gRPC's) crashed the child now and then (SIGSEGV)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise ControlPlaneError("setpriv (Debian's util-linux) is needed to start the daemons")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv]
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -607,12 +606,11 @@ class Daemon:
         self.logfile = logfile
         with logfile.open("ab") as out:
             self.popen = subprocess.Popen(
-                argv,
+                argv if detach else _dying_with_parent(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=None if detach else _die_with_parent,
             )
 
     @property
