@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,8 +335,13 @@ class ShapeResult:
     brain_peak_rss_mb: float = math.nan
 
 
+Arrived = Callable[[str, int, float], bool]
+"""Whether every node has a change: (its slice's name, its resourceVersion, the
+``time.perf_counter()`` before it was made)."""
+
+
 async def _measure_changes(
-    cluster: Cluster, changes: int, arrived: Callable[[str, int], bool], brain_pid: int | None
+    cluster: Cluster, changes: int, arrived: Arrived, brain_pid: int | None
 ) -> tuple[Usage, float, float, float]:
     """Per change: A's usage, the median seconds, this process's CPU and the brain's CPU."""
     per_change: list[tuple[Usage, float, float, float]] = []
@@ -345,7 +350,8 @@ async def _measure_changes(
         before, own, brain = cluster.usage(), own_cpu_s(), cpu_s(brain_pid) if brain_pid else 0.0
         started = time.perf_counter()
         name, version = await asyncio.to_thread(cluster.move_endpoint)
-        await _until(functools.partial(arrived, name, version), CHANGE_TIMEOUT_S, "a change")
+        check = functools.partial(arrived, name, version, started)
+        await _until(check, CHANGE_TIMEOUT_S, "a change")
         elapsed = time.perf_counter() - started
         await asyncio.sleep(SETTLE_S)
         brain_used = (cpu_s(brain_pid) - brain) if brain_pid else math.nan
@@ -363,16 +369,18 @@ async def _measure_changes(
 
 
 async def _measure_relist(
-    cluster: Cluster, arrived: Callable[[str, int], bool], restart_alone: Usage
+    cluster: Cluster, arrived: Arrived, restart_alone: Usage
 ) -> tuple[Usage, float]:
     """A restarted with a change made meanwhile: A's usage until every node has the change,
     less a restart's own, and the seconds from A's return."""
     await asyncio.sleep(SETTLE_S)
     moved: list[tuple[str, int]] = []
+    started = time.perf_counter()
     cluster.restart_a(lambda: moved.append(cluster.move_endpoint()))
     returned = time.perf_counter()
     name, version = moved[0]
-    await _until(lambda: arrived(name, version), RELIST_TIMEOUT_S, "a relist")
+    check = functools.partial(arrived, name, version, started)
+    await _until(check, RELIST_TIMEOUT_S, "a relist")
     elapsed = time.perf_counter() - returned
     await asyncio.sleep(SETTLE_S)
     return cluster.usage() - restart_alone, elapsed
@@ -400,7 +408,7 @@ async def per_node_shape(
                         task.result()
                         raise BenchError("an agent ended")
 
-            def arrived(name: str, version: int) -> bool:
+            def arrived(name: str, version: int, _since: float) -> bool:
                 alive()
                 return all(a.slices.get(name, 0) >= version for a in agents)
 
@@ -455,34 +463,19 @@ async def brain_shape(
             async with asyncio.timeout(START_TIMEOUT_S):
                 await _all_synced(watchers, 1, tasks)
             start_s = time.perf_counter() - started
-            synced = 1
 
-            def arrived(name: str, version: int) -> bool:
+            def arrived(_name: str, _version: int, since: float) -> bool:
                 # Each change is one change set for every node (its slice's service is used by
-                # every node): the change has arrived once every watcher has one more Sync.
-                return all(len(w.syncs) > synced for w in watchers)
+                # every node), and nothing else changes: it has arrived once every watcher has
+                # had a Sync since it was made.
+                return all(w.syncs and w.syncs[-1] > since for w in watchers)
 
-            async def counted(step: Awaitable[Any]) -> Any:
-                nonlocal synced
-                result = await step
-                synced = min(len(w.syncs) for w in watchers)
-                return result
-
-            per_change: list[tuple[Usage, float, float, float]] = []
-            for _ in range(changes):
-                per_change.append(
-                    await counted(_measure_changes(cluster, 1, arrived, brain.proc.pid))
-                )
-            change = Usage(
-                statistics.fmean(c[0].cpu_s for c in per_change),
-                statistics.fmean(c[0].written_mb for c in per_change),
+            change, change_s, own, brain_change = await _measure_changes(
+                cluster, changes, arrived, brain.proc.pid
             )
-            change_s = statistics.median(c[1] for c in per_change)
-            own = statistics.fmean(c[2] for c in per_change)
-            brain_change = statistics.fmean(c[3] for c in per_change)
             gone_before = _brain_relists(f"http://{metrics}/metrics")
             brain_before = brain.cpu_s()
-            relist, relist_s = await counted(_measure_relist(cluster, arrived, restart_alone))
+            relist, relist_s = await _measure_relist(cluster, arrived, restart_alone)
             brain_relist = brain.cpu_s() - brain_before
             gone = _brain_relists(f"http://{metrics}/metrics")
         finally:
@@ -495,13 +488,19 @@ async def brain_shape(
         raise
     finally:
         brain.stop()
-    result = ShapeResult(
-        nodes, change, change_s, own, relist, relist_s, gone - gone_before, start_s
+    return ShapeResult(
+        nodes,
+        change,
+        change_s,
+        own,
+        relist,
+        relist_s,
+        gone - gone_before,
+        start_s,
+        brain_cpu_change_s=brain_change,
+        brain_cpu_relist_s=brain_relist,
+        brain_peak_rss_mb=rss,
     )
-    result.brain_cpu_change_s = brain_change
-    result.brain_cpu_relist_s = brain_relist
-    result.brain_peak_rss_mb = rss
-    return result
 
 
 # --- figures
