@@ -16,11 +16,21 @@ from kpng.model.cluster import SliceEndpoint
 
 
 class Categories(msgspec.Struct, frozen=True):
-    """Indexes into the endpoint list, and whether any endpoint is usable anywhere."""
+    """Indexes into the endpoint list, and whether any endpoint is usable anywhere.
+
+    The last three fields say how the sets were chosen, so that ``kpng explain`` words the
+    decision this function made rather than making it a second time.
+    """
 
     cluster: frozenset[int]
     local: frozenset[int]
     has_any: bool
+    topology: str = ""
+    """The cluster set's topology: "node", "zone" or "" (hints not used)."""
+    cluster_fallback: bool = False
+    """No endpoint is ready: the cluster set is the serving terminating ones."""
+    local_fallback: bool = False
+    """No local endpoint is ready: the local set is the serving terminating local ones."""
 
 
 _NONE: frozenset[int] = frozenset()
@@ -64,7 +74,8 @@ def categorize(
     is externally accessible.
     """
     cluster = _NONE
-    has_any = False
+    has_any = cluster_fallback = False
+    mode = ""
     if uses_cluster:
         mode = _topology_mode(endpoints, node=node, zone=zone)
         if mode == "node":
@@ -82,9 +93,16 @@ def categorize(
             cluster = frozenset(
                 i for i, ep in enumerate(endpoints) if ep.serving and ep.terminating
             )
+            cluster_fallback = bool(cluster)
         has_any = bool(cluster)
     if not uses_local:
-        return Categories(cluster=cluster, local=_NONE, has_any=has_any)
+        return Categories(
+            cluster=cluster,
+            local=_NONE,
+            has_any=has_any,
+            topology=mode,
+            cluster_fallback=cluster_fallback,
+        )
 
     local_ready = []
     local_terminating = []
@@ -98,4 +116,11 @@ def categorize(
             if ep.node == node:
                 local_terminating.append(i)
     local = frozenset(local_ready or local_terminating)
-    return Categories(cluster=cluster, local=local, has_any=has_any)
+    return Categories(
+        cluster=cluster,
+        local=local,
+        has_any=has_any,
+        topology=mode,
+        cluster_fallback=cluster_fallback,
+        local_fallback=not local_ready and bool(local_terminating),
+    )

@@ -27,7 +27,7 @@ from kpng.model.messages import (
     ServiceEndpoints,
 )
 from kpng.model.paths import in_key_order
-from kpng.resolver.categorizing import categorize
+from kpng.resolver.categorizing import Categories, categorize
 
 _SCOPES = {
     (i, e, c): EndpointScopes(Internal=i, External=e, Cluster=c)
@@ -75,14 +75,47 @@ def _port_endpoints(
     return [(ep, number) for (_, number), ep in chosen.items()]
 
 
+class PortDecision(msgspec.Struct):
+    """How ``resolve_service`` chose one service port's endpoints in one family."""
+
+    port: int
+    """Index into the service's ports."""
+    v6: bool
+    candidates: list[tuple[SliceEndpoint, int]]
+    """The endpoints considered (one per address and port number), with their port number."""
+    categories: Categories
+    uses_cluster: bool
+    uses_local: bool
+    external: bool
+    """The port is reached from outside too: a node port, or an external or load-balancer IP."""
+    scopes: list[EndpointScopes]
+    """Per candidate, the scopes it was given."""
+
+
+class Trace(msgspec.Struct):
+    """What ``resolve_service`` decided, for ``kpng explain``: filled in when passed to it."""
+
+    internal_local: bool = False
+    external_local: bool = False
+    """externalTrafficPolicy is Local and the service is externally accessible."""
+    families: tuple[bool, ...] = ()
+    """The families resolved (False: IPv4, True: IPv6): those of the service's cluster IPs."""
+    decisions: list[PortDecision] = msgspec.field(default_factory=list)
+
+
 def resolve_service(
-    service: Service, slices: Iterable[Slice], *, node: str, zone: str
+    service: Service,
+    slices: Iterable[Slice],
+    *,
+    node: str,
+    zone: str,
+    trace: Trace | None = None,
 ) -> ServiceEndpoints:
     """One service as node ``node`` in ``zone`` sees it: its ports, and its endpoints with scopes.
 
     Each IP family is resolved on its own (kube-proxy runs one proxier per family), and each
     service port on its own; an endpoint whose scopes are the same on every port it serves comes
-    out once, with a PortOverride per port.
+    out once, with a PortOverride per port. A ``trace`` records each decision as it is made.
     """
     ips = service.IPs
     cluster_ips = ips.ClusterIPs if ips is not None and ips.ClusterIPs is not None else EMPTY_IPSET
@@ -93,6 +126,9 @@ def resolve_service(
         service, external_ips
     )
     ordered = sorted(slices, key=lambda sl: sl.name)
+    if trace is not None:
+        trace.internal_local, trace.external_local = internal_local, external_local
+        trace.families = tuple(v6 for v6 in (False, True) if cluster_ips.family(v6))
 
     # (endpoint identity, scopes) -> [endpoint, v6, ports]; dicts keep first-seen order.
     grouped: dict[tuple[int, EndpointScopes], tuple[SliceEndpoint, bool, list[PortName]]] = {}
@@ -112,14 +148,24 @@ def resolve_service(
             if port.Protocol == "UDP":
                 serving[p].update((ep.ip, number) for ep, number in candidates if ep.serving)
             external = port.NodePort != 0 or has_external_ip
+            uses_cluster = not internal_local or external
+            uses_local = internal_local or (external_local and external)
             cats = categorize(
                 [ep for ep, _ in candidates],
                 node=node,
                 zone=zone,
-                uses_cluster=not internal_local or external,
-                uses_local=internal_local or (external_local and external),
+                uses_cluster=uses_cluster,
+                uses_local=uses_local,
             )
             usable[p][v6] = cats.has_any
+            traced: list[EndpointScopes] | None = None
+            if trace is not None:
+                traced = []
+                trace.decisions.append(
+                    PortDecision(
+                        p, v6, candidates, cats, uses_cluster, uses_local, external, traced
+                    )
+                )
             for i, (ep, number) in enumerate(candidates):
                 in_cluster = i in cats.cluster
                 in_local = i in cats.local
@@ -130,6 +176,8 @@ def resolve_service(
                         in_cluster,
                     )
                 ]
+                if traced is not None:
+                    traced.append(scopes)
                 if scopes is _SCOPES[(False, False, False)]:
                     continue
                 entry = grouped.get((id(ep), scopes))
