@@ -194,6 +194,9 @@ class TimedNft:
     async def list_objects(self, table: Table) -> TableObjects | None:
         return await self._nft.list_objects(table)
 
+    async def list_table(self, table: Table) -> str:
+        return await self._nft.list_table(table)
+
 
 class FullSync(NamedTuple):
     seconds: float

@@ -28,6 +28,7 @@ from kpng.backends.registry import BackendSpec
 from kpng.errors import KpngError, UsageError
 from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.sinks import SinkSpec
+from kpng.sinks.explain import explain_json
 from kpng.sources import Runner, SourceSpec
 from kpng.status import Status
 from kpng.store import SourceHandle, Store
@@ -237,6 +238,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
     store = status.store = Store()
+    status.explain = functools.partial(explain_json, store)
     status.node = sink_spec.node(sink_args)
     status.nodes_listed = source_spec.lists_nodes
     assert source_spec.create is not None

@@ -50,6 +50,11 @@ def explain(store: Store, *, node: str, service: ServiceKey | None, output: str)
     return render_text(explanations)
 
 
+def explain_json(store: Store, node: str, service: ServiceKey) -> bytes:
+    """``/debug/explain``'s answer: what ``kpng explain -o json --service`` prints."""
+    return explain(store, node=node, service=service, output="json").encode()
+
+
 async def run_explain(store: Store, *, node: str, service: ServiceKey | None, output: str) -> None:
     subscription = store.subscribe()
     try:

@@ -1,7 +1,9 @@
-"""What kpng tells operators about itself: ``/healthz``, ``/livez`` and ``/metrics``.
+"""What kpng tells operators about itself: ``/healthz``, ``/livez``, ``/metrics`` and
+``/debug/...``.
 
-``Status`` gathers what those read (the store, the backends' feeders); ``health`` judges it
-(pure); ``metrics`` renders it for Prometheus; ``serving`` answers HTTP.
+``Status`` gathers what those read (the store, the backends' feeders, the last state given to
+them); ``health`` judges it (pure); ``metrics`` renders it for Prometheus; ``serving`` answers
+HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kpng.client import NodeState
 from kpng.feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
+from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ChangeTriggers
 from kpng.status.health import Verdict, judge
 from kpng.store import Published, Store
@@ -45,6 +48,13 @@ class FeedsOthers(Protocol):
 
     @property
     def feeders(self) -> list[Feeder]: ...
+
+
+@runtime_checkable
+class ShowsRules(Protocol):
+    """A backend that programs the kernel and can show what it left there (``/debug/rules``)."""
+
+    async def applied_rules(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,11 @@ class Status:
     draining: bool = False
     """The node was draining in the last state given to the backends: what ``kpng local``,
     which has no store, knows of it (from the brain)."""
+    last_state: NodeState | None = None
+    """The last node-local state given to the backends (``/debug/state``)."""
+    explain: Callable[[str, ServiceKey], bytes] | None = None
+    """Answers ``/debug/explain`` for a node and a Service, as ``kpng explain -o json``: given
+    by the CLI when this kpng holds the global state (not behind a remote brain)."""
     started: float = field(default_factory=time.time)
     """Wall time kpng started: older trigger times are not this kpng's to time (as kube-proxy)."""
     _ledger: collections.deque[Published] = field(default_factory=collections.deque)
@@ -135,6 +150,7 @@ class Status:
             self._forget(self._ledger.popleft())
 
     def _offered(self, state: NodeState) -> None:
+        self.last_state = state
         self.draining = state.draining
         triggers = state.triggers
         if triggers.V4 or triggers.V6:
@@ -164,17 +180,21 @@ class Status:
         """The backends fed directly, in command-line order (``to-nft``, ``to-plugin``...)."""
         return [feeder.name for fanout in self.fanouts for feeder in fanout.feeders]
 
-    @property
-    def backends(self) -> Mapping[str, FeederStats]:
-        """Every feeder's stats by name, those of composite backends' own feeders included."""
-        found: dict[str, FeederStats] = {}
+    def feeders(self) -> list[Feeder]:
+        """Every feeder, those of composite backends' own feeders included."""
+        found: list[Feeder] = []
         pending = [f for fanout in self.fanouts for f in fanout.feeders]
         while pending:
             feeder = pending.pop(0)
-            found[feeder.name] = _with_backend_stats(feeder)
+            found.append(feeder)
             if isinstance(feeder.backend, FeedsOthers):
                 pending.extend(feeder.backend.feeders)
         return found
+
+    @property
+    def backends(self) -> Mapping[str, FeederStats]:
+        """Every feeder's stats by name, those of composite backends' own feeders included."""
+        return {feeder.name: _with_backend_stats(feeder) for feeder in self.feeders()}
 
     @property
     def sources_synced(self) -> bool:
@@ -230,6 +250,7 @@ __all__ = [
     "FeedsOthers",
     "ProxyCounters",
     "Sample",
+    "ShowsRules",
     "Status",
     "Verdict",
 ]

@@ -1,6 +1,11 @@
 """The HTTP side of ``Status``: ``/healthz`` and ``/livez`` on one address, ``/metrics`` on
 another (or the same), as kube-proxy splits them: health is asked by load balancers on a node
-address, metrics are scraped on an address operators choose."""
+address, metrics are scraped on an address operators choose.
+
+The metrics address also answers ``/livez`` and the state view, ``/debug/state``,
+``/debug/explain`` and ``/debug/rules``: they show every Service and endpoint of the node, which
+is why they are there (loopback by default) and never on the health address, which load
+balancers reach."""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
 from kpng.addresses import host_port
 from kpng.errors import KpngError, UsageError
-from kpng.status import Status
+from kpng.status import ShowsRules, Status
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,68 @@ def _proxy_mode_handler(status: Status) -> _Handler:
     return handle
 
 
+def _state_json(status: Status) -> bytes:
+    """The last state given to the backends, as a line of ``to-json`` (kpng.backends.json;
+    tests/test_debug_view.py holds the two equal)."""
+    state = status.last_state
+    if state is None:
+        return b"null\n"
+    encode = msgspec.json.encode
+    services = b",".join(encode(state.services[key]) for key in sorted(state.services))
+    return b'{"node":%s,"revision":%d,"facts":%s,"services":[%s]}\n' % (
+        encode(state.node),
+        state.revision,
+        encode(state.facts),
+        services,
+    )
+
+
+def _debug_handlers(status: Status) -> list[web.RouteDef]:
+    async def state(_: web.Request) -> web.Response:
+        if status.last_state is None:
+            return web.Response(status=503, text="no state given to the backends yet\n")
+        return web.Response(body=_state_json(status), content_type="application/json")
+
+    async def explain(request: web.Request) -> web.Response:
+        if status.explain is None:
+            return web.Response(
+                status=404,
+                text="this kpng gets node-local states from a brain, which alone knows why: "
+                "ask the brain's /debug/explain\n",
+            )
+        node = request.query.get("node") or status.node
+        namespace, slash, name = request.query.get("service", "").partition("/")
+        if not node or not slash or not namespace or not name:
+            usage = "service=NAMESPACE/NAME" + ("" if status.node else "&node=NODE")
+            return web.Response(status=400, text=f"ask /debug/explain?{usage}\n")
+        if not status.sources_synced:
+            return web.Response(status=503, text="the sources have not synced yet\n")
+        # On the loop, not in a thread: the store changes on the loop. One Service costs a pass
+        # over the slices, some 20 ms at 100k.
+        return web.Response(
+            body=status.explain(node, (namespace, name)), content_type="application/json"
+        )
+
+    async def rules(_: web.Request) -> web.Response:
+        parts = []
+        for feeder in status.feeders():
+            if isinstance(feeder.backend, ShowsRules):
+                try:
+                    text = await feeder.backend.applied_rules()
+                except KpngError as exc:
+                    text = f"# cannot list them: {exc}\n"
+                parts.append(f"# {feeder.name}\n{text}")
+        if not parts:
+            return web.Response(status=404, text="no backend here programs the kernel\n")
+        return web.Response(text="".join(parts))
+
+    return [
+        web.get("/debug/state", state),
+        web.get("/debug/explain", explain),
+        web.get("/debug/rules", rules),
+    ]
+
+
 async def serve(
     status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
 ) -> None:
@@ -104,10 +172,12 @@ async def serve(
                 web.get("/metrics", _metrics_handler(status)),
                 # Where kube-proxy tells its mode; scripts and upstream's e2e tests read it.
                 web.get("/proxyMode", _proxy_mode_handler(status)),
+                *_debug_handlers(status),
             ]
         )
         if metrics != healthz:
             routes[metrics].append(web.get("/healthz", _ping))
+            routes[metrics].append(web.get("/livez", _health_handler(status, live_only=True)))
     runners: list[web.AppRunner] = []
     try:
         for address, defs in routes.items():

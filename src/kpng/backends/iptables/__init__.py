@@ -107,6 +107,18 @@ class IptablesBackend:
         self._comments = True
         """False in kube-proxy's large cluster mode (``rules.LARGE_CLUSTER_ENDPOINTS``)."""
 
+    async def applied_rules(self) -> str:
+        """The nat and filter tables of each family as iptables-save prints them: the rules
+        the last applied restore left, among the node's others."""
+        if self._iptables is None:
+            return "# a dry run applies nothing\n"
+        parts = []
+        for fam in self._families:
+            for table in ("nat", "filter"):
+                parts.append(f"# {self._iptables.tools.command(fam, 'save')} -t {table}\n")
+                parts.append(await self._iptables.save_text(fam, table))
+        return "".join(parts)
+
     def _rules_current(self) -> bool:
         since = self.pending_since
         return since is None or self._clock() - since < UNHEALTHY_AFTER_S

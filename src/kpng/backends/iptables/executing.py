@@ -102,10 +102,7 @@ class Iptables:
         """The chains of ``table`` and its rules (``iptables-save``, as kube-proxy reads them).
         With iptables-legacy every command reads the whole table, some 0.8 s for a nat table of
         10k services: one save serves every question about a table."""
-        rc, out, err = await _run([*self._command(fam, "save"), "-t", table])
-        if rc != 0:
-            command = self.tools.command(fam, "save")
-            raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
+        out = await self.save_text(fam, table)
         chains: set[str] = set()
         rules: set[tuple[str, str]] = set()
         for line in out.splitlines():
@@ -115,6 +112,14 @@ class Iptables:
                 chain, _, rule = line[3:].partition(" ")
                 rules.add((chain, rule))
         return Saved(table, chains, rules)
+
+    async def save_text(self, fam: Fam, table: str) -> str:
+        """``iptables-save -t TABLE`` as it prints it."""
+        rc, out, err = await _run([*self._command(fam, "save"), "-t", table])
+        if rc != 0:
+            command = self.tools.command(fam, "save")
+            raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
+        return out
 
     async def chains(self, fam: Fam, table: str) -> set[str]:
         return (await self.save(fam, table)).chains

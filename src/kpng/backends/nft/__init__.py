@@ -237,6 +237,12 @@ class NftBackend:
 
     _looked_for_kube_proxy = False
 
+    async def applied_rules(self) -> str:
+        """kpng's table as the kernel holds it: what the last applied transaction left."""
+        if self._dry_run:
+            return f"# table {TABLE.family} {TABLE.name}: a dry run applies nothing\n"
+        return await self._nft.list_table(TABLE) or f"# no table {TABLE.family} {TABLE.name}\n"
+
     def _rules_current(self) -> bool:
         since = self.pending_since
         return since is None or self._clock() - since < UNHEALTHY_AFTER_S

@@ -121,6 +121,16 @@ class KernelNft:
             raise NftError(err.strip())
         return parse_objects(out, table)
 
+    async def list_table(self, table: Table) -> str:
+        rc, out, err = await _run_output(
+            [*self._command, "list", "table", table.family, table.name]
+        )
+        if rc != 0:
+            if "No such file or directory" in err:
+                return ""
+            raise NftError(err.strip())
+        return out
+
 
 def _list_objects(table: Table) -> bytes:
     # Chains, sets and maps without their rules and elements: a full sync needs only the names,
@@ -200,6 +210,17 @@ class LibNft:
         if not ok:
             raise NftError(err.strip())
         return parse_objects(out, table)
+
+    async def list_table(self, table: Table) -> str:
+        command = f"list table {table.family} {table.name}".encode()
+        ok, err, out = await asyncio.to_thread(
+            self._call, self._lib.nft_run_cmd_from_buffer, command, output=True
+        )
+        if not ok:
+            if "No such file or directory" in err:
+                return ""
+            raise NftError(err.strip())
+        return out
 
     def close(self) -> None:
         """Free the context (also done when the executor is garbage-collected)."""

@@ -97,14 +97,22 @@ class FakeNft:
         sets = frozenset(name for name, obj in state.sets.items() if isinstance(obj, Set))
         return TableObjects(frozenset(state.chains), sets, frozenset(state.sets) - sets)
 
+    async def list_table(self, table: Table) -> str:
+        if (table.family, table.name) not in self.tables:
+            return ""
+        return self.dump(only=table)
+
     def elements(self, table: Table, container: str) -> dict[tuple[str, ...], tuple[str, ...]]:
         """The elements of a set or map, key -> value (empty tuple for a set)."""
         return dict(self.tables[(table.family, table.name)].elements[container])
 
-    def dump(self) -> str:
-        """The whole state as text, in an order that depends only on the state."""
+    def dump(self, only: Table | None = None) -> str:
+        """The whole state (or ``only`` that table) as text, in an order that depends only on
+        the state."""
         out: list[str] = []
         for key in sorted(self.tables):
+            if only is not None and key != (only.family, only.name):
+                continue
             state = self.tables[key]
             out.append(f"table {key[0]} {key[1]}")
             for name in sorted(state.sets):

@@ -380,6 +380,10 @@ class Nft(Protocol):
         """The chains, sets and maps of ``table`` (None: there is no such table)."""
         ...
 
+    async def list_table(self, table: Table) -> str:
+        """``table`` with its rules and elements as ``nft list table`` prints it ("" if none)."""
+        ...
+
 
 def parse_tables(listing: str) -> list[Table]:
     """The ``ip``, ``ip6`` and ``inet`` tables of ``nft list tables`` output (``table FAMILY
