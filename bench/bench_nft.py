@@ -10,6 +10,8 @@
    generated here and loaded with ``nft -f`` (``--baseline-services``), and the ratio;
 3. one endpoint change at each of ``--change-sizes`` services: the time until the kernel has
    it, median, p99 and worst of ``--changes`` changes (target <= 30 ms, flat);
+1c. what the element comments (``namespace/name:port``) cost: figure 1's full sync with and
+   without them, runs interleaved, and the ratio;
 4. connection latency through a service with 100 and with 10,000 services programmed
    (``--latency-sizes``): a test bed node whose pod opens connections to a service served by
    another pod, rounds alternating the sizes, median per size (target: ratio <= 1.2).
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -206,11 +209,17 @@ class FullSync(NamedTuple):
     """A second backend's full sync over the table the first left (a restart)."""
 
 
-async def _full_sync(services: int, kind: str, affinity: int = 0) -> FullSync:
+async def _full_sync(
+    services: int, kind: str, affinity: int = 0, *, comments: bool = True
+) -> FullSync:
     """One full sync of ``services``, and ``affinity`` with ClientIP affinity, into an empty
-    table."""
-    from kpng.backends.nft import NftBackend
+    table; without ``comments``, the elements name no service."""
+    from kpng.backends.nft import NftBackend, layout
     from kpng.backends.nft.layout import Options
+
+    if not comments:
+        with unittest.mock.patch.object(layout, "comment_name", return_value=""):
+            return await _full_sync(services, kind, affinity)
 
     nft = TimedNft(kind)
     backend = NftBackend(nft=nft, options=Options(cluster_cidrs=("10.128.0.0/9",)))
@@ -276,6 +285,19 @@ def inside(args: argparse.Namespace) -> int:
     )
     if not args.no_baseline:
         _baseline(args, median)
+    timed: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeat):
+        for comments in (False, True):
+            timed[comments].append(
+                asyncio.run(_full_sync(args.services, args.nft, comments=comments)).seconds
+            )
+            _delete_table()
+    with_, without = _median(timed[True]), _median(timed[False])
+    print(
+        f"1c. full sync of {args.services} services with element comments: median "
+        f"{with_:.3f} s, without: {without:.3f} s, ratio {with_ / without:.3f} "
+        f"({args.repeat} runs each, interleaved)"
+    )
     if args.affinity_services:
         sticky = []
         for _ in range(args.repeat):

@@ -144,3 +144,5 @@ def test_rules_are_what_the_kernel_holds(
         ).stdout  # fmt: skip
         assert code == 200
         assert rules == f"# to-nft\n{listed}"
+        # Names in the rules: each service port's elements say whose they are.
+        assert 'comment "shop/web:http"' in rules

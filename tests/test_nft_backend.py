@@ -342,7 +342,8 @@ def test_first_state_replaces_the_table_then_changes_are_incremental() -> None:
             "delete element inet kpng cluster-eps-v4-1 { 10.96.0.10 . tcp . 80 }",
             "delete element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 }",
             "add element inet kpng cluster-eps-v4-0 { 10.96.0.10 . tcp . 80 : 10.244.1.3 . 8080 }",
-            "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }",
+            'add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 comment "ns/web:p" '
+            ": goto pick-cluster-v4-1 }",
             "flush chain inet kpng pick-cluster-v4-2",
             "delete chain inet kpng pick-cluster-v4-2",
             "delete map inet kpng cluster-eps-v4-1",  # no service has a second endpoint now
@@ -725,12 +726,17 @@ def test_dry_run_prints_transactions_and_touches_nothing() -> None:
     services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
     asyncio.run(backend.apply(_state(7, services)))
     text = out.getvalue()
-    assert text.startswith("# revision 7\nadd table inet kpng")
+    # It names the services the transaction is for, and each of their elements names its own.
+    assert text.startswith("# revision 7: service ns/web\nadd table inet kpng")
     assert (
-        "add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 : goto pick-cluster-v4-1 }"
-        in text
+        'add element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 comment "ns/web:p" '
+        ": goto pick-cluster-v4-1 }" in text
     )
     assert nft.transactions == []
+    services[DB] = ServiceEndpoints(_service("db", cluster_ip="10.96.0.11"), ())
+    del services[WEB]
+    asyncio.run(backend.apply(_state(8, services, updated={DB}, deleted={WEB})))
+    assert "# revision 8: services ns/db, ns/web\n" in out.getvalue()
 
 
 def test_full_table_is_accepted_by_the_fake() -> None:

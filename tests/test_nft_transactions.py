@@ -11,6 +11,7 @@ from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.nftables import (
     Chain,
     Element,
+    Elements,
     InvalidNftObject,
     Map,
     NftError,
@@ -18,6 +19,7 @@ from kpng.backends.nft.nftables import (
     Set,
     Table,
     Transaction,
+    comment_name,
 )
 
 T = Table("inet", "t")
@@ -141,3 +143,20 @@ def test_kernel_error_names_the_failing_rendered_line() -> None:
     assert error.line_number == 6
     assert error.line == "add rule inet t pre ip daddr . meta l4proto . th dport vmap @svc"
     assert "No such file or directory" in str(error)
+
+
+def test_an_element_names_its_service_port_in_a_comment() -> None:
+    element = Element("cluster-v4", ("10.96.0.10", "tcp", "80"), ("goto x",), "shop/web:http")
+    assert element.render() == '10.96.0.10 . tcp . 80 comment "shop/web:http" : goto x'
+    assert element.render(with_value=False) == '10.96.0.10 . tcp . 80 comment "shop/web:http"'
+    # A full sync's pre-rendered items read back as the same elements.
+    assert Elements("cluster-v4", [element.render()]).expand() == [element]
+    assert comment_name("shop", "web") == "shop/web"
+    assert comment_name("shop", "web", "http") == "shop/web:http"
+    assert len(comment_name("n" * 63, "s" * 63, "p" * 15)) == 128
+
+
+@pytest.mark.parametrize("comment", ['a"b', "a b", "x;y", "c" * 129])
+def test_a_comment_nft_would_misread_is_refused(comment: str) -> None:
+    with pytest.raises(InvalidNftObject):
+        Element("cluster-v4", ("10.96.0.10",), (), comment)

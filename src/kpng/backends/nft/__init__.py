@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import logging
 import math
 import sys
@@ -113,7 +114,9 @@ class NftBackend:
             touched = self._record(state)
         if self._dry_run:
             plan = self._plan(touched)
-            self._output.write(f"# revision {state.revision}\n{plan.tx.render()}")
+            self._output.write(
+                f"# revision {state.revision}: {_named(touched.services)}\n{plan.tx.render()}"
+            )
             self._output.flush()
             self.store.commit(plan)
             self._needs_full = False
@@ -225,11 +228,13 @@ class NftBackend:
             self._needs_full = False
             self.pending_since = None
             self._syncs.synced(revision=self._revision)
-            log.debug(
-                "applied a %s transaction of %d operations",
-                "full" if plan.full else "incremental",
-                len(plan.tx),
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "applied a %s transaction of %d operations: %s",
+                    "full" if plan.full else "incremental",
+                    len(plan.tx),
+                    _named(touched.services),
+                )
         # After a full sync (start, takeover, recovery) every frontend is reconciled, as
         # kube-proxy does at start; after a change, those whose serving endpoints changed.
         await self._clean_conntrack(None if plan.full else touched.udp_frontends)
@@ -324,6 +329,19 @@ class NftBackend:
     async def close(self) -> None:
         if self._health is not None:
             await self._health.close()
+
+
+_NAMED = 10
+"""The most services a log line or dry-run header names; more are counted."""
+
+
+def _named(services: set[ServiceKey]) -> str:
+    """``services ns/a, ns/b and 3 more`` (by name), or ``no service changed``."""
+    if not services:
+        return "no service changed"
+    names = [object_name(*key) for key in heapq.nsmallest(_NAMED, services)]
+    more = f" and {len(services) - _NAMED} more" if len(services) > _NAMED else ""
+    return f"service{'s' if len(services) > 1 else ''} {', '.join(names)}{more}"
 
 
 async def cleanup(nft: Nft | None = None) -> bool:

@@ -43,6 +43,7 @@ from kpng.backends.nft.nftables import (
     Table,
     TableObjects,
     Transaction,
+    render_element,
 )
 from kpng.model.cluster import ServiceKey
 
@@ -60,6 +61,8 @@ class Touched:
     """Touched elements left with more than one owner: the only ones that can conflict."""
     udp_frontends: set[tuple[str, str]] = field(default_factory=set)
     """UDP frontends whose serving endpoints changed: their stale conntrack flows go."""
+    services: set[ServiceKey] = field(default_factory=set)
+    """The services whose contribution changed, named in the logs and the dry run."""
 
     def __bool__(self) -> bool:
         return bool(self.elements or self.chains or self.maps)
@@ -99,6 +102,7 @@ class TableState:
     def update(self, key: ServiceKey, new: Contribution | None, touched: Touched) -> None:
         """Record service ``key``'s contribution (None: deleted), adding what changed to
         ``touched``."""
+        touched.services.add(key)
         old = self.contributions.pop(key, None) or Contribution()
         if new is not None:
             self.contributions[key] = new
@@ -195,6 +199,14 @@ class TableState:
             return owners[min(owners)]
         return self.contributions[owners].elements[ek]
 
+    def comment(self, ek: ElementKey) -> str:
+        """The comment of element ``ek``: its (first) owner's."""
+        owners = self._element_owners.get(ek)
+        if owners is None:
+            return ""
+        owner = min(owners) if isinstance(owners, dict) else owners
+        return self.contributions[owner].comments.get(ek, "")
+
     def desired_chain(self, name: str) -> ChainDef | None:
         return _first_owners(self._chain_owners.get(name))
 
@@ -238,7 +250,7 @@ class TableState:
                 tx.delete(Element(ek[0], ek[1]))
         for ek, value in changed:
             if value is not None:
-                tx.add(Element(ek[0], ek[1], value))
+                tx.add(Element(ek[0], ek[1], value, self.comment(ek)))
         # Chains and maps last: once nothing refers to them.
         for name, chain in sorted(chains.items()):
             if chain is None and name in self.applied_chains:
@@ -296,14 +308,20 @@ class TableState:
         # hold no space, which sorts before anything they hold) at half the cost of sorting
         # tuples.
         table: dict[ElementKey, tuple[str, ...]] = {}
+        comments: dict[ElementKey, str] = {}
         by_container: dict[str, list[tuple[str, ...]]] = {}
         contributions = self.contributions
         for ek, owners in self._element_owners.items():
             if isinstance(owners, dict):
-                value = owners[min(owners)]
+                owner = min(owners)
+                value = owners[owner]
             else:
+                owner = owners
                 value = contributions[owners].elements[ek]
             table[ek] = value
+            comment = contributions[owner].comments.get(ek)
+            if comment:
+                comments[ek] = comment
             keys = by_container.get(ek[0])
             if keys is None:
                 keys = by_container[ek[0]] = []
@@ -311,7 +329,7 @@ class TableState:
         for container in sorted(by_container):
             keys = by_container[container]
             keys.sort(key=_joined)
-            tx.add(Elements(container, _Rendered(container, keys, table)))
+            tx.add(Elements(container, _Rendered(container, keys, table, comments)))
         return Plan(tx, table, chains, maps, table=table)
 
     def commit(self, plan: Plan) -> None:
@@ -341,17 +359,19 @@ class _Rendered(Sequence[str]):
     to the commit, 100k services' 1.8 million texts sat in memory beside libnftables' parse of
     them."""
 
-    __slots__ = ("_container", "_keys", "_table")
+    __slots__ = ("_comments", "_container", "_keys", "_table")
 
     def __init__(
         self,
         container: str,
         keys: list[tuple[str, ...]],
         table: Mapping[ElementKey, tuple[str, ...]],
+        comments: Mapping[ElementKey, str],
     ) -> None:
         self._container = container
         self._keys = keys
         self._table = table
+        self._comments = comments
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -371,9 +391,8 @@ class _Rendered(Sequence[str]):
         return map(self._render, self._keys)
 
     def _render(self, key: tuple[str, ...]) -> str:
-        value = self._table[(self._container, key)]
-        text = " . ".join(key)
-        return f"{text} : {' . '.join(value)}" if value else text
+        ek = (self._container, key)
+        return render_element(key, self._table[ek], self._comments.get(ek, ""))
 
 
 def check_transaction(

@@ -110,7 +110,7 @@ from kpng.backends._node import FAMILIES, Fam
 from kpng.backends._node import MASQUERADE_BIT as MASQUERADE_BIT
 from kpng.backends._node import FromNode as FromNode
 from kpng.backends._node import Options as Options
-from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table
+from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table, comment_name
 from kpng.model.messages import ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
@@ -299,6 +299,8 @@ class Contribution:
     """What one service puts into the table."""
 
     elements: dict[ElementKey, tuple[str, ...]] = field(default_factory=dict)
+    comments: dict[ElementKey, str] = field(default_factory=dict)
+    """The dispatch elements' comments: the service port they send to (``ns/name:port``)."""
     chains: dict[str, tuple[Chain, tuple[Rule, ...]]] = field(default_factory=dict)
     maps: dict[str, Map | Set] = field(default_factory=dict)
     """Named sets and maps, by name."""
@@ -347,7 +349,10 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                     hashlib.sha1(port_id.encode()).hexdigest()[:12], port_id, fam, proto, timeout
                 )
 
+            name = comment_name(service.Namespace, service.Name, port.Name)
+
             def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
+                out.comments[(f"{kind}-{fam}", key)] = name  # noqa: B023
                 if sticky is not None and eps:  # noqa: B023
                     _remember(out, sticky, kind, key, eps)  # noqa: B023
                     return

@@ -25,6 +25,11 @@ Verb = Literal["add", "delete", "flush"]
 # nft identifiers: a letter, then letters, digits and a few punctuation marks (NFT_NAME_MAXLEN).
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,255}$")
 _BAD_FIELD = re.compile(r"[{},;\n]| \. ")
+# What a comment may hold: Kubernetes names (DNS labels and subdomains), "/" and ":" between
+# them; at most nft's 128 characters.
+_COMMENT = re.compile(r"[A-Za-z0-9._/:-]{0,128}")
+_COMMENTED = ' comment "'
+
 _HOOKS = ("prerouting", "input", "forward", "output", "postrouting")
 _CHAIN_TYPES = ("filter", "nat", "route")
 # Where a batch of elements goes on one line: one `add element` of 1,000 elements loads 10k
@@ -177,19 +182,36 @@ class Element:
     container: str
     key: tuple[str, ...]
     value: tuple[str, ...] = ()
+    comment: str = ""
+    """Whose element it is (kube-proxy's ``namespace/name:port``), shown by ``nft list``."""
 
     def __post_init__(self) -> None:
         _check_name("set", self.container)
         if not self.key:
             raise InvalidNftObject(f"element of {self.container}: empty key")
+        if not _COMMENT.fullmatch(self.comment):
+            raise InvalidNftObject(f"element of {self.container}: invalid comment {self.comment!r}")
         # One regex over the joined fields: a full sync validates some 100k elements.
         fields = (*self.key, *self.value)
         if "" in fields or _BAD_FIELD.search("\t".join(fields)):
             raise InvalidNftObject(f"element of {self.container}: invalid field in {fields!r}")
 
     def render(self, *, with_value: bool = True) -> str:
-        key = " . ".join(self.key)
-        return f"{key} : {' . '.join(self.value)}" if self.value and with_value else key
+        return render_element(self.key, self.value if with_value else (), self.comment)
+
+
+def render_element(key: tuple[str, ...], value: tuple[str, ...], comment: str = "") -> str:
+    """``key [comment "C"] [: value]``, fields joined by " . "."""
+    text = " . ".join(key)
+    if comment:
+        text += f'{_COMMENTED}{comment}"'
+    return f"{text} : {' . '.join(value)}" if value else text
+
+
+def comment_name(namespace: str, name: str, port: str = "") -> str:
+    """kube-proxy's name of a service port in its rules: ``namespace/name:port`` (``:port``
+    only for a named port), cut to what an nft comment holds."""
+    return f"{namespace}/{name}{':' + port if port else ''}"[:128]
 
 
 @dataclass(frozen=True)
@@ -216,8 +238,16 @@ class Elements:
         out = []
         for item in self.items:
             key, colon, value = item.partition(" : ")
+            key, commented, comment = key.partition(_COMMENTED)
             fields = tuple(value.split(" . ")) if colon else ()
-            out.append(Element(self.container, tuple(key.split(" . ")), fields))
+            out.append(
+                Element(
+                    self.container,
+                    tuple(key.split(" . ")),
+                    fields,
+                    comment.removesuffix('"') if commented else "",
+                )
+            )
         return out
 
     def render(self) -> str:
