@@ -3,14 +3,27 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
+.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
 	system-packages compat
+
+# Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
+# $(BIN)/kpng is the runtime install, $(DEV) adds the test, lint and build tools (`.[dev]`, 264 MB
+# in all) that every other target needs. `make example` then `make test` in one tree only adds
+# the tools; a target of either kind on a fresh tree makes what it needs.
+DEV := $(VENV)/.dev-installed
 
 $(BIN)/kpng: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(DEV): $(BIN)/kpng
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
+
+# kpng with its development tools (pytest, ruff, mypy, build...), without running anything.
+dev: $(DEV)
 
 # Runs kpng on the bundled example cluster and prints node-2's state.
 example: $(BIN)/kpng
@@ -25,26 +38,26 @@ system-packages:
 # The whole suite: lint, types, layer contracts, tests.
 test: lint typecheck unit
 
-lint: $(BIN)/kpng
+lint: $(DEV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-typecheck: $(BIN)/kpng
+typecheck: $(DEV)
 	$(BIN)/mypy
 
-unit: $(BIN)/kpng control-plane real-nodes
+unit: $(DEV) control-plane real-nodes
 	$(BIN)/pytest
 
 # The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
 # minutes), then found in ~/.cache/kpng/control-plane in a moment.
-control-plane: $(BIN)/kpng
+control-plane: $(DEV)
 	$(BIN)/python -m kpng.testing.cluster build
 
 # The API-server tests against every supported Kubernetes release (kpng.testing.cluster's
 # SUPPORTED_VERSIONS), or those in VERSIONS (e.g. make compat VERSIONS=v1.34.4): each control
 # plane is built on first use (a few minutes), then cached.
-compat: $(BIN)/kpng
+compat: $(DEV)
 	$(BIN)/python -m kpng.testing.compat $(VERSIONS)
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
@@ -52,28 +65,28 @@ compat: $(BIN)/kpng
 # SHAPE: how kpng is deployed: daemonset (one process per node), sidecar (a brain and a backend
 # per node) or central (brains in a Deployment, a backend per node).
 SHAPE ?= daemonset
-e2e: $(BIN)/kpng
+e2e: $(DEV)
 	$(BIN)/python -m kpng.testing.e2e --shape $(SHAPE) --report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
-image: $(BIN)/kpng
+image: $(DEV)
 	$(BIN)/python -m kpng.testing.images kpng --output kpng.oci.tar
 
 # What the real-node tests run: kubelet, controllers, kubectl, agnhost, CoreDNS (Go builds,
 # cached beside the control plane) and the images (Debian packages). Skipped without root,
 # containerd, runc, mmdebstrap or the CNI plugins, as those tests are.
-real-nodes: $(BIN)/kpng
+real-nodes: $(DEV)
 	$(BIN)/python -m kpng.testing.nodes build
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
-protos: $(BIN)/kpng
+protos: $(DEV)
 	$(BIN)/python -m grpc_tools.protoc -I src \
 	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 	  --python_out=src --mypy_out=src --grpc_python_out=src --mypy_grpc_out=src \
 	  src/kpng/api/localv1.proto src/kpng/api/globalv1.proto src/kpng/api/batchv1.proto \
 	  src/kpng/api/pluginv1.proto
 
-bench: $(BIN)/kpng
+bench: $(DEV)
 	$(BIN)/python bench/run_all.py
 
 clean:

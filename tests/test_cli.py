@@ -158,6 +158,30 @@ def test_a_node_no_source_knows_is_warned_of_once(kpng_command: list[str]) -> No
     assert done.stderr.count(warning) == 1
 
 
+def test_two_services_claiming_one_node_port_are_warned_of_and_both_served(
+    kpng_command: list[str], tmp_path: Path
+) -> None:
+    source = tmp_path / "cluster.yaml"
+    source.write_text(
+        EXAMPLE.read_text()
+        + "---\napiVersion: v1\nkind: Service\nmetadata: {name: copy, namespace: tools}\n"
+        "spec: {type: NodePort, clusterIP: 10.96.0.77, ports: [{port: 80, nodePort: 30900}]}\n"
+    )
+    done = _run(
+        kpng_command, "file", "--input", str(source), "to-local", "--node-name", "node-2",
+        "to-json", "--once",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("WARNING") == 1, done.stderr
+    assert (
+        "node port 30900/TCP is claimed by Services shop/api and tools/copy; all are kept in the "
+        "state, and kpng's backends program the port for shop/api" in done.stderr
+    )
+    services = _by_name(json.loads(done.stdout))
+    for name in ("shop/api", "tools/copy"):
+        assert 30900 in [p.get("NodePort") for p in services[name]["service"]["Ports"]]
+
+
 def test_json_logs_are_one_object_a_line(kpng_command: list[str], tmp_path: Path) -> None:
     source = tmp_path / "cluster.yaml"
     source.write_text(

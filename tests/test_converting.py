@@ -719,11 +719,6 @@ def test_service_without_name_raises_naming_kind_and_namespace() -> None:
 
 INVALID_SLICE_CASES = [
     pytest.param(
-        slice_obj(endpoints=[{"addresses": ["10.1.0.256"]}]),
-        "10.1.0.256",
-        id="invalid_endpoint_address",
-    ),
-    pytest.param(
         slice_obj(ports=[{"name": "http", "port": 65536}]), "65536", id="slice_port_out_of_range"
     ),
     pytest.param(
@@ -746,6 +741,32 @@ def test_invalid_slice_raises_naming_the_object(obj: k8s.EndpointSlice, detail: 
     assert "EndpointSlice" in str(info.value)
     assert f"ns1/{obj.metadata.name}" in str(info.value)
     assert detail in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("address_type", "good", "bad"),
+    [
+        pytest.param("IPv4", ["10.1.0.1", "10.1.0.3"], "10.1.0.256", id="v4"),
+        pytest.param("IPv6", ["fd00::1", "fd00::3"], "fd00::1::2", id="v6"),
+    ],
+)
+def test_a_bad_endpoint_address_drops_that_endpoint_not_the_slice(
+    caplog: pytest.LogCaptureFixture, address_type: str, good: list[str], bad: str
+) -> None:
+    obj = slice_obj(
+        address_type=address_type,
+        endpoints=[{"addresses": [good[0]]}, {"addresses": [bad]}, {"addresses": [good[1]]}],
+    )
+    with caplog.at_level("WARNING", logger="kpng.model.converting"):
+        result = slice_from_k8s(obj)
+    assert result is not None
+    assert [ep.ip for ep in result.endpoints] == good
+    assert result.ports == (SlicePort(name="http", protocol="TCP", port=8080),)
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    message = record.getMessage()
+    assert message.startswith("EndpointSlice ns1/web-abcde: endpoints[1]")
+    assert repr(bad) in message
 
 
 def test_node_without_name_raises() -> None:

@@ -237,6 +237,65 @@ def example(name: str, api: str, *args: str) -> list[str]:
     return [sys.executable, str(EXAMPLES / name), "--api", api, "--node-name", "node-2", *args]
 
 
+# --- cluster.yaml
+
+
+def _header(path: Path) -> str:
+    """The comment lines a file starts with, without their ``#``."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.removeprefix("#").removeprefix(" "))
+    return "\n".join(lines)
+
+
+def test_the_cluster_header_describes_the_file() -> None:
+    header = _header(EXAMPLE)
+    parsed = manifests.parse(EXAMPLE.read_bytes(), filename=EXAMPLE.name)
+    assert parsed.errors == []
+    kinds: dict[str, list[object]] = {}
+    for (kind, _, _), model in parsed.objects.items():
+        kinds.setdefault(kind, []).append(model)
+    served = [m for m in kinds["Service"] if m is not None]
+    ignored = [m for m in kinds["Service"] if m is None]
+    words = {1: "one", 2: "two", 3: "three", 6: "six", 9: "nine"}
+    zones = {n.Topology.Zone for n in kinds["Node"] if isinstance(n, Node) and n.Topology}
+    summary = " ".join(header.split())
+    assert f"{words[len(kinds['Node'])]} Nodes in {words[len(zones)]} zones" in summary
+    assert f"{words[len(served)]} Services kpng serves" in summary
+    assert f"{words[len(ignored)]} it must ignore" in summary
+    dual = [s for s in served if isinstance(s, Service) and s.IPs and s.IPs.ClusterIPs
+            and s.IPs.ClusterIPs.V4 and s.IPs.ClusterIPs.V6]  # fmt: skip
+    assert f"{words[len(dual)]} dual-stack" in summary
+    # What the Nodes carry is what the header says they carry: no addresses, no pod CIDRs.
+    for node in kinds["Node"]:
+        assert isinstance(node, Node)
+        assert node.Addresses == ()
+        assert node.PodCIDRs == ()
+    assert "no addresses or pod CIDRs" in summary
+    # The table: each Node, its zone, and the prefixes of the endpoints on it, all of them.
+    rows = {}
+    for line in header.splitlines():
+        words_of = line.split()
+        if words_of and words_of[0].startswith("node-"):
+            rows[words_of[0]] = (words_of[1], [w.removesuffix("x") for w in words_of[2:]])
+    nodes = {n.Name: n for n in kinds["Node"] if isinstance(n, Node)}
+    assert set(rows) == set(nodes)
+    for name, (zone, prefixes) in rows.items():
+        topology = nodes[name].Topology
+        assert topology is not None
+        assert topology.Zone == zone
+        on_node = {
+            ep.ip for sl in kinds["EndpointSlice"] if isinstance(sl, Slice)
+            for ep in sl.endpoints if ep.node == name
+        }  # fmt: skip
+        assert on_node, name
+        assert all(any(ip.startswith(p) for p in prefixes) for ip in on_node), (name, on_node)
+        assert all(any(ip.startswith(p) for ip in on_node) for p in prefixes), (name, prefixes)
+    assert "`make example` prints node-2's local state" in summary
+
+
 # --- print_state.py
 
 

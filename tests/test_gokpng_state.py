@@ -115,3 +115,38 @@ def test_kpng_file_serves_a_go_kpng_state_file() -> None:
         ('{"V6": ["fd00:244:1::2"]}', True),
     }
     assert "unknown field 'colour' ignored" in done.stderr
+
+
+def test_an_endpoint_that_cannot_be_read_costs_that_endpoint_only() -> None:
+    state = b"""
+services:
+- service:
+    namespace: shop
+    name: web
+    ips: {clusterips: {v4: [10.96.0.10]}}
+    ports: [{name: http, protocol: 1, port: 80, targetport: 8080}]
+  endpoints:
+  - endpoint: {ips: {v4: [10.244.1.2]}}
+  - endpoint: {ips: {v4: [10.244.1.999], v6: ["FD00::3"]}}
+  - endpoint: {ips: {v4: ["fd00::4"]}}
+  - endpoint: {ips: not-a-set}
+  - endpoint: {ips: {v4: [10.244.1.5]}}
+"""
+    parsed = parse(state, filename="state.yaml")
+    v4 = parsed.objects[("EndpointSlice", "shop", "web")]
+    v6 = parsed.objects[("EndpointSlice", "shop", "web-v6")]
+    assert isinstance(v4, Slice)
+    assert isinstance(v6, Slice)
+    assert [e.ip for e in v4.endpoints] == ["10.244.1.2", "10.244.1.5"]
+    # The endpoint's good IPv6 address is kept, canonical.
+    assert [e.ip for e in v6.endpoints] == ["fd00::3"]
+    where = "state.yaml: services[0].endpoints"
+    assert parsed.errors[:2] == [
+        f"{where}[1]: endpoint of Service shop/web: '10.244.1.999' is not an IPv4 address; "
+        "endpoint skipped in IPv4",
+        f"{where}[2]: endpoint of Service shop/web: 'fd00::4' is not an IPv4 address; "
+        "endpoint skipped in IPv4",
+    ]
+    (unreadable,) = parsed.errors[2:]
+    assert unreadable.startswith(f"{where}[3]: endpoint of Service shop/web: ")
+    assert unreadable.endswith("; endpoint skipped")

@@ -148,12 +148,6 @@ BAD_OBJECTS = [
         _bad_protocol(_svc()), "Service shop/web", "unknown protocol", id="unknown-protocol"
     ),
     pytest.param(_wrong_type(_svc()), "Service shop/web", "Expected `int", id="mistyped-field"),
-    pytest.param(
-        _slice(address="10.1.0.999"),
-        "EndpointSlice shop/web-1",
-        "invalid IP address",
-        id="invalid-endpoint-ip",
-    ),
 ]
 
 
@@ -173,6 +167,23 @@ def test_bad_object_is_reported_with_file_kind_namespace_name_and_skipped(
     assert ("Service", "shop", "good") in parsed.objects
     assert ("Node", "", "n1") in parsed.objects
     assert len(parsed.objects) == 2
+
+
+def test_a_bad_endpoint_address_costs_that_endpoint_not_its_slice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bad = _slice()
+    bad["endpoints"] = [{"addresses": ["10.1.0.999"]}, {"addresses": ["10.1.0.2"]}]
+    with caplog.at_level("WARNING"):
+        parsed = parse(_yaml(_svc(), bad), filename="cluster.yaml")
+    assert parsed.errors == []
+    model = parsed.objects["EndpointSlice", "shop", "web-1"]
+    assert isinstance(model, Slice)
+    assert [ep.ip for ep in model.endpoints] == ["10.1.0.2"]
+    assert any(
+        "EndpointSlice shop/web-1" in r.getMessage() and "'10.1.0.999'" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_bad_item_in_a_list_names_its_index() -> None:

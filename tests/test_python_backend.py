@@ -111,3 +111,56 @@ def test_a_bad_module_is_one_clear_line(
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+FOLLOWERS = {
+    # Shapes that never end kpng themselves: without --once they would follow the file forever.
+    "handler": """
+import json
+
+def backend(state):
+    print(json.dumps(sorted(f"{ns}/{name}" for ns, name in state.services)), flush=True)
+""",
+    "sink": """
+import json
+
+class backend:
+    def __init__(self):
+        self.names = set()
+    def reset(self): pass
+    def set_service(self, service):
+        self.names.add(f"{service.Namespace}/{service.Name}")
+    def delete_service(self, namespace, name): pass
+    def set_endpoint(self, namespace, service, key, endpoint): pass
+    def delete_endpoint(self, namespace, service, key): pass
+    def sync(self):
+        print(json.dumps(sorted(self.names)), flush=True)
+""",
+}
+
+
+@pytest.mark.parametrize("shape", FOLLOWERS)
+def test_once_exits_after_the_first_state(tmp_path: Path, shape: str) -> None:
+    (tmp_path / "follow.py").write_text(FOLLOWERS[shape])
+    done = _kpng(
+        "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2",
+        "to-python", "--module", "./follow.py", "--once",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    assert json.loads(line) == _expected(tmp_path)
+
+
+def test_once_fails_on_a_file_that_never_parsed(tmp_path: Path) -> None:
+    (tmp_path / "follow.py").write_text(FOLLOWERS["handler"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: Service\nmetadata: {name: [half-written\n")
+    done = _kpng(
+        "file", "--input", str(broken), "to-local", "--node-name", "node-2",
+        "to-python", "--module", "./follow.py", "--once",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "no usable state until these files parse" in done.stderr
+    assert done.stdout == ""

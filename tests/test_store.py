@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from kpng.model.messages import Node, Service
+import pytest
+
+from kpng.model.messages import Node, PortMapping, Service
 from kpng.store import Delta, Store
 
 
@@ -117,3 +120,93 @@ def test_closed_subscription_stops_iterating() -> None:
         assert isinstance(pending.exception(), StopAsyncIteration)
 
     asyncio.run(scenario())
+
+
+def _node_port_service(
+    namespace: str, name: str, *ports: tuple[int, str], label: str = ""
+) -> Service:
+    return Service(
+        Namespace=namespace,
+        Name=name,
+        Type="NodePort",
+        Ports=tuple(
+            PortMapping(Name=f"p{i}", Protocol=proto, Port=80 + i, NodePort=node_port)
+            for i, (node_port, proto) in enumerate(ports)
+        ),
+        Labels={"l": label},
+    )
+
+
+def _conflicts(caplog: pytest.LogCaptureFixture) -> list[str]:
+    messages = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kpng.store.storing" and r.levelno == logging.WARNING
+    ]
+    caplog.clear()
+    return [m for m in messages if "claimed by" in m]
+
+
+def test_two_services_claiming_one_node_port_are_reported_and_both_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kpng.store.storing")
+    store = Store()
+    src = store.source("files")
+    src.set_service(("shop", "web"), _node_port_service("shop", "web", (30080, "TCP")))
+    src.set_service(("blog", "www"), _node_port_service("blog", "www", (30080, "UDP")))
+    src.mark_synced()
+    assert _conflicts(caplog) == []  # one number, two protocols: two node ports
+
+    src.set_service(("blog", "api"), _node_port_service("blog", "api", (30080, "TCP")))
+    assert src.commit()
+    (message,) = _conflicts(caplog)
+    assert message.startswith("node port 30080/TCP is claimed by Services blog/api and shop/web;")
+    assert "for blog/api" in message
+    # The state is still served: both Services are in the store.
+    assert set(store.services) == {("shop", "web"), ("blog", "www"), ("blog", "api")}
+
+    # A change of a claimant that leaves its node ports alone reports nothing again...
+    src.set_service(
+        ("blog", "api"), _node_port_service("blog", "api", (30080, "TCP"), label="changed")
+    )
+    assert src.commit()
+    assert _conflicts(caplog) == []
+    # ...a third claimant does, naming all three...
+    src.set_service(("zoo", "cam"), _node_port_service("zoo", "cam", (30080, "TCP")))
+    assert src.commit()
+    (message,) = _conflicts(caplog)
+    assert "Services blog/api, shop/web and zoo/cam;" in message
+    # ...and once they move apart, nothing is left to report.
+    src.set_service(("zoo", "cam"), None)
+    src.set_service(("blog", "api"), _node_port_service("blog", "api", (30081, "TCP")))
+    assert src.commit()
+    assert _conflicts(caplog) == []
+
+
+def test_a_node_port_moving_between_services_in_one_commit_is_no_conflict(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kpng.store.storing")
+    store = Store()
+    src = store.source("kube")
+    src.set_service(("ns", "a"), _node_port_service("ns", "a", (30080, "TCP")))
+    src.mark_synced()
+    src.set_service(("ns", "b"), _node_port_service("ns", "b", (30080, "TCP")))
+    src.set_service(("ns", "a"), _node_port_service("ns", "a", (30090, "TCP")))
+    assert src.commit()
+    assert _conflicts(caplog) == []
+
+
+def test_services_of_two_sources_claiming_one_node_port_are_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kpng.store.storing")
+    store = Store()
+    files, kube = store.source("files"), store.source("kube")
+    files.set_service(("ns", "a"), _node_port_service("ns", "a", (30080, "SCTP")))
+    files.mark_synced()
+    kube.set_service(("ns", "b"), _node_port_service("ns", "b", (30080, "SCTP")))
+    kube.mark_synced()
+    (message,) = _conflicts(caplog)
+    assert "node port 30080/SCTP is claimed by Services ns/a and ns/b" in message

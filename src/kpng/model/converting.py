@@ -257,7 +257,14 @@ def _slice_endpoint(
     try:
         is_v6, ip = parse_ip(ep.addresses[0])
     except BadAddress as exc:
-        raise invalid(f"endpoints[{i}].addresses: {exc}") from None
+        # One endpoint kpng cannot parse costs that endpoint only, as in kube-proxy (it ignores
+        # the endpoints it cannot use and keeps the others): failing the slice would take every
+        # other endpoint of the service down with it.
+        log.warning(
+            "%s; endpoint skipped, the rest of the slice is served",
+            invalid(f"endpoints[{i}].addresses[0]: {exc}"),
+        )
+        return None
     if is_v6 != v6:
         return None  # wrong family for the slice's addressType: ignored, as kube-proxy does
     cond = ep.conditions

@@ -13,6 +13,8 @@ endpoint's node in ``nodename`` and its topology as labels; both are read.
 Go KPNG's endpoints carry no ports: the service port's target port applies (its port when none
 is given). An endpoint may hold addresses of both families; kpng's slices have one, so a
 service's endpoints become a slice per family, named after the service (``-v6`` for IPv6).
+An endpoint that cannot be read, or whose first address of a family is not an IP of that family,
+is reported and skipped (in that family); the service's other endpoints are kept.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import msgspec
 
 from kpng.errors import object_name
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
+from kpng.model.ips import BadAddress, parse_ip
 from kpng.model.messages import Endpoint, EndpointInfo, Node, Service, TopologyInfo
 
 Model = Service | Slice | Node
@@ -83,21 +86,29 @@ def load(document: Mapping[str, Any]) -> tuple[list[Model], list[str]]:
     return objects, errors
 
 
-def _slices(service: Service, items: list[Any], where: str, errors: list[str]) -> list[Slice]:
+def _slices(service: Service, items: object, where: str, errors: list[str]) -> list[Slice]:
     ports: list[SlicePort] = []
+    name = object_name(service.Namespace, service.Name)
     for port in service.Ports:
         if port.TargetPortName and not port.TargetPort:
-            name = object_name(service.Namespace, service.Name)
             errors.append(
                 f"{where}: Service {name} port {port.Name or port.Port}: a named target port "
                 f"({port.TargetPortName}) cannot be resolved without the endpoints' ports; skipped"
             )
             continue
         ports.append(SlicePort(port.Name, port.Protocol, port.TargetPort or port.Port))
+    if not isinstance(items, list):
+        raise TypeError(f"expected a list of endpoints, got {type(items).__name__}")
     by_family: dict[bool, list[SliceEndpoint]] = {False: [], True: []}
     for i, raw in enumerate(items):
+        # As for an EndpointSlice (converting.slice_from_k8s), what cannot be read costs that
+        # endpoint only, not the service's other endpoints.
         legacy_node = raw.get("nodename", "") if isinstance(raw, dict) else ""
-        info = _convert(raw, EndpointInfo, f"{where}[{i}]", errors, legacy=True)
+        try:
+            info = _convert(raw, EndpointInfo, f"{where}[{i}]", errors, legacy=True)
+        except (msgspec.ValidationError, TypeError) as exc:
+            errors.append(f"{where}[{i}]: endpoint of Service {name}: {exc}; endpoint skipped")
+            continue
         endpoint = info.Endpoint or Endpoint()
         topology = info.Topology or TopologyInfo()
         node = topology.Node or str(legacy_node or "")
@@ -105,20 +116,29 @@ def _slices(service: Service, items: list[Any], where: str, errors: list[str]) -
         hints = info.Hints
         for v6, addresses in ((False, endpoint.IPs.V4 if endpoint.IPs else ()),
                               (True, endpoint.IPs.V6 if endpoint.IPs else ())):  # fmt: skip
-            if addresses:
-                by_family[v6].append(
-                    SliceEndpoint(
-                        ip=addresses[0],
-                        hostname=endpoint.Hostname,
-                        node=node,
-                        zone=topology.Zone,
-                        pod=info.PodName,
-                        ready=ready,
-                        serving=ready,
-                        zone_hints=hints.Zones if hints else (),
-                        node_hints=hints.Nodes if hints else (),
-                    )
+            if not addresses:
+                continue
+            ip = _address(addresses[0], v6)
+            if ip is None:
+                family = "IPv6" if v6 else "IPv4"
+                errors.append(
+                    f"{where}[{i}]: endpoint of Service {name}: {addresses[0]!r} is not an "
+                    f"{family} address; endpoint skipped in {family}"
                 )
+                continue
+            by_family[v6].append(
+                SliceEndpoint(
+                    ip=ip,
+                    hostname=endpoint.Hostname,
+                    node=node,
+                    zone=topology.Zone,
+                    pod=info.PodName,
+                    ready=ready,
+                    serving=ready,
+                    zone_hints=hints.Zones if hints else (),
+                    node_hints=hints.Nodes if hints else (),
+                )
+            )
     return [
         Slice(
             namespace=service.Namespace,
@@ -131,6 +151,16 @@ def _slices(service: Service, items: list[Any], where: str, errors: list[str]) -
         for v6, endpoints in by_family.items()
         if endpoints
     ]
+
+
+def _address(text: str, v6: bool) -> str | None:
+    """The canonical form of an address of the family, None for anything else: Go KPNG passes
+    addresses through unchecked, but a backend cannot program one that is not an IP."""
+    try:
+        is_v6, ip = parse_ip(text)
+    except BadAddress:
+        return None
+    return ip if is_v6 == v6 else None
 
 
 T = typing.TypeVar("T", bound=msgspec.Struct)

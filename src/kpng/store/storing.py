@@ -9,6 +9,10 @@ last saw them.
 - **Coalescing**: each subscriber accumulates the keys changed since it last read, so a slow
   subscriber reads one merged delta instead of a backlog, and memory stays bounded by the number of
   objects, not of events.
+- **Checked across sources**: two Services claiming one node port (which the API server would
+  not allow, but files and relays are not checked by it) are reported when a revision makes it
+  so, naming both; the state is served as it is (``kpng.store.nodeports`` says which one backends
+  serve).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from typing import NamedTuple, TypeVar
 
 import msgspec
 
+from kpng.errors import object_name
 from kpng.model.cluster import ServiceCIDR, ServiceKey, Slice, SliceKey
 from kpng.model.messages import NO_TRIGGERS, ChangeTriggers, Node, NodeFacts, Service
+from kpng.store.nodeports import NodePortClaims
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +174,7 @@ class SourceHandle:
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
         if _put(self._store._services, key, service):
             self._services.add(key)
+            self._store._node_ports.update(key, service)
 
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         if _put(self._store._slices, key, sl):
@@ -236,6 +243,7 @@ class Store:
         self._nodes: dict[str, Node] = {}
         self._service_cidrs: dict[str, ServiceCIDR] = {}
         self._service_cidr_ranges: tuple[str, ...] | None = ()
+        self._node_ports = NodePortClaims()
         self._sources: list[SourceHandle] = []
         self._subscriptions: set[Subscription] = set()
         self.revision = 0
@@ -321,8 +329,24 @@ class Store:
             len(nodes),
             len(service_cidrs),
         )
+        if services:
+            self._report_node_port_conflicts()
         for sub in self._subscriptions:
             sub._note(services, slices, nodes, service_cidrs, triggers)
+
+    def _report_node_port_conflicts(self) -> None:
+        # Checked per revision, not per write: a source's batch that moves a node port from one
+        # Service to another (both in one commit) is no conflict.
+        for conflict in self._node_ports.new_conflicts():
+            names = [object_name(*key) for key in conflict.services]
+            log.warning(
+                "node port %d/%s is claimed by Services %s; all are kept in the state, and "
+                "kpng's backends program the port for %s (the first by namespace/name)",
+                conflict.port,
+                conflict.protocol,
+                ", ".join(names[:-1]) + " and " + names[-1],
+                names[0],
+            )
 
     def _source_synced(self, source: SourceHandle) -> None:
         log.info("source %s synced", source.name)

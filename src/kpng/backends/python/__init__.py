@@ -7,6 +7,10 @@ NAME (default ``backend``) is, in the file:
 - a handler function, plain or async, called with each NodeState (returning True ends kpng);
 - or a class of one of these, made with no arguments.
 
+``--once`` ends kpng (exit 0) after the first complete state has been applied, as ``to-json
+--once`` does, whatever the backend returns: a backend written to follow changes can be tried
+on one state without editing it.
+
 The file is run as a module named after it; it imports kpng.client as any backend does.
 """
 
@@ -39,6 +43,20 @@ class HandlerBackend:
 
     async def close(self) -> None:
         return None
+
+
+class OnceBackend:
+    """A Backend that is done after its first state (``--once``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    async def apply(self, state: NodeState) -> bool:
+        await self._backend.apply(state)
+        return True
+
+    async def close(self) -> None:
+        await self._backend.close()
 
 
 def load(spec: str) -> Backend:
@@ -95,6 +113,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the Python file and the name in it (default {DEFAULT_NAME}) of a Backend, a Sink, "
         "a handler function, or a class of one of them",
     )
+    parser.add_argument("--once", action="store_true", help="exit 0 after the first complete state")
+
+
+def _create(args: argparse.Namespace) -> Backend:
+    backend = load(args.module)
+    return OnceBackend(backend) if args.once else backend
 
 
 register(
@@ -102,6 +126,6 @@ register(
         name="python",
         help="a backend in a Python file (a Backend, a Sink or a handler), loaded in process",
         add_arguments=_add_arguments,
-        create=lambda args, _syncs: load(args.module),
+        create=lambda args, _syncs: _create(args),
     )
 )
