@@ -8,10 +8,12 @@ against ``/proc/net/ip_vs`` listings given to the module."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +21,11 @@ import pytest
 
 from kpng.backends._commands import CommandError
 from kpng.backends._kube_proxy import KubeProxyLeftovers, Leftovers, parse_virtual_servers
+from kpng.testing import kubeapi as k
+from kpng.testing.cluster import ControlPlane
+from kpng.testing.kubeapi import KubeApi
 from kpng.testing.netns import available
+from kpng.testing.portforward import forwarded_into
 
 NETNS = pytest.mark.skipif(available() is not None, reason=str(available()))
 IPTABLES = pytest.mark.skipif(
@@ -368,3 +374,72 @@ def test_ipvs_virtual_servers_are_kube_proxys_only_beside_its_other_ipvs_leftove
     assert removals == (
         [["ipvsadm", "--clear"], ["ip", "link", "del", "kube-ipvs0"]] if dummy else []
     )
+
+
+def _kube_proxy_binary() -> Path | None:
+    """The real kube-proxy, if a real-node or e2e run has built it (kpng.testing.cluster);
+    building it takes minutes, which this test does not spend."""
+    from kpng.testing.cluster import cache_root, kubernetes_release
+
+    path = cache_root() / kubernetes_release() / "programs" / "kube-proxy"
+    return path if os.access(path, os.X_OK) else None
+
+
+@NETNS
+@IPTABLES
+@pytest.mark.apiserver
+@pytest.mark.skipif(_kube_proxy_binary() is None, reason="needs a built kube-proxy (real nodes)")
+def test_real_kube_proxys_iptables_mode_is_named_and_cleaned_up(
+    netns: str,
+    services: Path,
+    control_plane: ControlPlane,
+    kube_api: KubeApi,
+    kube_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """kube-proxy itself, in iptables mode, in the namespace for as long as its first sync
+    takes (the control plane's port is forwarded into the namespace's loopback), then stopped,
+    as on a node being migrated: what it leaves is named by to-nft and removed, with nothing
+    of kpng's."""
+    ns = kube_namespace
+    kube_api.create(k.service("web", ns))
+    kube_api.create(k.endpoint_slice("web-a", ns, "web", [k.endpoint("10.244.1.2")]))
+    binary = _kube_proxy_binary()
+    assert binary is not None
+    argv = [
+        "ip", "netns", "exec", netns, str(binary), "--proxy-mode=iptables",
+        f"--kubeconfig={control_plane.kubeconfig}", "--hostname-override=n",
+        # Zeros: kube-proxy leaves the host's conntrack sysctls alone.
+        "--conntrack-max-per-core=0", "--conntrack-min=0",
+        "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
+    ]  # fmt: skip
+    # Its health and metrics ports are the namespace's own: kube-proxy's defaults are free there.
+    with (
+        (tmp_path / "kube-proxy.log").open("w") as log,
+        forwarded_into(netns, control_plane.apiserver_port),
+    ):
+        proxy = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(c.startswith("KUBE-SEP-") for c in _chains(netns, "iptables-nft-save")):
+                assert proxy.poll() is None, (tmp_path / "kube-proxy.log").read_text()
+                assert time.monotonic() < deadline, (tmp_path / "kube-proxy.log").read_text()
+                time.sleep(0.5)
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+    left = {c for c in _chains(netns, "iptables-nft-save") if c.startswith("KUBE-")}
+    assert {"KUBE-SERVICES", "KUBE-PROXY-CANARY", "KUBE-MARK-MASQ"} <= left
+
+    warned = _warnings(_run_backend(netns, services, "to-nft"))
+    assert len(warned) == 1, warned
+    assert "iptables mode's iptables-nft IPv4 chains: nat KUBE-MARK-MASQ" in warned[0]
+    assert "nat KUBE-SEP-" in warned[0]
+
+    done = _kpng(netns, "cleanup", "kube-proxy")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("kube-proxy: removed iptables mode's iptables-nft IPv4 chains")
+    left = {c for c in _chains(netns, "iptables-nft-save") if c.startswith("KUBE-")}
+    # kubelet's chains, which kube-proxy creates too and its own cleanup leaves.
+    assert left <= {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY"}
+    assert "table inet kpng" in _ok(netns, "nft", "list", "tables")
