@@ -188,7 +188,7 @@ def test_the_mode_picks_the_backend_and_the_section_its_settings_come_from(
         assert "--sync-period" not in argv
     assert [w.split(":")[0] for w in warnings] == (['field "mode" is "ipvs"'] if warned else [])
     if warned:
-        assert "kube-proxy --cleanup" in warnings[0]
+        assert "kpng cleanup kube-proxy" in warnings[0]
 
 
 def test_a_change_from_kube_proxys_iptables_mode_needs_no_cleanup_and_is_not_warned_of() -> None:
@@ -199,7 +199,7 @@ def test_a_change_from_kube_proxys_iptables_mode_needs_no_cleanup_and_is_not_war
     _, warnings = _build(["--proxy-mode=ipvs", "--kubeconfig=/k"])
     assert warnings == [
         "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules once "
-        "with `kube-proxy --cleanup`"
+        "with `kpng cleanup kube-proxy`"
     ]
 
 

@@ -1,5 +1,6 @@
 """Migrating a node from kube-proxy's nftables mode: to-nft says kube-proxy's tables are there,
-and ``kpng cleanup kube-proxy`` removes them and says what it removed. Real nftables, in a
+and ``kpng cleanup kube-proxy`` removes them and says what it removed (the other modes:
+tests/test_kube_proxy_leftovers.py). Real nftables, in a
 network namespace of the test's; libnftables and the nft command both list tables."""
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ def test_kube_proxys_tables_are_reported_then_cleaned_up(netns: str, tmp_path: P
         "to-local", "--node-name", "n", "to-nft", "--once", "--no-health-check",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    warned = [line for line in done.stderr.splitlines() if "kube-proxy's nftables tables" in line]
+    warned = [line for line in done.stderr.splitlines() if "kube-proxy's leftovers" in line]
     assert len(warned) == 1, done.stderr
-    assert "(ip kube-proxy, ip6 kube-proxy)" in warned[0]
+    assert "(nftables mode's tables: ip kube-proxy, ip6 kube-proxy)" in warned[0]
     assert "kpng cleanup kube-proxy" in warned[0]
 
     done = _in(netns, *kpng, "cleanup", "kube-proxy")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "kube-proxy: removed table ip kube-proxy, table ip6 kube-proxy\n"
+    assert (
+        done.stdout == "kube-proxy: removed nftables mode's tables: ip kube-proxy, ip6 kube-proxy\n"
+    )
     listing = _in(netns, "nft", "list", "tables").stdout
     assert "kube-proxy" not in listing
     assert "table inet kpng" in listing  # kpng's own stays
@@ -62,7 +65,7 @@ def test_kube_proxys_tables_are_reported_then_cleaned_up(netns: str, tmp_path: P
         netns, *kpng, "file", "--input", str(tmp_path),
         "to-local", "--node-name", "n", "to-nft", "--once", "--no-health-check",
     )  # fmt: skip
-    assert "kube-proxy's nftables tables" not in done.stderr
+    assert "kube-proxy's leftovers" not in done.stderr
 
 
 @pytest.mark.parametrize("executor", ["lib", "command"])

@@ -353,7 +353,9 @@ KUBE_PROXY = "kube-proxy"
 
 def cleanup(argv: Sequence[str]) -> int:
     """``kpng cleanup [BACKEND...]``: remove what backends leave on the node (all by default);
-    ``kpng cleanup kube-proxy`` removes kube-proxy's nftables tables, after a migration."""
+    ``kpng cleanup kube-proxy`` removes what kube-proxy leaves, of every mode (nftables tables,
+    iptables chains, IPVS servers, interface and ip sets), as ``kube-proxy --cleanup``, after a
+    migration. Each line says what one of them removed."""
     parser = argparse.ArgumentParser(prog="kpng cleanup", description=cleanup.__doc__)
     parser.add_argument(
         "backends", nargs="*", metavar="BACKEND", help="e.g. nft or to-nft, or kube-proxy"
@@ -361,11 +363,13 @@ def cleanup(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if KUBE_PROXY in args.backends:
-            from kpng.backends.nft import cleanup_kube_proxy
+            from kpng.backends.nft import kube_proxy_leftovers
 
-            removed = asyncio.run(cleanup_kube_proxy())
-            tables = ", ".join(f"table {t.family} {t.name}" for t in removed)
-            print(f"{KUBE_PROXY}: {'removed ' + tables if removed else 'nothing to remove'}")
+            removed = asyncio.run(kube_proxy_leftovers().remove())
+            for leftovers in removed:
+                print(f"{KUBE_PROXY}: removed {leftovers}")
+            if not removed:
+                print(f"{KUBE_PROXY}: nothing to remove")
             args.backends.remove(KUBE_PROXY)
             if not args.backends:
                 return 0

@@ -214,7 +214,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     if mode == "ipvs":
         warnings.append(
             "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules "
-            "once with `kube-proxy --cleanup`"
+            "once with `kpng cleanup kube-proxy`"
         )
     base, ct = ProxyConfig(), Conntrack()
 

@@ -334,7 +334,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         warnings.append(
             'field "mode" is "ipvs": kpng programs nftables instead (the ipvs.* periods and the '
             "iptables.* masquerade settings apply to it, as in kube-proxy); remove kube-proxy's "
-            "own rules once with `kube-proxy --cleanup`"
+            "own rules once with `kpng cleanup kube-proxy`"
         )
     logging_format = get("logging.format", str, "text") or "text"
     if logging_format not in ("text", "json"):

@@ -113,13 +113,14 @@ KPNG_PACKAGES = (
     "nftables",
     "libnftables1",
     "iptables",
+    "ipset",
     "conntrack",
     "iproute2",
     "ca-certificates",
 )
 """What kpng runs with: Python, libnftables (to-nft, in process) and nft, iptables (to-iptables:
-kube-proxy's iptables mode), conntrack (UDP cleanup), iproute2 for whoever debugs the node from
-the pod."""
+kube-proxy's iptables mode), ipset (``kpng cleanup kube-proxy`` destroys the ipvs mode's sets),
+conntrack (UDP cleanup), iproute2 for whoever debugs the node from the pod."""
 
 AGNHOST_PACKAGES = (
     # What upstream's agnhost image adds to Alpine, in Debian's names, and wget: Alpine's is

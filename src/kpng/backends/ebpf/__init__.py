@@ -41,7 +41,7 @@ from kpng.backends._node import FromNode, Options, add_arguments, node_options, 
 from kpng.backends.ebpf import entries, libbpf, system, toolchain
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Changes, Contribution, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
-from kpng.backends.nft import NftBackend
+from kpng.backends.nft import NftBackend, kube_proxy_leftovers
 from kpng.backends.nft import cleanup as cleanup_nft
 from kpng.backends.nft.executing import LibNft, default_nft
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
@@ -284,6 +284,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         conntrack=None if args.no_conntrack else Conntrack(),
         health=None if args.no_health_check else HealthServers(),
         once=args.once,
+        kube_proxy=kube_proxy_leftovers(nft),
     )
     sockets = SocketBalancer(
         options=options,
@@ -304,10 +305,16 @@ def remove_pins(pin_dir: Path = DEFAULT_PIN_DIR) -> bool:
 
 
 async def cleanup() -> bool:
-    """Remove the programs, links and maps at the default pin dir, and the nftables part."""
-    pins = remove_pins()
-    table = await cleanup_nft()
-    return pins or table
+    """Remove the programs, links and maps at the default pin dir, and with them the nftables
+    part; True if the pins were there.
+
+    The nftables part is to-nft's table: without to-ebpf's pins it is to-nft's to remove and
+    report (``kpng cleanup`` runs both; in a network namespace, where ``ip netns exec`` hides
+    the host's bpffs, to-ebpf would otherwise claim to-nft's table as its own)."""
+    if not remove_pins():
+        return False
+    await cleanup_nft()
+    return True
 
 
 register(

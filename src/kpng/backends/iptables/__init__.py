@@ -24,6 +24,7 @@ from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack, stale_filters
 from kpng.backends._healthchecks import HealthServers
+from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import (
     FAMILIES,
     Fam,
@@ -56,6 +57,8 @@ class IptablesBackend:
     """Programs the node-local state with iptables-restore, one family at a time.
 
     ``iptables`` is None for a dry run, which prints each family's restore input instead.
+    ``kube_proxy``, if given, is looked at once after the first sync, to warn of kube-proxy's
+    leftovers.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class IptablesBackend:
         syncs: SyncReporter | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        kube_proxy: KubeProxyLeftovers | None = None,
     ) -> None:
         self._iptables = iptables
+        self._kube_proxy = kube_proxy
         self._options = options
         self._from_node = from_node or FromNode()
         self._families = families
@@ -129,10 +134,21 @@ class IptablesBackend:
         if wait > 0 and self._iptables is not None:
             await self._sleep(wait)
         async with self._lock:
-            done = await self._apply(state)
+            try:
+                done = await self._apply(state)
+            finally:
+                await self._warn_about_kube_proxy()
         if self._sync_period > 0 and self._iptables is not None and self._monitor is None:
             self._monitor = asyncio.create_task(self._watch_rules(), name="iptables-monitor")
         return done
+
+    async def _warn_about_kube_proxy(self) -> None:
+        """Once, after the first sync (done or refused): the first full sync takes kube-proxy's
+        chains of kpng's variant over, marking them kpng's, so only what stays kube-proxy's
+        (the other variant's chains, its canaries, its other modes' leftovers) is named."""
+        if self._kube_proxy is not None:
+            leftovers, self._kube_proxy = self._kube_proxy, None
+            await leftovers.warn()
 
     async def _apply(self, state: NodeState) -> bool:
         self._last_sync = self._clock()
@@ -377,6 +393,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         sync_period=0.0 if args.once else args.sync_period,
         once=args.once,
         syncs=syncs,
+        kube_proxy=None if args.dry_run else KubeProxyLeftovers(),
     )
 
 

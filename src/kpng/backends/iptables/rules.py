@@ -49,6 +49,12 @@ from kpng.backends._endpoints import (
     endpoints_by_scope,
     serving_endpoints,
 )
+
+# The layout's chain names live beside the backends, where kube-proxy's leftovers are told from
+# them; re-exported here with the rest of the layout.
+from kpng.backends._iptables_chains import OWNER_CHAIN as OWNER_CHAIN
+from kpng.backends._iptables_chains import SERVICE_CHAIN_PREFIXES as SERVICE_CHAIN_PREFIXES
+from kpng.backends._iptables_chains import SHARED_CHAINS as SHARED_CHAINS
 from kpng.backends._node import Fam, Options
 from kpng.model.messages import PortMapping, ServiceEndpoints
 
@@ -57,26 +63,6 @@ _LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1/128"}
 
 NAT, FILTER = "nat", "filter"
 TABLES = (NAT, FILTER)
-
-OWNER_CHAIN = "KPNG-IPTABLES"
-"""An empty nat chain that says the KUBE- chains are kpng's: kube-proxy's iptables mode has the
-same names, and ``kpng cleanup`` must not remove its rules."""
-
-SHARED_CHAINS: dict[str, tuple[str, ...]] = {
-    NAT: ("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", OWNER_CHAIN),
-    FILTER: ("KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL", "KUBE-FORWARD"),
-}
-"""Chains every sync rewrites whole: they hold a line or more of every service."""
-
-SERVICE_CHAIN_PREFIXES = (
-    "KUBE-SVC-",
-    "KUBE-SVL-",
-    "KUBE-SVX-",
-    "KUBE-EXT-",
-    "KUBE-FW-",
-    "KUBE-SEP-",
-)
-"""The chains of one service each (nat): kpng's to delete when their service goes."""
 
 _NEW = "-m conntrack --ctstate NEW"
 Jump = tuple[str, str, str]

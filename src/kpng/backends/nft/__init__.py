@@ -24,6 +24,7 @@ from typing import TextIO
 from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack, stale_filters
 from kpng.backends._healthchecks import HealthServers
+from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import add_arguments, node_options
 from kpng.backends._node import options_from_args as options_from_args
 from kpng.backends.nft.diffing import Plan, TableState, Touched, check_transaction
@@ -47,7 +48,8 @@ class NftBackend:
     """Programs each state it is given; see the module docstring.
 
     ``nft`` runs transactions (``LibNft`` or ``KernelNft``, ``FakeNft`` in tests);
-    ``conntrack`` deletes stale UDP entries (None: not at all); ``dry_run`` writes each
+    ``conntrack`` deletes stale UDP entries (None: not at all); ``kube_proxy``, if given, is
+    looked at once before the first sync, to warn of kube-proxy's leftovers; ``dry_run`` writes each
     transaction to ``output`` instead; ``once`` makes ``apply`` return True once the first
     complete state is applied.
 
@@ -73,8 +75,10 @@ class NftBackend:
         sleep: Sleep = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         syncs: SyncReporter | None = None,
+        kube_proxy: KubeProxyLeftovers | None = None,
     ) -> None:
         self._nft = nft
+        self._kube_proxy = kube_proxy
         self._conntrack = conntrack
         self._health = health
         self.pending_since: float | None = None
@@ -122,9 +126,10 @@ class NftBackend:
             self._needs_full = False
             self._syncs.synced(revision=state.revision)
             return self._once
-        if not self._looked_for_kube_proxy:
-            self._looked_for_kube_proxy = True
-            await _warn_about_kube_proxy(self._nft)
+        if self._kube_proxy is not None:
+            # Once, before the first sync: kube-proxy's leftovers would act beside it.
+            leftovers, self._kube_proxy = self._kube_proxy, None
+            await leftovers.warn()
         refused = await self._sync(touched)
         if self._health is not None:
             await self._health.follow(self.store.options.nodeport_addresses)
@@ -240,8 +245,6 @@ class NftBackend:
         await self._clean_conntrack(None if plan.full else touched.udp_frontends)
         return None
 
-    _looked_for_kube_proxy = False
-
     async def applied_rules(self) -> str:
         """kpng's table as the kernel holds it: what the last applied transaction left."""
         if self._dry_run:
@@ -349,33 +352,33 @@ async def cleanup(nft: Nft | None = None) -> bool:
     return await (nft or default_nft()).delete_table(TABLE)
 
 
-KUBE_PROXY_TABLES = (Table("ip", "kube-proxy"), Table("ip6", "kube-proxy"))
-"""kube-proxy's nftables mode's tables."""
+class LeftoverTables:
+    """``nft``'s tables as kube-proxy's leftovers module (``backends/_kube_proxy.py``) sees
+    them: by family and name, so that it needs nothing of to-nft's types."""
+
+    def __init__(self, nft: Nft) -> None:
+        self._nft = nft
+        self._listed: dict[tuple[str, str], Table] = {}
+
+    async def list_tables(self) -> list[tuple[str, str]]:
+        self._listed = {(t.family, t.name): t for t in await self._nft.list_tables()}
+        return list(self._listed)
+
+    async def delete_table(self, family: str, name: str) -> bool:
+        table = self._listed.get((family, name))
+        return table is not None and await self._nft.delete_table(table)
 
 
-async def _warn_about_kube_proxy(nft: Nft) -> None:
-    """Say so when kube-proxy's nftables tables are still there: their rules see packets before
-    kpng's DNAT (their filter chains reject traffic to services kube-proxy saw without
-    endpoints, their NAT chains DNAT by kube-proxy's last state)."""
-    try:
-        present = set(await nft.list_tables()) & set(KUBE_PROXY_TABLES)
-    except NftError as exc:
-        log.warning("cannot list the nftables tables to look for kube-proxy's: %s", exc)
-        return
-    if present:
-        names = ", ".join(f"{t.family} {t.name}" for t in sorted(present, key=str))
-        log.warning(
-            "kube-proxy's nftables tables are here (%s): their rules act before kpng's and "
-            "follow kube-proxy's last state. Once kube-proxy is stopped on this node, remove them "
-            "with `kpng cleanup kube-proxy`",
-            names,
-        )
-
-
-async def cleanup_kube_proxy(nft: Nft | None = None) -> list[Table]:
-    """Remove kube-proxy's nftables tables (after a migration); those that were there."""
+def kube_proxy_leftovers(nft: Nft | None = None) -> KubeProxyLeftovers:
+    """kube-proxy's leftovers of every mode, its nftables tables seen through ``nft`` (default:
+    libnftables, else the nft command), which to-nft has even where the command is not
+    installed."""
     nft = nft or default_nft()
-    return [table for table in KUBE_PROXY_TABLES if await nft.delete_table(table)]
+    if isinstance(nft, KernelNft) and not _has_nft():
+        # Neither libnftables nor nft: the leftovers module then skips nftables (kube-proxy's
+        # nftables mode runs nft; a containerized one leaves tables kpng cannot see either way).
+        return KubeProxyLeftovers()
+    return KubeProxyLeftovers(nft=LeftoverTables(nft))
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -399,6 +402,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         once=args.once,
         dry_run=args.dry_run,
         syncs=syncs,
+        kube_proxy=None if args.dry_run else kube_proxy_leftovers(nft),
     )
 
 
