@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from kpng import sinks, sources
 from kpng.backends import registry
 from kpng.backends.registry import BackendSpec
-from kpng.errors import KpngError, UsageError
+from kpng.errors import EXIT_ERROR, EXIT_USAGE, KpngError, UsageError
 from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.sinks import SinkSpec
 from kpng.sinks.explain import explain_json
@@ -37,9 +38,6 @@ log = logging.getLogger("kpng")
 
 SOURCES: dict[str, SourceSpec] = sources.registered()
 SINKS: dict[str, SinkSpec] = sinks.registered()
-
-EXIT_USAGE = 2
-EXIT_ERROR = 1
 
 
 def _epilog() -> str:
@@ -413,6 +411,31 @@ def configure_logging(level: str, style: str = "text") -> None:
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
+def _kube_proxy(argv: Sequence[str]) -> int:
+    """``kpng kube-proxy``: kube-proxy's flags and config file become a kpng pipeline, run as
+    any other (the command only translates; it runs nothing but the node's conntrack set-up)."""
+    from kpng.kubeproxy import command
+    from kpng.kubeproxy.config import kpng_argv
+
+    try:
+        invocation = command.build(argv)
+    except KpngError as exc:
+        print(f"kpng kube-proxy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    config = invocation.config
+    configure_logging("debug" if config.verbosity >= 4 else "info", config.log_format)
+    for warning in invocation.warnings:
+        logging.getLogger("kpng.kube-proxy").warning("%s", warning)
+    if invocation.cleanup:
+        return cleanup([])
+    done = command.prepare_node(invocation)
+    if done is not None:
+        return done
+    pipeline = kpng_argv(config)
+    logging.getLogger("kpng.kube-proxy").info("running: kpng %s", shlex.join(pipeline))
+    return main(pipeline)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cleanup"]:
@@ -427,9 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return check(argv[1:])
     if argv[:1] == ["kube-proxy"]:
-        from kpng.kubeproxy.command import main as kube_proxy
-
-        return kube_proxy(argv[1:])
+        return _kube_proxy(argv[1:])
     try:
         options, pipeline = build(argv)
     except KpngError as exc:

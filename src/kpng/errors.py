@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+EXIT_ERROR = 1
+"""kpng's exit status when it fails: a KpngError at run time."""
+EXIT_USAGE = 2
+"""kpng's exit status for a command line it cannot use (argparse's own)."""
+
 
 class KpngError(Exception):
     """The root of every error kpng raises on purpose."""

@@ -13,14 +13,12 @@ import argparse
 import dataclasses
 import logging
 import os
-import shlex
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kpng.durations import parse_duration
-from kpng.errors import KpngError, UsageError
+from kpng.errors import EXIT_ERROR, UsageError
 from kpng.kubeproxy import conntrack
 from kpng.kubeproxy.config import (
     DETECT_LOCAL_MODES,
@@ -28,14 +26,11 @@ from kpng.kubeproxy.config import (
     Conntrack,
     ProxyConfig,
     feature_gates,
-    kpng_argv,
     load,
 )
 
 log = logging.getLogger("kpng.kube-proxy")
 
-EXIT_USAGE = 2
-EXIT_ERROR = 1
 
 _ACTED_ON_WITH_CONFIG = frozenset(
     {"config", "hostname_override", "v", "logging_format", "init_only", "cleanup"}
@@ -264,20 +259,10 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     )
 
 
-def main(argv: Sequence[str]) -> int:
-    from kpng import cli
-
-    try:
-        invocation = build(argv)
-    except KpngError as exc:
-        print(f"kpng kube-proxy: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+def prepare_node(invocation: Invocation) -> int | None:
+    """Apply kube-proxy's conntrack settings, as kube-proxy does before it proxies. The exit
+    status when that is all there is to do (``--init-only``), else None: run the pipeline."""
     config = invocation.config
-    cli.configure_logging("debug" if config.verbosity >= 4 else "info", config.log_format)
-    for warning in invocation.warnings:
-        log.warning("%s", warning)
-    if invocation.cleanup:
-        return cli.cleanup([])
     problems = conntrack.apply(conntrack.settings(config.conntrack, os.cpu_count() or 1))
     if invocation.init_only:
         for problem in problems:
@@ -289,6 +274,4 @@ def main(argv: Sequence[str]) -> int:
             "first (e.g. an init container)",
             problem,
         )
-    pipeline = kpng_argv(config)
-    log.info("running: kpng %s", shlex.join(pipeline))
-    return cli.main(pipeline)
+    return None

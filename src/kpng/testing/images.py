@@ -47,7 +47,6 @@ from kpng.testing.cluster import (
     kubernetes_release,
     kubernetes_source,
 )
-from kpng.testing.nodes import ImageArchive
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +473,14 @@ def _pip(args: Sequence[str]) -> None:
     )
     if proc.returncode != 0:
         raise ImageError(f"pip {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+
+
+@dataclass(frozen=True)
+class ImageArchive:
+    """An OCI archive to import into every node, and the reference it is known by."""
+
+    reference: str
+    path: Path
 
 
 def kpng_image(reference: str = KPNG_REFERENCE) -> ImageArchive:

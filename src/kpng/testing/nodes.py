@@ -67,6 +67,7 @@ from kpng.testing.cluster import (
     issue_client_cert,
     make_pki,
 )
+from kpng.testing.images import ImageArchive
 from kpng.testing.kubeapi import write_kubeconfig
 from kpng.testing.waiting import until
 
@@ -514,14 +515,6 @@ def missing_requirements() -> str:
     if not (CNI_BIN_DIR / "ptp").exists():
         missing.append(f"the CNI plugins in {CNI_BIN_DIR}")
     return f"missing {', '.join(missing)}" if missing else ""
-
-
-@dataclass(frozen=True)
-class ImageArchive:
-    """An OCI archive to import into every node, and the reference it is known by."""
-
-    reference: str
-    path: Path
 
 
 class RealCluster:
