@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
-	system-packages compat
+	system-packages system-packages-as-root compat
 
 # Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
 # $(BIN)/kpng is the runtime install, $(DEV) adds the test, lint and build tools (`.[dev]`, 264 MB
@@ -35,6 +35,12 @@ example: $(BIN)/kpng
 system-packages:
 	tools/install-system-packages
 
+# `make test` as root installs them itself, before the builds that need them (mmdebstrap for the
+# node images), so that a fresh Debian machine needs no step but `make test`.
+system-packages-as-root:
+	@if [ "$$(id -u)" = 0 ]; then tools/install-system-packages; \
+	else echo "not root: the tests that need system packages will be skipped (see the summary)"; fi
+
 # The whole suite: lint, types, layer contracts, tests.
 test: lint typecheck unit
 
@@ -46,19 +52,19 @@ lint: $(DEV)
 typecheck: $(DEV)
 	$(BIN)/mypy
 
-unit: $(DEV) control-plane real-nodes
+unit: $(DEV) system-packages-as-root control-plane real-nodes
 	$(BIN)/pytest
 
 # The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
 # minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(DEV)
-	$(BIN)/python -m kpng.testing.cluster build
+	$(BIN)/python -m kpng.harness.cluster build
 
-# The API-server tests against every supported Kubernetes release (kpng.testing.cluster's
+# The API-server tests against every supported Kubernetes release (kpng.harness.cluster's
 # SUPPORTED_VERSIONS), or those in VERSIONS (e.g. make compat VERSIONS=v1.34.4): each control
 # plane is built on first use (a few minutes), then cached.
 compat: $(DEV)
-	$(BIN)/python -m kpng.testing.compat $(VERSIONS)
+	$(BIN)/python -m kpng.harness.compat $(VERSIONS)
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
@@ -66,17 +72,17 @@ compat: $(DEV)
 # per node) or central (brains in a Deployment, a backend per node).
 SHAPE ?= daemonset
 e2e: $(DEV)
-	$(BIN)/python -m kpng.testing.e2e --shape $(SHAPE) --report-dir e2e-results
+	$(BIN)/python -m kpng.harness.e2e --shape $(SHAPE) --report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(DEV)
-	$(BIN)/python -m kpng.testing.images kpng --output kpng.oci.tar
+	$(BIN)/python -m kpng.harness.images kpng --output kpng.oci.tar
 
 # What the real-node tests run: kubelet, controllers, kubectl, agnhost, CoreDNS (Go builds,
 # cached beside the control plane) and the images (Debian packages). Skipped without root,
 # containerd, runc, mmdebstrap or the CNI plugins, as those tests are.
 real-nodes: $(DEV)
-	$(BIN)/python -m kpng.testing.nodes build
+	$(BIN)/python -m kpng.harness.nodes build
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
 protos: $(DEV)

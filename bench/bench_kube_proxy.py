@@ -4,7 +4,7 @@ state, node and configuration file, one after the other, each in a network names
 alternative: iptables-nft unless switched).
 
 kube-proxy is built from the ``k8s.io/kubernetes`` Go module of the test control plane's release
-(``kpng.testing.cluster.ensure_programs``), as that kube-apiserver is. For each size
+(``kpng.harness.cluster.ensure_programs``), as that kube-apiserver is. For each size
 (``--sizes``, services of the synthetic cluster of ``synthetic.py``, 10 endpoints each), a
 control plane of its own is filled, listening on a veth address the namespaces reach; then
 ``kube-proxy --config F`` and ``kpng kube-proxy --config F`` (kpng's drop-in command, the same
@@ -59,8 +59,8 @@ import msgspec
 import synthetic
 from bench_kube import APISERVER_ARGS, NODE, fill, nearest_rank
 
-from kpng.testing.cluster import ControlPlane, ensure_binaries, ensure_programs
-from kpng.testing.kubeapi import KubeApi
+from kpng.harness.cluster import ControlPlane, ensure_binaries, ensure_programs
+from kpng.harness.kubeapi import KubeApi
 from kpng.testing.waiting import until
 
 Obj = dict[str, Any]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.checker import scripted
+from kpng.check import scripted
 from tests.conftest import ROOT
 
 TIMEOUT_S = 120

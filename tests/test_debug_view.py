@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.cluster import free_port
+from kpng.harness.cluster import free_port
 from kpng.testing.netns import available
 from kpng.testing.waiting import until
 

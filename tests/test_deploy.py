@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kpng.testing import kubeapi as k
-from kpng.testing.cluster import ControlPlane
-from kpng.testing.kubeapi import ApiError, KubeApi
+from kpng.harness import kubeapi as k
+from kpng.harness.cluster import ControlPlane
+from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest
 from tests.conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""OCI archives (kpng.testing.images): what ctr imports, checked byte for byte, and imported
+"""OCI archives (kpng.harness.images): what ctr imports, checked byte for byte, and imported
 into a real containerd and run."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kpng.testing import images
-from kpng.testing.images import ImageConfig, compress, tar_directory, write_archive
+from kpng.harness import images
+from kpng.harness.images import ImageConfig, compress, tar_directory, write_archive
 
 
 def _tree(root: Path) -> Path:

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
+from kpng.harness import kubeapi as k
+from kpng.harness.cluster import ControlPlane, ensure_binaries, issue_client_cert
+from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
-from kpng.testing import kubeapi as k
-from kpng.testing.cluster import ControlPlane, ensure_binaries, issue_client_cert
-from kpng.testing.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest, View, view_of
 from kpng.testing.waiting import eventually
 
@@ -100,7 +100,7 @@ def test_service_cidrs_are_followed(
 ) -> None:
     """The API server's own ServiceCIDR ("kubernetes", its --service-cluster-ip-range) and one
     added and deleted later reach the store."""
-    from kpng.testing.cluster import SERVICE_CIDR
+    from kpng.harness.cluster import SERVICE_CIDR
 
     name = f"{kube_namespace}-extra"[-60:]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.cluster import free_port
+from kpng.harness.cluster import free_port
 
 
 def _kpng(

@@ -21,11 +21,11 @@ import pytest
 
 from kpng.backends._commands import CommandError
 from kpng.backends._kube_proxy import KubeProxyLeftovers, Leftovers, parse_virtual_servers
-from kpng.testing import kubeapi as k
-from kpng.testing.cluster import ControlPlane
-from kpng.testing.kubeapi import KubeApi
+from kpng.harness import kubeapi as k
+from kpng.harness.cluster import ControlPlane
+from kpng.harness.kubeapi import KubeApi
+from kpng.harness.portforward import forwarded_into
 from kpng.testing.netns import available
-from kpng.testing.portforward import forwarded_into
 
 NETNS = pytest.mark.skipif(available() is not None, reason=str(available()))
 IPTABLES = pytest.mark.skipif(
@@ -377,9 +377,9 @@ def test_ipvs_virtual_servers_are_kube_proxys_only_beside_its_other_ipvs_leftove
 
 
 def _kube_proxy_binary() -> Path | None:
-    """The real kube-proxy, if a real-node or e2e run has built it (kpng.testing.cluster);
+    """The real kube-proxy, if a real-node or e2e run has built it (kpng.harness.cluster);
     building it takes minutes, which this test does not spend."""
-    from kpng.testing.cluster import cache_root, kubernetes_release
+    from kpng.harness.cluster import cache_root, kubernetes_release
 
     path = cache_root() / kubernetes_release() / "programs" / "kube-proxy"
     return path if os.access(path, os.X_OK) else None

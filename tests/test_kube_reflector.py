@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from kubernetes_asyncio.client import Configuration
 
+from kpng.harness.cluster import free_port
 from kpng.kubeclient.client import ApiClient, StreamIdle, WatchLineSplitter
 from kpng.kubeclient.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.model import k8s
@@ -45,7 +46,6 @@ from kpng.sources.kube.source import (
     resources,
 )
 from kpng.store import Store
-from kpng.testing.cluster import free_port
 
 
 @pytest.mark.parametrize(

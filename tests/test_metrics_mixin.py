@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.testing import mixin
+from kpng.harness import mixin
 from kpng.testing.netns import available
 from kpng.testing.waiting import until
 

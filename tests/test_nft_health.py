@@ -15,6 +15,7 @@ from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import Options
 from kpng.backends.nft.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState
+from kpng.harness.cluster import free_port
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     Endpoint,
@@ -27,7 +28,6 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing import states
-from kpng.testing.cluster import free_port
 
 LB: ServiceKey = ("ns", "lb")
 

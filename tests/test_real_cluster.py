@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from kpng.testing import addons, images
-from kpng.testing import kubeapi as k
-from kpng.testing.nodes import RealCluster, missing_requirements
+from kpng.harness import addons, images
+from kpng.harness import kubeapi as k
+from kpng.harness.nodes import RealCluster, missing_requirements
 from kpng.testing.waiting import until
 
 pytestmark = [

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kpng.testing import addons, images
-from kpng.testing.nodes import RealCluster, RealNode, missing_requirements
+from kpng.harness import addons, images
+from kpng.harness.nodes import RealCluster, RealNode, missing_requirements
 from kpng.testing.waiting import until
 from tests.test_real_cluster import (
     Traffic,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kpng.testing import images
-from kpng.testing.nodes import RealCluster, missing_requirements
+from kpng.harness import images
+from kpng.harness.nodes import RealCluster, missing_requirements
 from kpng.testing.waiting import until
 from tests.test_real_cluster import (
     Traffic,

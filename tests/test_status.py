@@ -19,13 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, NodeState
 from kpng.feeding import Fanout, Feeder, FeederStats
+from kpng.harness import kubeapi as k
+from kpng.harness.cluster import ControlPlane, free_port
+from kpng.harness.kubeapi import KubeApi
 from kpng.status import Status
 from kpng.status.health import Verdict, judge
 from kpng.status.metrics import registry
-from kpng.testing import kubeapi as k
 from kpng.testing import states
-from kpng.testing.cluster import ControlPlane, free_port
-from kpng.testing.kubeapi import KubeApi
 from kpng.testing.recording import KpngUnderTest
 from kpng.testing.waiting import eventually, until
 from tests.conftest import EXAMPLE

@@ -46,6 +46,10 @@ def test_the_sdist_and_the_wheel_carry_the_license_and_the_protos(dist: Path) ->
         assert f"kpng/api/{proto}.proto" in names
     assert "kpng/py.typed" in names
     assert not any(n.startswith("tests/") for n in names)
+    # The backend author's test library ships; the project's real-cluster harness does not.
+    assert "kpng/testing/conformance.py" in names
+    assert "kpng/check.py" in names
+    assert not any(n.startswith("kpng/harness/") for n in names)
     metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert "Provides-Extra: testing" in metadata
@@ -74,7 +78,7 @@ def test_the_wheel_installs_with_plain_pip_and_runs_without_test_dependencies(
     # Every runtime module imports without pytest or cryptography, which are not installed.
     probe = (
         "import importlib, pkgutil, sys, kpng\n"
-        "skip = {'kpng.__main__', 'kpng.testing.fixtures', 'kpng.testing.conformance'}\n"
+        "skip = {'kpng.__main__', 'kpng.testing.conformance'}\n"
         "for m in pkgutil.walk_packages(kpng.__path__, 'kpng.'):\n"
         "    if m.name not in skip: importlib.import_module(m.name)\n"
         "bad = sorted(n for n in ('pytest', 'cryptography') if n in sys.modules)\n"

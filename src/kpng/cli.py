@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report())
         return 0
     if argv[:1] == ["check"]:
-        from kpng.testing.checker import main as check
+        from kpng.check import main as check
 
         return check(argv[1:])
     if argv[:1] == ["kube-proxy"]:

@@ -1,6 +1,11 @@
-"""Reusable test harnesses: a real control plane (kube-apiserver and etcd) and its pytest fixtures.
+"""The backend author's test library, shipped in the wheel (``pip install 'kpng[testing]'``).
 
-``kpng.testing.cluster`` builds and runs the control plane; ``kpng.testing.kubeapi`` is a small
-client to create objects in it; ``kpng.testing.fixtures`` is a pytest plugin
-(``pytest_plugins = ["kpng.testing.fixtures"]``) with a session-scoped control plane.
+- ``kpng.testing.conformance``: the conformance suite a kernel backend should pass, with packets;
+- ``kpng.testing.netns``: a cluster of network namespaces (nodes, pods, an external client);
+- ``kpng.testing.states``: node-local states to feed a backend, and ``recording``: kpng in
+  process with a backend that records what it is given;
+- ``echo``, ``probe`` and ``waiting``: what those are built from.
+
+No cluster and no API server: the project's own real-cluster harness is ``kpng.harness``, which
+the wheel does not ship.
 """

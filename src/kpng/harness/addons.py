@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from kpng.testing.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
+from kpng.harness.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
 
 DEPLOY_DIR = Path(__file__).resolve().parents[3] / "deploy"
 """The manifests a cluster operator applies; present in a source checkout."""
@@ -85,7 +85,7 @@ def _prepare_brains(cluster: RealCluster) -> str:
     """deploy/kpng-central.yaml's steps 1 and 2, as its header tells an operator: every node
     labelled to run a brain, a serving certificate for their addresses (from a CA of the test's)
     in a Secret, the CA in a ConfigMap. Returns ``KPNG_BRAINS``."""
-    from kpng.testing.cluster import make_pki
+    from kpng.harness.cluster import make_pki
 
     for node in cluster.nodes:
         cluster.kubectl("label", "--overwrite", "node", node.name, "kpng.io/brain=true")

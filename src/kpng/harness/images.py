@@ -14,7 +14,7 @@ knows as nginx, busybox and distroless-iptables), CoreDNS, and kube-proxy as the
 - Layers are reproducible: entries sorted, owned by root, with a fixed mtime, gzip without a
   timestamp; archives are cached by their layers' digests.
 
-    python -m kpng.testing.images kpng --output kpng.oci.tar
+    python -m kpng.harness.images kpng --output kpng.oci.tar
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kpng
-from kpng.testing.cluster import (
+from kpng.harness.cluster import (
     COREDNS_VERSION,
     _go,
     cache_root,
@@ -226,7 +226,7 @@ def write_archive(
             "Labels": config.labels or None,
         },
         "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
-        "history": [{"created_by": "kpng.testing.images"} for _ in layers],
+        "history": [{"created_by": "kpng.harness.images"} for _ in layers],
     }
     config_bytes = json.dumps(image_config, sort_keys=True).encode()
     config_digest, config_size = _blob(config_bytes)
@@ -629,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kube-proxy": kube_proxy_image,
     }
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.testing.images",
+        prog="python -m kpng.harness.images",
         description="build an image as an OCI archive for `ctr images import`, pulling nothing",
     )
     parser.add_argument("image", choices=sorted(builders))

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpng.testing.cluster import ControlPlaneError, _go, cache_root, ensure_go_program
+from kpng.harness.cluster import ControlPlaneError, _go, cache_root, ensure_go_program
 
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
 PROMETHEUS_VERSION = "v0.316.0"

@@ -15,10 +15,10 @@ A started ``ControlPlane`` has etcd (plain HTTP) and kube-apiserver (HTTPS, gene
 certificates, a static admin token and an admin client certificate) on free loopback ports, and a
 kubeconfig with two contexts: ``kpng`` (token) and ``kpng-cert`` (client certificate).
 
-    python -m kpng.testing.cluster build      # build (or find) the binaries, print their paths
-    python -m kpng.testing.cluster up         # start in the background, print the kubeconfig
-    python -m kpng.testing.cluster env        # print `export KUBECONFIG=...`
-    python -m kpng.testing.cluster down       # stop and remove everything `up` made
+    python -m kpng.harness.cluster build      # build (or find) the binaries, print their paths
+    python -m kpng.harness.cluster up         # start in the background, print the kubeconfig
+    python -m kpng.harness.cluster env        # print `export KUBECONFIG=...`
+    python -m kpng.harness.cluster down       # stop and remove everything `up` made
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def _need_cryptography() -> None:
     # A testing extra, not a runtime dependency: say how to get it.
     if importlib.util.find_spec("cryptography") is None:
         raise ControlPlaneError(
-            "the test control plane's certificates need cryptography: pip install 'kpng[testing]'"
+            "the test control plane's certificates need cryptography: pip install cryptography"
         )
 
 
@@ -661,7 +661,7 @@ class ControlPlane:
     ``watch_cache=False`` starts the apiserver with ``--watch-cache=false``, so that a watch from
     a compacted resourceVersion fails with 410 Gone as it would against etcd directly.
     ``address`` is where the apiserver listens and what it advertises: loopback for tests of
-    kpng alone, a bridge address when real nodes (``kpng.testing.nodes``) must reach it.
+    kpng alone, a bridge address when real nodes (``kpng.harness.nodes``) must reach it.
     """
 
     def __init__(
@@ -964,7 +964,7 @@ def _down(directory: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.testing.cluster",
+        prog="python -m kpng.harness.cluster",
         description="build, start and stop a loopback kube-apiserver + etcd for kpng's tests",
     )
     parser.add_argument("command", choices=["build", "up", "env", "down"])

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kpng.testing.cluster import ControlPlane
+from kpng.harness.cluster import ControlPlane
 
 Obj = dict[str, Any]
 
