@@ -49,8 +49,8 @@ typecheck: $(DEV)
 unit: $(DEV) control-plane real-nodes
 	$(BIN)/pytest
 
-# The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
-# minutes), then found in ~/.cache/kpng/control-plane in a moment.
+# The kube-apiserver and etcd the `apiserver` tests run, and the helm the chart's tests run:
+# built with Go on first use (a few minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(DEV)
 	$(BIN)/python -m kpng.testing.cluster build
 
