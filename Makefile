@@ -55,8 +55,8 @@ typecheck: $(DEV)
 unit: $(DEV) system-packages-as-root control-plane real-nodes
 	$(BIN)/pytest
 
-# The kube-apiserver and etcd the `apiserver` tests run: built with Go on first use (a few
-# minutes), then found in ~/.cache/kpng/control-plane in a moment.
+# The kube-apiserver and etcd the `apiserver` tests run, and the helm the chart's tests run:
+# built with Go on first use (a few minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(DEV)
 	$(BIN)/python -m kpng.harness.cluster build
 

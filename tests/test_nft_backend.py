@@ -749,3 +749,21 @@ def test_full_table_is_accepted_by_the_fake() -> None:
     services = {(f"ns{i}", "s"): case.values[0] for i, case in enumerate(CASES)}
     asyncio.run(backend.apply(_state(1, services)))  # type: ignore[arg-type]
     assert len(nft.transactions) == 1
+
+
+def test_a_renamed_port_renames_its_elements_comment() -> None:
+    """The comment names the service port: a port renamed with the same number and endpoints
+    replaces its elements, so the rules never name a port that is gone."""
+    nft = FakeNft()
+    backend = NftBackend(nft=nft, options=Options())
+    services = {WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),))}
+    asyncio.run(backend.apply(_state(1, services)))
+    renamed = _service(port_name="q")
+    services[WEB] = ServiceEndpoints(renamed, (_ep("10.244.1.2", port_name="q"),))
+    asyncio.run(backend.apply(_state(2, services)))
+    text = nft.transactions[-1].render()
+    assert "delete element inet kpng cluster-v4 { 10.96.0.10 . tcp . 80 }" in text
+    assert 'cluster-v4 { 10.96.0.10 . tcp . 80 comment "ns/web:q" : goto' in text
+    # Applied again unchanged, nothing is replaced.
+    asyncio.run(backend.apply(_state(3, services, updated=set())))
+    assert nft.transactions[-1].operations == []

@@ -1,4 +1,5 @@
-"""kpng deployed as users deploy it, on real nodes: deploy/'s DaemonSet, started by real kubelets
+"""kpng deployed as users deploy it, on real nodes: deploy/'s DaemonSet, installed with the Helm
+chart (``helm template``, which renders deploy/kpng.yaml's objects), started by real kubelets
 from the locally built image, serving pods that real controllers publish.
 
 The CI smoke part of the real-cluster work; upstream's e2e suite runs with ``make e2e``.

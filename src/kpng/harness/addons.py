@@ -1,5 +1,6 @@
-"""What a real cluster runs in kube-system once its nodes are up: a service proxy (kpng from
-``deploy/``, or upstream kube-proxy as the baseline), as a kubeadm user would deploy them.
+"""What a real cluster runs in kube-system once its nodes are up: a service proxy (kpng from its
+Helm chart in ``deploy/helm/kpng``, or upstream kube-proxy as the baseline), as a kubeadm user
+would deploy them.
 
 Both proxies run as DaemonSets from images imported into every node (no registry here), reach
 the API server by its real address (the ``kubernetes`` Service needs a proxy first), and are
@@ -9,14 +10,12 @@ Ready when their ``/healthz`` says the node's rules are programmed.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
 
+from kpng.harness import chart
+from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
 from kpng.harness.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
-
-DEPLOY_DIR = Path(__file__).resolve().parents[3] / "deploy"
-"""The manifests a cluster operator applies; present in a source checkout."""
 
 _PLACEHOLDER = re.compile(r"\$\{(KPNG_[A-Z_]+)\}")
 
@@ -37,10 +36,19 @@ def _deploy_file(name: str) -> str:
     return path.read_text()
 
 
+def manifests(shape: str, values: dict[str, str]) -> str:
+    """What an operator without helm applies for ``shape``: deploy/rbac.yaml, then the shape's
+    manifest with ``values`` (``KPNG_...``) filled in."""
+    return "---\n".join([_deploy_file("rbac.yaml"), render(_deploy_file(SHAPES[shape]), values)])
+
+
 SHAPES = {"daemonset": "kpng.yaml", "sidecar": "kpng-sidecar.yaml", "central": "kpng-central.yaml"}
-"""How kpng is deployed, each by its manifest in deploy/: one process per node (``kpng
-kube-proxy``), a brain and a backend container per node sharing a socket, or a Deployment of
-brains serving a backend on every node."""
+"""How kpng is deployed (the chart's ``shape``), each with the manifest in deploy/ that the chart
+renders for it: one process per node (``kpng kube-proxy``), a brain and a backend container per
+node sharing a socket, or a Deployment of brains serving a backend on every node."""
+
+MODES = ("nftables", "iptables", "ebpf")
+"""The chart's ``mode``: to-nft, to-iptables or to-ebpf programs the nodes."""
 
 BRAIN_PORT = 12090
 
@@ -53,38 +61,29 @@ def deploy_kpng(
     shape: str = "daemonset",
     timeout_s: int = 180,
 ) -> None:
-    """deploy/rbac.yaml and the ``shape``'s manifest, applied as the operator would (with
-    kube-proxy's ``mode`` in the DaemonSet's configuration); returns once every node's kpng pod
-    is Ready."""
-    values = {
-        "KPNG_API_SERVER": cluster.server,
-        "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
-        "KPNG_IMAGE": image,
-    }
-    if shape == "central":
-        values["KPNG_BRAINS"] = _prepare_brains(cluster)
-    manifest = render(_deploy_file(SHAPES[shape]), values)
+    """kpng's Helm chart in ``shape`` and ``mode``, rendered with ``helm template`` and applied
+    as an operator would; returns once every node's kpng pod (and every brain) is Ready."""
+    given = chart.values(
+        api_server=cluster.server,
+        cluster_cidr=CLUSTER_CIDR,
+        image=image,
+        shape=shape,
+        mode=mode,
+        brains=_prepare_brains(cluster) if shape == "central" else (),
+    )
     # Nodes are network namespaces of one machine, where only the first may size the machine's
     # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
-    sized = "      maxPerCore: null\n"
-    assert sized in manifest, f"deploy/{SHAPES[shape]} no longer sets conntrack.maxPerCore"
-    manifest = manifest.replace(sized, "      maxPerCore: 0\n")
-    if shape == "daemonset":
-        assert "    mode: nftables\n" in manifest, "deploy/kpng.yaml no longer says mode: nftables"
-        manifest = manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
-    elif mode != "nftables":
-        raise NodeError(f"the {shape} shape runs to-nft only, not {mode}")
-    cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
-    cluster.kubectl("apply", "-f", "-", input=manifest)
+    given["conntrack"] = {"maxPerCore": 0}
+    cluster.kubectl("apply", "-f", "-", input=chart.template(given))
     if shape == "central":
         wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)
 
 
-def _prepare_brains(cluster: RealCluster) -> str:
-    """deploy/kpng-central.yaml's steps 1 and 2, as its header tells an operator: every node
-    labelled to run a brain, a serving certificate for their addresses (from a CA of the test's)
-    in a Secret, the CA in a ConfigMap. Returns ``KPNG_BRAINS``."""
+def _prepare_brains(cluster: RealCluster) -> list[str]:
+    """deploy/kpng-central.yaml's steps 1 and 2, as its header (and docs/helm.md) tells an
+    operator: every node labelled to run a brain, a serving certificate for their addresses (from
+    a CA of the test's) in a Secret, the CA in a ConfigMap. Returns the brains' addresses."""
     from kpng.harness.cluster import make_pki
 
     for node in cluster.nodes:
@@ -104,7 +103,7 @@ def _prepare_brains(cluster: RealCluster) -> str:
         "kpng-brain-ca",
         f"--from-file=ca.crt={pki.ca_cert}",
     )
-    return ",".join(f"tcp://{node.ip}:{BRAIN_PORT}" for node in cluster.nodes)
+    return [f"tcp://{node.ip}:{BRAIN_PORT}" for node in cluster.nodes]
 
 
 def wait_rollout(cluster: RealCluster, workload: str, timeout_s: int) -> None:

@@ -78,6 +78,8 @@ class Plan:
     maps: dict[str, Map | Set | None]
     table: dict[ElementKey, tuple[str, ...]] | None = None
     """For a full plan, every element of the table (None: an incremental plan)."""
+    comments: dict[ElementKey, str] = field(default_factory=dict)
+    """The comments of ``elements`` that have one."""
 
     @property
     def full(self) -> bool:
@@ -96,6 +98,8 @@ class TableState:
         self._chain_owners: dict[str, dict[ServiceKey, ChainDef]] = {}
         self._map_owners: dict[str, dict[ServiceKey, Map | Set]] = {}
         self.applied_elements: dict[ElementKey, tuple[str, ...]] = {}
+        self.applied_comments: dict[ElementKey, str] = {}
+        """An element whose comment alone changes is replaced too: the listing says whose."""
         self.applied_chains: dict[str, ChainDef] = {}
         self.applied_maps: dict[str, Map | Set] = {}
 
@@ -114,10 +118,13 @@ class TableState:
                 touched.elements.add(ek)
                 if self._disown(ek, key) > 1:
                     touched.shared.add(ek)
+            old_comments, new_comments = old.comments, new.comments
             for ek, value in new_elements.items():
                 if old_elements.get(ek) != value:
                     touched.elements.add(ek)
                     self._own(ek, key, value, touched)
+                elif old_comments.get(ek) != new_comments.get(ek):
+                    touched.elements.add(ek)
         else:
             # A full sync passes here for every element of every service: the common case
             # (no other owner) inline.
@@ -227,6 +234,7 @@ class TableState:
         """The transaction bringing the applied table to the desired one for ``touched``."""
         tx = Transaction(TABLE)
         elements = {ek: self.desired_element(ek) for ek in touched.elements}
+        comments = {ek: c for ek in elements if (c := self.comment(ek))}
         chains = {name: self.desired_chain(name) for name in touched.chains}
         maps = {name: self.desired_map(name) for name in touched.maps}
         # New maps and chains first: elements and rules refer to them.
@@ -242,15 +250,19 @@ class TableState:
                     tx.flush(chain[0])
                 for rule in chain[1]:
                     tx.add(rule)
+        applied, applied_comments = self.applied_elements, self.applied_comments
         changed = sorted(
-            (ek, v) for ek, v in elements.items() if self.applied_elements.get(ek) != v
+            (ek, v)
+            for ek, v in elements.items()
+            if applied.get(ek) != v
+            or (v is not None and applied_comments.get(ek, "") != comments.get(ek, ""))
         )
         for ek, _ in changed:
-            if ek in self.applied_elements:
+            if ek in applied:
                 tx.delete(Element(ek[0], ek[1]))
         for ek, value in changed:
             if value is not None:
-                tx.add(Element(ek[0], ek[1], value, self.comment(ek)))
+                tx.add(Element(ek[0], ek[1], value, comments.get(ek, "")))
         # Chains and maps last: once nothing refers to them.
         for name, chain in sorted(chains.items()):
             if chain is None and name in self.applied_chains:
@@ -259,7 +271,7 @@ class TableState:
         for name, m in sorted(maps.items()):
             if m is None and name in self.applied_maps:
                 tx.delete(self.applied_maps[name])
-        return Plan(tx, elements, chains, maps)
+        return Plan(tx, elements, chains, maps, comments=comments)
 
     def full(self, present: TableObjects | None = None) -> Plan:
         """The whole desired table, replacing what the table holds atomically (no gap for
@@ -330,17 +342,19 @@ class TableState:
             keys = by_container[container]
             keys.sort(key=_joined)
             tx.add(Elements(container, _Rendered(container, keys, table, comments)))
-        return Plan(tx, table, chains, maps, table=table)
+        return Plan(tx, table, chains, maps, table=table, comments=comments)
 
     def commit(self, plan: Plan) -> None:
         """Record that the kernel applied ``plan``."""
         if plan.table is not None:
             self.applied_elements = plan.table
+            self.applied_comments = plan.comments
             self.applied_chains = {}
             self.applied_maps = {}
         else:
             for ek, value in plan.elements.items():
                 _record(self.applied_elements, ek, value)
+                _record(self.applied_comments, ek, plan.comments.get(ek))
         for name, chain in plan.chains.items():
             _record(self.applied_chains, name, chain)
         for name, m in plan.maps.items():

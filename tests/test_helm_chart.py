@@ -1,0 +1,225 @@
+"""deploy/helm/kpng with helm itself (built from its Go module): ``helm lint`` passes in every
+shape and mode, each shape renders exactly deploy/'s manifest of that shape (so installing with
+helm or with envsubst gives the same cluster), and the values do what docs/helm.md says."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import yaml
+
+import kpng
+from kpng.harness import addons, chart
+from kpng.harness.chart import ChartError
+from kpng.kubeproxy.config import load
+
+API_SERVER = "https://10.0.0.1:6443"
+CLUSTER_CIDR = "10.244.0.0/16"
+IMAGE = "registry.example:5000/kpng:1.2.3"
+BRAINS = ("tcp://10.0.0.11:12090", "tcp://10.0.0.12:12090")
+
+Key = tuple[str, str, str]
+
+
+def _values(shape: str = "daemonset", mode: str = "nftables") -> dict[str, Any]:
+    brains = BRAINS if shape == "central" else ()
+    return chart.values(
+        api_server=API_SERVER,
+        cluster_cidr=CLUSTER_CIDR,
+        image=IMAGE,
+        shape=shape,
+        mode=mode,
+        brains=brains,
+    )
+
+
+def _by_key(documents: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """Objects by kind, namespace and name, with each ConfigMap entry that is a YAML document
+    (config.conf, kubeconfig.conf) parsed: what kpng reads, not how the text is laid out."""
+    found: dict[Key, dict[str, Any]] = {}
+    for document in documents:
+        meta = document["metadata"]
+        key = (document["kind"], meta.get("namespace", ""), meta["name"])
+        assert key not in found, f"{key} twice"
+        if document["kind"] == "ConfigMap":
+            document = {
+                **document,
+                "data": {k: yaml.safe_load(v) for k, v in document["data"].items()},
+            }
+        found[key] = document
+    return found
+
+
+def _deploy_objects(shape: str) -> dict[Key, dict[str, Any]]:
+    text = addons.manifests(
+        shape,
+        {
+            "KPNG_API_SERVER": API_SERVER,
+            "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
+            "KPNG_IMAGE": IMAGE,
+            "KPNG_BRAINS": ",".join(BRAINS),
+        },
+    )
+    return _by_key([d for d in yaml.safe_load_all(text) if d])
+
+
+def _daemonset(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (daemonset,) = [d for d in objects if d["kind"] == "DaemonSet"]
+    spec: dict[str, Any] = daemonset["spec"]["template"]["spec"]
+    return spec
+
+
+def _container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    (container,) = [c for c in spec["containers"] if c["name"] == name]
+    assert isinstance(container, dict)
+    return container
+
+
+@pytest.mark.parametrize("shape", list(addons.SHAPES))
+def test_each_shape_renders_its_manifest_in_deploy(shape: str) -> None:
+    """The defaults render deploy/kpng.yaml (with deploy/rbac.yaml); the sidecar and central
+    shapes render their own files: operators get the same objects either way."""
+    rendered = _by_key(chart.objects(_values(shape)))
+    expected = _deploy_objects(shape)
+    assert sorted(rendered) == sorted(expected)
+    for key, document in expected.items():
+        assert rendered[key] == document, key
+
+
+@pytest.mark.parametrize(("shape", "mode"), list(itertools.product(addons.SHAPES, addons.MODES)))
+def test_helm_lint_passes_in_every_shape_and_mode(shape: str, mode: str) -> None:
+    result = chart.lint(_values(shape, mode))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_the_chart_runs_this_release_of_kpng_by_default() -> None:
+    meta = yaml.safe_load((chart.CHART_DIR / "Chart.yaml").read_text())
+    assert meta["appVersion"] == kpng.__version__
+    given = _values()
+    del given["image"]["tag"]
+    spec = _daemonset(chart.objects(given))
+    assert _container(spec, "kpng")["image"] == f"registry.example:5000/kpng:{kpng.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("reference", "expected"),
+    [
+        ("kpng.local/kpng:0.1.0", {"repository": "kpng.local/kpng", "tag": "0.1.0"}),
+        ("registry:5000/kpng", {"repository": "registry:5000/kpng"}),
+        ("registry:5000/a/kpng:v1", {"repository": "registry:5000/a/kpng", "tag": "v1"}),
+    ],
+)
+def test_an_image_reference_splits_at_its_tag_not_at_a_registry_port(
+    reference: str, expected: dict[str, str]
+) -> None:
+    assert chart.image_values(reference) == expected
+
+
+def test_the_daemonset_shape_in_iptables_mode_is_kube_proxys_iptables_mode() -> None:
+    objects = chart.objects(_values("daemonset", "iptables"))
+    (config_map,) = [d for d in objects if d["kind"] == "ConfigMap"]
+    loaded = load(config_map["data"]["config.conf"], source="config.conf")
+    assert loaded.warnings == []
+    assert loaded.config.backend == "to-iptables"
+    assert loaded.config.cluster_cidrs == (CLUSTER_CIDR,)
+    container = _container(_daemonset(objects), "kpng")
+    assert container["command"][:2] == ["kpng", "kube-proxy"]
+
+
+@pytest.mark.parametrize(("shape", "container"), [("sidecar", "backend"), ("central", "kpng")])
+@pytest.mark.parametrize(("mode", "backend"), [("nftables", "to-nft"), ("iptables", "to-iptables")])
+def test_the_split_shapes_run_the_modes_backend_with_net_admin_only(
+    shape: str, container: str, mode: str, backend: str
+) -> None:
+    spec = _daemonset(chart.objects(_values(shape, mode)))
+    node = _container(spec, container)
+    command = node["command"]
+    assert command[command.index(backend) + 1 :] == [
+        f"--cluster-cidr={CLUSTER_CIDR}",
+        "--nodeport-addresses=primary",
+    ]
+    assert node["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+    assert "privileged" not in node["securityContext"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "container"), list(zip(addons.SHAPES, ["kpng", "backend", "kpng"], strict=True))
+)
+def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs(
+    shape: str, container: str
+) -> None:
+    given = _values(shape, "ebpf")
+    given["ebpf"] = {"bpfObject": "/opt/kpng/sockets.bpf.o"}
+    spec = _daemonset(chart.objects(given))
+    node = _container(spec, container)
+    command = node["command"]
+    # Not kube-proxy's command line: ebpf is no kube-proxy mode.
+    assert "kube-proxy" not in command
+    assert command[command.index("to-ebpf") :] == [
+        "to-ebpf",
+        f"--cluster-cidr={CLUSTER_CIDR}",
+        "--nodeport-addresses=primary",
+        "--cgroup=/run/kpng/host-cgroup",
+        "--bpf-object=/opt/kpng/sockets.bpf.o",
+    ]
+    assert node["securityContext"]["privileged"] is True
+    mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts["bpffs"] == "/sys/fs/bpf"
+    assert volumes["bpffs"]["hostPath"]["path"] == "/sys/fs/bpf"
+    assert mounts["host-cgroup"] == "/run/kpng/host-cgroup"
+    assert volumes["host-cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup"
+    assert {"name": "XDG_CACHE_HOME", "value": mounts["ebpf-cache"]} in node["env"]
+    if shape == "daemonset":
+        assert command[command.index("kube") : command.index("to-ebpf")] == [
+            "kube",
+            "--kubeconfig=/var/lib/kpng/kubeconfig.conf",
+            "to-local",
+            "--node-name=$(NODE_NAME)",
+        ]
+
+
+def test_values_set_resources_replicas_conntrack_and_the_namespace() -> None:
+    given = _values("central")
+    given["resources"] = {"backend": {"requests": {"cpu": "10m"}}}
+    given["central"]["replicas"] = 3
+    given["conntrack"] = {"maxPerCore": 0}
+    objects = chart.objects(given, namespace="networking")
+    spec = _daemonset(objects)
+    # Merged into the defaults, as helm merges every map of values.
+    assert _container(spec, "kpng")["resources"] == {
+        "requests": {"cpu": "10m", "memory": "64Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    (brains,) = [d for d in objects if d["kind"] == "Deployment"]
+    assert brains["spec"]["replicas"] == 3
+    brain = brains["spec"]["template"]["spec"]["containers"][0]
+    assert "--node-user=system:serviceaccount:networking:kpng-node" in brain["command"]
+    (config_map,) = [d for d in objects if d["kind"] == "ConfigMap"]
+    conntrack = yaml.safe_load(config_map["data"]["config.conf"])["conntrack"]
+    assert conntrack == {
+        "maxPerCore": 0,
+        "min": None,
+        "tcpEstablishedTimeout": "24h0m0s",
+        "tcpCloseWaitTimeout": "1h0m0s",
+    }
+    assert {d["metadata"].get("namespace", "networking") for d in objects} == {"networking"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"apiServer": ""}, "apiServer: the API server's real address"),
+        ({"clusterCIDR": ""}, "clusterCIDR: the pod CIDRs"),
+        ({"shape": "mesh"}, "/shape"),
+        ({"mode": "ipvs"}, "/mode"),
+        ({"apiServer": "http://10.0.0.1:8080"}, "/apiServer"),
+        ({"shape": "central", "central": {"brains": []}}, "central.brains"),
+    ],
+)
+def test_values_kpng_cannot_run_with_are_refused(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ChartError, match=message):
+        chart.template({**_values(), **change})
