@@ -380,10 +380,21 @@ def test_durations_read_as_go_writes_them(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "-1s", "1x", "1s2", "soon"])
+# "inf", "nan" and "1e400" were found by tests/test_fuzz_kubeproxy_config.py: float() reads them,
+# and a sync period of inf crashed kpng_argv (OverflowError formatting it) and the conntrack
+# settings (int(inf)).
+@pytest.mark.parametrize("text", ["", "-1s", "1x", "1s2", "soon", "inf", "nan", "-nan", "1e400"])
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_a_configuration_with_an_infinite_period_is_refused_naming_the_field() -> None:
+    with pytest.raises(UsageError, match=r'config\.conf: field "nftables\.syncPeriod"'):
+        _build(
+            ["--config=config.conf"],
+            _edited("  syncPeriod: 0s\nnodePort", "  syncPeriod: inf\nnodePort"),
+        )
 
 
 def test_durations_are_written_as_go_writes_them() -> None:

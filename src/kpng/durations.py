@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -11,8 +12,9 @@ _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``, a Go duration or a number of seconds; ValueError if it is neither
-    or is negative."""
+    """Seconds in ``text``, a Go duration or a number of seconds; ValueError if it is neither,
+    is negative, or is not finite (``inf``, ``nan``, ``1e400``: float() reads them, and no
+    period or timeout can be written from one)."""
     text = text.strip()
     try:
         seconds = float(text)
@@ -21,6 +23,8 @@ def parse_duration(text: str) -> float:
             raise ValueError(f"not a duration: {text!r} (e.g. 1s, 1m30s, 24h0m0s)") from None
         magnitude = sum(float(n) * _UNITS_S[unit] for n, unit in _PART.findall(text))
         seconds = -magnitude if text.startswith("-") else magnitude
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a finite duration: {text!r}")
     if seconds < 0:
         raise ValueError(f"negative duration: {text!r}")
     return seconds
