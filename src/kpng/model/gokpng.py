@@ -49,7 +49,12 @@ def load(document: Mapping[str, Any]) -> tuple[list[Model], list[str]]:
     understood (the rest is still read)."""
     objects: list[Model] = []
     errors: list[str] = []
-    for i, item in enumerate(document.get("nodes") or ()):
+    nodes = document.get("nodes") or []
+    if not isinstance(nodes, list):
+        # yaml.v2 writes a list; anything else (`nodes: 1`) is not Go KPNG's, and not iterable.
+        errors.append(f"nodes: a list is expected, not {type(nodes).__name__}; skipped")
+        nodes = []
+    for i, item in enumerate(nodes):
         where = f"nodes[{i}]"
         try:
             node = _convert(item, Node, where, errors)
