@@ -234,12 +234,41 @@ def test_a_field_kpng_does_not_act_on_is_a_warning_naming_it(config: str, field:
         (_edited("kind: KubeProxyConfiguration", "kind: KubeletConfiguration"),
          "kind 'KubeletConfiguration'"),
         ("clusterCIDR: [\n", "not YAML"),
+        # Found by tests/test_fuzz_kubeproxy_config.py: a bindAddress that is no IP crashed
+        # kpng_argv (ValueError); the others made a command line kpng's backend parser refused.
+        (_edited("bindAddress: 0.0.0.0", "bindAddress: node-1"), 'field "bindAddress": not an IP'),
+        (_edited("clusterCIDR: 10.244.0.0/16", "clusterCIDR: 10.244.0.0/16,pods"),
+         "field \"clusterCIDR\": not a CIDR: 'pods'"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [null]"),
+         "field \"nodePortAddresses\": not a CIDR: 'None'"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [primary, primary]"),
+         "field \"nodePortAddresses\": 'primary' is given twice"),
+        (_edited("nftables:\n  masqueradeAll: false\n  masqueradeBit: null",
+                 "nftables:\n  masqueradeAll: false\n  masqueradeBit: 32"),
+         'field "nftables.masqueradeBit": a bit number from 0 to 31, not 32'),
+        (_edited("  min: null", "  min: -1"), 'field "conntrack.min": must be 0 or more'),
     ],
 )  # fmt: skip
 def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, message: str) -> None:
     with pytest.raises(UsageError, match=r"^config\.conf: ") as raised:
         _build(["--config=config.conf"], config)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bind-address=node-1"], "--bind-address: not an IP address: 'node-1'"),
+        (["--cluster-cidr=pods"], "--cluster-cidr: not a CIDR: 'pods'"),
+        (["--nodeport-addresses=primary,nodes"], "--nodeport-addresses: not a CIDR: 'nodes'"),
+        (["--iptables-masquerade-bit=40"], "--iptables-masquerade-bit: a bit number from 0"),
+        (["--conntrack-max-per-core=-1"], "--conntrack-max-per-core: must be 0 or more"),
+    ],
+)
+def test_flags_kube_proxy_refuses_are_errors_naming_the_flag(args: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as raised:
+        _build(args)
+    assert str(raised.value).startswith(message)
 
 
 @pytest.mark.parametrize(
