@@ -255,6 +255,18 @@ def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, messa
     assert message in str(raised.value)
 
 
+def test_names_that_start_with_a_dash_are_values_of_their_flags() -> None:
+    """Found by tests/test_fuzz_kubeproxy_config.py: interfaceNamePrefix "-x" made
+    ``--pod-interface-name-prefix -x``, which kpng's parser refused (expected one argument)."""
+    config = _edited('hostnameOverride: ""', "hostnameOverride: -node")
+    config = config.replace('interfaceNamePrefix: ""', "interfaceNamePrefix: -veth")
+    config = config.replace('bridgeInterface: ""', "bridgeInterface: --br")
+    argv, _ = _build(["--config=config.conf"], config)
+    for flag in ("--hostname-override=-node", "--pod-interface-name-prefix=-veth",
+                 "--pod-bridge-interface=--br"):  # fmt: skip
+        assert flag in argv
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -466,17 +466,17 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
         argv += ["--metrics-bind-address", config.metrics_bind_address]
     argv += ["kube"]
     if config.kubeconfig:
-        argv += ["--kubeconfig", config.kubeconfig]
-    argv += ["to-local", "--hostname-override", config.node_name()]
+        argv += _flag("--kubeconfig", config.kubeconfig)
+    argv += ["to-local", *_flag("--hostname-override", config.node_name())]
     if not config.external_ips:
         argv += ["--no-external-ips"]
     argv += [config.backend, "--detect-local-mode", config.detect_local_mode]
     if config.cluster_cidrs:
         argv += ["--cluster-cidr", ",".join(config.cluster_cidrs)]
     if config.bridge_interface:
-        argv += ["--pod-bridge-interface", config.bridge_interface]
+        argv += _flag("--pod-bridge-interface", config.bridge_interface)
     if config.interface_name_prefix:
-        argv += ["--pod-interface-name-prefix", config.interface_name_prefix]
+        argv += _flag("--pod-interface-name-prefix", config.interface_name_prefix)
     if config.masquerade_all:
         argv += ["--masquerade-all"]
     argv += ["--masquerade-bit", str(config.masquerade_bit)]
@@ -487,3 +487,9 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     if config.backend == "to-iptables":
         argv += ["--sync-period", format_duration(config.sync_period_s)]
     return argv
+
+
+def _flag(name: str, value: str) -> list[str]:
+    """A flag with a name or path the user chose: joined to the flag when it starts with "-",
+    or argparse would take it for a flag, and the flag for one without its argument."""
+    return [f"{name}={value}"] if value.startswith("-") else [name, value]
