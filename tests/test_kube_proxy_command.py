@@ -442,3 +442,15 @@ def test_durations_are_written_as_go_writes_them() -> None:
     assert [format_duration(s) for s in (86400, 3600, 90, 1, 0.5)] == [
         "24h0m0s", "1h0m0s", "1m30s", "1s", "0.5s",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(3.2868e-192, "0s"), (1.5e-9, "0.000000002s"), (2.5e-5, "0.000025s")]
+)
+def test_tiny_durations_are_written_to_the_nanosecond_and_read_back(
+    seconds: float, text: str
+) -> None:
+    """Found by tests/test_fuzz_kubeproxy_config.py: a minSyncPeriod of 3.2868e-192 was written
+    "3.2868e-192s" on kpng's command line, which its parser refused (not a duration)."""
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == pytest.approx(round(seconds * 1e9) / 1e9)

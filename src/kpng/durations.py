@@ -31,9 +31,12 @@ def parse_duration(text: str) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """Go's spelling (``1h0m0s``), the one kubeadm and kubectl show."""
-    if seconds != int(seconds):
-        return f"{seconds:g}s"
+    """Go's spelling (``1h0m0s``), the one kubeadm and kubectl show, to the nanosecond as a Go
+    duration is. Never in exponent notation (``3e-192s``), which no Go duration is."""
+    nanoseconds = round(seconds * 1e9)
+    if nanoseconds % 1_000_000_000:
+        return f"{nanoseconds / 1e9:.9f}".rstrip("0") + "s"
+    seconds = nanoseconds // 1_000_000_000
     h, rest = divmod(int(seconds), 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m}m{s}s" if h else f"{m}m{s}s" if m else f"{s}s"
