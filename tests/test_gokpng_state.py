@@ -100,6 +100,20 @@ def test_nodes_that_are_not_a_list_are_reported_and_the_services_kept() -> None:
     assert isinstance(parsed.objects[("Service", "shop", "web")], Service)
 
 
+def test_a_service_with_an_unknown_protocol_is_reported_and_skipped() -> None:
+    """Found by tests/test_fuzz_manifests.py: ``protocol: 4`` became a Service with protocol
+    "4", which the to-api server then failed to encode (ValueError: unknown enum label)."""
+    for protocol in ("4", "tcp"):
+        data = (
+            "services:\n- service: {name: web, namespace: shop, ports: [{name: http, "
+            f"protocol: {protocol}, port: 80}}]}}\n"
+        )
+        parsed = parse(data.encode(), filename="s")
+        assert ("Service", "shop", "web") not in parsed.objects
+        assert len(parsed.errors) == 1
+        assert "unknown protocol" in parsed.errors[0]
+
+
 def test_kpng_file_serves_a_go_kpng_state_file() -> None:
     done = subprocess.run(
         [

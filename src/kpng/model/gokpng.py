@@ -175,8 +175,11 @@ def _renamed(
             continue
         if target == "Hash":
             item = str(item)
-        elif target == "Protocol" and isinstance(item, int):
-            item = _PROTOCOLS.get(item, str(item))
+        elif target == "Protocol":
+            item = _PROTOCOLS.get(item, item) if isinstance(item, int) else item
+            if item not in _PROTOCOLS.values():
+                # Only localv1's Protocol names can be served: the wire has no other.
+                raise msgspec.ValidationError(f"{where}: unknown protocol {item!r}")
         out[target] = _nested(item, hints[target], f"{where}.{lowered}", errors, legacy)
     return out
 
