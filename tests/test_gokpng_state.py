@@ -92,6 +92,28 @@ def test_what_cannot_be_read_is_reported_and_the_rest_kept() -> None:
     assert isinstance(objects[("Service", "shop", "named")], Service)
 
 
+def test_nodes_that_are_not_a_list_are_reported_and_the_services_kept() -> None:
+    """Found by tests/test_fuzz_manifests.py: ``nodes: 1`` raised TypeError (iterating an int)
+    out of the reader, so kpng file refused the whole file instead of naming the field."""
+    parsed = parse(b"nodes: 1\nservices:\n- service: {name: web, namespace: shop}\n", filename="s")
+    assert parsed.errors == ["s: nodes: a list is expected, not int; skipped"]
+    assert isinstance(parsed.objects[("Service", "shop", "web")], Service)
+
+
+def test_a_service_with_an_unknown_protocol_is_reported_and_skipped() -> None:
+    """Found by tests/test_fuzz_manifests.py: ``protocol: 4`` became a Service with protocol
+    "4", which the to-api server then failed to encode (ValueError: unknown enum label)."""
+    for protocol in ("4", "tcp"):
+        data = (
+            "services:\n- service: {name: web, namespace: shop, ports: [{name: http, "
+            f"protocol: {protocol}, port: 80}}]}}\n"
+        )
+        parsed = parse(data.encode(), filename="s")
+        assert ("Service", "shop", "web") not in parsed.objects
+        assert len(parsed.errors) == 1
+        assert "unknown protocol" in parsed.errors[0]
+
+
 def test_kpng_file_serves_a_go_kpng_state_file() -> None:
     done = subprocess.run(
         [

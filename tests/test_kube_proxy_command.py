@@ -234,12 +234,53 @@ def test_a_field_kpng_does_not_act_on_is_a_warning_naming_it(config: str, field:
         (_edited("kind: KubeProxyConfiguration", "kind: KubeletConfiguration"),
          "kind 'KubeletConfiguration'"),
         ("clusterCIDR: [\n", "not YAML"),
+        # Found by tests/test_fuzz_kubeproxy_config.py: a bindAddress that is no IP crashed
+        # kpng_argv (ValueError); the others made a command line kpng's backend parser refused.
+        (_edited("bindAddress: 0.0.0.0", "bindAddress: node-1"), 'field "bindAddress": not an IP'),
+        (_edited("clusterCIDR: 10.244.0.0/16", "clusterCIDR: 10.244.0.0/16,pods"),
+         "field \"clusterCIDR\": not a CIDR: 'pods'"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [null]"),
+         "field \"nodePortAddresses\": not a CIDR: 'None'"),
+        (_edited("nodePortAddresses: null", "nodePortAddresses: [primary, primary]"),
+         "field \"nodePortAddresses\": 'primary' is given twice"),
+        (_edited("nftables:\n  masqueradeAll: false\n  masqueradeBit: null",
+                 "nftables:\n  masqueradeAll: false\n  masqueradeBit: 32"),
+         'field "nftables.masqueradeBit": a bit number from 0 to 31, not 32'),
+        (_edited("  min: null", "  min: -1"), 'field "conntrack.min": must be 0 or more'),
     ],
 )  # fmt: skip
 def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, message: str) -> None:
     with pytest.raises(UsageError, match=r"^config\.conf: ") as raised:
         _build(["--config=config.conf"], config)
     assert message in str(raised.value)
+
+
+def test_names_that_start_with_a_dash_are_values_of_their_flags() -> None:
+    """Found by tests/test_fuzz_kubeproxy_config.py: interfaceNamePrefix "-x" made
+    ``--pod-interface-name-prefix -x``, which kpng's parser refused (expected one argument)."""
+    config = _edited('hostnameOverride: ""', "hostnameOverride: -node")
+    config = config.replace('interfaceNamePrefix: ""', "interfaceNamePrefix: -veth")
+    config = config.replace('bridgeInterface: ""', "bridgeInterface: --br")
+    argv, _ = _build(["--config=config.conf"], config)
+    for flag in ("--hostname-override=-node", "--pod-interface-name-prefix=-veth",
+                 "--pod-bridge-interface=--br"):  # fmt: skip
+        assert flag in argv
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bind-address=node-1"], "--bind-address: not an IP address: 'node-1'"),
+        (["--cluster-cidr=pods"], "--cluster-cidr: not a CIDR: 'pods'"),
+        (["--nodeport-addresses=primary,nodes"], "--nodeport-addresses: not a CIDR: 'nodes'"),
+        (["--iptables-masquerade-bit=40"], "--iptables-masquerade-bit: a bit number from 0"),
+        (["--conntrack-max-per-core=-1"], "--conntrack-max-per-core: must be 0 or more"),
+    ],
+)
+def test_flags_kube_proxy_refuses_are_errors_naming_the_flag(args: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as raised:
+        _build(args)
+    assert str(raised.value).startswith(message)
 
 
 @pytest.mark.parametrize(
@@ -380,13 +421,36 @@ def test_durations_read_as_go_writes_them(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "-1s", "1x", "1s2", "soon"])
+# "inf", "nan" and "1e400" were found by tests/test_fuzz_kubeproxy_config.py: float() reads them,
+# and a sync period of inf crashed kpng_argv (OverflowError formatting it) and the conntrack
+# settings (int(inf)).
+@pytest.mark.parametrize("text", ["", "-1s", "1x", "1s2", "soon", "inf", "nan", "-nan", "1e400"])
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_a_configuration_with_an_infinite_period_is_refused_naming_the_field() -> None:
+    with pytest.raises(UsageError, match=r'config\.conf: field "nftables\.syncPeriod"'):
+        _build(
+            ["--config=config.conf"],
+            _edited("  syncPeriod: 0s\nnodePort", "  syncPeriod: inf\nnodePort"),
+        )
 
 
 def test_durations_are_written_as_go_writes_them() -> None:
     assert [format_duration(s) for s in (86400, 3600, 90, 1, 0.5)] == [
         "24h0m0s", "1h0m0s", "1m30s", "1s", "0.5s",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(3.2868e-192, "0s"), (1.5e-9, "0.000000002s"), (2.5e-5, "0.000025s")]
+)
+def test_tiny_durations_are_written_to_the_nanosecond_and_read_back(
+    seconds: float, text: str
+) -> None:
+    """Found by tests/test_fuzz_kubeproxy_config.py: a minSyncPeriod of 3.2868e-192 was written
+    "3.2868e-192s" on kpng's command line, which its parser refused (not a duration)."""
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == pytest.approx(round(seconds * 1e9) / 1e9)

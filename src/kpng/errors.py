@@ -29,6 +29,11 @@ def object_name(namespace: str, name: str) -> str:
     return f"{namespace}/{name}" if namespace else name
 
 
+class WireError(KpngError):
+    """A message from a kpng server that kpng cannot read (a payload that does not decode, a path
+    that names nothing): the op is reported and skipped; the rest of the stream is used."""
+
+
 class InputError(KpngError):
     """A source's input as a whole cannot be read (a missing file, a document that is not YAML)."""
 

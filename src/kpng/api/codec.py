@@ -13,9 +13,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from kpng.api import globalv1_pb2, localv1_pb2
+from kpng.errors import WireError
 from kpng.model import messages
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -86,7 +87,17 @@ class Codec(Generic[S]):
         return self.to_proto(value).SerializeToString()
 
     def decode(self, data: bytes) -> S:
-        return self.from_proto(self.proto.FromString(data))
+        """The Struct in ``data``; WireError if it is no ``proto`` message (truncated, not
+        protobuf) or holds an enum value the model has no name for."""
+        try:
+            return self.from_proto(self.proto.FromString(data))
+        except DecodeError as exc:
+            raise WireError(f"not a {self.proto.DESCRIPTOR.full_name}: {exc}") from None
+        except KeyError as exc:
+            # Proto3 enums are open: an unknown number parses, and the model has no name for it.
+            raise WireError(
+                f"{self.proto.DESCRIPTOR.full_name}: unknown enum value {exc.args[0]}"
+            ) from None
 
 
 def _same(value: Any) -> Any:

@@ -25,8 +25,12 @@ from kpng.kubeproxy.config import (
     MODES,
     Conntrack,
     ProxyConfig,
+    at_least,
+    cidrs,
     feature_gates,
+    ip_address,
     load,
+    masquerade_bit,
 )
 
 log = logging.getLogger("kpng.kube-proxy")
@@ -232,28 +236,34 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
         udp_timeout_s=pick(args.conntrack_udp_timeout, 0.0),
         udp_stream_timeout_s=pick(args.conntrack_udp_timeout_stream, 0.0),
     )
-    cidrs = (args.cluster_cidr or "").split(",")
-    nodeport = (args.nodeport_addresses or "").split(",")
+    cluster_cidrs = cidrs((args.cluster_cidr or "").split(","), "--cluster-cidr")
+    nodeport = cidrs(
+        (args.nodeport_addresses or "").split(","), "--nodeport-addresses", keywords=True
+    )
+    at_least(0, args.conntrack_max_per_core, "--conntrack-max-per-core")
+    at_least(0, args.conntrack_min, "--conntrack-min")
     external_ips, gate_warnings = feature_gates(args.feature_gates or {}, "--feature-gates")
     warnings += gate_warnings
     return ProxyConfig(
         kubeconfig=args.kubeconfig or "",
         hostname_override=args.hostname_override or "",
-        bind_address=args.bind_address or base.bind_address,
+        bind_address=ip_address(args.bind_address or base.bind_address, "--bind-address"),
         healthz_bind_address=args.healthz_bind_address or port_only(args.healthz_port, "0.0.0.0"),
         metrics_bind_address=args.metrics_bind_address or port_only(args.metrics_port, "127.0.0.1"),
         log_format=args.logging_format or base.log_format,
         verbosity=pick(args.v, base.verbosity),
         mode=mode,
         masquerade_all=bool(args.masquerade_all),
-        masquerade_bit=pick(args.iptables_masquerade_bit, base.masquerade_bit),
+        masquerade_bit=masquerade_bit(
+            pick(args.iptables_masquerade_bit, base.masquerade_bit), "--iptables-masquerade-bit"
+        ),
         sync_period_s=args.iptables_sync_period or base.sync_period_s,
         min_sync_period_s=pick(args.iptables_min_sync_period, base.min_sync_period_s),
         detect_local_mode=args.detect_local_mode or base.detect_local_mode,
         bridge_interface=args.pod_bridge_interface or "",
         interface_name_prefix=args.pod_interface_name_prefix or "",
-        cluster_cidrs=tuple(c.strip() for c in cidrs if c.strip()),
-        nodeport_addresses=tuple(a.strip() for a in nodeport if a.strip()),
+        cluster_cidrs=cluster_cidrs,
+        nodeport_addresses=nodeport,
         conntrack=conntrack_config,
         external_ips=external_ips,
     )

@@ -28,6 +28,8 @@ HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
 MODES = ("", "iptables", "nftables", "ipvs")
 """kube-proxy's proxy modes on Linux; "" is its default there, iptables."""
+NODEPORT_KEYWORDS = ("primary", "all", "localhost")
+"""What nodePortAddresses holds beside CIDRs (kube-proxy 1.37)."""
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 
 _ANY = None
@@ -363,31 +365,85 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         udp_timeout_s=duration("conntrack.udpTimeout", 0.0),
         udp_stream_timeout_s=duration("conntrack.udpStreamTimeout", 0.0),
     )
+
+    def field(path: str) -> str:
+        return f'{source}: field "{path}"'
+
     cluster_cidr = get("clusterCIDR", str, "")
     nodeport = get("nodePortAddresses", list, [])
     external_ips, gate_warnings = feature_gates(get("featureGates", dict, {}), source)
     warnings += gate_warnings
+    for path in ("conntrack.maxPerCore", "conntrack.min"):
+        at_least(0, flat.get(path), field(path))
     return ProxyConfig(
         kubeconfig=get("clientConnection.kubeconfig", str, ""),
         hostname_override=get("hostnameOverride", str, ""),
-        bind_address=get("bindAddress", str, "") or "0.0.0.0",
+        bind_address=ip_address(get("bindAddress", str, "") or "0.0.0.0", field("bindAddress")),
         healthz_bind_address=get("healthzBindAddress", str, ""),
         metrics_bind_address=get("metricsBindAddress", str, ""),
         log_format=logging_format,
         verbosity=get("logging.verbosity", int, 0),
         mode=mode,
         masquerade_all=get(f"{bits}.masqueradeAll", bool, False),
-        masquerade_bit=get(f"{bits}.masqueradeBit", int, 14),
+        masquerade_bit=masquerade_bit(
+            get(f"{bits}.masqueradeBit", int, 14), field(f"{bits}.masqueradeBit")
+        ),
         sync_period_s=duration(f"{section}.syncPeriod", 30.0),
         min_sync_period_s=duration(f"{section}.minSyncPeriod", 1.0),
         detect_local_mode=detect,
         bridge_interface=get("detectLocal.bridgeInterface", str, ""),
         interface_name_prefix=get("detectLocal.interfaceNamePrefix", str, ""),
-        cluster_cidrs=tuple(c.strip() for c in cluster_cidr.split(",") if c.strip()),
-        nodeport_addresses=tuple(str(a) for a in nodeport),
+        cluster_cidrs=cidrs(cluster_cidr.split(","), field("clusterCIDR")),
+        nodeport_addresses=cidrs(
+            [str(a) for a in nodeport], field("nodePortAddresses"), keywords=True
+        ),
         conntrack=conntrack,
         external_ips=external_ips,
     )
+
+
+# kube-proxy's validation of the values kpng hands on to its backend's flags: what it refuses is
+# a UsageError naming the field (``where``), not a command line kpng's own parser then refuses,
+# or a crash building it.
+
+
+def ip_address(value: str, where: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise UsageError(f"{where}: not an IP address: {value!r}") from None
+    return value
+
+
+def cidrs(values: list[str], where: str, *, keywords: bool = False) -> tuple[str, ...]:
+    """The CIDRs among ``values``, blanks dropped; with ``keywords``, also ``primary``, ``all``
+    and ``localhost`` (nodePortAddresses), each at most once."""
+    out: list[str] = []
+    for value in (v.strip() for v in values):
+        if not value:
+            continue
+        if keywords and value in NODEPORT_KEYWORDS:
+            if value in out:
+                raise UsageError(f"{where}: {value!r} is given twice")
+            out.append(value)
+            continue
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise UsageError(f"{where}: not a CIDR: {value!r}") from None
+        out.append(value)
+    return tuple(out)
+
+
+def masquerade_bit(value: int, where: str) -> int:
+    if not 0 <= value <= 31:
+        raise UsageError(f"{where}: a bit number from 0 to 31, not {value}")
+    return value
+
+
+def at_least(minimum: int, value: object, where: str) -> None:
+    if isinstance(value, int) and value < minimum:
+        raise UsageError(f"{where}: must be {minimum} or more, not {value}")
 
 
 def kpng_argv(config: ProxyConfig) -> list[str]:
@@ -410,17 +466,17 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
         argv += ["--metrics-bind-address", config.metrics_bind_address]
     argv += ["kube"]
     if config.kubeconfig:
-        argv += ["--kubeconfig", config.kubeconfig]
-    argv += ["to-local", "--hostname-override", config.node_name()]
+        argv += _flag("--kubeconfig", config.kubeconfig)
+    argv += ["to-local", *_flag("--hostname-override", config.node_name())]
     if not config.external_ips:
         argv += ["--no-external-ips"]
     argv += [config.backend, "--detect-local-mode", config.detect_local_mode]
     if config.cluster_cidrs:
         argv += ["--cluster-cidr", ",".join(config.cluster_cidrs)]
     if config.bridge_interface:
-        argv += ["--pod-bridge-interface", config.bridge_interface]
+        argv += _flag("--pod-bridge-interface", config.bridge_interface)
     if config.interface_name_prefix:
-        argv += ["--pod-interface-name-prefix", config.interface_name_prefix]
+        argv += _flag("--pod-interface-name-prefix", config.interface_name_prefix)
     if config.masquerade_all:
         argv += ["--masquerade-all"]
     argv += ["--masquerade-bit", str(config.masquerade_bit)]
@@ -431,3 +487,9 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     if config.backend == "to-iptables":
         argv += ["--sync-period", format_duration(config.sync_period_s)]
     return argv
+
+
+def _flag(name: str, value: str) -> list[str]:
+    """A flag with a name or path the user chose: joined to the flag when it starts with "-",
+    or argparse would take it for a flag, and the flag for one without its argument."""
+    return [f"{name}={value}"] if value.startswith("-") else [name, value]

@@ -52,7 +52,12 @@ def load(document: Mapping[str, Any]) -> tuple[list[Model], list[str]]:
     understood (the rest is still read)."""
     objects: list[Model] = []
     errors: list[str] = []
-    for i, item in enumerate(document.get("nodes") or ()):
+    nodes = document.get("nodes") or []
+    if not isinstance(nodes, list):
+        # yaml.v2 writes a list; anything else (`nodes: 1`) is not Go KPNG's, and not iterable.
+        errors.append(f"nodes: a list is expected, not {type(nodes).__name__}; skipped")
+        nodes = []
+    for i, item in enumerate(nodes):
         where = f"nodes[{i}]"
         try:
             node = _convert(item, Node, where, errors)
@@ -200,8 +205,11 @@ def _renamed(
             continue
         if target == "Hash":
             item = str(item)
-        elif target == "Protocol" and isinstance(item, int):
-            item = _PROTOCOLS.get(item, str(item))
+        elif target == "Protocol":
+            item = _PROTOCOLS.get(item, item) if isinstance(item, int) else item
+            if item not in _PROTOCOLS.values():
+                # Only localv1's Protocol names can be served: the wire has no other.
+                raise msgspec.ValidationError(f"{where}: unknown protocol {item!r}")
         out[target] = _nested(item, hints[target], f"{where}.{lowered}", errors, legacy)
     return out
 

@@ -48,6 +48,11 @@ class ClientTls:
         )
 
 
+MAX_MESSAGE = 64 << 20
+"""The largest message a watcher takes (a change set of some 100,000 services): a larger one ends
+the connection (RESOURCE_EXHAUSTED), and the watcher connects again."""
+
+
 @dataclass(frozen=True)
 class Api:
     """Where a kpng server is: ``tcp://HOST:PORT``, ``HOST:PORT`` or ``unix:///PATH``; with
@@ -91,7 +96,7 @@ class Api:
     def channel(self) -> grpc.aio.Channel:
         import grpc
 
-        options = [("grpc.max_receive_message_length", 64 << 20), *KEEPALIVE]
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE), *KEEPALIVE]
         if self.tls is not None:
             return grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(), options)
         return grpc.aio.insecure_channel(self.grpc_target, options)

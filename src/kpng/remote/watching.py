@@ -7,14 +7,14 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import msgspec
 
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.backoff import Backoff
-from kpng.errors import KpngError
+from kpng.errors import KpngError, WireError
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
 from kpng.remote.address import Api
 from kpng.remote.sinks import NodeSink, Sink, TriggerSink
@@ -63,6 +63,12 @@ async def _follow_once(
                     warned.add(str(value))
                     log.warning("the server says: %s", value)
         async for message in call:
+            if message is None:
+                # What grpc yields for bytes its deserializer refused (a truncated or foreign
+                # message): what it held is unknown, so the stream cannot go on; the next
+                # connection starts again with the whole state.
+                name = rpc.response.DESCRIPTOR.full_name
+                raise WireError(f"the server sent a message that is no {name}")
             for op in message.Ops if rpc.batched else (message,):
                 kind = op.WhichOneof("Op")
                 if kind == "Set":
@@ -144,6 +150,8 @@ async def _reconnecting(
             outage.failed(f"{server.url}: {exc.code().name}: {exc.details()}")
         except OSError as exc:
             outage.failed(f"token file {server.token_file}: {exc.strerror or exc}")
+        except WireError as exc:
+            outage.failed(f"{server.url}: {exc}")
         # The next replica, if any: a state it serves is the same, so nothing changes on the
         # node but what changed meanwhile (the full-state client compares; Sinks see no reset).
         turn += 1
@@ -203,6 +211,35 @@ _json_endpoint = msgspec.json.Decoder(Endpoint)
 _json_facts = msgspec.json.Decoder(NodeFacts)
 _json_triggers = msgspec.json.Decoder(ChangeTriggers)
 
+T = TypeVar("T")
+
+
+def json_decoding(decoder: msgspec.json.Decoder[T]) -> Callable[[bytes], T]:
+    """``decoder.decode``, raising WireError for a payload that is not its JSON."""
+    name = getattr(decoder.type, "__name__", "message")
+
+    def decode(payload: bytes) -> T:
+        try:
+            return decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise WireError(f"not a {name} in JSON: {exc}") from None
+
+    return decode
+
+
+def endpoint_path(path: str) -> tuple[str, str, str]:
+    """(namespace, service, key) of an endpoint's path; WireError if it has fewer parts."""
+    parts = path.split("/", 2)
+    if len(parts) != 3:
+        raise WireError(f"endpoint path {path!r} is not namespace/service/key")
+    return parts[0], parts[1], parts[2]
+
+
+def report_skipped(url: str, kind: str, set_: int, path: str, exc: WireError) -> None:
+    """An op the server sent that kpng cannot read: it changes nothing, and is said."""
+    log.error("%s sent a %s of set %d, path %r, that kpng cannot read (%s); skipped",
+              url, kind, set_, path, exc)  # fmt: skip
+
 
 class LocalOps:
     """Dispatches node-local ops to an incremental Sink: node facts to a NodeSink, trigger
@@ -210,10 +247,10 @@ class LocalOps:
 
     def __init__(self, sink: Sink, *, json: bool, url: str, warned: set[str]) -> None:
         self._sink = sink
-        self._service = _json_service.decode if json else codec.SERVICE.decode
-        self._endpoint = _json_endpoint.decode if json else codec.ENDPOINT.decode
-        self._facts = _json_facts.decode if json else codec.NODE_FACTS.decode
-        self._triggers = _json_triggers.decode if json else codec.CHANGE_TRIGGERS.decode
+        self._service = json_decoding(_json_service) if json else codec.SERVICE.decode
+        self._endpoint = json_decoding(_json_endpoint) if json else codec.ENDPOINT.decode
+        self._facts = json_decoding(_json_facts) if json else codec.NODE_FACTS.decode
+        self._triggers = json_decoding(_json_triggers) if json else codec.CHANGE_TRIGGERS.decode
         self._node_sink = sink if isinstance(sink, NodeSink) else None
         self._trigger_sink = sink if isinstance(sink, TriggerSink) else None
         self._url = url
@@ -222,13 +259,26 @@ class LocalOps:
         self._facts_seen = False
 
     def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
+        """One op to the sink; one kpng cannot read (a hostile or broken server's) is reported
+        and skipped, so that it changes nothing the sink holds."""
+        try:
+            self._op(kind, set_, path, payload)
+        except WireError as exc:
+            report_skipped(self._url, kind, set_, path, exc)
+
+    def _op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
         sink = self._sink
         if kind == "Set":
             if set_ == localv1_pb2.EndpointsSet:
-                namespace, name, key = path.split("/", 2)
+                namespace, name, key = endpoint_path(path)
                 sink.set_endpoint(namespace, name, key, self._endpoint(payload))
             elif set_ == localv1_pb2.ServicesSet:
-                sink.set_service(self._service(payload))
+                service = self._service(payload)
+                # The path is the service's key: a payload naming another service (or none)
+                # would leave the key the server deletes it by with no service.
+                if path != f"{service.Namespace}/{service.Name}" or not service.Name:
+                    raise WireError(f"the payload is service {service.Namespace}/{service.Name}")
+                sink.set_service(service)
             elif set_ == localv1_pb2.NodeFactsSet:
                 self._facts_seen = True
                 if self._node_sink is not None:
@@ -237,7 +287,7 @@ class LocalOps:
                 self._trigger_sink.triggered(self._triggers(payload))
         elif kind == "Delete":
             if set_ == localv1_pb2.EndpointsSet:
-                namespace, name, key = path.split("/", 2)
+                namespace, name, key = endpoint_path(path)
                 sink.delete_endpoint(namespace, name, key)
             elif set_ == localv1_pb2.ServicesSet:
                 namespace, _, name = path.partition("/")

@@ -16,20 +16,21 @@ from kpng.api.localv1_pb2 import (
     GlobalServiceCIDRInfos,
     GlobalServiceInfos,
 )
+from kpng.errors import WireError
 from kpng.model.cluster import ServiceCIDR, ServiceKey, SliceKey
 from kpng.model.dumping import slice_from_infos
 from kpng.model.messages import EndpointInfo, NodeInfo, ServiceCIDRInfo, ServiceInfo
 from kpng.model.paths import split_service_path
-from kpng.remote.watching import OpHandler
+from kpng.remote.watching import OpHandler, json_decoding, report_skipped
 from kpng.store import SourceHandle
 
 log = logging.getLogger(__name__)
 
 _json: dict[int, Callable[[bytes], Any]] = {
-    GlobalServiceInfos: msgspec.json.Decoder(ServiceInfo).decode,
-    GlobalEndpointInfos: msgspec.json.Decoder(EndpointInfo).decode,
-    GlobalNodeInfos: msgspec.json.Decoder(NodeInfo).decode,
-    GlobalServiceCIDRInfos: msgspec.json.Decoder(ServiceCIDRInfo).decode,
+    GlobalServiceInfos: json_decoding(msgspec.json.Decoder(ServiceInfo)),
+    GlobalEndpointInfos: json_decoding(msgspec.json.Decoder(EndpointInfo)),
+    GlobalNodeInfos: json_decoding(msgspec.json.Decoder(NodeInfo)),
+    GlobalServiceCIDRInfos: json_decoding(msgspec.json.Decoder(ServiceCIDRInfo)),
 }
 _protobuf: dict[int, Callable[[bytes], Any]] = {
     GlobalServiceInfos: codec.SERVICE_INFO.decode,
@@ -58,6 +59,14 @@ class GlobalOps:
         return self
 
     def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
+        """One op to the store; one kpng cannot read (a hostile or broken upstream's) is
+        reported and skipped, so that it changes nothing the store holds."""
+        try:
+            self._op(kind, set_, path, payload)
+        except WireError as exc:
+            report_skipped("the upstream", kind, set_, path, exc)
+
+    def _op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
         if kind == "Set" and set_ in self._decoders:
             self._set(set_, path, self._decoders[set_](payload))
         elif kind == "Delete":
@@ -99,7 +108,10 @@ class GlobalOps:
             self._service_cidrs.discard(path)
             self._out.set_service_cidr(path, None)
         elif set_ == GlobalEndpointInfos:
-            namespace, _, slice_name, _ = path.split("/", 3)  # namespace/service/slice/address
+            parts = path.split("/", 3)  # namespace/service/slice/address
+            if len(parts) != 4:
+                raise WireError(f"endpoint path {path!r} is not namespace/service/slice/address")
+            namespace, _, slice_name, _ = parts
             key = (namespace, slice_name)
             infos = self._endpoints.get(key)
             if infos is not None and infos.pop(path, None) is not None:
