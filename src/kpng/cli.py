@@ -229,7 +229,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     ).parse_args(segments[1].args)
 
     backends: Callable[[], Fanout] | None = None
-    once = bool(getattr(sink_args, "once", False))
+    once = sink_spec.once(sink_args)
     if sink_spec.takes_backend:
         backends, once = _backends(segments[2:], f"kpng <source> {sink_spec.name}", status)
     elif len(segments) > 2:
@@ -318,7 +318,7 @@ def _backends(
         taken = sum(1 for name, _, _ in parsed if name.split("#")[0] == segment.name)
         name = segment.name if not taken else f"{segment.name}#{taken + 1}"
         parsed.append((name, spec, args))
-        once = once or bool(getattr(args, "once", False))
+        once = once or (spec.once is not None and spec.once(args))
 
     def fanout() -> Fanout:
         feeders = []

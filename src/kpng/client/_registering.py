@@ -29,6 +29,10 @@ class BackendSpec:
     """The backend reports its syncs itself: kpng does not infer them from ``apply``."""
     cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
     """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
+    once: Callable[[argparse.Namespace], bool] | None = None
+    """Whether these arguments make the backend stop after its first state (a ``--once`` flag):
+    kpng then fails when a source cannot sync, rather than wait for a state it would not
+    program anyway."""
 
 
 REGISTERED: dict[str, BackendSpec] = {}

@@ -32,6 +32,9 @@ class SinkSpec:
     takes_backend: bool = False
     node: Callable[[argparse.Namespace], str | None] = lambda _: None
     """The one node this sink needs, if it needs one only (sources may then fetch no other)."""
+    once: Callable[[argparse.Namespace], bool] = lambda _: False
+    """Whether these arguments make the sink stop after its first state: kpng then fails when
+    a source cannot sync, rather than wait."""
 
 
 def registered() -> dict[str, SinkSpec]:

@@ -74,8 +74,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", "-o", choices=("table", "json"), default="table", help="default: table"
     )
-    # One answer, then exit: a source that cannot sync is an error, not a wait (kpng.cli).
-    parser.set_defaults(once=True)
 
 
 def _create(
@@ -91,4 +89,6 @@ SPEC = SinkSpec(
     add_arguments=_add_arguments,
     create=_create,
     node=lambda args: args.node_name,
+    # One answer, then exit: a source that cannot sync is an error, not a wait.
+    once=lambda _: True,
 )

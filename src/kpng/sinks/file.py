@@ -63,4 +63,5 @@ SPEC = SinkSpec(
     help="write the global state to a file at each revision",
     add_arguments=_add_arguments,
     create=_create,
+    once=lambda args: bool(args.once),
 )

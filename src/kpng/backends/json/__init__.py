@@ -57,5 +57,6 @@ register(
         help="write the node-local state as one JSON line per revision",
         add_arguments=_add_arguments,
         create=_create,
+        once=lambda args: bool(args.once),
     )
 )

@@ -420,5 +420,6 @@ register(
         create=_create,
         reports_syncs=True,
         cleanup=cleanup,
+        once=lambda args: bool(args.once),
     )
 )

@@ -127,5 +127,6 @@ register(
         help="a backend in a Python file (a Backend, a Sink or a handler), loaded in process",
         add_arguments=_add_arguments,
         create=lambda args, _syncs: _create(args),
+        once=lambda args: bool(args.once),
     )
 )
