@@ -13,31 +13,32 @@ import asyncio
 import contextlib
 import difflib
 import functools
-import json
 import logging
 import os
 import re
-import shlex
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kpng import sinks, sources
+from kpng import sinks, sources, subcommands
 from kpng.backends import registry
 from kpng.backends.registry import BackendSpec
 from kpng.errors import EXIT_ERROR, EXIT_USAGE, KpngError, UsageError
 from kpng.feeding import Fanout, Feeder, SyncStats
+from kpng.logs import configure_logging
 from kpng.sinks import SinkSpec
 from kpng.sinks.explain import explain_json
 from kpng.sources import Runner, SourceSpec
 from kpng.status import Status
 from kpng.store import SourceHandle, Store
+from kpng.subcommands import CommandSpec
 
 log = logging.getLogger("kpng")
 
 SOURCES: dict[str, SourceSpec] = sources.registered()
 SINKS: dict[str, SinkSpec] = sinks.registered()
+SUBCOMMANDS: dict[str, CommandSpec] = subcommands.registered()
 
 
 def _epilog() -> str:
@@ -49,11 +50,10 @@ def _epilog() -> str:
         + "\n".join(f"  {k:10} {v.help}" for k, v in SOURCES.items())
         + "\nsinks:\n"
         + "\n".join(f"  {k:10} {v.help}" for k, v in SINKS.items())
-        + f"\nbackends (after to-local, or after local):\n{backends}\n\n"
-        "`kpng cleanup [BACKEND...]` removes what backends leave on the node.\n"
-        "`kpng check plugin unix:///PATH` and `kpng check exec --command CMD` test a plugin or "
-        "an exec program.\n"
-        "Each part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`, "
+        + f"\nbackends (after to-local, or after local):\n{backends}\n"
+        + "\nsubcommands (kpng SUBCOMMAND --help):\n"
+        + "\n".join(f"  {k:10} {v.help}" for k, v in SUBCOMMANDS.items())
+        + "\n\nEach part takes --help, e.g. `kpng file --help`, `kpng file to-local --help`, "
         "`kpng file to-local to-nft --help`."
     )
 
@@ -346,111 +346,14 @@ async def _run_until_signalled(pipeline: Runner) -> None:
         await task
 
 
-KUBE_PROXY = "kube-proxy"
-
-
-def cleanup(argv: Sequence[str]) -> int:
-    """``kpng cleanup [BACKEND...]``: remove what backends leave on the node (all by default);
-    ``kpng cleanup kube-proxy`` removes what kube-proxy leaves, of every mode (nftables tables,
-    iptables chains, IPVS servers, interface and ip sets), as ``kube-proxy --cleanup``, after a
-    migration. Each line says what one of them removed."""
-    parser = argparse.ArgumentParser(prog="kpng cleanup", description=cleanup.__doc__)
-    parser.add_argument(
-        "backends", nargs="*", metavar="BACKEND", help="e.g. nft or to-nft, or kube-proxy"
-    )
-    args = parser.parse_args(argv)
-    try:
-        if KUBE_PROXY in args.backends:
-            from kpng.backends.nft import kube_proxy_leftovers
-
-            removed = asyncio.run(kube_proxy_leftovers().remove())
-            for leftovers in removed:
-                print(f"{KUBE_PROXY}: removed {leftovers}")
-            if not removed:
-                print(f"{KUBE_PROXY}: nothing to remove")
-            args.backends.remove(KUBE_PROXY)
-            if not args.backends:
-                return 0
-        wanted = [b.removeprefix("to-") for b in args.backends] or registry.names()
-        specs = [registry.lookup(name) for name in wanted]
-        for spec in specs:
-            if spec.cleanup is not None:
-                found = asyncio.run(spec.cleanup())
-                print(f"to-{spec.name}: {'removed' if found else 'nothing to remove'}")
-    except KpngError as exc:
-        print(f"kpng: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    return 0
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line, the shape of Kubernetes components' ``--logging-format=json``
-    (``ts`` in seconds, ``msg``), so log pipelines that read kube-proxy read kpng."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, object] = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["err"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(level: str, style: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if style == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=level.upper(), handlers=[handler])
-    # watchfiles reports every batch of file events at INFO; kpng says what it reloads itself.
-    logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
-def _kube_proxy(argv: Sequence[str]) -> int:
-    """``kpng kube-proxy``: kube-proxy's flags and config file become a kpng pipeline, run as
-    any other (the command only translates; it runs nothing but the node's conntrack set-up)."""
-    from kpng.kubeproxy import command
-    from kpng.kubeproxy.config import kpng_argv
-
-    try:
-        invocation = command.build(argv)
-    except KpngError as exc:
-        print(f"kpng kube-proxy: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    config = invocation.config
-    configure_logging("debug" if config.verbosity >= 4 else "info", config.log_format)
-    for warning in invocation.warnings:
-        logging.getLogger("kpng.kube-proxy").warning("%s", warning)
-    if invocation.cleanup:
-        return cleanup([])
-    done = command.prepare_node(invocation)
-    if done is not None:
-        return done
-    pipeline = kpng_argv(config)
-    logging.getLogger("kpng.kube-proxy").info("running: kpng %s", shlex.join(pipeline))
-    return main(pipeline)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["cleanup"]:
-        return cleanup(argv[1:])
-    if argv[:1] == ["version"]:
-        from kpng.version import report
-
-        print(report())
-        return 0
-    if argv[:1] == ["check"]:
-        from kpng.check import main as check
-
-        return check(argv[1:])
-    if argv[:1] == ["kube-proxy"]:
-        return _kube_proxy(argv[1:])
+    subcommand = SUBCOMMANDS.get(argv[0]) if argv else None
+    if subcommand is not None:
+        done = subcommand.run(argv[1:])
+        if isinstance(done, int):
+            return done
+        argv = done
     try:
         options, pipeline = build(argv)
     except KpngError as exc:

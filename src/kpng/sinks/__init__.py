@@ -4,19 +4,18 @@ sink, the command word ``SPEC.name``: the CLI finds it here (``registered``)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kpng.specs import Runner, find_specs
 from kpng.store import Store
 
 if TYPE_CHECKING:
     from kpng.feeding import Fanout
     from kpng.status import Status
 
-Runner = Callable[[], Coroutine[Any, Any, None]]
+__all__ = ["Runner", "SinkSpec", "registered"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +38,4 @@ class SinkSpec:
 
 def registered() -> dict[str, SinkSpec]:
     """Every sink, by name: the modules of this package with a ``SPEC``."""
-    import kpng.sinks
-
-    found = {}
-    for module in pkgutil.iter_modules(kpng.sinks.__path__):
-        spec = getattr(importlib.import_module(f"kpng.sinks.{module.name}"), "SPEC", None)
-        if isinstance(spec, SinkSpec):
-            found[spec.name] = spec
-    return found
+    return find_specs(__name__, SinkSpec)

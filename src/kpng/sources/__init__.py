@@ -5,18 +5,17 @@ with no edit of its own."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kpng.specs import Runner, find_specs
 from kpng.store import Store
 
 if TYPE_CHECKING:
     from kpng.feeding import Fanout
 
-Runner = Callable[[], Coroutine[Any, Any, None]]
+__all__ = ["Runner", "SourceSpec", "registered"]
 
 
 @dataclass(frozen=True)
@@ -46,13 +45,4 @@ costs a node agent behind a brain 11 ms of start-up)."""
 
 def registered() -> dict[str, SourceSpec]:
     """Every source, by name: the modules of this package with a ``SPEC``."""
-    import kpng.sources
-
-    found = {}
-    for module in pkgutil.iter_modules(kpng.sources.__path__):
-        if module.name in _NOT_SOURCES:
-            continue
-        spec = getattr(importlib.import_module(f"kpng.sources.{module.name}"), "SPEC", None)
-        if isinstance(spec, SourceSpec):
-            found[spec.name] = spec
-    return dict(sorted(found.items()))
+    return find_specs(__name__, SourceSpec, skip=_NOT_SOURCES)
