@@ -179,7 +179,7 @@ def _contribution(
     return {("ns", "web"): contribute(se, Options())}
 
 
-def _written(changes: entries.Changes) -> dict[str, int]:
+def _written(changes: entries.MapChanges) -> dict[str, int]:
     return {name: len(e) for name, e in changes.updates}
 
 

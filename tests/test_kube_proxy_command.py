@@ -14,7 +14,7 @@ from kpng.durations import format_duration, parse_duration
 from kpng.errors import UsageError
 from kpng.kubeproxy import conntrack
 from kpng.kubeproxy.command import build
-from kpng.kubeproxy.config import Conntrack, kpng_argv
+from kpng.kubeproxy.config import ConntrackConfig, kpng_argv
 from kpng.model.cluster import primary_ips
 from kpng.model.messages import NodeAddress
 
@@ -351,13 +351,13 @@ def test_init_only_and_an_unreadable_config_through_the_cli(
 def test_conntrack_settings_follow_kube_proxy() -> None:
     root = Path("/proc/sys")
     nf = root / "net" / "netfilter"
-    got = {(s.path, s.value) for s in conntrack.settings(Conntrack(), cpus=8, root=root)}
+    got = {(s.path, s.value) for s in conntrack.settings(ConntrackConfig(), cpus=8, root=root)}
     assert got == {
         (nf / "nf_conntrack_max", 262144),  # 32768 a CPU
         (nf / "nf_conntrack_tcp_timeout_established", 86400),
         (nf / "nf_conntrack_tcp_timeout_close_wait", 3600),
     }
-    small = Conntrack(max_per_core=0, tcp_established_timeout_s=0, tcp_be_liberal=True,
+    small = ConntrackConfig(max_per_core=0, tcp_established_timeout_s=0, tcp_be_liberal=True,
                       udp_timeout_s=30, udp_stream_timeout_s=120)  # fmt: skip
     named = {(s.path.name, s.value) for s in conntrack.settings(small, cpus=1, root=root)}
     assert named == {
@@ -367,7 +367,7 @@ def test_conntrack_settings_follow_kube_proxy() -> None:
         ("nf_conntrack_udp_timeout_stream", 120),
     }
     # The floor: 2 CPUs x 32768 is under conntrack-min.
-    assert conntrack.settings(Conntrack(), cpus=2, root=root)[0].value == 131072
+    assert conntrack.settings(ConntrackConfig(), cpus=2, root=root)[0].value == 131072
 
 
 def test_conntrack_apply_writes_only_what_differs_and_reports_what_it_cannot(
@@ -379,7 +379,7 @@ def test_conntrack_apply_writes_only_what_differs_and_reports_what_it_cannot(
     (nf / "nf_conntrack_tcp_timeout_established").write_text("86400\n")
     hashsize = tmp_path / "hashsize"
     hashsize.write_text("16384\n")
-    wanted = conntrack.settings(Conntrack(), cpus=4, root=tmp_path)
+    wanted = conntrack.settings(ConntrackConfig(), cpus=4, root=tmp_path)
     established = nf / "nf_conntrack_tcp_timeout_established"
     before = established.stat().st_mtime_ns
     # close_wait is missing: conntrack not loaded, a warning and no problem.

@@ -8,8 +8,13 @@ import json
 import msgspec
 import pytest
 
-from kpng.backends import nft as nft_backend
-from kpng.backends._healthchecks import Answer, HealthServers, local_ready_endpoints, response
+from kpng.backends._healthchecks import (
+    UNHEALTHY_AFTER_S,
+    Answer,
+    HealthServers,
+    local_ready_endpoints,
+    response,
+)
 from kpng.backends.nft import NftBackend
 from kpng.backends.nft.fake import FakeNft
 from kpng.backends.nft.layout import Options
@@ -203,7 +208,7 @@ def test_health_check_node_port_fails_when_the_kernel_keeps_refusing_the_rules()
             with pytest.raises(NftError):
                 await backend.apply(_state(1, {LB: _lb(port, _ep("10.1.0.2"))}))
             assert backend.pending_since == 1000.0
-            now[0] += nft_backend.UNHEALTHY_AFTER_S - 1
+            now[0] += UNHEALTHY_AFTER_S - 1
             assert await _get(port) == (200, _body(1))  # not yet: within the timeout
             now[0] += 2
             assert await _get(port) == (503, _body(1, healthy=False))

@@ -96,7 +96,7 @@ def allowed_from_node(
     return ()
 
 
-def local_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
+def local_endpoint_addresses(endpoints: Sequence[Endpoint]) -> frozenset[str]:
     return frozenset(
         a for ep in endpoints if ep.Local and ep.IPs is not None for a in (*ep.IPs.V4, *ep.IPs.V6)
     )

@@ -23,6 +23,12 @@ from kpng.model.messages import ServiceEndpoints
 log = logging.getLogger(__name__)
 
 
+UNHEALTHY_AFTER_S = 60.0
+"""How long the rules may stay behind the state (the kernel refusing them) before health check
+node ports answer 503: kube-proxy's default (twice its 30 s sync period), so a load balancer
+drains a node after as long."""
+
+
 def local_ready_endpoints(se: ServiceEndpoints) -> int:
     """Local ready endpoint addresses of the service, in the family that has more: kube-proxy
     counts per family, so a dual-stack pod is one endpoint, not two."""
@@ -53,7 +59,7 @@ def listen_hosts(cidrs: Sequence[str], local: Sequence[str]) -> list[str] | None
     return hosts
 
 
-async def local_addresses() -> list[str]:
+async def interface_addresses() -> list[str]:
     """The addresses of this network namespace's interfaces (``ip -j addr``)."""
     proc = await asyncio.create_subprocess_exec(
         "ip", "-j", "addr", "show",
@@ -120,7 +126,7 @@ class HealthServers:
         local: list[str] = []
         if any(ipaddress.ip_network(c, strict=False).num_addresses > 1 for c in cidrs):
             try:
-                local = await local_addresses()
+                local = await interface_addresses()
             except OSError as exc:
                 log.warning("health check node ports listen everywhere: %s", exc)
                 self.listen_on(None)

@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kpng.backends._node import DETECT_LOCAL_MODES
 from kpng.durations import parse_duration
 from kpng.errors import EXIT_ERROR, UsageError
 from kpng.kubeproxy import conntrack
 from kpng.kubeproxy.config import (
-    DETECT_LOCAL_MODES,
     MODES,
-    Conntrack,
+    ConntrackConfig,
     ProxyConfig,
     at_least,
     cidrs,
@@ -215,7 +215,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
             "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules "
             "once with `kpng cleanup kube-proxy`"
         )
-    base, ct = ProxyConfig(), Conntrack()
+    base, ct = ProxyConfig(), ConntrackConfig()
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -223,7 +223,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     def port_only(port: int | None, host: str) -> str:
         return "" if port is None else f"{host}:{port}"
 
-    conntrack_config = Conntrack(
+    conntrack_config = ConntrackConfig(
         max_per_core=pick(args.conntrack_max_per_core, ct.max_per_core),
         min=pick(args.conntrack_min, ct.min),
         tcp_established_timeout_s=pick(

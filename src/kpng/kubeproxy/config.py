@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kpng.backends._node import DETECT_LOCAL_MODES
 from kpng.durations import format_duration, parse_duration
 from kpng.errors import UsageError
 
@@ -30,7 +31,6 @@ MODES = ("", "iptables", "nftables", "ipvs")
 """kube-proxy's proxy modes on Linux; "" is its default there, iptables."""
 NODEPORT_KEYWORDS = ("primary", "all", "localhost")
 """What nodePortAddresses holds beside CIDRs (kube-proxy 1.37)."""
-DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 
 _ANY = None
 """A field whose value is not walked further (a map of user-chosen keys)."""
@@ -136,7 +136,7 @@ _DEFAULTS: dict[str, tuple[object, ...]] = {
 
 
 @dataclass(frozen=True)
-class Conntrack:
+class ConntrackConfig:
     """The conntrack sysctls kube-proxy sets (0 / None: leave the kernel's value)."""
 
     max_per_core: int = 32 * 1024
@@ -170,7 +170,7 @@ class ProxyConfig:
     interface_name_prefix: str = ""
     cluster_cidrs: tuple[str, ...] = ()
     nodeport_addresses: tuple[str, ...] = ()
-    conntrack: Conntrack = field(default_factory=Conntrack)
+    conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
     external_ips: bool = True
     """The feature gate AllowServiceExternalIPs (on by default): off, no externalIP is served."""
 
@@ -349,8 +349,8 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
             f'{source}: field "detectLocalMode": one of {", ".join(DETECT_LOCAL_MODES)}, '
             f"not {detect!r}"
         )
-    ct = Conntrack()
-    conntrack = Conntrack(
+    ct = ConntrackConfig()
+    conntrack = ConntrackConfig(
         max_per_core=get("conntrack.maxPerCore", int, ct.max_per_core),
         min=get("conntrack.min", int, ct.min),
         tcp_established_timeout_s=duration(

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpng.kubeproxy.config import Conntrack
+from kpng.kubeproxy.config import ConntrackConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class Setting:
     value: int
 
 
-def settings(config: Conntrack, cpus: int, *, root: Path = PROC_SYS) -> list[Setting]:
+def settings(config: ConntrackConfig, cpus: int, *, root: Path = PROC_SYS) -> list[Setting]:
     """What kube-proxy would write for ``config`` on a machine with ``cpus`` CPUs."""
     netfilter = root / "net" / "netfilter"
     out: list[Setting] = []

@@ -39,7 +39,7 @@ from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
 from kpng.backends.ebpf import entries, libbpf, system, toolchain
-from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Changes, Contribution, SocketState
+from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.nft import NftBackend, kube_proxy_leftovers
 from kpng.backends.nft import cleanup as cleanup_nft
@@ -93,7 +93,7 @@ class SocketBalancer:
     def maps_dir(self) -> Path:
         return self._pin_dir / f"maps-v{LAYOUT_VERSION}"
 
-    async def apply(self, state: NodeState) -> Changes:
+    async def apply(self, state: NodeState) -> MapChanges:
         """Program ``state``; the changes made."""
         options = node_options(self._options, self._from_node, state)
         node = (options, state.node_ips)
@@ -168,7 +168,7 @@ class SocketBalancer:
         updated: dict[ServiceKey, Contribution | None],
         present: dict[entries.MapName, list[bytes]],
         cgroup: Path,
-    ) -> Changes:
+    ) -> MapChanges:
         """Every entry written over what the maps hold; at the first state, the programs are
         attached only then, so that they see only whole states."""
         with collector_paused():
@@ -199,7 +199,7 @@ class SocketBalancer:
             "to-ebpf: programs attached to cgroup %s, maps pinned in %s", cgroup, self.maps_dir
         )
 
-    def _write(self, changes: Changes) -> None:
+    def _write(self, changes: MapChanges) -> None:
         for name, pairs in changes.updates:
             libbpf.update_batch(self._fds[name], name, pairs)
         for name, keys in changes.deletes:

@@ -22,7 +22,7 @@ connection from outside.
 A UDP service port also has a set of the endpoints serving anywhere: a flow (one source port
 of one network namespace) keeps its endpoint while it is in that set.
 
-Changes keep each set's slots in place: an endpoint that stays keeps its index, one that goes
+MapChanges keep each set's slots in place: an endpoint that stays keeps its index, one that goes
 leaves its index to a newcomer or to the last slot's endpoint. A change of one endpoint writes a
 few entries, and at no moment does a reader find a slot below the count that holds no endpoint.
 """
@@ -229,7 +229,7 @@ def node_port_addresses(options: Options, node_ips: tuple[str, ...], v6: bool) -
 
 
 @dataclass
-class Changes:
+class MapChanges:
     """Map operations in the order they are to be made: ``updates`` first, map by map, then
     ``deletes``. Members and slots come before the counts that expose them, and counts before
     the frontends that lead to them; deletes go the other way."""
@@ -284,7 +284,7 @@ class SocketState:
         external IP and port); the first service's is written, as to-nft does, and deleting
         one service leaves the key to the others."""
 
-    def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> Changes:
+    def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> MapChanges:
         """The operations that replace these services' entries (None: the service is gone)."""
         touched: set[bytes] = set()
         sets: dict[int, tuple[bytes, ...] | None] = {}
@@ -318,7 +318,7 @@ class SocketState:
         self,
         updated: Mapping[ServiceKey, Contribution | None],
         present: Mapping[MapName, Iterable[bytes]],
-    ) -> Changes:
+    ) -> MapChanges:
         """Every service's entries written anew over maps that hold the keys ``present`` (at
         start, at a takeover, after a refusal); the keys no service wants are deleted."""
         self._record(updated)
@@ -377,7 +377,7 @@ class SocketState:
         frontends: Mapping[bytes, bytes | None],
         sets: Mapping[int, tuple[bytes, ...] | None],
         checked: set[int],
-    ) -> Changes:
+    ) -> MapChanges:
         """The operations for these frontends and sets (None: gone; members for the sets in
         ``checked``), recorded as written."""
         member_adds: list[tuple[bytes, bytes]] = []
@@ -432,7 +432,7 @@ class SocketState:
                 self.frontends.pop(k, None)
             else:
                 self.frontends[k] = v
-        changes = Changes()
+        changes = MapChanges()
         for name, entries in (
             ("kpng_members", member_adds),
             ("kpng_slots", slot_writes),

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack, stale_filters
-from kpng.backends._healthchecks import HealthServers
+from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import (
     FAMILIES,
@@ -45,8 +45,6 @@ from kpng.model.messages import ServiceEndpoints
 
 log = logging.getLogger(__name__)
 
-UNHEALTHY_AFTER_S = 60.0
-"""How long the rules may stay behind before health check node ports answer 503."""
 FULL_SYNC_PERIOD_S = 3600.0
 """kube-proxy's: a full resync every hour, for edits to kpng's chains that no check sees."""
 

@@ -23,7 +23,7 @@ from typing import TextIO
 
 from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack, stale_filters
-from kpng.backends._healthchecks import HealthServers
+from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import add_arguments, node_options
 from kpng.backends._node import options_from_args as options_from_args
@@ -39,9 +39,6 @@ from kpng.model.messages import ServiceEndpoints
 log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
-UNHEALTHY_AFTER_S = 60.0
-"""How long the kernel may refuse the rules before health check node ports answer 503: kube-proxy's
-default (twice its 30 s sync period), so a load balancer drains a node after as long."""
 
 
 class NftBackend:

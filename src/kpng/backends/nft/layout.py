@@ -101,7 +101,7 @@ from kpng.backends._endpoints import (
     allowed_from_node,
     allowed_ranges,
     endpoints_by_scope,
-    local_addresses,
+    local_endpoint_addresses,
     serving_endpoints,
 )
 
@@ -320,7 +320,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
     if ips is None or ips.ClusterIPs is None:
         return out
     timeout = affinity_timeout(service)
-    local = local_addresses(se.endpoints)
+    local = local_endpoint_addresses(se.endpoints)
     for fam in FAMILIES:
         v6 = fam == "v6"
         cluster_ips = ips.ClusterIPs.family(v6)
