@@ -19,6 +19,7 @@ pure); ``Conntrack`` runs the tool. Every backend that DNATs UDP uses them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -102,6 +103,25 @@ class Conntrack:
                 continue
             flows += parse_flows(out)
         return flows
+
+    async def clean_stale(
+        self, frontends: Frontends, only: Iterable[tuple[str, str]] | None = None
+    ) -> None:
+        """Delete the stale UDP flows of ``only`` these frontends, or of every one: what to-nft
+        and to-iptables do after each sync, as kube-proxy does."""
+        if not frontends:
+            return
+        started = time.monotonic()
+        flows = await self.udp_flows()
+        filters = stale_filters(flows, frontends, only)
+        for f in filters:
+            await self.delete(f)
+        log.debug(
+            "conntrack: %d UDP flows listed, %d filters deleted stale ones, in %.3f s",
+            len(flows),
+            len(filters),
+            time.monotonic() - started,
+        )
 
     async def delete(self, filters: Sequence[str]) -> None:
         """``conntrack -D FILTERS``; finding nothing to delete is not an error."""

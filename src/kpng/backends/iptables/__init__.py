@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TextIO
 
-from kpng.backends._conntrack import Conntrack, stale_filters
+from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import (
@@ -328,11 +328,7 @@ class IptablesBackend:
         frontends = udp_frontends(
             c for tables in self.tables.values() for c in tables.contributions.values()
         )
-        if not frontends:
-            return
-        flows = await self._conntrack.udp_flows()
-        for f in stale_filters(flows, frontends, only):
-            await self._conntrack.delete(f)
+        await self._conntrack.clean_stale(frontends, only)
 
     async def close(self) -> None:
         if self._monitor is not None:

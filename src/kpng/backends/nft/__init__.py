@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import TextIO
 
 from kpng.backends._collector import collector_paused
-from kpng.backends._conntrack import Conntrack, stale_filters
+from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import add_arguments, node_options
@@ -311,20 +311,7 @@ class NftBackend:
         or of all."""
         if self._conntrack is None or (only is not None and not only):
             return
-        frontends = self.store.udp_frontends()
-        if not frontends:
-            return
-        started = time.monotonic()
-        flows = await self._conntrack.udp_flows()
-        filters = stale_filters(flows, frontends, only)
-        for f in filters:
-            await self._conntrack.delete(f)
-        log.debug(
-            "conntrack: %d UDP flows listed, %d filters deleted stale ones, in %.3f s",
-            len(flows),
-            len(filters),
-            time.monotonic() - started,
-        )
+        await self._conntrack.clean_stale(self.store.udp_frontends(), only)
 
     async def close(self) -> None:
         if self._health is not None:
