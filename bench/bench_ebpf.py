@@ -28,10 +28,10 @@ from pathlib import Path
 from bench_kube import nearest_rank
 from bench_nft import TARGET_IP, _state
 
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._node import FromNode, Options
 from kpng.backends.ebpf import SocketBalancer
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft
 from kpng.testing.netns import ClusterSpec, TestBed
 
 

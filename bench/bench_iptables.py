@@ -17,11 +17,11 @@ import statistics
 import subprocess
 import time
 
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._node import Options
 from kpng.backends.iptables import IptablesBackend
 from kpng.backends.iptables.executing import Iptables, Tools
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft
 from kpng.client import Backend
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints

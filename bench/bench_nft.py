@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from kpng.backends.nft.nftables import Nft, Table, TableObjects, Transaction
+    from kpng.backends._nftables.nftables import Nft, Table, TableObjects, Transaction
 
 ENDPOINTS = 10
 
@@ -169,7 +169,7 @@ def _state(
 
 def _executor(kind: str) -> Nft:
     """What runs the transactions: ``default`` (as to-nft), ``lib`` or ``command``."""
-    from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
+    from kpng.backends._nftables.executing import KernelNft, LibNft, default_nft
 
     return {"default": default_nft, "lib": LibNft, "command": KernelNft}[kind]()
 
@@ -214,8 +214,8 @@ async def _full_sync(
 ) -> FullSync:
     """One full sync of ``services``, and ``affinity`` with ClientIP affinity, into an empty
     table; without ``comments``, the elements name no service."""
-    from kpng.backends.nft import NftBackend, layout
-    from kpng.backends.nft.layout import Options
+    from kpng.backends._nftables import NftBackend, layout
+    from kpng.backends._nftables.layout import Options
 
     if not comments:
         with unittest.mock.patch.object(layout, "comment_name", return_value=""):
@@ -239,8 +239,8 @@ async def _full_sync(
 
 async def _changes(services: int, count: int, kind: str) -> list[float]:
     """Seconds each of ``count`` endpoint changes (one service each) takes, at ``services``."""
-    from kpng.backends.nft import NftBackend
-    from kpng.backends.nft.layout import Options
+    from kpng.backends._nftables import NftBackend
+    from kpng.backends._nftables.layout import Options
 
     backend = NftBackend(nft=_executor(kind), options=Options(cluster_cidrs=("10.128.0.0/9",)))
     await backend.apply(_state(services, 1))  # type: ignore[arg-type]
@@ -356,9 +356,9 @@ def latency(args: argparse.Namespace) -> None:
     machine does weighs on each alike."""
     import json
 
-    from kpng.backends.nft import NftBackend
-    from kpng.backends.nft.executing import KernelNft
-    from kpng.backends.nft.layout import Options
+    from kpng.backends._nftables import NftBackend
+    from kpng.backends._nftables.executing import KernelNft
+    from kpng.backends._nftables.layout import Options
     from kpng.testing.netns import ClusterSpec, TestBed
 
     rounds = 3

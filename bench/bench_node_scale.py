@@ -45,7 +45,7 @@ import synthetic
 from bench_nft import _ip
 from bench_split import KPNG, NODE, _netns, measured_usage
 
-from kpng.backends.nft.nftables import ELEMENTS_PER_LINE
+from kpng.backends._nftables.nftables import ELEMENTS_PER_LINE
 
 ENDPOINTS = 10
 GIB = 1024.0  # MiB

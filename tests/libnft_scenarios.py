@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import LibNft
-from kpng.backends.nft.layout import Options
-from kpng.backends.nft.nftables import (
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import LibNft
+from kpng.backends._nftables.layout import Options
+from kpng.backends._nftables.nftables import (
     Chain,
     Element,
     Elements,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._node import FromNode, Options
 from kpng.backends.ebpf import EbpfBackend, SocketBalancer, remove_pins
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.ebpf.toolchain import compile_object, unavailable
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft
 from kpng.client import NodeState
 from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.model.messages import ServiceEndpoints

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from kpng.api import localv1_pb2
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import TABLE, Options
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import TABLE, Options
 from kpng.client import NodeState, watch_state
 from kpng.client._compat import complete, from_go_kpng
 from kpng.model.messages import (

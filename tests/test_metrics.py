@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.layout import Options
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.layout import Options
 from kpng.client import Backoff, NodeState
 from kpng.feeding import Fanout, Feeder, SyncStats, no_local_endpoints
 from kpng.model import k8s

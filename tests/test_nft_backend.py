@@ -16,10 +16,10 @@ import msgspec
 import pytest
 
 from kpng.backends._conntrack import Conntrack, Flow
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
-from kpng.backends.nft.nftables import NftError, Transaction, error_for_line
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
+from kpng.backends._nftables.nftables import NftError, Transaction, error_for_line
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (

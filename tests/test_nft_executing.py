@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import kpng
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft, LibNft, default_nft
-from kpng.backends.nft.nftables import NftError
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft, LibNft, default_nft
+from kpng.backends._nftables.nftables import NftError
 from kpng.testing.netns import available
 from kpng.testing.states import keyed_state
 from tests import libnft_scenarios as scenarios
@@ -161,7 +161,7 @@ def test_one_context_takes_every_incremental_transaction_as_the_nft_command_woul
 def test_without_libnftables_the_nft_command_runs_with_one_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kpng.backends.nft.executing")
+    caplog.set_level(logging.INFO, logger="kpng.backends._nftables.executing")
     assert isinstance(default_nft("libnftables-that-is-not-there.so.1"), KernelNft)
     assert len(caplog.records) == 1
     assert "libnftables-that-is-not-there.so.1" in caplog.text
@@ -190,8 +190,8 @@ def test_both_executors_list_the_objects_of_one_table(netns: str, executor: str)
     )
     script = (
         "import asyncio\n"
-        "from kpng.backends.nft.executing import KernelNft, LibNft\n"
-        "from kpng.backends.nft.nftables import Table\n"
+        "from kpng.backends._nftables.executing import KernelNft, LibNft\n"
+        "from kpng.backends._nftables.nftables import Table\n"
         f"nft = {'LibNft()' if executor == 'lib' else 'KernelNft()'}\n"
         "for name in ('kpng', 'none'):\n"
         "    o = asyncio.run(nft.list_objects(Table('inet', name)))\n"

@@ -12,11 +12,11 @@ import asyncio
 
 import pytest
 
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.diffing import TableState, Touched
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import AFFINITY_SETS, TABLE, Options, contribute
-from kpng.backends.nft.nftables import Elements, Operation, TableObjects, Transaction
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.diffing import TableState, Touched
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import AFFINITY_SETS, TABLE, Options, contribute
+from kpng.backends._nftables.nftables import Elements, Operation, TableObjects, Transaction
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing.states import keyed_state

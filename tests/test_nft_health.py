@@ -15,10 +15,10 @@ from kpng.backends._healthchecks import (
     local_ready_endpoints,
     response,
 )
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import Options
-from kpng.backends.nft.nftables import NftError, Transaction
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import Options
+from kpng.backends._nftables.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState
 from kpng.harness.cluster import free_port
 from kpng.model.cluster import ServiceKey

@@ -33,10 +33,10 @@ def test_listen_hosts(cidrs: tuple[str, ...], hosts: list[str] | None) -> None:
 
 _BACKEND = """
 import asyncio, json
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._healthchecks import HealthServers
-from kpng.backends.nft.layout import FromNode, Options
+from kpng.backends._nftables.layout import FromNode, Options
 from kpng.backends.registry import NodeState
 from kpng.model.messages import Endpoint, IPSet, Service, ServiceEndpoints
 

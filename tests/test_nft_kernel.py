@@ -17,10 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from kpng.backends.nft import NftBackend
-from kpng.backends.nft.executing import KernelNft
-from kpng.backends.nft.layout import TABLE, Options
-from kpng.backends.nft.nftables import Element, NftError, Operation, Transaction, error_for_line
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.executing import KernelNft
+from kpng.backends._nftables.layout import TABLE, Options
+from kpng.backends._nftables.nftables import (
+    Element,
+    NftError,
+    Operation,
+    Transaction,
+    error_for_line,
+)
 from kpng.client import Backoff
 from kpng.feeding import Fanout, SyncStats
 from kpng.model.cluster import ServiceKey

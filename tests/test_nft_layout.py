@@ -10,10 +10,10 @@ from collections.abc import Collection
 import pytest
 
 from kpng.backends import registry
-from kpng.backends.nft import NftBackend, options_from_args
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.layout import TABLE, Options, contribute, skeleton
-from kpng.backends.nft.nftables import Chain
+from kpng.backends._nftables import NftBackend, options_from_args
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import TABLE, Options, contribute, skeleton
+from kpng.backends._nftables.nftables import Chain
 from kpng.backends.registry import NodeState
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (

@@ -74,7 +74,7 @@ def test_both_executors_list_the_namespaces_tables(netns: str, executor: str) ->
         assert _in(netns, "nft", "add", "table", family, name).returncode == 0
     script = (
         "import asyncio\n"
-        "from kpng.backends.nft.executing import KernelNft, LibNft\n"
+        "from kpng.backends._nftables.executing import KernelNft, LibNft\n"
         f"nft = {'LibNft()' if executor == 'lib' else 'KernelNft()'}\n"
         "print(sorted((t.family, t.name) for t in asyncio.run(nft.list_tables())))\n"
     )

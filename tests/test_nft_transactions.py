@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from kpng.backends.nft.executing import parse_error
-from kpng.backends.nft.fake import FakeNft
-from kpng.backends.nft.nftables import (
+from kpng.backends._nftables.executing import parse_error
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.nftables import (
     Chain,
     Element,
     Elements,

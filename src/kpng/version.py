@@ -12,7 +12,7 @@ WIRE_API = ("localv1", "globalv1", "kpng.batchv1", "kpng.pluginv1")
 
 def report() -> str:
     # Imported here: only this command looks for libnftables.
-    from kpng.backends.nft.executing import libnftables_version
+    from kpng.backends._nftables.executing import libnftables_version
 
     return "\n".join(
         [

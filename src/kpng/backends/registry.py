@@ -22,7 +22,12 @@ __all__ = ["Backend", "BackendSpec", "NodeState", "known", "lookup", "names", "r
 def _builtin() -> set[str]:
     import kpng.backends
 
-    return {m.name for m in pkgutil.iter_modules(kpng.backends.__path__) if m.ispkg}
+    # Packages only; those named _* are what backends share (the nftables engine), not backends.
+    return {
+        m.name
+        for m in pkgutil.iter_modules(kpng.backends.__path__)
+        if m.ispkg and not m.name.startswith("_")
+    }
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -27,7 +27,7 @@ def cleanup(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if KUBE_PROXY in args.backends:
-            from kpng.backends.nft import kube_proxy_leftovers
+            from kpng.backends._nftables import kube_proxy_leftovers
 
             removed = asyncio.run(kube_proxy_leftovers().remove())
             for leftovers in removed:

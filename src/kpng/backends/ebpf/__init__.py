@@ -37,13 +37,13 @@ from pathlib import Path
 from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
+from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
+from kpng.backends._nftables import cleanup as cleanup_nft
+from kpng.backends._nftables.executing import LibNft, default_nft
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
 from kpng.backends.ebpf import entries, libbpf, system, toolchain
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
-from kpng.backends.nft import NftBackend, kube_proxy_leftovers
-from kpng.backends.nft import cleanup as cleanup_nft
-from kpng.backends.nft.executing import LibNft, default_nft
 from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
 from kpng.errors import UsageError, object_name
 from kpng.model.cluster import ServiceKey

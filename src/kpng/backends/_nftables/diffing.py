@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, overload
 
-from kpng.backends.nft.layout import (
+from kpng.backends._nftables.layout import (
     AFFINITY_SETS,
     CHECK_TABLE,
     TABLE,
@@ -31,7 +31,7 @@ from kpng.backends.nft.layout import (
     Options,
     skeleton,
 )
-from kpng.backends.nft.nftables import (
+from kpng.backends._nftables.nftables import (
     Chain,
     Element,
     Elements,

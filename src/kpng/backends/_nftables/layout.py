@@ -104,13 +104,13 @@ from kpng.backends._endpoints import (
     local_endpoint_addresses,
     serving_endpoints,
 )
+from kpng.backends._nftables.nftables import Chain, Element, Map, Rule, Set, Table, comment_name
 
 # The node's options are every node backend's; to-nft's callers find them here too.
 from kpng.backends._node import FAMILIES, Fam
 from kpng.backends._node import MASQUERADE_BIT as MASQUERADE_BIT
 from kpng.backends._node import FromNode as FromNode
 from kpng.backends._node import Options as Options
-from kpng.backends.nft.nftables import Chain, Element, Map, Rule, Set, Table, comment_name
 from kpng.model.messages import ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, cast, overload
 
 from kpng.backends._commands import CommandError, run_command
-from kpng.backends.nft.nftables import (
+from kpng.backends._nftables.nftables import (
     Nft,
     NftError,
     Table,

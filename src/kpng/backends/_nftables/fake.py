@@ -13,7 +13,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 
-from kpng.backends.nft.nftables import (
+from kpng.backends._nftables.nftables import (
     Chain,
     Element,
     Elements,

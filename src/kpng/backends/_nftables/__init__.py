@@ -1,0 +1,373 @@
+"""kpng's nftables engine: the node-local state as rules in kpng's own table (``inet kpng``).
+
+``to-nft`` (kpng.backends.nft) is this engine and its flags; ``to-ebpf`` runs it for the traffic
+its socket programs do not see.
+
+The first state (and any state after a refused transaction) replaces what the table holds in one
+transaction, taking over what a previous kpng left without a gap and keeping the ClientIP
+affinity memory; every later state changes only the elements, chains and maps of the services
+that changed, in one atomic transaction.
+The layout is described in ``layout.py``; ``nftables.py`` is the typed transaction,
+``fake.py`` the in-memory nft for tests, ``executing.py`` what talks to nftables (libnftables
+in process, or the ``nft`` command) and runs ``conntrack``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import TextIO
+
+from kpng.backends._collector import collector_paused
+from kpng.backends._conntrack import Conntrack
+from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
+from kpng.backends._kube_proxy import KubeProxyLeftovers
+from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
+from kpng.backends._nftables.executing import KernelNft, default_nft
+from kpng.backends._nftables.layout import TABLE, FromNode, Options, contribute
+from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects
+from kpng.backends._node import node_options
+from kpng.backends._node import options_from_args as options_from_args
+from kpng.client import NodeState, NoReporting, SyncReporter
+from kpng.errors import object_name
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class NftBackend:
+    """Programs each state it is given; see the module docstring.
+
+    ``nft`` runs transactions (``LibNft`` or ``KernelNft``, ``FakeNft`` in tests);
+    ``conntrack`` deletes stale UDP entries (None: not at all); ``kube_proxy``, if given, is
+    looked at once before the first sync, to warn of kube-proxy's leftovers; ``dry_run`` writes each
+    transaction to ``output`` instead; ``once`` makes ``apply`` return True once the first
+    complete state is applied.
+
+    A refused transaction fails ``apply`` with an ``NftError`` saying what nft refused, the
+    previous rules left in place; kpng's Feeder then retries with backoff (or as soon as a newer
+    state comes), and the next attempt is a full resync. ``pending_since`` says since when
+    (``time.monotonic()``) the kernel has been behind (None when it is not): the health check
+    node ports answer by it.
+    """
+
+    def __init__(
+        self,
+        *,
+        nft: Nft,
+        options: Options,
+        from_node: FromNode | None = None,
+        min_sync_period: float = 0.0,
+        conntrack: Conntrack | None = None,
+        health: HealthServers | None = None,
+        once: bool = False,
+        dry_run: bool = False,
+        output: TextIO | None = None,
+        sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        syncs: SyncReporter | None = None,
+        kube_proxy: KubeProxyLeftovers | None = None,
+    ) -> None:
+        self._nft = nft
+        self._kube_proxy = kube_proxy
+        self._conntrack = conntrack
+        self._health = health
+        self.pending_since: float | None = None
+        self._syncs = syncs or NoReporting()
+        """Its syncs as the kernel took them: a refused transaction may get through within the
+        same apply, with the services the kernel refused left out."""
+        self._revision = 0
+        if health is not None:
+            health.proxy_healthy = self._rules_current
+        self._once = once
+        self._dry_run = dry_run
+        self._output = output or sys.stdout
+        self._sleep = sleep
+        self._clock = clock
+        """Monotonic time: since when the kernel has been behind, and for how long."""
+        # Exact doubling (no jitter spread): one node's kernel, no crowd to spread out.
+        self.store = TableState(options)
+        self._options = options
+        self._from_node = from_node or FromNode()
+        self._min_sync_period = min_sync_period
+        self._last_sync = -math.inf
+        self._node_ips: tuple[str, ...] = ()
+        self._recontribute = False
+        self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
+        self._needs_full = True
+        self._lock = asyncio.Lock()
+
+    async def apply(self, state: NodeState) -> bool:
+        self._follow_node(state)
+        # kube-proxy's --min-sync-period: the feeder coalesces the states that arrive meanwhile.
+        wait = self._last_sync + self._min_sync_period - time.monotonic()
+        if wait > 0 and not self._dry_run:
+            await self._sleep(wait)
+        self._last_sync = time.monotonic()
+        self._revision = state.revision
+        with collector_paused():
+            touched = self._record(state)
+        if self._dry_run:
+            plan = self._plan(touched)
+            self._output.write(
+                f"# revision {state.revision}: {_named(touched.services)}\n{plan.tx.render()}"
+            )
+            self._output.flush()
+            self.store.commit(plan)
+            self._needs_full = False
+            self._syncs.synced(revision=state.revision)
+            return self._once
+        if self._kube_proxy is not None:
+            # Once, before the first sync: kube-proxy's leftovers would act beside it.
+            leftovers, self._kube_proxy = self._kube_proxy, None
+            await leftovers.warn()
+        refused = await self._sync(touched)
+        if self._health is not None:
+            await self._health.follow(self.store.options.nodeport_addresses)
+            await self._health.update(state.services)
+        if refused is not None:
+            raise refused
+        return self._once
+
+    def _follow_node(self, state: NodeState) -> None:
+        """Re-render the skeleton (a full sync) when the node's IPs or pod CIDRs change what it
+        holds: kube-proxy restarts for that."""
+        options = node_options(self._options, self._from_node, state)
+        if state.node_ips != self._node_ips:
+            # Load-balancer source ranges holding the node's IP allow its LB IPs too: every
+            # service is contributed anew.
+            self._node_ips = state.node_ips
+            self._recorded.clear()
+            self._recontribute = True
+        if options != self.store.options:
+            if self.store.contributions:
+                log.info(
+                    "node %s changed its addresses or pod CIDRs, or the ServiceCIDRs changed: "
+                    "full resync",
+                    state.node,
+                )
+            self.store.options = options
+            self._needs_full = True
+
+    def _record(self, state: NodeState) -> Touched:
+        """Record the services of ``state`` that changed in the store; what they touched."""
+        touched = Touched()
+        for key in state.deleted:
+            self._recorded.pop(key, None)
+            self.store.update(key, None, touched)
+        updated = state.services.keys() if self._recontribute else state.updated
+        self._recontribute = False
+        for key in updated:
+            se = state.services[key]
+            # A service sent again unchanged (a client's reconnection resends every one) costs
+            # a comparison, not a new contribution.
+            if self._recorded.get(key) == se:
+                continue
+            self._recorded[key] = se
+            contribution = contribute(se, self._node_ips)
+            for problem in contribution.problems:
+                log.warning("service %s: %s (skipped)", object_name(*key), problem)
+            self.store.update(key, contribution, touched)
+        for (container, ek), owners in self.store.conflicts(touched):
+            log.warning(
+                "%s element %s wanted differently by %s; %s wins",
+                container,
+                " . ".join(ek),
+                ", ".join(object_name(*o) for o in owners),
+                object_name(*owners[0]),
+            )
+        return touched
+
+    def _plan(self, touched: Touched, present: TableObjects | None = None) -> Plan:
+        if self._needs_full:
+            return self.store.full(present)
+        return self.store.incremental(touched)
+
+    async def _sync(self, touched: Touched) -> NftError | None:
+        """One attempt; what nft refused (a full resync comes next), or None."""
+        async with self._lock:
+            started = time.monotonic()
+            present: TableObjects | None = None
+            error: NftError | None = None
+            if self._needs_full:
+                # What the table holds, so that the full sync replaces it but the affinity
+                # memory.
+                try:
+                    present = await self._nft.list_objects(TABLE)
+                except NftError as exc:
+                    error = exc
+            with collector_paused():
+                plan = self._plan(touched, present)
+            if error is None:
+                error = await self._run(plan)
+            if error is not None:
+                self._syncs.failed()
+            if error is not None and plan.full and await self._leave_out_refused_services():
+                with collector_paused():
+                    plan = self._plan(touched, present)
+                error = await self._run(plan)
+            self._syncs.attempted(seconds=time.monotonic() - started, full=plan.full)
+            if error is not None:
+                # The UDP flows this change makes stale are cleaned by the full resync's
+                # reconciliation.
+                self._needs_full = True
+                if self.pending_since is None:
+                    self.pending_since = self._clock()
+                kind = "full" if plan.full else "incremental"
+                return NftError(
+                    f"{error.message} (the {kind} transaction of {len(plan.tx)} operations "
+                    "was refused; the previous rules stay, and a full resync follows)",
+                    line_number=error.line_number,
+                    line=error.line,
+                )
+            self.store.commit(plan)
+            self._needs_full = False
+            self.pending_since = None
+            self._syncs.synced(revision=self._revision)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "applied a %s transaction of %d operations: %s",
+                    "full" if plan.full else "incremental",
+                    len(plan.tx),
+                    _named(touched.services),
+                )
+        # After a full sync (start, takeover, recovery) every frontend is reconciled, as
+        # kube-proxy does at start; after a change, those whose serving endpoints changed.
+        await self._clean_conntrack(None if plan.full else touched.udp_frontends)
+        return None
+
+    async def applied_rules(self) -> str:
+        """kpng's table as the kernel holds it: what the last applied transaction left."""
+        if self._dry_run:
+            return f"# table {TABLE.family} {TABLE.name}: a dry run applies nothing\n"
+        return await self._nft.list_table(TABLE) or f"# no table {TABLE.family} {TABLE.name}\n"
+
+    def _rules_current(self) -> bool:
+        since = self.pending_since
+        return since is None or self._clock() - since < UNHEALTHY_AFTER_S
+
+    async def _run(self, plan: Plan) -> NftError | None:
+        try:
+            await self._nft.run(plan.tx)
+        except NftError as exc:
+            return exc
+        return None
+
+    async def _leave_out_refused_services(self) -> bool:
+        """After a refused full sync: find the services whose rules the kernel refuses on
+        their own, log each, and leave it out of the table until it changes. True if any."""
+        refused = await self._refused_services()
+        for key, error in sorted(refused.items()):
+            log.error(
+                "service %s: the kernel refuses its rules; it is left out until it changes: %s",
+                object_name(*key),
+                error,
+            )
+            # Its ServiceEndpoints stays recorded: sent again unchanged, it stays out.
+            self.store.update(key, None, Touched())
+        return bool(refused)
+
+    async def _refused_services(self) -> dict[ServiceKey, NftError]:
+        """Bisection over the services with ``check_transaction`` (nothing is kept, no packet
+        sees it): at most two checks per service, far fewer for a few bad ones. Empty if the
+        refusal does not show there, or shows with no service at all."""
+        contributions = self.store.contributions
+        options = self.store.options
+
+        async def check(keys: list[ServiceKey]) -> NftError | None:
+            with collector_paused():
+                tx = check_transaction(options, ((key, contributions[key]) for key in keys))
+            try:
+                await self._nft.run(tx)
+            except NftError as exc:
+                return exc
+            return None
+
+        keys = sorted(contributions)
+        error = await check(keys)
+        if error is None or await check([]) is not None:
+            return {}
+        refused: dict[ServiceKey, NftError] = {}
+        suspects = [(keys, error)]  # each refused as a whole
+        while suspects:
+            part, error = suspects.pop()
+            if len(part) == 1:
+                refused[part[0]] = error
+                continue
+            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+                half_error = await check(half)
+                if half_error is not None:
+                    suspects.append((half, half_error))
+        return refused
+
+    async def _clean_conntrack(self, only: set[tuple[str, str]] | None) -> None:
+        """Delete the stale UDP flows (``backends/_conntrack.py``) of ``only`` these frontends,
+        or of all."""
+        if self._conntrack is None or (only is not None and not only):
+            return
+        await self._conntrack.clean_stale(self.store.udp_frontends(), only)
+
+    async def close(self) -> None:
+        if self._health is not None:
+            await self._health.close()
+
+
+_NAMED = 10
+"""The most services a log line or dry-run header names; more are counted."""
+
+
+def _named(services: set[ServiceKey]) -> str:
+    """``services ns/a, ns/b and 3 more`` (by name), or ``no service changed``."""
+    if not services:
+        return "no service changed"
+    names = [object_name(*key) for key in heapq.nsmallest(_NAMED, services)]
+    more = f" and {len(services) - _NAMED} more" if len(services) > _NAMED else ""
+    return f"service{'s' if len(services) > 1 else ''} {', '.join(names)}{more}"
+
+
+async def cleanup(nft: Nft | None = None) -> bool:
+    """Remove kpng's table; True if there was one."""
+    return await (nft or default_nft()).delete_table(TABLE)
+
+
+class LeftoverTables:
+    """``nft``'s tables as kube-proxy's leftovers module (``backends/_kube_proxy.py``) sees
+    them: by family and name, so that it needs nothing of to-nft's types."""
+
+    def __init__(self, nft: Nft) -> None:
+        self._nft = nft
+        self._listed: dict[tuple[str, str], Table] = {}
+
+    async def list_tables(self) -> list[tuple[str, str]]:
+        self._listed = {(t.family, t.name): t for t in await self._nft.list_tables()}
+        return list(self._listed)
+
+    async def delete_table(self, family: str, name: str) -> bool:
+        table = self._listed.get((family, name))
+        return table is not None and await self._nft.delete_table(table)
+
+
+def kube_proxy_leftovers(nft: Nft | None = None) -> KubeProxyLeftovers:
+    """kube-proxy's leftovers of every mode, its nftables tables seen through ``nft`` (default:
+    libnftables, else the nft command), which to-nft has even where the command is not
+    installed."""
+    nft = nft or default_nft()
+    if isinstance(nft, KernelNft) and not has_nft():
+        # Neither libnftables nor nft: the leftovers module then skips nftables (kube-proxy's
+        # nftables mode runs nft; a containerized one leaves tables kpng cannot see either way).
+        return KubeProxyLeftovers()
+    return KubeProxyLeftovers(nft=LeftoverTables(nft))
+
+
+def has_nft() -> bool:
+    import shutil
+
+    return shutil.which("nft") is not None
