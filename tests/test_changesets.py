@@ -9,16 +9,15 @@ import pytest
 
 from kpng.api import codec
 from kpng.api.localv1_pb2 import ChangeTriggersSet, NodeFactsSet, ServicesSet
+from kpng.api.ops import FirstOps, local_ops
 from kpng.model.cluster import Slice
 from kpng.model.messages import Endpoint, Service
 from kpng.resolver.resolving import ClusterResolver
 from kpng.server.changesets import (
     ChangeSet,
-    FirstOps,
     Shared,
     SharedOps,
     batches,
-    local_ops,
 )
 from kpng.sources.manifests import parse
 from tests import wire

@@ -10,11 +10,11 @@ import pytest
 
 import kpng.client
 from kpng.api import localv1_pb2
+from kpng.api.ops import local_ops
 from kpng.client import Backoff, DiffStore, NodeState, ServiceKey, SinkBackend
 from kpng.client._sinks import FilterReset, FullState
 from kpng.model.messages import Endpoint, EndpointScopes, Service, ServiceEndpoints
 from kpng.remote.watching import LocalOps
-from kpng.server.changesets import local_ops
 from kpng.testing import states
 
 

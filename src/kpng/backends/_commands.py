@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kpng.errors import KpngError
+from kpng.client import KpngError
 
 
 class CommandError(KpngError):

@@ -8,7 +8,7 @@ import functools
 import ipaddress
 from collections.abc import Iterable, Sequence
 
-from kpng.model.messages import Endpoint, PortMapping, Service
+from kpng.client import Endpoint, PortMapping, Service
 
 EndpointValue = tuple[str, str]
 """(address, port): the value of an endpoint map element."""

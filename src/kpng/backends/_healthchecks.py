@@ -17,8 +17,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import ServiceEndpoints, ServiceKey
 
 log = logging.getLogger(__name__)
 

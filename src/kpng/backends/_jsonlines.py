@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kpng.client import NodeState
-from kpng.model.cluster import ServiceKey
+from kpng.client import NodeState, ServiceKey
 
 _encoder = msgspec.json.Encoder()
 

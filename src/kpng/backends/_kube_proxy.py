@@ -34,7 +34,7 @@ from typing import Protocol
 
 from kpng.backends._commands import CommandError, run_command
 from kpng.backends._iptables_chains import OWNER_CHAIN, SERVICE_CHAIN_PREFIXES, SHARED_CHAINS
-from kpng.errors import KpngError
+from kpng.client import KpngError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kpng.client import NodeState
+from kpng.client import NodeState, UsageError
 from kpng.durations import parse_duration
-from kpng.errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,14 @@ a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental call
 facts). The same types and the same facts arrive in process and over the network.
 ``DiffStore`` turns whole states into changes; ``BackendSpec`` and ``register`` make a packaged
 backend a ``to-<name>`` command, whose constructor gets a ``SyncReporter`` for what only the
-backend knows of its syncs. See docs/backend-tutorial.md. Built-in backends use exactly this
-surface; kpng's own feeding machinery is ``kpng.feeding``.
+backend knows of its syncs; ``UsageError`` is what a backend raises for flags it cannot use,
+``KpngError`` for a failure it can explain (logged as one line, not a traceback), and
+``object_name`` names a service in messages as kpng does. See docs/backend-tutorial.md.
+
+Built-in backends use this surface and kpng's wire protos (``kpng.api``, public too), as a third
+party's would; an import contract holds them to it. The one exception is to-plugin, which feeds
+each plugin through kpng's own ``kpng.feeding.Feeder`` so that health and metrics report each
+plugin.
 """
 
 from kpng.backoff import Backoff
@@ -17,6 +23,7 @@ from kpng.client._reporting import NoReporting, SyncReporter
 from kpng.client._running import run, watch, watch_state
 from kpng.client._sinks import SinkBackend
 from kpng.client._state import Backend, Handler, NodeState
+from kpng.errors import KpngError, UsageError, object_name
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     ChangeTriggers,
@@ -55,6 +62,7 @@ __all__ = [
     "IPFamilies",
     "IPFilter",
     "IPSet",
+    "KpngError",
     "NoReporting",
     "NodeAddress",
     "NodeFacts",
@@ -69,6 +77,8 @@ __all__ = [
     "Sink",
     "SinkBackend",
     "SyncReporter",
+    "UsageError",
+    "object_name",
     "register",
     "run",
     "watch",

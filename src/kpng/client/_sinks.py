@@ -207,7 +207,7 @@ class SinkBackend:
         if self._node_sink is not None and (facts := state.facts) != self._facts:
             self._facts = facts
             self._node_sink.set_node(facts)
-        # The watch API's order (kpng.server.changesets.local_ops), call for call.
+        # The watch API's order (kpng.api.ops.local_ops), call for call.
         service_sets: list[Service] = []
         endpoint_sets: list[tuple[str, str, str, Endpoint]] = []
         endpoint_deletes: list[tuple[str, str, str]] = []

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from kpng.addresses import check_grpc_url
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.api.localv1_pb2 import ChangeTriggersSet, NodeFactsSet
+from kpng.api.ops import FirstOps
 from kpng.errors import UsageError
 from kpng.model.cluster import unknown_node
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
@@ -32,7 +33,6 @@ from kpng.resolver.resolving import NodeView
 from kpng.server.auth import Refused, WatchAuth
 from kpng.server.changesets import (
     ChangeSet,
-    FirstOps,
     GlobalTracker,
     SharedOps,
     batches,

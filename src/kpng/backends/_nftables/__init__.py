@@ -33,10 +33,14 @@ from kpng.backends._nftables.layout import TABLE, FromNode, Options, contribute
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects
 from kpng.backends._node import node_options
 from kpng.backends._node import options_from_args as options_from_args
-from kpng.client import NodeState, NoReporting, SyncReporter
-from kpng.errors import object_name
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import (
+    NodeState,
+    NoReporting,
+    ServiceEndpoints,
+    ServiceKey,
+    SyncReporter,
+    object_name,
+)
 
 log = logging.getLogger(__name__)
 

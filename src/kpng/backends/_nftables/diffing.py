@@ -45,7 +45,7 @@ from kpng.backends._nftables.nftables import (
     Transaction,
     render_element,
 )
-from kpng.model.cluster import ServiceKey
+from kpng.client import ServiceKey
 
 ChainDef = tuple[Chain, tuple[Rule, ...]]
 K = TypeVar("K")

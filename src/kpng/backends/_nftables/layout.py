@@ -111,7 +111,7 @@ from kpng.backends._node import FAMILIES, Fam
 from kpng.backends._node import MASQUERADE_BIT as MASQUERADE_BIT
 from kpng.backends._node import FromNode as FromNode
 from kpng.backends._node import Options as Options
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import ServiceEndpoints
 
 TABLE = Table("inet", "kpng", comment="rules for Kubernetes services, managed by kpng")
 CHECK_TABLE = Table("inet", "kpng-check")

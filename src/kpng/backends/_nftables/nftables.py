@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
-from kpng.errors import KpngError
+from kpng.client import KpngError
 
 Family = Literal["ip", "ip6", "inet"]
 Verb = Literal["add", "delete", "flush"]

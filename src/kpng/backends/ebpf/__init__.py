@@ -44,10 +44,18 @@ from kpng.backends._node import FromNode, Options, add_arguments, node_options, 
 from kpng.backends.ebpf import entries, libbpf, system, toolchain
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
-from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
-from kpng.errors import UsageError, object_name
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import (
+    Backend,
+    BackendSpec,
+    NodeState,
+    NoReporting,
+    ServiceEndpoints,
+    ServiceKey,
+    SyncReporter,
+    UsageError,
+    object_name,
+    register,
+)
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,7 @@ from kpng.backends._endpoints import (
     serving_endpoints,
 )
 from kpng.backends._node import FAMILIES, Fam, Options
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import ServiceEndpoints, ServiceKey
 
 LAYOUT_VERSION = 2
 """Bumped whenever a key or value below changes shape: the pinned maps of another layout are

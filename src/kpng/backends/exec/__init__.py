@@ -15,8 +15,7 @@ import shlex
 
 from kpng.backends.exec.formats import FORMATS
 from kpng.backends.exec.running import ExecBackend
-from kpng.client import Backend, BackendSpec, SyncReporter, register
-from kpng.errors import UsageError
+from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
 
 __all__ = ["ExecBackend"]
 

@@ -26,8 +26,7 @@ from typing import Protocol
 import msgspec
 
 from kpng.backends._jsonlines import StateLines
-from kpng.client import NodeState, SinkBackend
-from kpng.model.messages import Endpoint, NodeFacts, Service
+from kpng.client import Endpoint, NodeFacts, NodeState, Service, SinkBackend
 
 _encode = msgspec.json.Encoder().encode
 

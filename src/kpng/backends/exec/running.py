@@ -23,8 +23,7 @@ from pathlib import Path
 
 from kpng.backends.exec.formats import Format
 from kpng.backends.exec.output import BoundedLineSplitter, LineLimiter
-from kpng.client import Backoff, NodeFacts, NodeState, ServiceEndpoints
-from kpng.model.cluster import ServiceKey
+from kpng.client import Backoff, NodeFacts, NodeState, ServiceEndpoints, ServiceKey
 
 log = logging.getLogger(__name__)
 

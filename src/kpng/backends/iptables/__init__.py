@@ -38,10 +38,17 @@ from kpng.backends._node import (
 from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
 from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
 from kpng.backends.iptables.rules import LARGE_CLUSTER_ENDPOINTS, Contribution, contribute
-from kpng.client import Backend, BackendSpec, NodeState, NoReporting, SyncReporter, register
-from kpng.errors import object_name
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import ServiceEndpoints
+from kpng.client import (
+    Backend,
+    BackendSpec,
+    NodeState,
+    NoReporting,
+    ServiceEndpoints,
+    ServiceKey,
+    SyncReporter,
+    object_name,
+    register,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from kpng.backends.iptables.rules import (
     TABLES,
     Jump,
 )
-from kpng.errors import KpngError
+from kpng.client import KpngError
 
 log = logging.getLogger(__name__)
 

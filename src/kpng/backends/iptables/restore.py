@@ -29,7 +29,7 @@ from kpng.backends.iptables.rules import (
     skeleton,
     tail,
 )
-from kpng.model.cluster import ServiceKey
+from kpng.client import ServiceKey
 
 K = TypeVar("K")
 V = TypeVar("V")

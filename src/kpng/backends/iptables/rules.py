@@ -56,7 +56,7 @@ from kpng.backends._iptables_chains import OWNER_CHAIN as OWNER_CHAIN
 from kpng.backends._iptables_chains import SERVICE_CHAIN_PREFIXES as SERVICE_CHAIN_PREFIXES
 from kpng.backends._iptables_chains import SHARED_CHAINS as SHARED_CHAINS
 from kpng.backends._node import Fam, Options
-from kpng.model.messages import PortMapping, ServiceEndpoints
+from kpng.client import PortMapping, ServiceEndpoints
 
 _PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 _LOOPBACK = {"v4": "127.0.0.0/8", "v6": "::1/128"}

@@ -16,8 +16,7 @@ from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_lef
 from kpng.backends._nftables.executing import KernelNft, LibNft, default_nft
 from kpng.backends._nftables.nftables import Nft
 from kpng.backends._node import add_arguments, options_from_args
-from kpng.client import Backend, BackendSpec, SyncReporter, register
-from kpng.errors import UsageError
+from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
 
 log = logging.getLogger(__name__)
 

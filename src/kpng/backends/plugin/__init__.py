@@ -16,8 +16,7 @@ from pathlib import Path
 from kpng.backends.plugin.config import check_unique, parse_plugin
 from kpng.backends.plugin.connection import PluginBackend, PluginError
 from kpng.backends.plugin.feeding import PluginsBackend
-from kpng.client import Backend, BackendSpec, SyncReporter, register
-from kpng.errors import UsageError
+from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
 
 __all__ = ["PluginBackend", "PluginError", "PluginsBackend"]
 

@@ -19,11 +19,8 @@ import msgspec
 
 from kpng.api import codec, pluginv1_pb2
 from kpng.api.localv1_pb2 import NodeFactsSet
-from kpng.client import NodeState, ServiceEndpoints
-from kpng.model.cluster import ServiceKey
-from kpng.model.messages import Endpoint, NodeFacts, Service
-from kpng.model.paths import NODE_FACTS_PATH
-from kpng.server.changesets import local_ops
+from kpng.api.ops import NODE_FACTS_PATH, local_ops
+from kpng.client import Endpoint, NodeFacts, NodeState, Service, ServiceEndpoints, ServiceKey
 
 _JSON = msgspec.json.Encoder()
 _RESET = codec.op_batch([codec.OP_RESET])

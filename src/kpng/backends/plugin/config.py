@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpng.errors import UsageError
+from kpng.client import UsageError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SOCKET_SUFFIX = ".sock"

@@ -21,9 +21,7 @@ from kpng import __version__
 from kpng.api import pluginv1_pb2
 from kpng.backends.plugin.changes import ChangeSets
 from kpng.backends.plugin.config import PluginSpec
-from kpng.client import NodeState, ServiceEndpoints
-from kpng.errors import KpngError
-from kpng.model.cluster import ServiceKey
+from kpng.client import KpngError, NodeState, ServiceEndpoints, ServiceKey
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kpng.client import Backend, BackendSpec, Handler, NodeState, Sink, SinkBackend, register
-from kpng.errors import UsageError
+from kpng.client import (
+    Backend,
+    BackendSpec,
+    Handler,
+    NodeState,
+    Sink,
+    SinkBackend,
+    UsageError,
+    register,
+)
 
 DEFAULT_NAME = "backend"
 
