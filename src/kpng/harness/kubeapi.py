@@ -17,7 +17,12 @@ from urllib.parse import urlsplit
 
 from kpng.harness.cluster import ControlPlane
 
-Obj = dict[str, Any]
+# The objects' builders are the test library's; tests reach them here beside the client.
+from kpng.testing.objects import Obj as Obj
+from kpng.testing.objects import endpoint as endpoint
+from kpng.testing.objects import endpoint_slice as endpoint_slice
+from kpng.testing.objects import node as node
+from kpng.testing.objects import service as service
 
 _COLLECTIONS = {
     "Service": ("/api/v1", "services", True),
@@ -163,70 +168,6 @@ def _cluster_path(kind: str) -> str:
 
 
 # --- builders
-
-
-def service(
-    name: str,
-    namespace: str,
-    *,
-    ports: list[Obj] | None = None,
-    labels: dict[str, str] | None = None,
-    cluster_ip: str | None = None,
-    type: str = "ClusterIP",
-    **spec: Any,
-) -> Obj:
-    body: Obj = {"type": type, "ports": ports or [{"name": "http", "port": 80, "protocol": "TCP"}]}
-    if cluster_ip is not None:
-        body["clusterIP"] = cluster_ip
-    body.update(spec)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
-        "spec": body,
-    }
-
-
-def endpoint(
-    address: str, *, node: str | None = None, ready: bool = True, zone: str | None = None
-) -> Obj:
-    ep: Obj = {"addresses": [address], "conditions": {"ready": ready}}
-    if node is not None:
-        ep["nodeName"] = node
-    if zone is not None:
-        ep["zone"] = zone
-    return ep
-
-
-def endpoint_slice(
-    name: str,
-    namespace: str,
-    service_name: str,
-    endpoints: list[Obj],
-    *,
-    ports: list[Obj] | None = None,
-    labels: dict[str, str] | None = None,
-    address_type: str = "IPv4",
-) -> Obj:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {"kubernetes.io/service-name": service_name, **(labels or {})},
-        },
-        "addressType": address_type,
-        "endpoints": endpoints,
-        "ports": ports
-        if ports is not None
-        else [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }
-
-
-def node(name: str, *, zone: str | None = None) -> Obj:
-    labels = {"topology.kubernetes.io/zone": zone} if zone else {}
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
 
 
 def pod(

@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 
+from kpng.testing import objects
 from kpng.testing.netns import (
     CLUSTER_CIDRS,
     EXTERNAL_V4,
@@ -211,18 +212,16 @@ def service(
     labels: Json | None = None,
     **spec: Any,
 ) -> Json:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "conformance", "labels": labels or {}},
-        "spec": {
-            "type": type,
-            "clusterIP": cluster_ip,
-            "clusterIPs": [cluster_ip],
-            "ports": list(ports),
-            **spec,
-        },
-    }
+    spec.setdefault("clusterIPs", [cluster_ip])
+    return objects.service(
+        name,
+        "conformance",
+        ports=list(ports),
+        labels=labels,
+        cluster_ip=cluster_ip,
+        type=type,
+        **spec,
+    )
 
 
 def port(name: str, port: int, target: int | str = 8080, proto: str = "TCP", **kw: Any) -> Json:
@@ -239,26 +238,24 @@ def endpoint_slice(
     conditions: Json | None = None,
     suffix: str = "x",
 ) -> Json:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service_name}-{suffix}",
-            "namespace": "conformance",
-            "labels": {"kubernetes.io/service-name": service_name},
-        },
-        "addressType": "IPv6" if v6 else "IPv4",
-        "ports": list(ports),
-        "endpoints": [
-            {
-                "addresses": [cluster.bed.pods[p].ip6 if v6 else cluster.bed.pods[p].ip4],
-                "nodeName": cluster.bed.pods[p].node.name,
-                "targetRef": {"kind": "Pod", "name": p},
-                "conditions": conditions or {"ready": True},
-            }
-            for p in pods
-        ],
-    }
+    """A slice of the bed's ``pods`` (by name), in the family ``v6`` says."""
+    endpoints = [
+        objects.endpoint(
+            cluster.bed.pods[p].ip6 if v6 else cluster.bed.pods[p].ip4,
+            node=cluster.bed.pods[p].node.name,
+            conditions=conditions,
+            pod=p,
+        )
+        for p in pods
+    ]
+    return objects.endpoint_slice(
+        f"{service_name}-{suffix}",
+        "conformance",
+        service_name,
+        endpoints,
+        ports=list(ports),
+        address_type="IPv6" if v6 else "IPv4",
+    )
 
 
 def names(results: Sequence[str]) -> set[str]:
