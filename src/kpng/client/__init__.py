@@ -6,7 +6,7 @@ a ``Backend`` object for ``to-local`` and ``kpng local``) or as incremental call
 facts). The same types and the same facts arrive in process and over the network.
 ``DiffStore`` turns whole states into changes; ``BackendSpec`` and ``register`` make a packaged
 backend a ``to-<name>`` command, whose constructor gets a ``SyncReporter`` for what only the
-backend knows of its syncs. See docs/backend-tutorial.md. Built-in backends use exactly this
+backend knows of its syncs. See docs/backends/tutorial.md. Built-in backends use exactly this
 surface; kpng's own feeding machinery is ``kpng.feeding``.
 """
 
