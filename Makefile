@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean \
+.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs \
 	system-packages system-packages-as-root compat
 
 # Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
@@ -95,5 +95,10 @@ protos: $(DEV)
 bench: $(DEV)
 	$(BIN)/python bench/run_all.py
 
+# docs/ as a site in site/ (mkdocs.yml has the nav by audience); `make test` builds it too
+# (tests/test_docs.py), so that a broken link fails. `.venv/bin/mkdocs serve` to read it.
+docs: $(DEV)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site

@@ -2,8 +2,9 @@
 
 For every service IP and port of the node it keeps where the traffic goes: the endpoints in scope
 Internal for cluster IPs, in scope External for external IPs, load-balancer IPs and node ports,
-or REJECT / DROP when there are none (see "Reading the node-local state" in the README). A
-DiffStore turns each complete state into the minimal changes, printed one per line:
+or REJECT / DROP when there are none (see "Reading the node-local state" in
+docs/backends/client.md). A DiffStore turns each complete state into the minimal changes,
+printed one per line:
 
     add     10.96.0.10:80/TCP -> 10.244.1.11:8080
     update  10.96.0.20:9000/TCP -> 10.244.1.21:9000
@@ -56,7 +57,7 @@ def targets(endpoints: tuple[Endpoint, ...], port: PortMapping, v6: bool, scope:
 def rules(entry: ServiceEndpoints) -> Iterator[tuple[Rule, Targets]]:
     """The rules of one service. (A real backend would also apply IPFilters, session affinity,
     and send this node's own traffic to external IPs to the Cluster scope when
-    ExternalTrafficToLocal: see the README.)"""
+    ExternalTrafficToLocal: see docs/backends/client.md.)"""
     service = entry.service
     if service.IPs is None:
         return

@@ -384,7 +384,7 @@ def test_help_of_a_sink_or_backend_needs_nothing_before_it(
 def test_following_a_file_prints_a_line_per_change(
     kpng_command: list[str], tmp_path: Path, subprocess_env: dict[str, str], given: str
 ) -> None:
-    """As the README's examples write it: relative paths too (inotify reports absolute ones)."""
+    """As the docs' examples write it: relative paths too (inotify reports absolute ones)."""
     source = tmp_path / "sub" / "cluster.yaml"
     source.parent.mkdir()
     shutil.copy(EXAMPLE, source)

@@ -4,7 +4,7 @@ Each test starts ``kpng file --input <copy of examples/cluster.yaml> to-api --li
 unix://<tmp>/kpng.sock`` as a subprocess, runs the example clients against it, edits the copy and
 watches them follow. Every wait is bounded, and every process is stopped in a ``finally``.
 
-The tutorial test reads ``docs/backend-tutorial.md`` and does what it says: it saves each code
+The tutorial test reads ``docs/backends/tutorial.md`` and does what it says: it saves each code
 block as the prose before it asks ("Save this as `X`", "Add these lines to `X`, above `Y`"),
 runs each shell command, and compares what is printed with the ``text`` block that follows. The
 commands run in a bash shell whose ``python`` and ``kpng`` are this interpreter's, with
@@ -48,7 +48,7 @@ from kpng.testing.waiting import until
 from tests.conftest import EXAMPLE, ROOT
 
 EXAMPLES = ROOT / "examples"
-TUTORIAL = ROOT / "docs" / "backend-tutorial.md"
+TUTORIAL = ROOT / "docs" / "backends" / "tutorial.md"
 BIN = Path(sys.executable).parent
 WAIT_S = 30.0  # the bound of every wait: a change normally shows in well under a second
 SETTLE_S = 0.5  # a background client's first state is complete once its output is this still

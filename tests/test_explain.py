@@ -74,7 +74,8 @@ def test_explain_booleans_equal_the_served_state(case: Case) -> None:
         assert len(port.endpoints) == sum(len(sl.endpoints) for sl in case.slices)
         for ep in port.endpoints:
             assert ep.reasons, ep
-            # The served scopes follow from the two sets and the policies (docs/semantics.md).
+            # The served scopes follow from the two sets and the policies
+            # (docs/design/semantics.md).
             assert ep.internal == (ep.local if port.internal_policy == "Local" else ep.cluster)
             if port.external_policy:
                 assert ep.external == (ep.local if port.external_policy == "Local" else ep.cluster)

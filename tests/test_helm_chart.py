@@ -1,6 +1,7 @@
 """deploy/helm/kpng with helm itself (built from its Go module): ``helm lint`` passes in every
 shape and mode, each shape renders exactly deploy/'s manifest of that shape (so installing with
-helm or with envsubst gives the same cluster), and the values do what docs/helm.md says."""
+helm or with envsubst gives the same cluster), and the values do what docs/operators/helm.md
+says."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ GO_PROTOC_PLUGINS = (
     "google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12",
     "google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.0",
 )
-"""As examples/plugins/go-summary/generate.sh and docs/plugins.md name them."""
+"""As examples/plugins/go-summary/generate.sh and docs/backends/plugins.md name them."""
 GUARD = EXAMPLES / "nodeport-guard" / "guard.py"
 WAIT_S = 20.0
 
@@ -204,7 +204,8 @@ def _go_tool(go: str, package: str) -> Path:
 
 
 def test_the_go_plugin_code_is_what_the_documented_command_generates(tmp_path: Path) -> None:
-    """docs/plugins.md's command (examples/plugins/go-summary/generate.sh), run afresh, makes
+    """docs/backends/plugins.md's command (examples/plugins/go-summary/generate.sh), run afresh,
+    makes
     exactly the Go code committed beside the plugin: the protos' go_package options hold."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
     if not Path(go).exists():

@@ -36,7 +36,7 @@ def test_rendering_refuses_a_missing_value() -> None:
         addons.render("image: ${KPNG_IMAGE}", {})
 
 
-def test_the_daemonset_is_what_the_readme_promises() -> None:
+def test_the_daemonset_is_what_the_deploy_guide_promises() -> None:
     (daemonset,) = [d for d in _kpng_manifest() if d["kind"] == "DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]  # type: ignore[index]
     (container,) = spec["containers"]

@@ -1,7 +1,7 @@
 """kube-proxy's endpoint selection (Kubernetes 1.37), as tables derived from its rules.
 
-Every expected value below was written from the rules in docs/semantics.md and kube-proxy's
-CategorizeEndpoints / endpointslicecache / proxier code, not from kpng's output.
+Every expected value below was written from the rules in docs/design/semantics.md and
+kube-proxy's CategorizeEndpoints / endpointslicecache / proxier code, not from kpng's output.
 
 Conventions of the tables: this node is ``node-a`` in ``zone-a``. Endpoint addresses say where
 they run: ``10.0.1.x`` / ``fd00:1::x`` on node-a (local), ``10.0.2.x`` / ``fd00:2::x`` on node-b,

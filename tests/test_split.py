@@ -351,9 +351,10 @@ def test_a_node_moves_to_another_replica_and_nothing_changes_on_it(tmp_path: Pat
 
 
 def test_while_the_brain_is_away_the_node_stays_healthy_and_live(tmp_path: Path) -> None:
-    """The README's decision: with no brain, the node's rules stay in force and nothing is
-    pending, so /healthz and /livez keep answering 200, as kube-proxy's do while its API server
-    is away; the load balancers keep sending traffic to a node that still serves it."""
+    """The split shapes' decision (docs/operators/deploy.md): with no brain, the node's rules
+    stay in force and nothing is pending, so /healthz and /livez keep answering 200, as
+    kube-proxy's do while its API server is away; the load balancers keep sending traffic to a
+    node that still serves it."""
 
     async def scenario() -> list[tuple[bool, bool]]:
         store = Store()

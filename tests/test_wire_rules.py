@@ -1,5 +1,5 @@
-"""docs/versioning.md's wire rules, checked against the protos: no released field or enum value
-changes its number or type or disappears without being reserved; nothing new goes unrecorded;
+"""docs/design/versioning.md's wire rules, checked against the protos: no released field or enum
+value changes its number or type or disappears without being reserved; nothing new goes unrecorded;
 Go KPNG's localv1 and globalv1 fields stay as Go KPNG has them, and kpng's additions to Go KPNG's
 messages are numbered from 100 up."""
 

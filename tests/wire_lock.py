@@ -3,7 +3,7 @@
     python -m tests.wire_lock --update    # after adding a field or an enum value, on purpose
 
 The lock (tests/data/wire-lock.json) names every field and enum value ever released with its
-number and type; docs/versioning.md says why a number is never reused.
+number and type; docs/design/versioning.md says why a number is never reused.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import platform
 from kpng import __version__
 
 WIRE_API = ("localv1", "globalv1", "kpng.batchv1", "kpng.pluginv1")
-"""The proto packages kpng speaks (src/kpng/api); docs/versioning.md says how they evolve."""
+"""The proto packages kpng speaks (src/kpng/api); docs/design/versioning.md says how they evolve."""
 
 
 def report() -> str:

@@ -6,7 +6,7 @@
 //	go build -o go-summary . && ./go-summary --socket /run/kpng/plugins/summary.sock [--output FILE]
 //
 // The code under kpng/ is generated from kpng's .proto files (see generate.sh and
-// docs/plugins.md); the plugin's own go.mod points at it with a replace directive.
+// docs/backends/plugins.md); the plugin's own go.mod points at it with a replace directive.
 package main
 
 import (

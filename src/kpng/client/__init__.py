@@ -8,7 +8,7 @@ facts). The same types and the same facts arrive in process and over the network
 backend a ``to-<name>`` command, whose constructor gets a ``SyncReporter`` for what only the
 backend knows of its syncs; ``UsageError`` is what a backend raises for flags it cannot use,
 ``KpngError`` for a failure it can explain (logged as one line, not a traceback), and
-``object_name`` names a service in messages as kpng does. See docs/backend-tutorial.md.
+``object_name`` names a service in messages as kpng does. See docs/backends/tutorial.md.
 
 Built-in backends use this surface and kpng's wire protos (``kpng.api``, public too), as a third
 party's would; an import contract holds them to it. The one exception is to-plugin, which feeds

@@ -81,7 +81,7 @@ def deploy_kpng(
 
 
 def _prepare_brains(cluster: RealCluster) -> list[str]:
-    """deploy/kpng-central.yaml's steps 1 and 2, as its header (and docs/helm.md) tells an
+    """deploy/kpng-central.yaml's steps 1 and 2, as its header (and docs/operators/helm.md) tells an
     operator: every node labelled to run a brain, a serving certificate for their addresses (from
     a CA of the test's) in a Secret, the CA in a ConfigMap. Returns the brains' addresses."""
     from kpng.harness.cluster import make_pki

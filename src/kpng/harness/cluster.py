@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_VERSIONS = ("v1.34.4", "v1.35.4", "v1.36.3", "v1.37.2")
 """The Kubernetes releases kpng supports and is tested against (``make compat``), oldest first:
 the newest patch of each minor release the Go module proxy served when this was written. The
-README states the window; docs/versioning.md how it moves."""
+window is stated in docs/design/kubernetes-releases.md; docs/design/versioning.md says how it
+moves."""
 
 KUBERNETES_VERSION = SUPPORTED_VERSIONS[-1]
 """The default release of the test control plane and of the real-node programs: the newest."""

@@ -1,8 +1,8 @@
 """The backend conformance suite: real connections through a network-namespace cluster.
 
 Modelled on Kubernetes' sig-network Service e2e tests; the behaviour checked is kube-proxy's as of
-Kubernetes 1.37 (docs/semantics.md), and cases that follow a rule of one release name it. Three
-nodes (``node-1``: pods ``a1``, ``a2``; ``node-2``: ``b1``, ``b2``; ``node-3``: ``c1``) and an
+Kubernetes 1.37 (docs/design/semantics.md), and cases that follow a rule of one release name it.
+Three nodes (``node-1``: pods ``a1``, ``a2``; ``node-2``: ``b1``, ``b2``; ``node-3``: ``c1``) and an
 external client; kpng runs in each node namespace as ``kpng file --input DIR to-local
 --node-name N <backend>``, and each test writes its Services and EndpointSlices into DIR, then
 checks what answers.

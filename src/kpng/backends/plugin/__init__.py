@@ -4,8 +4,8 @@
 feeds every ``NAME.sock`` in DIR, with ``NAME.conf`` beside it as its configuration, and follows
 the directory as plugins come and go. Each plugin is fed on its own: one that is missing, crashes,
 hangs, refuses a state or speaks another protocol is logged, retried with backoff and sent the
-whole state again, while kpng and the other plugins and backends go on. docs/plugins.md has the
-guide and the API reference.
+whole state again, while kpng and the other plugins and backends go on. docs/backends/plugins.md
+has the guide and the API reference.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
 register(
     BackendSpec(
         name="plugin",
-        help="feed plugins serving kpng's plugin API on unix sockets (docs/plugins.md)",
+        help="feed plugins serving kpng's plugin API on unix sockets (docs/backends/plugins.md)",
         add_arguments=_add_arguments,
         create=_create,
     )

@@ -1,5 +1,5 @@
 // kpng's plugin API: a backend in any language, served by the plugin on a unix socket and called
-// by kpng's to-plugin backend. docs/plugins.md is the guide and the reference.
+// by kpng's to-plugin backend. Guide and reference: docs/backends/plugins.md.
 //
 // A session: kpng connects, calls Describe, then Configure, then Apply with the whole state
 // (Reset, every Set, Sync); then one Apply per change: the whole state again for a plugin that
