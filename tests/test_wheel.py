@@ -31,7 +31,9 @@ def _run(*argv: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", out)
+    # The wheel from the sdist, as `python -m build` makes it by default: a wheel built in the
+    # tree would also pick up a stale build/ directory's modules (moved ones included).
+    _run(sys.executable, "-m", "build", "--outdir", out)
     return out
 
 
