@@ -4,13 +4,28 @@ occupancy and the warning of a map filling up (the kernel test scrapes a running
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 
-from kpng.backends.ebpf import observing
+from kpng.backends.ebpf import PROGRAMS, observing
 from kpng.backends.ebpf.observing import COUNTERS, Occupancy
 from kpng.status import Sample, Status
 from tests.test_metrics import _scrape
+
+
+def test_the_hooks_are_the_programs_enum_hook_in_order() -> None:
+    """kpng_counters' keys are ``enum hook`` of sockets.bpf.c; its programs are attached in
+    PROGRAMS' order: all three name the hooks alike."""
+    source = Path(observing.__file__).with_name("sockets.bpf.c").read_text()
+    enum = re.search(r"enum hook \{(.*?)\};", source, re.DOTALL)
+    assert enum is not None
+    names = [n.strip() for n in enum.group(1).split(",") if n.strip()]
+    assert names == [f"HOOK_{h.upper()}" for h in observing.HOOKS] + ["HOOKS"]
+    assert [p.removeprefix("kpng_") for p in PROGRAMS] == [
+        h.removeprefix("get") for h in observing.HOOKS
+    ]
 
 
 def test_counters_are_summed_over_the_cpus_and_no_endpoint_is_for_forward_hooks() -> None:
