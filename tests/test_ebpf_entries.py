@@ -29,12 +29,13 @@ def _ip(raw: bytes) -> str:
 
 
 def frontends(c: entries.Contribution) -> dict[tuple[str, int, int], tuple[list[str], bool]]:
-    """(address, port, protocol): (the endpoints of its set, sticky)."""
+    """(address, port, protocol): (the endpoints of its set, sticky); set 0 has none."""
     out = {}
     for key, value in c.frontends.items():
         addr, port, proto = struct.unpack("=16s2sBx", key)
         set_id, affinity, _serving, _timeout = struct.unpack("=QQQI4x", value)
-        eps = [f"{_ip(e[:16])}:{int.from_bytes(e[16:18], 'big')}" for e in c.sets[set_id]]
+        assert set_id in c.sets or (set_id == 0 and value == entries.NO_ENDPOINT)
+        eps = [f"{_ip(e[:16])}:{int.from_bytes(e[16:18], 'big')}" for e in c.sets.get(set_id, ())]
         out[(_ip(addr), int.from_bytes(port, "big"), proto)] = (eps, bool(affinity))
     return out
 
@@ -55,11 +56,11 @@ CASES = [
         {("10.96.0.10", 80, 6): ["10.244.1.2:8080"]},
     ),
     (
-        "no endpoint for a kind of traffic: no frontend, the nftables part answers",
+        "no endpoint for a kind of traffic: a frontend with none, the nftables part answers",
         _service(),
         (_ep("10.244.2.2", scopes=REMOTE),),
         Options(),
-        {},
+        {("10.96.0.10", 80, 6): []},
     ),
     (
         "eTP Local: a local socket reaching the node port or an external IP is short-circuited",
@@ -302,6 +303,53 @@ def test_two_services_sharing_a_frontend_the_first_wins_and_the_other_stays_afte
     assert state.frontends == {}
 
 
+def test_a_shared_frontend_whose_first_service_has_no_endpoint_is_left_to_nftables() -> None:
+    """As to-nft resolves it, the first service wins even without endpoints: the frontend says
+    so (set 0), and the nftables part, which gives that service's answer, handles it."""
+    svc = msgspec.structs.replace(_service(external_ips=("10.251.0.5",)), Name="a")
+    a = contribute(ServiceEndpoints(svc, ()), Options())
+    svc = msgspec.structs.replace(
+        _service(cluster_ip="10.96.0.11", external_ips=("10.251.0.5",)), Name="b"
+    )
+    b = contribute(ServiceEndpoints(svc, (_ep("10.244.2.2"),)), Options())
+    shared = next(k for k in a.frontends if entries.describe_frontend(k) == "10.251.0.5:80/TCP")
+    state = SocketState()
+    both = state.full({("ns", "a"): a, ("ns", "b"): b}, {})
+    assert state.frontends[shared] == entries.NO_ENDPOINT
+    assert both.conflicts == [(shared, [("ns", "a"), ("ns", "b")])]
+
+
 def test_frontends_read_as_address_port_and_protocol() -> None:
     key6 = entries._FRONTEND_KEY.pack(entries.address("fd00::a"), (53).to_bytes(2, "big"), 17)
     assert entries.describe_frontend(key6) == "[fd00::a]:53/UDP"
+
+
+def test_a_service_losing_its_endpoints_keeps_its_frontend_pointing_at_none() -> None:
+    """The frontend turns to set 0 before its set goes (updates before deletes): a reader never
+    follows it to a missing set, and the programs count what finds no endpoint."""
+    state = SocketState()
+    state.full(_contribution("10.244.1.2"), {})
+    changes = state.changes(_contribution())
+    assert [(name, [v for _, v in e]) for name, e in changes.updates] == [
+        ("kpng_frontends", [entries.NO_ENDPOINT])
+    ]
+    assert [name for name, _ in changes.deletes] == ["kpng_sets", "kpng_slots", "kpng_members"]
+    assert state.entries() == {
+        "kpng_frontends": 1,
+        "kpng_sets": 0,
+        "kpng_slots": 0,
+        "kpng_members": 0,
+    }
+
+
+def test_entries_count_what_was_written_in_each_map() -> None:
+    state = SocketState()
+    changes = state.full(_contribution("10.244.1.2", "10.244.1.3"), {})
+    assert state.entries() == {name: len(e) for name, e in changes.updates}
+    state.changes(_contribution("10.244.1.2", "10.244.1.3", affinity=0))
+    assert state.entries() == {
+        "kpng_frontends": 1,
+        "kpng_sets": 1,
+        "kpng_slots": 2,
+        "kpng_members": 0,
+    }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,6 +55,30 @@ class ShowsRules(Protocol):
     """A backend that programs the kernel and can show what it left there (``/debug/rules``)."""
 
     async def applied_rules(self) -> str: ...
+
+
+class Sampled(Protocol):
+    """What ``/metrics`` reads of a sample: ``Sample``'s fields. A backend, which does not
+    import kpng's status, gives objects of its own that have them."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def help(self) -> str: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def counter(self) -> bool: ...
+    @property
+    def labels(self) -> tuple[tuple[str, str], ...]: ...
+
+
+@runtime_checkable
+class ReportsSamples(Protocol):
+    """A backend with figures of its own for ``/metrics`` (to-ebpf: its programs' counters
+    and its maps' occupancy), read at each scrape."""
+
+    def metric_samples(self) -> Iterable[Sampled]: ...
 
 
 @dataclass(frozen=True)
@@ -176,6 +200,14 @@ class Status:
         self.counters.service_changes_pending -= published.services
         self.counters.endpoint_changes_pending -= published.slices
 
+    def samples(self) -> Iterator[Sampled]:
+        """What other parts (``samplers``) and the backends (``ReportsSamples``) report."""
+        for sampler in self.samplers:
+            yield from sampler()
+        for feeder in self.feeders():
+            if isinstance(feeder.backend, ReportsSamples):
+                yield from feeder.backend.metric_samples()
+
     def fanout_names(self) -> list[str]:
         """The backends fed directly, in command-line order (``to-nft``, ``to-plugin``...)."""
         return [feeder.name for fanout in self.fanouts for feeder in fanout.feeders]
@@ -249,7 +281,9 @@ __all__ = [
     "FAMILIES",
     "FeedsOthers",
     "ProxyCounters",
+    "ReportsSamples",
     "Sample",
+    "Sampled",
     "ShowsRules",
     "Status",
     "Verdict",

@@ -138,14 +138,13 @@ class _StatusCollector(Collector):
 
     def _samples(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for sampler in self._status.samplers:
-            for sample in sampler():
-                family = families.get(sample.name)
-                if family is None:
-                    kind = CounterMetricFamily if sample.counter else GaugeMetricFamily
-                    labels = [name for name, _ in sample.labels]
-                    family = families[sample.name] = kind(sample.name, sample.help, labels=labels)
-                family.add_metric([value for _, value in sample.labels], sample.value)
+        for sample in self._status.samples():
+            family = families.get(sample.name)
+            if family is None:
+                kind = CounterMetricFamily if sample.counter else GaugeMetricFamily
+                labels = [name for name, _ in sample.labels]
+                family = families[sample.name] = kind(sample.name, sample.help, labels=labels)
+            family.add_metric([value for _, value in sample.labels], sample.value)
         yield from families.values()
 
     def _store(self) -> Iterator[Metric]:

@@ -68,6 +68,8 @@ class Cluster:
     """Where each node's backend writes its stderr (``<node>.log``)."""
     backend: str = DEFAULT_BACKEND.format(cluster_cidrs=",".join(CLUSTER_CIDRS))
     """The backend part of every node's command line."""
+    flags: Sequence[str] = ()
+    """kpng's own flags, before the source (``--metrics-bind-address ADDRESS``...)."""
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _backends: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -78,7 +80,7 @@ class Cluster:
         if old is not None:
             old.terminate()
             old.wait(timeout=10)
-        argv = [sys.executable, "-m", "kpng", "file", "--input", str(self.manifests)]
+        argv = [sys.executable, "-m", "kpng", *self.flags, "file", "--input", str(self.manifests)]
         n = self.bed.nodes[node]
         backend = self.backend.format(cgroup=n.cgroup, pin_dir=n.pin_dir)
         argv += ["to-local", "--node-name", node, *shlex.split(backend), *extra]

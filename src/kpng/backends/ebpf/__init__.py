@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import logging
 import shutil
+import struct
 import time
 from pathlib import Path
 
@@ -41,9 +42,10 @@ from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
 from kpng.backends._nftables.executing import LibNft, default_nft
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
-from kpng.backends.ebpf import entries, libbpf, system, toolchain
+from kpng.backends.ebpf import entries, libbpf, observing, system, toolchain
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
+from kpng.backends.ebpf.observing import Occupancy, Sample
 from kpng.client import (
     Backend,
     BackendSpec,
@@ -60,7 +62,7 @@ from kpng.client import (
 log = logging.getLogger(__name__)
 
 DEFAULT_PIN_DIR = Path("/sys/fs/bpf/kpng")
-PROGRAMS = (
+PROGRAMS = (  # in the order of observing.HOOKS, kpng_counters' keys
     "kpng_connect4",
     "kpng_connect6",
     "kpng_sendmsg4",
@@ -90,7 +92,9 @@ class SocketBalancer:
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
         self._object: BpfObject | None = None
         self._fds: dict[entries.MapName, int] = {}
+        self._counters_fd: int | None = None
         self.state = SocketState()
+        self.occupancy = Occupancy()
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._cache: dict[tuple[str, str], bytes] = {}
         self._node: tuple[Options, tuple[str, ...]] | None = None
@@ -127,6 +131,10 @@ class SocketBalancer:
         except BpfError:
             self._needs_full = True
             raise
+        finally:
+            # What was to be written, refused or not: a refusal for want of room is what the
+            # warning is about.
+            self.occupancy.update(self.state.entries())
         for key, owners in changes.conflicts:
             log.warning(
                 "to-ebpf: frontend %s wanted differently by %s; %s wins",
@@ -161,7 +169,26 @@ class SocketBalancer:
             self.maps_dir.mkdir(parents=True, exist_ok=True)
             self._object = BpfObject(toolchain.ensure_object(self._bpf_object), self.maps_dir)
             self._fds = {name: self._object.map_fd(name) for name in MAPS}
+            self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
+            self._counters_fd = self._object.map_fd("kpng_counters")
         return cgroup
+
+    def metric_samples(self) -> list[Sample]:
+        """The programs' counters, summed over the CPUs (once loaded), and the maps'
+        occupancy: read at each scrape."""
+        samples = self.occupancy.samples()
+        fd = self._counters_fd
+        if fd is None:
+            return samples
+        try:
+            per_hook = {
+                hook: libbpf.per_cpu(fd, struct.pack("=I", i), observing.COUNTERS.size)
+                for i, hook in enumerate(observing.HOOKS)
+            }
+        except BpfError as exc:
+            log.debug("to-ebpf: counters not read: %s", exc)
+            return samples
+        return observing.counter_samples(observing.counter_sums(per_hook)) + samples
 
     def _present(self) -> dict[entries.MapName, list[bytes]]:
         return {
@@ -216,6 +243,7 @@ class SocketBalancer:
     def close(self) -> None:
         # The pins keep programs and maps: closing only lets go of this process's handles.
         if self._object is not None:
+            self._counters_fd = None
             self._object.close()
             self._object = None
 
@@ -244,6 +272,10 @@ class EbpfBackend:
         self._syncs.synced(revision=state.revision)
         log.debug("to-ebpf: %d map operations; state applied in %.3f s", len(changes), elapsed)
         return once
+
+    def metric_samples(self) -> list[Sample]:
+        """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``)."""
+        return self.sockets.metric_samples()
 
     async def close(self) -> None:
         self.sockets.close()

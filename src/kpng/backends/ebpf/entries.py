@@ -14,10 +14,11 @@ included. A service port contributes:
   External endpoints, or with eTP=Local every endpoint: a local client is short-circuited, as
   kube-proxy does for pods and the node).
 
-A frontend is only written while its set has endpoints, never for an LB IP with source ranges
-and, with ``--masquerade-all``, never for a ClusterIP: what the programs leave untranslated is
-answered by the node's nftables rules (REJECT, DROP, source ranges, masquerade), as for any
-connection from outside.
+A frontend with no endpoint for its traffic points at set 0: the programs leave it
+untranslated and count it (``kpng_ebpf_no_endpoint_total``). A frontend is never written for an
+LB IP with source ranges and, with ``--masquerade-all``, never for a ClusterIP. What the
+programs leave untranslated is answered by the node's nftables rules (REJECT, DROP, source
+ranges, masquerade), as for any connection from outside.
 
 A UDP service port also has a set of the endpoints serving anywhere: a flow (one source port
 of one network namespace) keeps its endpoint while it is in that set.
@@ -66,6 +67,8 @@ _SLOT_KEY = struct.Struct("=QI4x")
 _ENDPOINT = struct.Struct("=16s2s2x")
 _MEMBER_KEY = struct.Struct("=Q20s4x")
 MEMBER_PRESENT = b"\x01"
+NO_ENDPOINT = _FRONTEND.pack(0, 0, 0, 0)
+"""A frontend's value when its service has no endpoint for that traffic (set 0)."""
 
 KEY_SIZES: Mapping[MapName, int] = {
     "kpng_frontends": _FRONTEND_KEY.size,
@@ -174,11 +177,13 @@ def contribute(
                     out.sets[serving] = tuple([_endpoint(e, cache) for e in eps])
 
             def frontend(addr: str, number: int, scope: Scope, eps: list[EndpointValue]) -> None:
+                key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
                 if not eps:
+                    # Known to the programs, so that they count what finds no endpoint.
+                    out.frontends[key] = NO_ENDPOINT
                     return
                 set_id = _id("set", *port_id, scope)  # noqa: B023
                 out.sets[set_id] = tuple([_endpoint(e, cache) for e in eps])
-                key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
                 out.frontends[key] = _FRONTEND.pack(set_id, affinity, serving, timeout)  # noqa: B023
                 # What pick and pick_for_send look a remembered endpoint up in.
                 if affinity:  # noqa: B023
@@ -282,6 +287,17 @@ class SocketState:
         """Frontend key: the value each service that has it wants (two services may share an
         external IP and port); the first service's is written, as to-nft does, and deleting
         one service leaves the key to the others."""
+
+    def entries(self) -> dict[str, int]:
+        """How many entries each map holds, as written: what ``/metrics`` reports against the
+        maps' capacity, without reading the kernel's maps."""
+        sets = self.sets
+        return {
+            "kpng_frontends": len(self.frontends),
+            "kpng_sets": len(sets),
+            "kpng_slots": sum(len(slots) for slots in sets.values()),
+            "kpng_members": sum(len(sets.get(s, ())) for s in self.checked),
+        }
 
     def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> MapChanges:
         """The operations that replace these services' entries (None: the service is gone)."""

@@ -71,6 +71,9 @@ def library() -> ctypes.CDLL:
             ("bpf_object__find_program_by_name", [_c_void_p, ctypes.c_char_p], _c_void_p),
             ("bpf_object__find_map_by_name", [_c_void_p, ctypes.c_char_p], _c_void_p),
             ("bpf_map__fd", [_c_void_p], ctypes.c_int),
+            ("bpf_map__max_entries", [_c_void_p], ctypes.c_uint32),
+            ("bpf_map_lookup_elem", [ctypes.c_int, _c_void_p, _c_void_p], ctypes.c_int),
+            ("libbpf_num_possible_cpus", [], ctypes.c_int),
             ("bpf_program__attach_cgroup", [_c_void_p, ctypes.c_int], _c_void_p),
             ("bpf_link__open", [ctypes.c_char_p], _c_void_p),
             ("bpf_link__pin", [_c_void_p, ctypes.c_char_p], ctypes.c_int),
@@ -156,11 +159,18 @@ class BpfObject:
             raise BpfError(f"no program {name} in {self._path}")
         return int(ptr)
 
-    def map_fd(self, name: str) -> int:
+    def _map(self, name: str) -> int:
         ptr = self._lib.bpf_object__find_map_by_name(self._ptr, name.encode())
         if not ptr:
             raise BpfError(f"no map {name} in {self._path}")
-        return int(self._lib.bpf_map__fd(ptr))
+        return int(ptr)
+
+    def map_fd(self, name: str) -> int:
+        return int(self._lib.bpf_map__fd(self._map(name)))
+
+    def map_capacity(self, name: str) -> int:
+        """The map's ``max_entries``, as loaded."""
+        return int(self._lib.bpf_map__max_entries(self._map(name)))
 
     def close(self) -> None:
         if self._ptr:
@@ -266,3 +276,19 @@ def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator
             return
         ctypes.memmove(token_in, token_out, 8)
         first = False
+
+
+def per_cpu(fd: int, key: bytes, value_size: int) -> list[bytes]:
+    """The value of ``key`` in a per-CPU map, one per possible CPU (each padded to 8 bytes by
+    the kernel, cut back to ``value_size`` here)."""
+    lib = library()
+    cpus = lib.libbpf_num_possible_cpus()
+    if cpus < 0:
+        raise _failure("cannot count the possible CPUs for map fd", fd, cpus)
+    stride = (value_size + 7) // 8 * 8
+    buf = ctypes.create_string_buffer(stride * cpus)
+    code = lib.bpf_map_lookup_elem(fd, key, buf)
+    if code < 0:
+        raise _failure("cannot read an entry of map fd", fd, code)
+    raw = buf.raw
+    return [raw[i : i + value_size] for i in range(0, stride * cpus, stride)]

@@ -12,6 +12,8 @@
  *   kpng_affinity   (network namespace, affinity id) -> ClientIP affinity memory (LRU)
  *   kpng_flows      (namespace, source port, frontend) -> the endpoint of unconnected UDP sends
  *   kpng_revnat     (socket, endpoint) -> frontend, for getpeername and recvmsg (LRU)
+ *   kpng_counters   hook -> translations and lookups that found no endpoint (per CPU; the
+ *                   programs count, kpng sums the CPUs for /metrics)
  *
  * Addresses are 16 bytes, IPv4 as IPv4-mapped IPv6 (::ffff:a.b.c.d), so one map serves both
  * families and a dual-stack socket connecting to a mapped address finds the IPv4 frontend.
@@ -37,7 +39,7 @@ struct frontend_key {
 };
 
 struct frontend {
-	__u64 set;
+	__u64 set;      /* 0: the service has no endpoint for this traffic */
 	__u64 affinity; /* 0: no ClientIP affinity */
 	__u64 serving;  /* UDP: the set of endpoints serving anywhere; 0: the set above */
 	__u32 timeout_s;
@@ -163,6 +165,38 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_revnat SEC(".maps");
 
+/* kpng_counters' keys: one per program, in the order of PROGRAMS in __init__.py. */
+enum hook {
+	HOOK_CONNECT4,
+	HOOK_CONNECT6,
+	HOOK_SENDMSG4,
+	HOOK_SENDMSG6,
+	HOOK_RECVMSG4,
+	HOOK_RECVMSG6,
+	HOOK_GETPEERNAME4,
+	HOOK_GETPEERNAME6,
+	HOOKS,
+};
+
+struct counters {
+	__u64 translated;  /* addresses rewritten: to an endpoint, or back to the frontend */
+	__u64 no_endpoint; /* a frontend found with no endpoint: left to the nftables part */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, HOOKS);
+	__type(key, __u32);
+	__type(value, struct counters);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_counters SEC(".maps");
+
+/* Per CPU, so no atomic operation: a program is not preempted by another on its CPU. */
+static __always_inline struct counters *counters(__u32 hook)
+{
+	return bpf_map_lookup_elem(&kpng_counters, &hook);
+}
+
 static __always_inline int l4(const struct bpf_sock_addr *ctx, __u8 *proto)
 {
 	if (ctx->protocol == IPPROTO_TCP || ctx->protocol == IPPROTO_UDP) {
@@ -280,7 +314,7 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 	return 1;
 }
 
-static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send)
+static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send, __u32 hook)
 {
 	struct frontend_key key = {};
 	struct endpoint ep;
@@ -299,15 +333,21 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	 * rules answer it (REJECT or DROP, as for any proxy). */
 	if (!fe)
 		return 1;
-	if (!(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep)))
+	struct counters *c = counters(hook);
+	if (!fe->set || !(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep))) {
+		if (c)
+			c->no_endpoint++;
 		return 1;
+	}
 	store_addr(ctx, v6, &ep.addr);
 	ctx->user_port = ep.port;
 	remember_frontend(ctx, &key, &ep);
+	if (c)
+		c->translated++;
 	return 1;
 }
 
-static __always_inline int reverse(struct bpf_sock_addr *ctx, int v6)
+static __always_inline int reverse(struct bpf_sock_addr *ctx, int v6, __u32 hook)
 {
 	struct revnat_key rkey = {.cookie = bpf_get_socket_cookie(ctx)};
 	load_addr(ctx, v6, &rkey.ep.addr);
@@ -316,32 +356,35 @@ static __always_inline int reverse(struct bpf_sock_addr *ctx, int v6)
 	if (front) {
 		store_addr(ctx, v6, &front->addr);
 		ctx->user_port = front->port;
+		struct counters *c = counters(hook);
+		if (c)
+			c->translated++;
 	}
 	return 1;
 }
 
 SEC("cgroup/connect4")
-int kpng_connect4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 0); }
+int kpng_connect4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 0, HOOK_CONNECT4); }
 
 SEC("cgroup/connect6")
-int kpng_connect6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 0); }
+int kpng_connect6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 0, HOOK_CONNECT6); }
 
 SEC("cgroup/sendmsg4")
-int kpng_sendmsg4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 1); }
+int kpng_sendmsg4(struct bpf_sock_addr *ctx) { return translate(ctx, 0, 1, HOOK_SENDMSG4); }
 
 SEC("cgroup/sendmsg6")
-int kpng_sendmsg6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 1); }
+int kpng_sendmsg6(struct bpf_sock_addr *ctx) { return translate(ctx, 1, 1, HOOK_SENDMSG6); }
 
 SEC("cgroup/recvmsg4")
-int kpng_recvmsg4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0); }
+int kpng_recvmsg4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0, HOOK_RECVMSG4); }
 
 SEC("cgroup/recvmsg6")
-int kpng_recvmsg6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1); }
+int kpng_recvmsg6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1, HOOK_RECVMSG6); }
 
 SEC("cgroup/getpeername4")
-int kpng_peername4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0); }
+int kpng_peername4(struct bpf_sock_addr *ctx) { return reverse(ctx, 0, HOOK_GETPEERNAME4); }
 
 SEC("cgroup/getpeername6")
-int kpng_peername6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1); }
+int kpng_peername6(struct bpf_sock_addr *ctx) { return reverse(ctx, 1, HOOK_GETPEERNAME6); }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
