@@ -277,3 +277,53 @@ def test_explanations_encode_as_json_with_their_reasons() -> None:
     assert endpoint["local"] is False
     assert endpoint["reasons"] == [{"code": "not-ready", "text": "not ready"}]
     assert data["notes"][0]["code"] == "no-zone"
+
+
+IGNORED = """
+apiVersion: v1
+kind: Service
+metadata:
+  name: theirs
+  namespace: shop
+  labels: {service.kubernetes.io/service-proxy-name: other-proxy}
+spec: {clusterIP: 10.96.0.50, ports: [{name: http, port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: headless, namespace: shop}
+spec: {clusterIP: None, ports: [{name: http, port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dns-name, namespace: shop}
+spec: {type: ExternalName, externalName: example.com}
+"""
+
+
+@pytest.mark.parametrize(
+    ("service", "why"),
+    [
+        ("theirs", "another proxy: labelled service.kubernetes.io/service-proxy-name=other-proxy"),
+        ("headless", "headless: clusterIP None"),
+        ("dns-name", "ExternalName"),
+        ("missing", None),
+    ],
+)
+def test_explain_says_why_the_file_source_ignores_a_service(
+    tmp_path: Path, service: str, why: str | None
+) -> None:
+    manifest = tmp_path / "cluster.yaml"
+    manifest.write_text(IGNORED)
+    (explained,) = json.loads(
+        _kpng(
+            "file", "--input", str(manifest), "explain", "--node-name", "n1",
+            "--service", f"shop/{service}", "-o", "json",
+        )
+    )  # fmt: skip
+    assert explained["served"] is False
+    (note,) = explained["notes"]
+    if why is None:
+        assert note["code"] == "not-served"
+    else:
+        assert note["code"] == "ignored"
+        assert why in note["text"]

@@ -10,7 +10,7 @@ import pytest
 from kpng.errors import InputError
 from kpng.model.cluster import Slice
 from kpng.model.messages import Node, Service
-from kpng.sources.manifests import ItemMemo, parse
+from kpng.sources.manifests import Ignored, ItemMemo, parse
 
 
 def _svc(name: str = "web", namespace: str = "shop", **spec: Any) -> dict[str, Any]:
@@ -74,11 +74,15 @@ def test_missing_namespace_means_default() -> None:
     assert ("Service", "default", "web") in parsed.objects
 
 
-def test_ignored_objects_are_known_but_none() -> None:
+def test_ignored_objects_are_known_with_why() -> None:
     labelled = _svc(name="other")
     labelled["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "x"}
     parsed = parse(_yaml(labelled), filename="c.yaml")
-    assert parsed.objects == {("Service", "shop", "other"): None}
+    assert parsed.objects == {
+        ("Service", "shop", "other"): Ignored(
+            "it belongs to another proxy: labelled service.kubernetes.io/service-proxy-name=x"
+        )
+    }
     assert parsed.errors == []
 
 

@@ -132,6 +132,29 @@ def _service_port(port: k8s.ServicePort, invalid: InvalidObjectFactory, i: int) 
     )
 
 
+def ignored_because(obj: k8s.Service, *, proxy_name: str | None = None) -> str | None:
+    """Why kube-proxy (and so kpng) ignores this Service, or None: the rule service_from_k8s
+    applies, worded for ``kpng explain``."""
+    labels = obj.metadata.labels or {}
+    owner = labels.get(LABEL_SERVICE_PROXY_NAME)
+    if not is_proxied(labels, proxy_name=proxy_name):
+        if owner is not None:
+            return f"it belongs to another proxy: labelled {LABEL_SERVICE_PROXY_NAME}={owner}"
+        return f"kpng serves only Services labelled {LABEL_SERVICE_PROXY_NAME}={proxy_name}"
+    # kube-proxy watches Services and EndpointSlices through one label selector, so the headless
+    # label hides a Service as well as a slice.
+    if LABEL_HEADLESS in labels:
+        return f"it is headless: labelled {LABEL_HEADLESS}"
+    if obj.spec.type == "ExternalName":
+        return "it is an ExternalName Service: DNS answers for it, no proxy"
+    cluster_ips = obj.spec.cluster_ips or ([obj.spec.cluster_ip] if obj.spec.cluster_ip else [])
+    if "None" in cluster_ips:
+        return "it is headless: clusterIP None"
+    if not cluster_ips:
+        return "it has no cluster IP yet"
+    return None
+
+
 def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Service | None:
     """The localv1 Service for a v1 Service, or None if kube-proxy would ignore it."""
     namespace, name = _identity(obj.metadata)
@@ -140,19 +163,10 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
         raise invalid("metadata.name is missing")
     if obj.api_version != k8s.API_VERSIONS[k8s.Service]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
-    spec = obj.spec
-    labels = obj.metadata.labels or {}
-    # kube-proxy watches Services and EndpointSlices through one label selector, so the headless
-    # label hides a Service as well as a slice.
-    if (
-        not is_proxied(labels, proxy_name=proxy_name)
-        or LABEL_HEADLESS in labels
-        or spec.type == "ExternalName"
-    ):
+    if ignored_because(obj, proxy_name=proxy_name) is not None:
         return None
+    spec = obj.spec
     cluster_ips = spec.cluster_ips or ([spec.cluster_ip] if spec.cluster_ip else [])
-    if not cluster_ips or "None" in cluster_ips:
-        return None  # headless, or no IP allocated yet
     if spec.type not in SERVICE_TYPES:
         raise invalid(f"spec.type: unknown service type {spec.type!r}")
 

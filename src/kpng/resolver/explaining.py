@@ -278,12 +278,20 @@ def _port_notes(
 
 
 def explain_service(
-    key: ServiceKey, service: Service | None, slices: Iterable[Slice], *, node: str, zone: str
+    key: ServiceKey,
+    service: Service | None,
+    slices: Iterable[Slice],
+    *,
+    node: str,
+    zone: str,
+    ignored: str | None = None,
 ) -> ServiceExplanation:
-    """Every endpoint of every port of Service ``key``, as node ``node`` in ``zone`` uses it."""
+    """Every endpoint of every port of Service ``key``, as node ``node`` in ``zone`` uses it.
+    ``ignored``: why the source's Service is not kpng's, when the source knows."""
     namespace, name = key
     if service is None:
-        return ServiceExplanation(namespace, name, node, zone, False, (_NOT_SERVED,), [])
+        note = _NOT_SERVED if ignored is None else Reason("ignored", f"kpng ignores it: {ignored}")
+        return ServiceExplanation(namespace, name, node, zone, False, (note,), [])
     ordered = sorted(slices, key=lambda sl: sl.name)
     trace = Trace()
     resolved = resolve_service(service, ordered, node=node, zone=zone, trace=trace)

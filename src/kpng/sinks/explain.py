@@ -42,7 +42,14 @@ def explain(store: Store, *, node: str, service: ServiceKey | None, output: str)
         if sl.service_key in wanted:
             slices[sl.service_key].append(sl)
     explanations = [
-        explain_service(key, store.services.get(key), slices[key], node=node, zone=zone)
+        explain_service(
+            key,
+            store.services.get(key),
+            slices[key],
+            node=node,
+            zone=zone,
+            ignored=store.ignored_services.get(key),
+        )
         for key in keys
     ]
     if output == "json":

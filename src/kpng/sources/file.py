@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import watchfiles
 
     from kpng.sources import manifests
-    from kpng.sources.manifests import Model, ObjectKey, Parsed
+    from kpng.sources.manifests import Entry, ObjectKey, Parsed
 
 log = logging.getLogger(__name__)
 
@@ -324,12 +324,18 @@ class FileSource:
                 catching_up.cancel()
 
 
-def stage(out: SourceHandle, key: ObjectKey, model: Model | None) -> None:
+def stage(out: SourceHandle, key: ObjectKey, model: Entry) -> None:
     """Stage a parsed object (None: gone or ignored) in a store source, by its kind."""
     kind, namespace, name = key
     if kind == "Service":
-        assert model is None or isinstance(model, Service)
-        out.set_service((namespace, name), model)
+        # Imported here, as the parser is (FileSource._read_all says why).
+        from kpng.sources.manifests import Ignored
+
+        ignored = model.reason if isinstance(model, Ignored) else None
+        out.ignore_service((namespace, name), ignored)
+        service = None if isinstance(model, Ignored) else model
+        assert service is None or isinstance(service, Service)
+        out.set_service((namespace, name), service)
     elif kind == "EndpointSlice":
         assert model is None or isinstance(model, Slice)
         out.set_slice((namespace, name), model)

@@ -28,14 +28,23 @@ log = logging.getLogger(__name__)
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name); namespace is "" for Nodes."""
 
+
+class Ignored(msgspec.Struct, frozen=True):
+    """A Service that is there but not kpng's, and why (``kpng explain`` says it)."""
+
+    reason: str
+
+
 Model = Service | Slice | Node | ServiceCIDR
+Entry = Model | Ignored | None
+"""What a file holds under a key: the object, or an ignored Service (why), or None (ignored)."""
 _KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
 
 
 class Parsed(msgspec.Struct):
-    """One file's objects. A value of None: the object is there but ignored (not kpng's)."""
+    """One file's objects. ``Ignored`` or None: the object is there but ignored (not kpng's)."""
 
-    objects: dict[ObjectKey, Model | None]
+    objects: dict[ObjectKey, Entry]
     errors: list[str]
 
 
@@ -59,20 +68,20 @@ class ItemMemo:
     are not kept (they are decoded again, and reported again)."""
 
     def __init__(self) -> None:
-        self._last: dict[bytes, tuple[ObjectKey, Model | None]] = {}
-        self._now: dict[bytes, tuple[ObjectKey, Model | None]] = {}
+        self._last: dict[bytes, tuple[ObjectKey, Entry]] = {}
+        self._now: dict[bytes, tuple[ObjectKey, Entry]] = {}
 
     def _start(self) -> None:
         # What the previous parse saw; items gone from the file since are dropped with it.
         self._last, self._now = self._now, {}
 
-    def _lookup(self, digest: bytes) -> tuple[ObjectKey, Model | None] | None:
+    def _lookup(self, digest: bytes) -> tuple[ObjectKey, Entry] | None:
         hit = self._last.get(digest)
         if hit is not None:
             self._now[digest] = hit
         return hit
 
-    def _remember(self, digest: bytes, key: ObjectKey, model: Model | None) -> None:
+    def _remember(self, digest: bytes, key: ObjectKey, model: Entry) -> None:
         self._now[digest] = (key, model)
 
 
@@ -129,7 +138,7 @@ def _parse_json(
 
 def _add_json_object(
     raw: msgspec.Raw | bytes, where: str, proxy_name: str | None, parsed: Parsed
-) -> tuple[ObjectKey, Model | None] | None:
+) -> tuple[ObjectKey, Entry] | None:
     try:
         obj = _object_decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -200,12 +209,15 @@ def _identity_of(item: Any) -> tuple[str, str, str]:
 
 def _add(
     obj: k8s.Object, where: str, proxy_name: str | None, parsed: Parsed
-) -> tuple[ObjectKey, Model | None] | None:
+) -> tuple[ObjectKey, Entry] | None:
     """Convert and keep ``obj``; its key and model, or None if it was reported as an error."""
-    model: Model | None
+    model: Entry
     try:
         if isinstance(obj, k8s.Service):
             model = converting.service_from_k8s(obj, proxy_name=proxy_name)
+            if model is None:
+                reason = converting.ignored_because(obj, proxy_name=proxy_name)
+                model = Ignored(reason) if reason is not None else None
         elif isinstance(obj, k8s.EndpointSlice):
             model = converting.slice_from_k8s(obj, proxy_name=proxy_name)
         elif isinstance(obj, k8s.ServiceCIDR):
@@ -223,7 +235,7 @@ def _add(
     return key, model
 
 
-def _keep(parsed: Parsed, key: ObjectKey, model: Model | None, where: str) -> None:
+def _keep(parsed: Parsed, key: ObjectKey, model: Entry, where: str) -> None:
     if key in parsed.objects:
         kind, namespace, name = key
         what = f"{kind} {object_name(namespace, name)}"

@@ -176,6 +176,14 @@ class SourceHandle:
             self._services.add(key)
             self._store._node_ports.update(key, service)
 
+    def ignore_service(self, key: ServiceKey, reason: str | None) -> None:
+        """Say why Service ``key`` is there but not kpng's (None: it is not ignored), for
+        ``kpng explain``; the state backends see does not change."""
+        if reason is None:
+            self._store._ignored_services.pop(key, None)
+        else:
+            self._store._ignored_services[key] = reason
+
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         if _put(self._store._slices, key, sl):
             self._slices.add(key)
@@ -239,6 +247,7 @@ def _put(table: dict[K, V], key: K, value: V | None) -> bool:
 class Store:
     def __init__(self) -> None:
         self._services: dict[ServiceKey, Service] = {}
+        self._ignored_services: dict[ServiceKey, str] = {}
         self._slices: dict[SliceKey, Slice] = {}
         self._nodes: dict[str, Node] = {}
         self._service_cidrs: dict[str, ServiceCIDR] = {}
@@ -255,6 +264,12 @@ class Store:
     @property
     def services(self) -> Mapping[ServiceKey, Service]:
         return self._services
+
+    @property
+    def ignored_services(self) -> Mapping[ServiceKey, str]:
+        """Services a source has but kube-proxy's rules ignore, and why (sources that see them:
+        the file source; the kube source's label selector keeps most from ever arriving)."""
+        return self._ignored_services
 
     @property
     def slices(self) -> Mapping[SliceKey, Slice]:
