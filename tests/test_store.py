@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from kpng.model.cluster import Slice
 from kpng.model.messages import Node, PortMapping, Service
 from kpng.store import Delta, Store
 
@@ -210,3 +211,27 @@ def test_services_of_two_sources_claiming_one_node_port_are_reported(
     kube.mark_synced()
     (message,) = _conflicts(caplog)
     assert "node port 30080/SCTP is claimed by Services ns/a and ns/b" in message
+
+
+def test_slices_of_follows_each_slice_to_its_service() -> None:
+    def sl(name: str, service: str) -> Slice:
+        return Slice(namespace="ns", name=name, service=service, v6=False, ports=(), endpoints=())
+
+    store = Store()
+    src = store.source("files")
+    src.set_slice(("ns", "a-1"), sl("a-1", "a"))
+    src.set_slice(("ns", "a-2"), sl("a-2", "a"))
+    src.set_slice(("ns", "b-1"), sl("b-1", "b"))
+    src.commit()
+    assert sorted(s.name for s in store.slices_of(("ns", "a"))) == ["a-1", "a-2"]
+    assert store.slices_of(("other", "a")) == ()
+    src.set_slice(("ns", "a-2"), sl("a-2", "b"))  # relabelled to another Service
+    src.set_slice(("ns", "b-1"), None)
+    src.commit()
+    assert [s.name for s in store.slices_of(("ns", "a"))] == ["a-1"]
+    assert [s.name for s in store.slices_of(("ns", "b"))] == ["a-2"]
+    src.set_slice(("ns", "a-1"), None)
+    src.set_slice(("ns", "a-2"), None)
+    src.commit()
+    assert store.slices_of(("ns", "a")) == store.slices_of(("ns", "b")) == ()
+    assert not store._slices_by_service

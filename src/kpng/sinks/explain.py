@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from kpng.errors import UsageError
 from kpng.feeding import Fanout
-from kpng.model.cluster import ServiceKey, Slice, node_zone
+from kpng.model.cluster import ServiceKey, node_zone
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Status
 from kpng.store import Store
@@ -36,16 +36,11 @@ def explain(store: Store, *, node: str, service: ServiceKey | None, output: str)
 
     zone = node_zone(store.nodes.get(node))
     keys = [service] if service is not None else sorted(store.services)
-    wanted = set(keys)
-    slices: dict[ServiceKey, list[Slice]] = {key: [] for key in keys}
-    for sl in store.slices.values():
-        if sl.service_key in wanted:
-            slices[sl.service_key].append(sl)
     explanations = [
         explain_service(
             key,
             store.services.get(key),
-            slices[key],
+            store.slices_of(key),
             node=node,
             zone=zone,
             ignored=store.ignored_services.get(key),

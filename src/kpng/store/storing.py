@@ -185,8 +185,11 @@ class SourceHandle:
             self._store._ignored_services[key] = reason
 
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
-        if _put(self._store._slices, key, sl):
+        store = self._store
+        old = store._slices.get(key)
+        if _put(store._slices, key, sl):
             self._slices.add(key)
+            store._index_slice(key, old, sl)
             if sl is not None and sl.trigger_time:
                 self._triggers.append((sl.v6, sl.trigger_time))
 
@@ -249,6 +252,7 @@ class Store:
         self._services: dict[ServiceKey, Service] = {}
         self._ignored_services: dict[ServiceKey, str] = {}
         self._slices: dict[SliceKey, Slice] = {}
+        self._slices_by_service: dict[ServiceKey, dict[SliceKey, Slice]] = {}
         self._nodes: dict[str, Node] = {}
         self._service_cidrs: dict[str, ServiceCIDR] = {}
         self._service_cidr_ranges: tuple[str, ...] | None = ()
@@ -274,6 +278,20 @@ class Store:
     @property
     def slices(self) -> Mapping[SliceKey, Slice]:
         return self._slices
+
+    def slices_of(self, service: ServiceKey) -> tuple[Slice, ...]:
+        """The slices naming Service ``service`` (known to the store or not), in no set order:
+        one Service's, without scanning every slice (``/debug/explain`` asks per request)."""
+        return tuple(self._slices_by_service.get(service, {}).values())
+
+    def _index_slice(self, key: SliceKey, old: Slice | None, new: Slice | None) -> None:
+        if old is not None:
+            siblings = self._slices_by_service[old.service_key]
+            del siblings[key]
+            if not siblings:
+                del self._slices_by_service[old.service_key]
+        if new is not None:
+            self._slices_by_service.setdefault(new.service_key, {})[key] = new
 
     @property
     def nodes(self) -> Mapping[str, Node]:
