@@ -257,8 +257,8 @@ def test_the_cluster_header_describes_the_file() -> None:
     kinds: dict[str, list[object]] = {}
     for (kind, _, _), model in parsed.objects.items():
         kinds.setdefault(kind, []).append(model)
-    served = [m for m in kinds["Service"] if m is not None]
-    ignored = [m for m in kinds["Service"] if m is None]
+    served = [m for m in kinds["Service"] if isinstance(m, Service)]
+    ignored = [m for m in kinds["Service"] if not isinstance(m, Service)]
     words = {1: "one", 2: "two", 3: "three", 6: "six", 9: "nine"}
     zones = {n.Topology.Zone for n in kinds["Node"] if isinstance(n, Node) and n.Topology}
     summary = " ".join(header.split())

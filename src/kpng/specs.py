@@ -1,9 +1,12 @@
-"""How the CLI finds its command words: in a package, every module that defines ``SPEC``.
+"""How the CLI finds its command words: every one is a module that defines ``SPEC``.
 
-Sources (``kpng.sources``), sinks (``kpng.sinks``) and subcommands (``kpng.subcommands``) are
-found this way, so adding one is adding a module, with no edit elsewhere. Backends are packages
-that register a ``kpng.client.BackendSpec`` when imported (kpng.backends.registry), the way a
-third party's installed backend does.
+Sources (``kpng.sources``), sinks (``kpng.sinks``) and subcommands (``kpng.subcommands``) are the
+modules of their package with a ``SPEC``, found here, so adding one is adding a module, with no
+edit elsewhere. Backends are the same: a package of ``kpng.backends`` (or an installed module
+named in the ``kpng.backends`` entry point group) whose ``SPEC`` is a ``kpng.client.BackendSpec``
+(``SPEC = register(BackendSpec(...))``, as a third party's backend writes it). Only backends are
+looked up by name without importing the others (kpng.backends.registry): there are more of them,
+some heavy, and a third party's may be installed.
 """
 
 from __future__ import annotations

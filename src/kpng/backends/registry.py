@@ -54,10 +54,16 @@ def lookup(name: str) -> BackendSpec:
     A built-in backend wins over an installed one of the same name.
     """
     if name not in REGISTERED:
+        module = None
         if name in _builtin():
-            importlib.import_module(f"kpng.backends.{name}")
+            module = importlib.import_module(f"kpng.backends.{name}")
         elif (ep := _entry_points().get(name)) is not None:
-            importlib.import_module(ep.module)  # `module` or `module:attr` both name it
+            module = importlib.import_module(ep.module)  # `module` or `module:attr` both name it
+        # Its SPEC, as sources, sinks and subcommands have (kpng.specs); a module that calls
+        # register() without naming the result SPEC works too.
+        spec = getattr(module, "SPEC", None)
+        if isinstance(spec, BackendSpec) and spec.name == name:
+            REGISTERED.setdefault(name, spec)
         if name not in REGISTERED:
             raise UsageError(f"unknown backend to-{name} (known: {', '.join(names())})")
     return REGISTERED[name]

@@ -357,7 +357,7 @@ async def cleanup() -> bool:
     return True
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="ebpf",
         help="balance services when sockets connect (cgroup BPF), nftables for traffic from "

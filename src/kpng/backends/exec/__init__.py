@@ -45,7 +45,7 @@ def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     return ExecBackend(argv, make_format=FORMATS[args.format])
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="exec",
         help="run a program and write the node-local state to its stdin as JSON lines",

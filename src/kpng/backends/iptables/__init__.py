@@ -398,7 +398,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     )
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="iptables",
         help="program the node-local state as kube-proxy's iptables rules (iptables-nft or "

@@ -51,7 +51,7 @@ def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     return JsonBackend(open(args.output, "wb"), once=args.once, close_output=True)
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="json",
         help="write the node-local state as one JSON line per revision",

@@ -46,7 +46,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     )
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="nft",
         help="program the node-local state as nftables rules in the inet kpng table",

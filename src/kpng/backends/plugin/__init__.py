@@ -56,7 +56,7 @@ def _create(args: argparse.Namespace, _syncs: SyncReporter) -> Backend:
     return PluginsBackend(plugins, directory=args.plugin_dir, timeout=args.timeout)
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="plugin",
         help="feed plugins serving kpng's plugin API on unix sockets (docs/backends/plugins.md)",

@@ -129,7 +129,7 @@ def _create(args: argparse.Namespace) -> Backend:
     return OnceBackend(backend) if args.once else backend
 
 
-register(
+SPEC = register(
     BackendSpec(
         name="python",
         help="a backend in a Python file (a Backend, a Sink or a handler), loaded in process",
