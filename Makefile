@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs \
+.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs bpf-object \
 	system-packages system-packages-as-root compat
 
 # Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
@@ -91,6 +91,12 @@ protos: $(DEV)
 	  --python_out=src --mypy_out=src --grpc_python_out=src --mypy_grpc_out=src \
 	  src/kpng/api/localv1.proto src/kpng/api/globalv1.proto src/kpng/api/batchv1.proto \
 	  src/kpng/api/pluginv1.proto
+
+# Recompiles to-ebpf's programs into the object kpng ships (src/kpng/backends/ebpf/sockets.bpf.o)
+# and its manifest, after a change to sockets.bpf.c: needs clang and libbpf-dev, which nothing
+# else does (tests/test_ebpf_object.py fails until this is run and the result committed).
+bpf-object: $(BIN)/kpng
+	$(BIN)/python -m kpng.backends.ebpf.toolchain --regenerate
 
 bench: $(DEV)
 	$(BIN)/python bench/run_all.py

@@ -1,26 +1,33 @@
 """to-ebpf in the kernel: what the conformance suite does not look at. Connections a program
 translated leave no conntrack entry to the service address; removing the pins detaches the
-programs; a program the verifier refuses is reported with the verifier's log; syncs reach
-kube-proxy's metrics as full or partial; the programs' counters and the maps' occupancy reach
-kpng's /metrics."""
+programs, and `kpng cleanup ebpf` leaves no program, map or pin; a restart fails no connection;
+the capabilities of deploy/kpng-ebpf.yaml are enough, and each is needed; a program the verifier
+refuses is reported with the verifier's log; syncs reach kube-proxy's metrics as full or
+partial; the programs' counters and the maps' occupancy reach kpng's /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._node import FromNode, Options
 from kpng.backends.ebpf import EbpfBackend, SocketBalancer, remove_pins
+from kpng.backends.ebpf.entries import LAYOUT_VERSION
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
-from kpng.backends.ebpf.toolchain import compile_object, unavailable
+from kpng.backends.ebpf.toolchain import compile_object, compiler_unavailable, unavailable
 from kpng.client import NodeState
 from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.model.messages import ServiceEndpoints
@@ -30,6 +37,7 @@ from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port,
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
+from tests.conftest import ROOT
 from tests.test_metrics import IPV4, Samples, _scrape
 
 pytestmark = pytest.mark.skipif(
@@ -40,18 +48,26 @@ pytestmark = pytest.mark.skipif(
 IP = "10.96.0.10"
 
 
+CIDRS = ",".join(CLUSTER_CIDRS)
+BACKEND = f"to-ebpf --cluster-cidr {CIDRS} --cgroup {{cgroup}} --pin-dir {{pin_dir}}"
+
+
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    cidrs = ",".join(CLUSTER_CIDRS)
-    backend = f"to-ebpf --cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}}"
+def bed_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A node with two pods and a service to the second, no kpng started yet."""
     (tmp_path / "manifests").mkdir()
     with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed:
-        c = Cluster(bed, tmp_path / "manifests", tmp_path, backend)
+        c = Cluster(bed, tmp_path / "manifests", tmp_path, BACKEND)
         c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
         c.write("web", service("web", IP, [port("http", 80)]), endpoint_slice(c, "web", ["a2"]))
-        c.start_backend("node-1")
-        c.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
         yield c
+
+
+@pytest.fixture
+def cluster(bed_cluster: Cluster) -> Cluster:
+    bed_cluster.start_backend("node-1")
+    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
+    return bed_cluster
 
 
 def _forget_flows(cluster: Cluster) -> None:
@@ -99,6 +115,7 @@ def test_removing_the_pins_detaches_the_programs(cluster: Cluster) -> None:
     assert _conntrack(cluster.bed, node.netns, IP) == 1
 
 
+@pytest.mark.skipif(compiler_unavailable() is not None, reason=str(compiler_unavailable()))
 def test_a_program_the_verifier_refuses_is_reported_with_its_log(tmp_path: Path) -> None:
     source = tmp_path / "bad.bpf.c"
     source.write_text(
@@ -257,3 +274,188 @@ def test_the_counters_outlive_a_restart_of_kpng(metered: Cluster) -> None:
 
     assert poll(scraped, within=15, interval=0.2)
     assert got[_hook("translations", "connect4")] >= before
+
+
+def _bpftool(*argv: str) -> Any:
+    done = subprocess.run(["bpftool", "-j", *argv], capture_output=True, text=True, check=False)
+    return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _attached(cgroup: Path) -> dict[int, str]:
+    """The programs attached to ``cgroup``: id -> name."""
+    found = _bpftool("cgroup", "show", str(cgroup))
+    return {p["id"]: p["name"] for p in found or []}
+
+
+def _attach_log_lines(cluster: Cluster) -> int:
+    return (cluster.logs / "node-1.log").read_text().count("to-ebpf: programs attached")
+
+
+def test_a_restart_takes_the_pins_over_and_fails_no_connection(cluster: Cluster) -> None:
+    """Connections in a loop through the ClusterIP while kpng stops and a new kpng starts: the
+    pinned programs keep balancing in the gap, and the new process writes the pinned maps and
+    switches the links to its programs without a window where a connect goes unbalanced."""
+    node = cluster.bed.nodes["node-1"]
+    assert node.cgroup is not None
+    before = _attached(node.cgroup)
+    assert sorted(before.values())[0] == "kpng_connect4"
+    argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", IP, "80", "--for", "10",
+            "--timeout", "2"]  # fmt: skip
+    loop = subprocess.Popen(
+        cluster.bed.command_in(cluster.bed.pods["a1"].netns, argv),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(1.5)
+    cluster.start_backend("node-1")  # terminates the old process, starts a new one
+    deadline = time.monotonic() + 8
+    while _attach_log_lines(cluster) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out, _ = loop.communicate(timeout=30)
+    assert _attach_log_lines(cluster) == 2, "the new process did not take over during the loop"
+    results = json.loads(out)["results"]
+    failed = [r for r in results if r != "a2 10.244.1.2"]
+    assert len(results) > 50
+    assert failed == [], f"{len(failed)} of {len(results)} connects failed: {failed[:5]}"
+    # The same eight hooks, now running the new process's programs.
+    after = _attached(node.cgroup)
+    assert sorted(after.values()) == sorted(before.values())
+    assert not set(after) & set(before)
+
+
+def _capabilities(container: dict[str, object]) -> list[str]:
+    context = container["securityContext"]
+    assert isinstance(context, dict)
+    assert context["capabilities"]["drop"] == ["ALL"]
+    return [c.lower() for c in context["capabilities"]["add"]]
+
+
+def _deployed_capabilities() -> list[str]:
+    documents = yaml.safe_load_all((ROOT / "deploy" / "kpng-ebpf.yaml").read_text())
+    (daemonset,) = [d for d in documents if d and d["kind"] == "DaemonSet"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert "privileged" not in container["securityContext"]
+    return _capabilities(container)
+
+
+_CAP_NUMBERS = {"net_admin": 12, "sys_resource": 24, "bpf": 39}
+"""<linux/capability.h>'s numbers of the capabilities the manifest names."""
+
+
+def _with_only(capabilities: list[str]) -> list[str]:
+    """setpriv, as root, keeping only ``capabilities`` (a container's ``add`` after ``drop:
+    [ALL]``). One this test runs without itself cannot be given (a container running the suite
+    may lack SYS_RESOURCE): left out, which only kernels before 5.11 would notice."""
+    bounding = int(
+        next(
+            line.split()[1]
+            for line in Path("/proc/self/status").read_text().splitlines()
+            if line.startswith("CapBnd:")
+        ),
+        16,
+    )
+    have = [c for c in capabilities if bounding >> _CAP_NUMBERS[c] & 1]
+    if set(capabilities) - set(have) - {"sys_resource"}:
+        pytest.skip(f"this test runs without {sorted(set(capabilities) - set(have))}")
+    caps = ",".join(["-all", *(f"+{c}" for c in have)])
+    return ["setpriv", "--reuid=0", f"--inh-caps={caps}", f"--ambient-caps={caps}",
+            f"--bounding-set={caps}"]  # fmt: skip
+
+
+def test_the_deployed_capabilities_are_enough(bed_cluster: Cluster) -> None:
+    caps = _deployed_capabilities()
+    assert caps == ["bpf", "net_admin", "sys_resource"]
+    bed_cluster.start_backend("node-1", prefix=_with_only(caps))
+    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
+    node = bed_cluster.bed.nodes["node-1"]
+    assert node.cgroup is not None
+    assert len(_attached(node.cgroup)) == 8
+
+
+@pytest.mark.parametrize(
+    ("dropped", "refusal"),
+    [
+        # No map, no BTF, no program without CAP_BPF.
+        ("bpf", "Operation not permitted"),
+        # A cgroup sock_addr program is of a networking type: CAP_NET_ADMIN to load it.
+        ("net_admin", "Operation not permitted"),
+    ],
+)
+def test_each_deployed_capability_but_sys_resource_is_needed(
+    bed_cluster: Cluster, dropped: str, refusal: str
+) -> None:
+    """SYS_RESOURCE is for kernels before 5.11 only (RLIMIT_MEMLOCK), so not needed here."""
+    caps = [c for c in _deployed_capabilities() if c != dropped]
+    bed_cluster.start_backend("node-1", prefix=_with_only(caps))
+    log = bed_cluster.logs / "node-1.log"
+    deadline = time.monotonic() + 20
+    while "cannot load BPF object" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    assert "cannot load BPF object" in text
+    assert refusal in text
+    node = bed_cluster.bed.nodes["node-1"]
+    assert node.cgroup is not None
+    assert _attached(node.cgroup) == {}
+
+
+def test_kpng_cleanup_ebpf_removes_every_program_map_and_pin(bed_cluster: Cluster) -> None:
+    """With the default pin dir, /sys/fs/bpf/kpng, on a bpffs of a mount namespace of the
+    test's own: to-ebpf --once leaves its programs attached, and `kpng cleanup ebpf` leaves no
+    program, map, pin or nftables table behind."""
+    bed = bed_cluster.bed
+    node = bed.nodes["node-1"]
+    assert node.cgroup is not None
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sleep", "120"],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.2)
+        base = ["nsenter", "-t", str(holder.pid), "-m", f"--net=/run/netns/{node.netns}"]
+
+        def run(*argv: str) -> subprocess.CompletedProcess[str]:
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            return subprocess.run(
+                [*base, *argv], capture_output=True, text=True, check=False, env=env, timeout=60
+            )
+
+        assert run("mount", "-t", "bpf", "bpf", "/sys/fs/bpf").returncode == 0
+        once = run(
+            sys.executable, "-m", "kpng", "file", "--input", str(bed_cluster.manifests),
+            "to-local", "--node-name", "node-1", "to-ebpf", "--cluster-cidr", CIDRS,
+            "--cgroup", str(node.cgroup), "--once",
+        )  # fmt: skip
+        assert once.returncode == 0, once.stderr
+        programs = _attached(node.cgroup)
+        assert len(programs) == 8
+        maps = set()
+        for prog in programs:
+            shown = _bpftool("prog", "show", "id", str(prog))
+            assert isinstance(shown, dict)
+            maps |= set(shown["map_ids"])
+        assert len(maps) >= 7
+        pins = run("ls", "/sys/fs/bpf/kpng").stdout.split()
+        assert pins == ["links", f"maps-v{LAYOUT_VERSION}"]
+        # Still balancing with kpng gone: the pins hold the programs.
+        assert bed_cluster.probe("a1", "tcp", IP, 80) == ["a2 10.244.1.2"]
+
+        done = run(sys.executable, "-m", "kpng", "cleanup", "ebpf")
+        assert done.returncode == 0, done.stderr
+        assert "to-ebpf: removed" in done.stdout + done.stderr
+        assert run("test", "-e", "/sys/fs/bpf/kpng").returncode != 0
+        assert run("nft", "list", "table", "inet", "kpng").returncode != 0
+        assert _attached(node.cgroup) == {}
+        # The kernel frees programs and maps once their last reference goes (after an RCU
+        # grace period): none of them is left.
+        deadline = time.monotonic() + 10
+        left: list[str] = []
+        while time.monotonic() < deadline:
+            left = [f"prog {p}" for p in programs if _bpftool("prog", "show", "id", str(p))]
+            left += [f"map {m}" for m in maps if _bpftool("map", "show", "id", str(m))]
+            if not left:
+                break
+            time.sleep(0.2)
+        assert left == []
+    finally:
+        holder.kill()
+        holder.wait()

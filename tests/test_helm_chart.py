@@ -53,7 +53,7 @@ def _by_key(documents: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
     return found
 
 
-def _deploy_objects(shape: str) -> dict[Key, dict[str, Any]]:
+def _deploy_objects(shape: str, mode: str = "nftables") -> dict[Key, dict[str, Any]]:
     text = addons.manifests(
         shape,
         {
@@ -62,6 +62,7 @@ def _deploy_objects(shape: str) -> dict[Key, dict[str, Any]]:
             "KPNG_IMAGE": IMAGE,
             "KPNG_BRAINS": ",".join(BRAINS),
         },
+        mode,
     )
     return _by_key([d for d in yaml.safe_load_all(text) if d])
 
@@ -78,12 +79,16 @@ def _container(spec: dict[str, Any], name: str) -> dict[str, Any]:
     return container
 
 
-@pytest.mark.parametrize("shape", list(addons.SHAPES))
-def test_each_shape_renders_its_manifest_in_deploy(shape: str) -> None:
+@pytest.mark.parametrize(
+    ("shape", "mode"),
+    [(shape, "nftables") for shape in addons.SHAPES] + list(addons.MODE_MANIFESTS),
+)
+def test_each_shape_renders_its_manifest_in_deploy(shape: str, mode: str) -> None:
     """The defaults render deploy/kpng.yaml (with deploy/rbac.yaml); the sidecar and central
-    shapes render their own files: operators get the same objects either way."""
-    rendered = _by_key(chart.objects(_values(shape)))
-    expected = _deploy_objects(shape)
+    shapes render their own files, and mode=ebpf deploy/kpng-ebpf.yaml: operators get the same
+    objects either way."""
+    rendered = _by_key(chart.objects(_values(shape, mode)))
+    expected = _deploy_objects(shape, mode)
     assert sorted(rendered) == sorted(expected)
     for key, document in expected.items():
         assert rendered[key] == document, key
@@ -149,31 +154,41 @@ def test_the_split_shapes_run_the_modes_backend_with_net_admin_only(
 @pytest.mark.parametrize(
     ("shape", "container"), list(zip(addons.SHAPES, ["kpng", "backend", "kpng"], strict=True))
 )
-def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs(
+def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs_unprivileged(
     shape: str, container: str
 ) -> None:
-    given = _values(shape, "ebpf")
-    given["ebpf"] = {"bpfObject": "/opt/kpng/sockets.bpf.o"}
-    spec = _daemonset(chart.objects(given))
+    spec = _daemonset(chart.objects(_values(shape, "ebpf")))
     node = _container(spec, container)
     command = node["command"]
-    # Not kube-proxy's command line: ebpf is no kube-proxy mode.
+    # Not kube-proxy's command line: ebpf is no kube-proxy mode. The object is the image's own.
     assert "kube-proxy" not in command
     assert command[command.index("to-ebpf") :] == [
         "to-ebpf",
         f"--cluster-cidr={CLUSTER_CIDR}",
         "--nodeport-addresses=primary",
         "--cgroup=/run/kpng/host-cgroup",
-        "--bpf-object=/opt/kpng/sockets.bpf.o",
     ]
-    assert node["securityContext"]["privileged"] is True
-    mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
+    # What the kernel asks of to-ebpf's calls (tests/test_ebpf_kernel.py runs it with exactly
+    # these), not privileged, no SYS_ADMIN.
+    assert node["securityContext"] == {
+        "capabilities": {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "SYS_RESOURCE"]},
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+    }
+    # The host's bpffs (the pins outlive the pod) and cgroup2 hierarchy (read-only), and no
+    # other host path; no cache: nothing is compiled.
+    mounts = {m["name"]: m for m in node["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert mounts["bpffs"] == "/sys/fs/bpf"
-    assert volumes["bpffs"]["hostPath"]["path"] == "/sys/fs/bpf"
-    assert mounts["host-cgroup"] == "/run/kpng/host-cgroup"
+    assert mounts["bpffs"] == {"name": "bpffs", "mountPath": "/sys/fs/bpf"}
+    assert volumes["bpffs"]["hostPath"] == {"path": "/sys/fs/bpf", "type": "Directory"}
+    assert mounts["host-cgroup"]["mountPath"] == "/run/kpng/host-cgroup"
+    assert mounts["host-cgroup"]["readOnly"] is True
     assert volumes["host-cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup"
-    assert {"name": "XDG_CACHE_HOME", "value": mounts["ebpf-cache"]} in node["env"]
+    assert sorted(v["name"] for v in spec["volumes"] if "hostPath" in v) == [
+        "bpffs",
+        "host-cgroup",
+    ]
+    assert not any(e["name"] == "XDG_CACHE_HOME" for e in node["env"])
     if shape == "daemonset":
         assert command[command.index("kube") : command.index("to-ebpf")] == [
             "kube",
@@ -181,6 +196,13 @@ def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs(
             "to-local",
             "--node-name=$(NODE_NAME)",
         ]
+
+
+def test_ebpf_mode_takes_another_object_in_the_image() -> None:
+    given = _values("daemonset", "ebpf")
+    given["ebpf"] = {"bpfObject": "/opt/kpng/other.bpf.o"}
+    command = _container(_daemonset(chart.objects(given)), "kpng")["command"]
+    assert command[-1] == "--bpf-object=/opt/kpng/other.bpf.o"
 
 
 def test_values_set_resources_replicas_conntrack_and_the_namespace() -> None:

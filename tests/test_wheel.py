@@ -47,6 +47,10 @@ def test_the_sdist_and_the_wheel_carry_the_license_and_the_protos(dist: Path) ->
     for proto in ("localv1", "globalv1", "batchv1", "pluginv1"):
         assert f"kpng/api/{proto}.proto" in names
     assert "kpng/py.typed" in names
+    # to-ebpf's compiled programs, as committed: no node compiles them.
+    for name in ("sockets.bpf.c", "sockets.bpf.o", "sockets.bpf.json"):
+        shipped = zipfile.ZipFile(wheel).read(f"kpng/backends/ebpf/{name}")
+        assert shipped == (ROOT / "src/kpng/backends/ebpf" / name).read_bytes(), name
     assert not any(n.startswith("tests/") for n in names)
     # The backend author's test library ships; the project's real-cluster harness does not.
     assert "kpng/testing/conformance.py" in names
@@ -87,6 +91,9 @@ def test_the_wheel_installs_with_plain_pip_and_runs_without_test_dependencies(
         "print(len(sys.modules), bad)\n"
     )
     assert _run(bin_ / "python", "-c", probe, cwd=tmp_path).stdout.split()[1:] == ["[]"]
+    # to-ebpf loads the object the wheel shipped: nothing to compile, no clang asked for.
+    shipped = "from kpng.backends.ebpf import toolchain as t; print(t.shipped_object() is not None)"
+    assert _run(bin_ / "python", "-c", shipped, cwd=tmp_path).stdout.split() == ["True"]
     missing = subprocess.run(
         [bin_ / "python", "-c", "import pytest"], capture_output=True, check=False
     )

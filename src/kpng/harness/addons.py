@@ -36,10 +36,11 @@ def _deploy_file(name: str) -> str:
     return path.read_text()
 
 
-def manifests(shape: str, values: dict[str, str]) -> str:
-    """What an operator without helm applies for ``shape``: deploy/rbac.yaml, then the shape's
-    manifest with ``values`` (``KPNG_...``) filled in."""
-    return "---\n".join([_deploy_file("rbac.yaml"), render(_deploy_file(SHAPES[shape]), values)])
+def manifests(shape: str, values: dict[str, str], mode: str = "nftables") -> str:
+    """What an operator without helm applies for ``shape`` (and ``mode``): deploy/rbac.yaml, then
+    the manifest with ``values`` (``KPNG_...``) filled in."""
+    name = MODE_MANIFESTS.get((shape, mode), SHAPES[shape])
+    return "---\n".join([_deploy_file("rbac.yaml"), render(_deploy_file(name), values)])
 
 
 SHAPES = {"daemonset": "kpng.yaml", "sidecar": "kpng-sidecar.yaml", "central": "kpng-central.yaml"}
@@ -49,6 +50,11 @@ node sharing a socket, or a Deployment of brains serving a backend on every node
 
 MODES = ("nftables", "iptables", "ebpf")
 """The chart's ``mode``: to-nft, to-iptables or to-ebpf programs the nodes."""
+
+MODE_MANIFESTS = {("daemonset", "ebpf"): "kpng-ebpf.yaml"}
+"""The manifests in deploy/ of a shape in another mode than its file's (nftables): the chart
+renders each exactly. to-ebpf's differs in more than a word (its command line, capabilities and
+host paths), so it has its own."""
 
 BRAIN_PORT = 12090
 

@@ -73,14 +73,16 @@ class Cluster:
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _backends: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start_backend(self, node: str, *extra: str) -> None:
+    def start_backend(self, node: str, *extra: str, prefix: Sequence[str] = ()) -> None:
         """(Re)start kpng on ``node``, with ``extra`` arguments after the backend's: the new
-        process takes over the rules the old one left."""
+        process takes over the rules the old one left. ``prefix`` runs it, e.g. ``setpriv ...``
+        to give it only some capabilities."""
         old = self._backends.pop(node, None)
         if old is not None:
             old.terminate()
             old.wait(timeout=10)
-        argv = [sys.executable, "-m", "kpng", *self.flags, "file", "--input", str(self.manifests)]
+        argv = [*prefix, sys.executable, "-m", "kpng", *self.flags]
+        argv += ["file", "--input", str(self.manifests)]
         n = self.bed.nodes[node]
         backend = self.backend.format(cgroup=n.cgroup, pin_dir=n.pin_dir)
         argv += ["to-local", "--node-name", node, *shlex.split(backend), *extra]

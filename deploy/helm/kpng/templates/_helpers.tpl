@@ -37,34 +37,38 @@ kpng applies in every mode), and to-ebpf's cgroup and object. */}}
 {{- end }}
 
 {{/* The security context of the container that programs the node. NET_ADMIN is all to-nft
-and to-iptables use (netlink calls for nftables and conntrack). to-ebpf also loads BPF
-programs, attaches them to the host's cgroup2 hierarchy and pins them on bpffs, which takes
-CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN and the host's mounts: privileged, as other eBPF proxies
-run. */}}
+and to-iptables use (netlink calls for nftables and conntrack). to-ebpf adds what its bpf()
+calls ask of the kernel, and nothing else: BPF to create its maps, load their BTF and its
+programs and make the cgroup links (the kernel asks CAP_BPF for each, Linux 5.8+); NET_ADMIN
+too for loading programs of the cgroup sock_addr type (a networking type) as for nftables;
+SYS_RESOURCE only on kernels before 5.11, which charge BPF maps to RLIMIT_MEMLOCK: libbpf lifts
+that limit there, and leaves it alone on later kernels, which charge the pod's memory cgroup.
+Not SYS_ADMIN (kpng mounts nothing: bpffs and cgroup2 come from the host), not PERFMON (the
+programs never read uninitialised stack or leak pointers), not privileged. */}}
 {{- define "kpng.nodeSecurityContext" -}}
-{{- if eq .Values.mode "ebpf" }}
-privileged: true
-readOnlyRootFilesystem: true
-{{- else }}
 capabilities:
   drop: [ALL]
+  {{- if eq .Values.mode "ebpf" }}
+  add: [BPF, NET_ADMIN, SYS_RESOURCE]
+  {{- else }}
   add: [NET_ADMIN]
+  {{- end }}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 {{- end }}
-{{- end }}
 
-{{/* to-ebpf's mounts: bpffs for the pins that outlive the pod, the host's cgroup2 hierarchy
-(the pod's own cgroup namespace would only show its own cgroup), a cache for the clang
-compile. */}}
+{{/* to-ebpf's mounts. The host's bpffs, where the maps and the links are pinned: pins on the
+pod's own would go with the pod, and the programs with them; on the host's they outlive it, and
+the next pod takes them over, so that a restart or a roll breaks no connection. The host's
+cgroup2 hierarchy (read-only: attaching needs only an open directory), since the pod's own
+cgroup namespace shows only its own cgroup. */}}
 {{- define "kpng.ebpfMounts" -}}
 {{- if eq .Values.mode "ebpf" }}
 - name: bpffs
   mountPath: /sys/fs/bpf
 - name: host-cgroup
   mountPath: /run/kpng/host-cgroup
-- name: ebpf-cache
-  mountPath: /var/cache/kpng
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -78,21 +82,11 @@ compile. */}}
   hostPath:
     path: {{ .Values.ebpf.cgroup }}
     type: Directory
-- name: ebpf-cache
-  emptyDir: {}
 {{- end }}
 {{- end }}
 
-{{- define "kpng.ebpfEnv" -}}
-{{- if eq .Values.mode "ebpf" }}
-# Where the clang compile is cached: the root file system is read-only.
-- name: XDG_CACHE_HOME
-  value: /var/cache/kpng
-{{- end }}
-{{- end }}
-
-{{/* The init container of every node pod: the only privileged part when the mode is not
-ebpf, and it exits at once. /proc/sys is read-only in an unprivileged container, and these
+{{/* The init container of every node pod: the only privileged part, in every mode, and it
+exits at once. /proc/sys is read-only in an unprivileged container, and these
 sysctls belong to the node's network namespace. */}}
 {{- define "kpng.initContainers" -}}
 - name: conntrack-sysctls

@@ -49,6 +49,7 @@ from kpng.backends.ebpf.observing import Occupancy, Sample
 from kpng.client import (
     Backend,
     BackendSpec,
+    KpngError,
     NodeState,
     NoReporting,
     ServiceEndpoints,
@@ -303,7 +304,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="the compiled programs (python -m kpng.backends.ebpf.toolchain FILE makes one); "
-        "default: sockets.bpf.c compiled with clang at first start, cached",
+        "default: the sockets.bpf.o shipped with kpng",
     )
 
 
@@ -312,6 +313,11 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         raise UsageError(
             "to-ebpf has no --dry-run: its maps are binary (to-nft --dry-run shows the rules)"
         )
+    # Before anything touches the node: an older kernel would refuse the programs one by one,
+    # with errors that do not say why.
+    too_old = system.kernel_too_old()
+    if too_old is not None:
+        raise KpngError(too_old)
     options, from_node = options_from_args(args)
     nft = default_nft()
     if not isinstance(nft, LibNft) and shutil.which("nft") is None:

@@ -317,7 +317,9 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send, __u32 hook)
 {
 	struct frontend_key key = {};
-	struct endpoint ep;
+	/* Zeroed: the verifier lets a program read uninitialised stack only with CAP_PERFMON, and
+	 * the UDP flow's copy of it may read its padding. */
+	struct endpoint ep = {};
 	if (!l4(ctx, &key.proto))
 		return 1;
 	/* A connected UDP socket is left to the nftables part: translated here, it would stay on

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 from pathlib import Path
 
 from kpng.backends.ebpf.libbpf import BpfError
@@ -58,6 +59,58 @@ def ensure_bpffs(pin_dir: Path) -> None:
     if any(pin_dir == p or p in pin_dir.parents for p in points):
         return
     if pin_dir == BPFFS or BPFFS in pin_dir.parents:
-        _mount("bpf", BPFFS)
+        try:
+            _mount("bpf", BPFFS)
+        except BpfError as exc:
+            # A pod: a bpffs mounted in its own mount namespace would go with it, and the pins
+            # with it; the host's must be given to it.
+            raise BpfError(
+                f"{exc}: in a pod, mount bpffs at {BPFFS} on the host (systemd does) and give "
+                "the pod that hostPath"
+            ) from exc
         return
     raise BpfError(f"{pin_dir} is not on a bpf file system (mount -t bpf bpf DIR)")
+
+
+MINIMUM_KERNEL = (5, 8)
+"""The oldest Linux to-ebpf runs on: the newest of ``KERNEL_FEATURES``."""
+
+KERNEL_FEATURES = (
+    ("cgroup/connect4 and connect6 hooks, bpf_sock's src_port", (4, 17)),
+    ("cgroup/sendmsg4 and sendmsg6 hooks", (4, 18)),
+    ("cgroup/recvmsg4 and recvmsg6 hooks", (5, 2)),
+    ("bpf_sock_addr's sk (the sending socket's bound port)", (5, 3)),
+    ("batched map updates, deletes and lookups", (5, 6)),
+    ("bpf_get_socket_cookie in sock_addr programs", (4, 19)),
+    ("bpf_get_netns_cookie in sock_addr programs", (5, 7)),
+    ("BPF links for cgroups, pinned, switched with BPF_LINK_UPDATE", (5, 7)),
+    ("cgroup/getpeername4 and getpeername6 hooks", (5, 8)),
+    ("CAP_BPF (loading without CAP_SYS_ADMIN)", (5, 8)),
+)
+"""What the programs and their loading use, and the release that brought each."""
+
+
+def parse_release(release: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a kernel release string (``6.1.0-18-amd64``, ``5.15.0-1051-aws``,
+    ``5.8.0-rc1``), or None if it does not start with one."""
+    found = re.match(r"(\d+)\.(\d+)(?!\d)", release)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def running_release() -> str:
+    return os.uname().release
+
+
+def kernel_too_old(release: str | None = None) -> str | None:
+    """Why this kernel (``release``, default the running one's) cannot run to-ebpf, or None."""
+    release = running_release() if release is None else release
+    version = parse_release(release)
+    if version is None:
+        return f"to-ebpf cannot read the kernel's version from its release {release!r}"
+    if version >= MINIMUM_KERNEL:
+        return None
+    missing = [what for what, since in KERNEL_FEATURES if since > version]
+    return (
+        f"to-ebpf needs Linux {'.'.join(map(str, MINIMUM_KERNEL))} or later; this kernel is "
+        f"{release}, without: {'; '.join(missing)}. Use to-nft on this node."
+    )

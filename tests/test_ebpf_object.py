@@ -1,0 +1,144 @@
+"""The object to-ebpf ships: it is the compile of today's sockets.bpf.c (regenerated and
+committed with it), the same bytes wherever it is compiled with the same clang, and loadable on
+any kernel from the minimum on (no CO-RE relocation, so no kernel BTF needed); to-ebpf refuses
+to start, saying why, on an older kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kpng.backends.ebpf import system, toolchain
+from kpng.cli import main
+from kpng.errors import EXIT_ERROR
+from tests.conftest import EXAMPLE
+
+needs_clang = pytest.mark.skipif(
+    toolchain.compiler_unavailable() is not None, reason=str(toolchain.compiler_unavailable())
+)
+
+
+def test_the_shipped_object_is_the_compile_of_the_source() -> None:
+    made = toolchain.manifest()
+    assert made is not None, f"{toolchain.MANIFEST} is missing: run `make bpf-object`"
+    assert made["source_sha256"] == toolchain.digest(toolchain.SOURCE), (
+        "sockets.bpf.c changed after sockets.bpf.o was made: run `make bpf-object` and commit "
+        "the object and its manifest"
+    )
+    assert made["object_sha256"] == toolchain.digest(toolchain.OBJECT)
+    assert made["flags"] == " ".join(toolchain.FLAGS)
+    assert toolchain.shipped_object() == toolchain.OBJECT
+    assert toolchain.ensure_object() == toolchain.OBJECT
+
+
+@needs_clang
+def test_compiling_again_gives_the_same_bytes_anywhere(tmp_path: Path) -> None:
+    """Compiled from a copy in another directory: no path of the checkout in the object. With
+    the clang that made the shipped object, the very same bytes."""
+    copy = tmp_path / "elsewhere" / "sockets.bpf.c"
+    copy.parent.mkdir()
+    copy.write_bytes(toolchain.SOURCE.read_bytes())
+    here = toolchain.compile_object(tmp_path / "here.o")
+    there = toolchain.compile_object(tmp_path / "there.o", copy)
+    assert here.read_bytes() == there.read_bytes()
+    assert str(toolchain.SOURCE.parent).encode() not in here.read_bytes()
+    made = toolchain.manifest()
+    assert made is not None
+    if made["compiler"] != toolchain.compiler_version():
+        pytest.skip(f"the shipped object was made by {made['compiler']}")
+    assert here.read_bytes() == toolchain.OBJECT.read_bytes()
+
+
+def test_the_object_has_no_co_re_relocation_so_needs_no_kernel_btf() -> None:
+    """The programs read only their UAPI context, which the verifier maps to each kernel's
+    layout itself: nothing for libbpf to relocate against /sys/kernel/btf/vmlinux."""
+    found = toolchain.sections(toolchain.OBJECT)
+    programs = sorted(name for name in found if name.startswith("cgroup/"))
+    assert programs == [
+        f"cgroup/{hook}{family}"
+        for hook in ("connect", "getpeername", "recvmsg", "sendmsg")
+        for family in "46"
+    ]
+    assert ".BTF" in found  # the maps' definitions
+    assert toolchain.core_relocations(toolchain.OBJECT) == 0
+
+
+@needs_clang
+def test_a_kernel_struct_read_would_show_as_co_re_relocations(tmp_path: Path) -> None:
+    """The check above can fail: a read of a kernel struct is a CO-RE relocation."""
+    source = tmp_path / "core.bpf.c"
+    source.write_text(
+        "#include <linux/bpf.h>\n#include <bpf/bpf_helpers.h>\n"
+        "struct task_struct { int pid; } __attribute__((preserve_access_index));\n"
+        'SEC("kprobe/x") int f(void *ctx) {\n'
+        "  struct task_struct *t = (void *)bpf_get_current_task(); return t->pid; }\n"
+        'char LICENSE[] SEC("license") = "GPL";\n'
+    )
+    assert toolchain.core_relocations(toolchain.compile_object(tmp_path / "core.o", source)) > 0
+
+
+@pytest.mark.parametrize(
+    ("release", "version"),
+    [
+        ("6.1.0-18-amd64", (6, 1)),
+        ("5.15.0-1051-aws", (5, 15)),
+        ("5.8.0-rc1", (5, 8)),
+        ("5.10.209+", (5, 10)),
+        ("4.18.0-513.el8.x86_64", (4, 18)),
+        ("6.18.44-fc-v669", (6, 18)),
+        ("5.80", (5, 80)),
+        ("linux", None),
+        ("6", None),
+    ],
+)
+def test_a_kernel_release_reads_as_major_and_minor(
+    release: str, version: tuple[int, int] | None
+) -> None:
+    assert system.parse_release(release) == version
+
+
+@pytest.mark.parametrize(
+    ("release", "refused", "missing"),
+    [
+        ("6.1.0-18-amd64", False, None),
+        ("5.8.0-63-generic", False, None),
+        ("5.10.0-28-cloud-amd64", False, None),
+        ("5.7.19", True, "getpeername"),
+        ("5.4.0-150-generic", True, "BPF links for cgroups"),
+        ("4.18.0-513.el8.x86_64", True, "recvmsg"),
+        ("4.19.0-26-amd64", True, "bpf_sock_addr's sk"),
+        ("unknown", True, None),
+    ],
+)
+def test_to_ebpf_runs_from_linux_5_8_and_says_what_an_older_kernel_lacks(
+    release: str, refused: bool, missing: str | None
+) -> None:
+    reason = system.kernel_too_old(release)
+    assert (reason is not None) == refused
+    if reason is not None:
+        assert release in reason
+    if missing is not None:
+        assert reason is not None
+        assert "needs Linux 5.8 or later" in reason
+        assert missing in reason
+    if release.startswith("5.7"):
+        assert reason is not None
+        assert "bpf_get_netns_cookie" not in reason  # 5.7 has it
+
+
+def test_the_minimum_is_the_newest_feature_used() -> None:
+    assert max(since for _, since in system.KERNEL_FEATURES) == system.MINIMUM_KERNEL
+
+
+def test_to_ebpf_refuses_to_start_on_an_older_kernel(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before it touches the node: one line that says why, not the verifier's refusals."""
+    monkeypatch.setattr(system, "running_release", lambda: "5.4.0-150-generic")
+    argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-1", "to-ebpf"]
+    assert main(argv) == EXIT_ERROR
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.getMessage().startswith(
+        "to-ebpf needs Linux 5.8 or later; this kernel is 5.4.0-150-generic, without:"
+    )
