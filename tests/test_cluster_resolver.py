@@ -69,6 +69,20 @@ def test_nodes_without_endpoints_share_one_result(monkeypatch: pytest.MonkeyPatc
     assert views["n0"].state[KEY] != views["n1"].state[KEY]  # Local differs
 
 
+def test_a_node_s_own_result_shares_the_endpoints_it_sees_as_other_nodes_do() -> None:
+    cluster = _cluster(
+        SliceEndpoint(ip="10.0.0.1", node="n0"), SliceEndpoint(ip="10.0.0.2", node="n1")
+    )
+    elsewhere = cluster.resolve(KEY, "n2")
+    own = cluster.resolve(KEY, "n0")
+    assert elsewhere is not None
+    assert own is not None
+    assert own.service is elsewhere.service
+    assert [e.Local for e in own.endpoints] == [True, False]
+    assert own.endpoints[0] is not elsewhere.endpoints[0]
+    assert own.endpoints[1] is elsewhere.endpoints[1]
+
+
 def test_zone_hints_split_the_shared_results_by_zone() -> None:
     cluster = _cluster(
         SliceEndpoint(ip="10.0.0.1", node="n0", zone_hints=("a",)),
