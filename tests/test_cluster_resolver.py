@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
@@ -67,6 +69,20 @@ def test_nodes_without_endpoints_share_one_result(monkeypatch: pytest.MonkeyPatc
     assert views["n0"].state[KEY] != views["n1"].state[KEY]  # Local differs
 
 
+def test_a_node_s_own_result_shares_the_endpoints_it_sees_as_other_nodes_do() -> None:
+    cluster = _cluster(
+        SliceEndpoint(ip="10.0.0.1", node="n0"), SliceEndpoint(ip="10.0.0.2", node="n1")
+    )
+    elsewhere = cluster.resolve(KEY, "n2")
+    own = cluster.resolve(KEY, "n0")
+    assert elsewhere is not None
+    assert own is not None
+    assert own.service is elsewhere.service
+    assert [e.Local for e in own.endpoints] == [True, False]
+    assert own.endpoints[0] is not elsewhere.endpoints[0]
+    assert own.endpoints[1] is elsewhere.endpoints[1]
+
+
 def test_zone_hints_split_the_shared_results_by_zone() -> None:
     cluster = _cluster(
         SliceEndpoint(ip="10.0.0.1", node="n0", zone_hints=("a",)),
@@ -119,3 +135,109 @@ def test_closing_a_view_releases_the_log() -> None:
     assert cluster._log
     view.close()
     assert cluster._log == []
+
+
+def _random_service(rng: random.Random, i: int) -> Service:
+    return Service(
+        Namespace="ns",
+        Name=f"s{i}",
+        Type=rng.choice(["ClusterIP", "NodePort"]),
+        IPs=ServiceIPs(ClusterIPs=IPSet(V4=(f"10.96.0.{i}",))),
+        Ports=(PortMapping(Name="http", Protocol="TCP", Port=rng.choice([80, 81]), TargetPort=1),),
+        InternalTrafficToLocal=rng.random() < 0.2,
+        ExternalTrafficToLocal=rng.random() < 0.2,
+    )
+
+
+def _random_slice(rng: random.Random, i: int, nodes: int) -> Slice:
+    endpoints = []
+    for e in range(rng.randrange(4)):
+        node = f"n{rng.randrange(nodes)}"
+        hinted = rng.random() < 0.3
+        endpoints.append(
+            SliceEndpoint(
+                ip=f"10.{i}.0.{rng.choice([e, 9])}",
+                node=node,
+                zone="a",
+                zone_hints=(rng.choice("ab"),) if hinted else (),
+                node_hints=(f"n{rng.randrange(nodes)}",) if hinted and rng.random() < 0.5 else (),
+                ready=rng.random() < 0.8,
+            )
+        )
+    return Slice(
+        namespace="ns",
+        name=f"s{i}-{rng.randrange(2)}",
+        service=f"s{i}",
+        v6=False,
+        ports=(SlicePort(name="http", protocol="TCP", port=8080 + rng.randrange(2)),),
+        endpoints=tuple(endpoints),
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_views_sharing_their_zone_s_base_see_what_views_of_their_own_do(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random changes, views resolving at random times, coming and going: each shared view
+    (state over its zone's base) yields the Changes and state of an unshared twin resolved at
+    the same times, and no view's state moves but in its own resolve."""
+    monkeypatch.setattr(resolving, "_MIN_LOG", 8)  # laggards re-read whole now and then
+    rng = random.Random(seed)
+    nodes = 6
+    cluster = ClusterResolver()
+    for n in range(nodes):
+        cluster.set_node(f"n{n}", _node(f"n{n}", rng.choice("ab")))
+    twins: list[tuple[resolving.NodeView, resolving.NodeView]] = []
+
+    def watch() -> None:
+        node = f"n{rng.randrange(nodes)}"
+        twins.append((cluster.view(node), cluster.view(node, shared=False)))
+
+    for _ in range(8):
+        watch()
+    seen = [dict(ref.state) for _, ref in twins]
+    for _step in range(400):
+        action = rng.random()
+        i = rng.randrange(8)
+        if action < 0.25:
+            service = _random_service(rng, i) if rng.random() < 0.85 else None
+            cluster.set_service(("ns", f"s{i}"), service)
+        elif action < 0.6:
+            sl = _random_slice(rng, i, nodes)
+            key = (sl.namespace, sl.name)
+            cluster.set_slice(key, sl if rng.random() < 0.85 else None)
+        elif action < 0.65:
+            n = rng.randrange(nodes)
+            zone = rng.choice("abc")
+            cluster.set_node(f"n{n}", _node(f"n{n}", zone) if zone != "c" else None)
+        elif action < 0.7:
+            shared, ref = twins.pop(rng.randrange(len(twins)))
+            shared.close()
+            ref.close()
+            watch()
+            seen = [dict(r.state) for _, r in twins]
+        else:
+            for w in rng.sample(range(len(twins)), rng.randrange(1, len(twins) + 1)):
+                shared, ref = twins[w]
+                got, want = shared.resolve(), ref.resolve()
+                assert dict(got.updated) == dict(want.updated)
+                assert got.deleted == want.deleted
+                assert dict(got.previous) == dict(want.previous)
+                assert all(shared.state[k] is v for k, v in got.updated.items())
+                current = {
+                    k: v
+                    for k in cluster.services
+                    if (v := cluster.resolve(k, shared.node_name)) is not None
+                }
+                assert dict(ref.state) == current
+                seen[w] = dict(ref.state)
+        for (shared, _), state in zip(twins, seen, strict=True):
+            assert dict(shared.state) == state
+            assert len(shared.state) == len(state)
+            assert all(k in shared.state for k in state)
+            assert ("ns", "none") not in shared.state
+    for shared, ref in twins:
+        shared.close()
+        ref.close()
+    assert cluster._bases == {}
+    assert cluster._zone_views == {}
