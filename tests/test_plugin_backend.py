@@ -198,6 +198,9 @@ def test_failed_calls_are_explained_in_the_plugins_terms() -> None:
     assert explain(code.FAILED_PRECONDITION, "busy", call="Apply", timeout=2) == (
         "it refused Apply: FAILED_PRECONDITION: busy"
     )
+    too_large = explain(code.RESOURCE_EXHAUSTED, "larger than max", call="Health", timeout=2)
+    assert too_large.startswith("Health: a message was larger than its receiver takes")
+    assert "kpng takes answers up to 16 MiB" in too_large
 
 
 # --- real plugins
