@@ -2,11 +2,12 @@
 and records every change set it gets, with behaviours to choose from.
 
     python -m tests.plugin_server --socket PATH --record FILE [--wants full|diffs]
-        [--encoding protobuf|json] [--refuse N] [--hang] [--unhealthy MESSAGE]
+        [--encoding protobuf|json] [--refuse N] [--hang] [--delay SECONDS] [--unhealthy MESSAGE]
 
 Each Apply appends one JSON line to FILE: ``{"revision", "full", "config", "ops": [[kind, set,
-path], ...]}`` (Configure's bytes are kept for the next Apply). ``--refuse N`` refuses the first N
-Applies; ``--hang`` never answers Apply.
+path], ...], "at"}`` (Configure's bytes are kept for the next Apply; ``at``: the wall time it
+came). ``--refuse N`` refuses the first N Applies; ``--hang`` never answers Apply; ``--delay``
+takes that long to answer each (a slow data plane).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -45,6 +47,7 @@ class Recorder(pluginv1_pb2_grpc.PluginServicer):
         return pluginv1_pb2.ConfigureResponse()
 
     async def Apply(self, request: Any, context: Any) -> pluginv1_pb2.ApplyResponse:
+        at = time.time()
         if self.args.hang:
             await asyncio.sleep(3600)
         if self.refusals > 0:
@@ -64,8 +67,10 @@ class Recorder(pluginv1_pb2_grpc.PluginServicer):
             "full": request.Full,
             "config": self.config.decode(),
             "ops": ops,
+            "at": at,
         }
         self.out.write(json.dumps(record) + "\n")
+        await asyncio.sleep(self.args.delay)
         return pluginv1_pb2.ApplyResponse()
 
     async def Health(self, request: Any, context: Any) -> pluginv1_pb2.HealthResponse:
@@ -107,6 +112,7 @@ def main() -> None:
     parser.add_argument("--encoding", choices=["protobuf", "json"], default="protobuf")
     parser.add_argument("--refuse", type=int, default=0)
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--unhealthy", default="")
     args = parser.parse_args()
     with Path(args.record).open("a", buffering=1) as out:  # a line each, for readers

@@ -9,8 +9,9 @@ import pytest
 
 from kpng.errors import InputError
 from kpng.model.cluster import Slice
+from kpng.model.converting import MAX_SLICE_ENDPOINTS
 from kpng.model.messages import Node, Service
-from kpng.sources.manifests import Ignored, ItemMemo, parse
+from kpng.sources.manifests import MAX_OBJECT_BYTES, Ignored, ItemMemo, parse
 
 
 def _svc(name: str = "web", namespace: str = "shop", **spec: Any) -> dict[str, Any]:
@@ -253,3 +254,52 @@ def test_a_memo_reuses_unchanged_items_and_gives_what_a_full_parse_gives() -> No
     third = parse(_list(NODE), filename="f", memo=memo)
     assert third.objects[node] is first.objects[node]
     assert len(memo._now) == 1
+
+
+def _oversized() -> list[dict[str, Any]]:
+    """A Service larger than etcd stores, and a slice of more endpoints than Kubernetes allows."""
+    huge = _svc(name="huge")
+    huge["metadata"]["annotations"] = {"note": "x" * MAX_OBJECT_BYTES}
+    crowded = _slice(name="crowded-1", service="crowded")
+    crowded["endpoints"] = [
+        {"addresses": [f"10.2.{i // 250}.{i % 250 + 1}"]} for i in range(MAX_SLICE_ENDPOINTS + 1)
+    ]
+    return [huge, crowded]
+
+
+@pytest.mark.parametrize("shape", ["yaml", "json list"])
+def test_an_object_above_kubernetes_bounds_is_refused_by_name_and_the_rest_served(
+    shape: str,
+) -> None:
+    """Bounds a Kubernetes cluster keeps and a manifest need not: 1.5 MiB per object (etcd's
+    request limit) and 1000 endpoints per EndpointSlice (the API server's validation)."""
+    docs = [_svc(), *_oversized(), _slice(), NODE]
+    if shape == "yaml":
+        parsed = parse(_yaml(*docs), filename="c.yaml")
+    else:
+        parsed = parse(json.dumps({"kind": "List", "items": docs}).encode(), filename="c.json")
+    assert len(parsed.errors) == 2, parsed.errors
+    too_large, too_many = parsed.errors
+    assert "Service shop/huge: " in too_large
+    assert f"larger than any object Kubernetes stores ({MAX_OBJECT_BYTES} bytes" in too_large
+    assert "EndpointSlice shop/crowded-1: endpoints: 1001 endpoints, more than Kubernetes " in (
+        too_many
+    )
+    assert all(e.endswith("; skipped") for e in parsed.errors)
+    assert set(parsed.objects) == {
+        ("Service", "shop", "web"),
+        ("EndpointSlice", "shop", "web-1"),
+        ("Node", "", "n1"),
+    }
+
+
+def test_a_slice_of_exactly_1000_endpoints_is_served() -> None:
+    full = _slice()
+    full["endpoints"] = [
+        {"addresses": [f"10.2.{i // 250}.{i % 250 + 1}"]} for i in range(MAX_SLICE_ENDPOINTS)
+    ]
+    parsed = parse(_yaml(_svc(), full), filename="c.yaml")
+    assert parsed.errors == []
+    model = parsed.objects["EndpointSlice", "shop", "web-1"]
+    assert isinstance(model, Slice)
+    assert len(model.endpoints) == MAX_SLICE_ENDPOINTS

@@ -8,6 +8,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from kpng.backends.plugin.connection import explain
 from kpng.client import Backoff
 from kpng.errors import UsageError
 from kpng.testing import states
-from kpng.testing.waiting import eventually, json_lines
+from kpng.testing.waiting import eventually, json_lines, until
 from tests.conftest import EXAMPLE
 
 T = TypeVar("T")
@@ -198,6 +199,9 @@ def test_failed_calls_are_explained_in_the_plugins_terms() -> None:
     assert explain(code.FAILED_PRECONDITION, "busy", call="Apply", timeout=2) == (
         "it refused Apply: FAILED_PRECONDITION: busy"
     )
+    too_large = explain(code.RESOURCE_EXHAUSTED, "larger than max", call="Health", timeout=2)
+    assert too_large.startswith("Health: a message was larger than its receiver takes")
+    assert "kpng takes answers up to 16 MiB" in too_large
 
 
 # --- real plugins
@@ -506,3 +510,72 @@ def test_a_socket_that_does_not_speak_grpc_is_reported_and_retried(
     assert accepted >= 2
     assert all("to-plugin http failed to apply revision 1: " in m for m in failures)
     assert all("cannot reach it" in m or "no answer" in m for m in failures), failures
+
+
+def _cluster(port: int) -> str:
+    """One Service, node-local to any node, whose port is ``port``: a change per step."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": "10.96.0.10",
+            "clusterIPs": ["10.96.0.10"],
+            "ports": [{"name": "http", "port": port, "protocol": "TCP", "targetPort": 8080}],
+        },
+    }
+    return json.dumps(service)
+
+
+def _json_port(line: dict[str, Any]) -> int | None:
+    services = line.get("services") or []
+    return services[0]["service"]["Ports"][0]["Port"] if services else None
+
+
+def _has_port(output: Path, port: int) -> Callable[[], bool]:
+    return lambda: _json_port(json_lines(output)[-1]) == port
+
+
+def _has_revision(record: Path, revision: int) -> Callable[[], bool]:
+    return lambda: bool(json_lines(record)) and json_lines(record)[-1]["revision"] >= revision
+
+
+def test_a_slow_plugin_stalls_neither_the_fast_one_nor_the_other_backends(
+    plugins: Plugins, tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    """One kpng: to-plugin with a plugin that takes 5 s per Apply and one that answers at
+    once, and to-json. Each change reaches the fast plugin and to-json within 2.5 s of its
+    write (well under the slow plugin's 5 s), while the slow one lags, fed coalesced states."""
+    slow = plugins.start("slow", "--delay", "5")
+    fast = plugins.start("fast")
+    cluster, output = tmp_path / "cluster.json", tmp_path / "states.jsonl"
+    cluster.write_text(_cluster(80))
+    argv = [
+        *kpng_command, "file", "--input", str(cluster), "to-local", "--node-name", "node-1",
+        "to-plugin", "--plugin", f"slow=unix://{slow}", "--plugin", f"fast=unix://{fast}",
+        "to-json", "--output", str(output),
+    ]  # fmt: skip
+    kpng = subprocess.Popen(argv, env=subprocess_env, stderr=subprocess.DEVNULL)
+    bound_s = 2.5
+    lags: list[tuple[float, float]] = []
+    try:
+        until(lambda: _json_port((json_lines(output) or [{}])[-1]) == 80, "the first state")
+        until(lambda: bool(json_lines(plugins.record("fast"))), "the fast plugin fed")
+        for port in range(81, 87):
+            written = time.time()
+            cluster.write_text(_cluster(port))
+            until(_has_port(output, port), f"to-json: {port}")
+            json_at = time.time()
+            revision = json_lines(output)[-1]["revision"]
+            until(_has_revision(plugins.record("fast"), revision), f"the fast plugin: {revision}")
+            fast_at = json_lines(plugins.record("fast"))[-1]["at"]
+            lags.append((json_at - written, fast_at - written))
+            time.sleep(0.3)
+        slow_revisions = [r["revision"] for r in json_lines(plugins.record("slow"))]
+        fast_revisions = [r["revision"] for r in json_lines(plugins.record("fast"))]
+    finally:
+        kpng.send_signal(signal.SIGTERM)
+        kpng.wait(timeout=WAIT_S)
+    assert all(json_lag < bound_s and fast_lag < bound_s for json_lag, fast_lag in lags), lags
+    assert len(slow_revisions) < len(fast_revisions) - 3, (slow_revisions, fast_revisions)

@@ -82,6 +82,41 @@ def test_slow_subscriber_reads_one_coalesced_delta() -> None:
     asyncio.run(scenario())
 
 
+def test_a_subscriber_that_does_not_read_costs_the_objects_not_the_churn() -> None:
+    """Objects created and deleted under new names since a subscriber's last read (rolling
+    deployments) are forgotten once they outnumber the objects; what it saw and what is there
+    is still named: the next delta is exact."""
+
+    async def scenario() -> None:
+        store = Store()
+        source = store.source("churn")
+        for name in ("kept", "seen", "changed"):
+            source.set_service(("ns", name), _service(name))
+        source.mark_synced()
+        sub = store.subscribe()
+        await _next(sub)
+        source.set_service(("ns", "seen"), None)  # it saw it: the deletion is named
+        source.set_service(("ns", "changed"), _service("changed", "http"))
+        source.commit()
+        for i in range(20_000):  # created and deleted since its last read: none of its business
+            source.set_service(("ns", f"tmp-{i}"), _service(f"tmp-{i}"))
+            source.commit()
+            source.set_service(("ns", f"tmp-{i}"), None)
+            source.commit()
+        source.set_service(("ns", "new"), _service("new"))
+        source.set_service(("ns", "seen"), _service("seen"))  # back, then gone again:
+        source.commit()
+        source.set_service(("ns", "seen"), None)  # the deletion of what it saw still counts
+        source.commit()
+        assert len(sub._services.keys) < 2048
+        delta = await _next(sub)
+        named = delta.services - {("ns", f"tmp-{i}") for i in range(20_000)}
+        assert named == {("ns", "seen"), ("ns", "changed"), ("ns", "new")}
+        assert len(delta.services) < 2048
+
+    asyncio.run(scenario())
+
+
 def test_first_delta_names_everything_even_when_subscribed_late() -> None:
     async def scenario() -> None:
         store = Store()

@@ -298,6 +298,12 @@ def _slice_endpoint(
     )
 
 
+MAX_SLICE_ENDPOINTS = 1000
+"""The most endpoints an EndpointSlice holds: the API server refuses more (discovery/v1
+validation), so more come from a hand-written manifest or a hostile source only, and such a
+slice is refused whole."""
+
+
 def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> Slice | None:
     """The model of a discovery.k8s.io/v1 EndpointSlice, or None if kube-proxy would ignore it."""
     namespace, name = _identity(obj.metadata)
@@ -318,6 +324,11 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
     if obj.address_type not in ("IPv4", "IPv6"):
         raise invalid(f"addressType: unknown value {obj.address_type!r}")
     v6 = obj.address_type == "IPv6"
+    if len(obj.endpoints or ()) > MAX_SLICE_ENDPOINTS:
+        raise invalid(
+            f"endpoints: {len(obj.endpoints or ())} endpoints, more than Kubernetes allows in a "
+            f"slice ({MAX_SLICE_ENDPOINTS})"
+        )
     endpoints = []
     for i, ep in enumerate(obj.endpoints or ()):
         converted = _slice_endpoint(ep, v6=v6, invalid=invalid, i=i)

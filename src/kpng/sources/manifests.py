@@ -40,6 +40,11 @@ Entry = Model | Ignored | None
 """What a file holds under a key: the object, or an ignored Service (why), or None (ignored)."""
 _KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
 
+MAX_OBJECT_BYTES = 3 << 19
+"""The largest object kpng reads from a manifest, as JSON: 1.5 MiB, etcd's default request limit
+(``--max-request-bytes``), so no larger object exists in a Kubernetes cluster. A larger one is
+reported, naming it, and skipped; the rest of the file is used."""
+
 
 class Parsed(msgspec.Struct):
     """One file's objects. ``Ignored`` or None: the object is there but ignored (not kpng's)."""
@@ -139,6 +144,9 @@ def _parse_json(
 def _add_json_object(
     raw: msgspec.Raw | bytes, where: str, proxy_name: str | None, parsed: Parsed
 ) -> tuple[ObjectKey, Entry] | None:
+    if len(raw) > MAX_OBJECT_BYTES:
+        _report_too_large(msgspec.json.decode(raw), len(raw), where, parsed)
+        return None
     try:
         obj = _object_decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -174,6 +182,10 @@ def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Pars
 
 
 def _add_python_object(item: Any, where: str, proxy_name: str | None, parsed: Parsed) -> None:
+    size = _json_size(item)
+    if size > MAX_OBJECT_BYTES:
+        _report_too_large(item, size, where, parsed)
+        return
     try:
         obj = msgspec.convert(item, type=k8s.Object, str_keys=True)
     except msgspec.ValidationError as exc:
@@ -193,6 +205,26 @@ def _report_undecodable(
     parsed.errors.append(
         f"{where}: {kind or 'object'} {object_name(namespace, name)}: {reason}; skipped"
     )
+
+
+def _json_size(item: Any) -> int:
+    """The size of a YAML document's object as JSON (0 if it has none: converting reports it)."""
+    if not isinstance(item, dict):
+        return 0
+    try:
+        return len(msgspec.json.encode(item))
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        return 0  # (a YAML alias of itself: converting says what is wrong with it)
+
+
+def _report_too_large(item: Any, size: int, where: str, parsed: Parsed) -> None:
+    kind, namespace, name = _identity_of(item)
+    reason = (
+        f"{size} bytes as JSON, larger than any object Kubernetes stores "
+        f"({MAX_OBJECT_BYTES} bytes, etcd's request limit)"
+    )
+    error = InvalidObject(kind or "object", namespace, name, reason)
+    parsed.errors.append(f"{where}: {error}; skipped")
 
 
 def _identity_of(item: Any) -> tuple[str, str, str]:

@@ -8,7 +8,8 @@ last saw them.
   synced; then their first delta names every object.
 - **Coalescing**: each subscriber accumulates the keys changed since it last read, so a slow
   subscriber reads one merged delta instead of a backlog, and memory stays bounded by the number of
-  objects, not of events.
+  objects, not of events: keys created and deleted again since a subscriber's last read (churn
+  under new names, as rolling deployments make) are forgotten once they outnumber the objects.
 - **Checked across sources**: two Services claiming one node port (which the API server would
   not allow, but files and relays are not checked by it) are reported when a revision makes it
   so, naming both; the state is served as it is (``kpng.store.nodeports`` says which one backends
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -53,6 +54,48 @@ TRIGGER_LIMIT = 100_000
 (and with them their network programming times), so memory stays bounded."""
 
 
+_MIN_NOTED = 1024
+"""Keys of one kind a subscriber that does not read accumulates before those it never saw
+(created and deleted since its last read) are forgotten; past this, twice the store's table."""
+
+
+class _Noted(Generic[K]):
+    """The keys of one kind changed since a subscriber's last read.
+
+    A key created since then (its first change since the read made it exist) and deleted again
+    is none of the subscriber's business: it never saw it. Such keys are forgotten once the set
+    outgrows twice the store's table, so a subscriber that does not read costs memory bounded by
+    the number of objects (those it saw and those there are), not by the churn.
+    """
+
+    __slots__ = ("_born", "_limit", "keys")
+
+    def __init__(self) -> None:
+        self.keys: set[K] = set()
+        self._born: set[K] = set()
+        self._limit = _MIN_NOTED
+
+    def note(self, changed: set[K], created: set[K], live: Mapping[K, object]) -> None:
+        if created:
+            self._born |= created - self.keys
+        self.keys |= changed
+        if len(self.keys) > max(self._limit, 2 * len(live)):
+            gone = {key for key in self._born if key not in live}
+            self.keys -= gone
+            self._born -= gone
+            self._limit = max(_MIN_NOTED, 2 * len(self.keys))
+
+    def take(self) -> frozenset[K]:
+        keys = frozenset(self.keys)
+        self.reset(set())
+        return keys
+
+    def reset(self, keys: set[K]) -> None:
+        self.keys = keys
+        self._born = set()
+        self._limit = _MIN_NOTED
+
+
 class Published(msgspec.Struct, frozen=True):
     """What one revision changed, told to ``Store.listeners`` (kpng's metrics count changes and
     time network programming with it)."""
@@ -67,27 +110,25 @@ class Subscription:
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._services: set[ServiceKey] = set()
-        self._slices: set[SliceKey] = set()
-        self._nodes: set[str] = set()
-        self._service_cidrs: set[str] = set()
+        self._services: _Noted[ServiceKey] = _Noted()
+        self._slices: _Noted[SliceKey] = _Noted()
+        self._nodes: _Noted[str] = _Noted()
+        self._service_cidrs: _Noted[str] = _Noted()
         self._triggers: list[tuple[bool, float]] = []
         self._revision = 0  # the last revision delivered
         self._wakeup = asyncio.Event()
         self._closed = False
 
-    def _note(
-        self,
-        services: set[ServiceKey],
-        slices: set[SliceKey],
-        nodes: set[str],
-        service_cidrs: set[str],
-        triggers: Sequence[tuple[bool, float]],
-    ) -> None:
-        self._services |= services
-        self._slices |= slices
-        self._nodes |= nodes
-        self._service_cidrs |= service_cidrs
+    def _note(self, staged: SourceHandle) -> None:
+        store = self._store
+        if self._revision:  # (the first delivery names every object)
+            self._services.note(staged._services, staged._created_services, store._services)
+            self._slices.note(staged._slices, staged._created_slices, store._slices)
+            self._nodes.note(staged._nodes, staged._created_nodes, store._nodes)
+            self._service_cidrs.note(
+                staged._service_cidrs, staged._created_service_cidrs, store._service_cidrs
+            )
+        triggers = staged._triggers
         if triggers:
             self._triggers += triggers
             if len(self._triggers) > TRIGGER_LIMIT:
@@ -109,24 +150,20 @@ class Subscription:
                 raise StopAsyncIteration
             if store.synced and store.revision > self._revision:
                 if self._revision == 0:
-                    # First delivery: everything, whatever was noted before the sync.
-                    self._services = set(store.services)
-                    self._slices = set(store.slices)
-                    self._nodes = set(store.nodes)
-                    self._service_cidrs = set(store.service_cidrs)
+                    # First delivery: everything (nothing was noted before it).
+                    self._services.reset(set(store.services))
+                    self._slices.reset(set(store.slices))
+                    self._nodes.reset(set(store.nodes))
+                    self._service_cidrs.reset(set(store.service_cidrs))
                 delta = Delta(
                     revision=store.revision,
-                    services=frozenset(self._services),
-                    slices=frozenset(self._slices),
-                    nodes=frozenset(self._nodes),
-                    service_cidrs=frozenset(self._service_cidrs),
+                    services=self._services.take(),
+                    slices=self._slices.take(),
+                    nodes=self._nodes.take(),
+                    service_cidrs=self._service_cidrs.take(),
                     triggers=_by_family(self._triggers),
                 )
                 self._triggers = []
-                self._services.clear()
-                self._slices.clear()
-                self._nodes.clear()
-                self._service_cidrs.clear()
                 self._revision = store.revision
                 return delta
             self._wakeup.clear()
@@ -169,11 +206,15 @@ class SourceHandle:
         self._slices: set[SliceKey] = set()
         self._nodes: set[str] = set()
         self._service_cidrs: set[str] = set()
+        # Of the staged keys, those that did not exist before this commit.
+        self._created_services: set[ServiceKey] = set()
+        self._created_slices: set[SliceKey] = set()
+        self._created_nodes: set[str] = set()
+        self._created_service_cidrs: set[str] = set()
         self._triggers: list[tuple[bool, float]] = []
 
     def set_service(self, key: ServiceKey, service: Service | None) -> None:
-        if _put(self._store._services, key, service):
-            self._services.add(key)
+        if _stage(self._store._services, key, service, self._services, self._created_services):
             self._store._node_ports.update(key, service)
 
     def ignore_service(self, key: ServiceKey, reason: str | None) -> None:
@@ -187,27 +228,24 @@ class SourceHandle:
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         store = self._store
         old = store._slices.get(key)
-        if _put(store._slices, key, sl):
-            self._slices.add(key)
+        if _stage(store._slices, key, sl, self._slices, self._created_slices):
             store._index_slice(key, old, sl)
             if sl is not None and sl.trigger_time:
                 self._triggers.append((sl.v6, sl.trigger_time))
 
     def set_node(self, name: str, node: Node | None) -> None:
-        if _put(self._store._nodes, name, node):
-            self._nodes.add(name)
+        _stage(self._store._nodes, name, node, self._nodes, self._created_nodes)
 
     def set_service_cidr(self, name: str, cidr: ServiceCIDR | None) -> None:
-        if _put(self._store._service_cidrs, name, cidr):
-            self._service_cidrs.add(name)
+        _stage(
+            self._store._service_cidrs, name, cidr, self._service_cidrs, self._created_service_cidrs
+        )
 
     def commit(self) -> bool:
         """Publish the staged changes as one revision; False if nothing really changed."""
         if not (self._services or self._slices or self._nodes or self._service_cidrs):
             return False
-        self._store._publish(
-            self._services, self._slices, self._nodes, self._service_cidrs, self._triggers
-        )
+        self._store._publish(self)
         if self._store.listeners:
             published = Published(
                 revision=self._store.revision,
@@ -218,6 +256,8 @@ class SourceHandle:
                 listener(published)
         self._services, self._slices, self._nodes = set(), set(), set()
         self._service_cidrs = set()
+        self._created_services, self._created_slices = set(), set()
+        self._created_nodes, self._created_service_cidrs = set(), set()
         self._triggers = []
         return True
 
@@ -236,6 +276,19 @@ class SourceHandle:
         if not self.synced:
             self.synced = True
             self._store._source_synced(self)
+
+
+def _stage(table: dict[K, V], key: K, value: V | None, staged: set[K], created: set[K]) -> bool:
+    """Write ``value`` at ``key``; if that changed it, stage the key (and note it created if it
+    did not exist before this commit: its first write since made it exist)."""
+    existed = key in table
+    if not _put(table, key, value):
+        return False
+    if key not in staged:
+        staged.add(key)
+        if not existed:
+            created.add(key)
+    return True
 
 
 def _put(table: dict[K, V], key: K, value: V | None) -> bool:
@@ -343,14 +396,9 @@ class Store:
         self._subscriptions.add(sub)
         return sub
 
-    def _publish(
-        self,
-        services: set[ServiceKey],
-        slices: set[SliceKey],
-        nodes: set[str],
-        service_cidrs: set[str],
-        triggers: Sequence[tuple[bool, float]],
-    ) -> None:
+    def _publish(self, staged: SourceHandle) -> None:
+        services, slices, nodes = staged._services, staged._slices, staged._nodes
+        service_cidrs = staged._service_cidrs
         self.revision += 1
         if service_cidrs:
             self._service_cidr_ranges = None
@@ -365,7 +413,7 @@ class Store:
         if services:
             self._report_node_port_conflicts()
         for sub in self._subscriptions:
-            sub._note(services, slices, nodes, service_cidrs, triggers)
+            sub._note(staged)
 
     def _report_node_port_conflicts(self) -> None:
         # Checked per revision, not per write: a source's batch that moves a node port from one

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kpng import __version__
 from kpng.api import pluginv1_pb2
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 SERVICE = "/kpng.pluginv1.Plugin/"
 WANTS = {pluginv1_pb2.FULL: "FULL states", pluginv1_pb2.DIFFS: "DIFFS"}
 ENCODINGS = {pluginv1_pb2.PROTOBUF: "protobuf", pluginv1_pb2.JSON: "JSON"}
+MAX_ANSWER = 16 << 20
+"""The largest answer kpng takes from a plugin (its answers are small: a larger one is refused
+by the channel, RESOURCE_EXHAUSTED, and ends the session)."""
 
 
 class PluginError(KpngError):
@@ -44,6 +48,12 @@ def explain(code: grpc.StatusCode, details: str, *, call: str, timeout: float) -
         return (
             f"it does not serve kpng.pluginv1.Plugin/{call}: not a kpng plugin, or another "
             f"version of the plugin API ({details})"
+        )
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return (
+            f"{call}: a message was larger than its receiver takes ({details}); kpng takes "
+            f"answers up to {MAX_ANSWER >> 20} MiB, and a plugin must raise its own receive "
+            "limit for the states of a large cluster"
         )
     if code == grpc.StatusCode.CANCELLED:
         return f"{call} was cancelled (the connection was closed)"
@@ -108,7 +118,7 @@ class PluginBackend:
         channel = grpc.aio.insecure_channel(
             f"unix:{spec.socket}",
             options=[
-                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_receive_message_length", MAX_ANSWER),
                 # One connection per session: a reconnection must start a new session.
                 ("grpc.use_local_subchannel_pool", 1),
             ],
@@ -164,14 +174,20 @@ class PluginBackend:
     ) -> Any:
         serialize: Callable[[Any], bytes] = _same if raw else type(request).SerializeToString
         method = session.channel.unary_unary(
-            SERVICE + name, request_serializer=serialize, response_deserializer=response.FromString
+            SERVICE + name, request_serializer=serialize, response_deserializer=_decoder(response)
         )
         try:
-            return await method(request, timeout=self.timeout)
+            answer = await method(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             await self._drop(session)
             why = explain(exc.code(), exc.details() or "", call=name, timeout=self.timeout)
             raise PluginError(why) from exc
+        if isinstance(answer, _Undecodable):
+            await self._drop(session)
+            raise PluginError(
+                f"its answer to {name} is no {response.DESCRIPTOR.full_name}: {answer.why}"
+            )
+        return answer
 
     async def _drop(self, session: _Session) -> None:
         if self._session is session:
@@ -219,3 +235,21 @@ class PluginBackend:
 
 def _same(data: bytes) -> bytes:
     return data
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """An answer that is no message of the type asked for. grpc would log a deserializer's
+    exception and hand the caller None (not an error), so the decoder says it instead."""
+
+    why: str
+
+
+def _decoder(response: Any) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return response.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc) or "it does not decode")
+
+    return decode
