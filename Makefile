@@ -59,6 +59,7 @@ unit: $(DEV) system-packages-as-root control-plane real-nodes
 # built with Go on first use (a few minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(DEV)
 	$(BIN)/python -m kpng.harness.cluster build
+	$(BIN)/python -m kpng.harness.chart build
 
 # The API-server tests against every supported Kubernetes release (kpng.harness.cluster's
 # SUPPORTED_VERSIONS), or those in VERSIONS (e.g. make compat VERSIONS=v1.34.4): each control

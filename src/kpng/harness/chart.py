@@ -2,7 +2,7 @@
 
 helm is built from its Go module (``helm.sh/helm/v4``) with the machine's Go toolchain and
 cached beside the Kubernetes programs (``~/.cache/kpng/control-plane/go/``), as CoreDNS is:
-``python -m kpng.harness.cluster build`` (``make control-plane``, on ``make test``'s path)
+``python -m kpng.harness.chart build`` (``make control-plane``, on ``make test``'s path)
 builds it, in about two minutes on two cores, and later calls find it at once.
 
 ``template`` renders the chart as ``helm template`` does for ``kubectl apply`` (the real-node
@@ -12,9 +12,11 @@ own, so that an operator's helm configuration, repositories and plugins change n
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -116,3 +118,20 @@ def objects(given: Mapping[str, Any], *, namespace: str = NAMESPACE) -> list[dic
 def lint(given: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
     """``helm lint --strict``: its output says what is wrong, its status whether anything is."""
     return _helm(["lint", "--strict", str(CHART_DIR), "--namespace", NAMESPACE], given)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kpng.harness.chart build``: build (or find) helm, print its path."""
+    parser = argparse.ArgumentParser(prog="python -m kpng.harness.chart", description=main.__doc__)
+    parser.add_argument("command", choices=["build"])
+    parser.parse_args(argv)
+    try:
+        print(f"helm {HELM_VERSION}: {ensure_helm()}")
+    except ControlPlaneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

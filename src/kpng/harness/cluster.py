@@ -15,7 +15,7 @@ A started ``ControlPlane`` has etcd (plain HTTP) and kube-apiserver (HTTPS, gene
 certificates, a static admin token and an admin client certificate) on free loopback ports, and a
 kubeconfig with two contexts: ``kpng`` (token) and ``kpng-cert`` (client certificate).
 
-    python -m kpng.harness.cluster build      # build (or find) the binaries and helm, print paths
+    python -m kpng.harness.cluster build      # build (or find) the binaries, print their paths
     python -m kpng.harness.cluster up         # start in the background, print the kubeconfig
     python -m kpng.harness.cluster env        # print `export KUBECONFIG=...`
     python -m kpng.harness.cluster down       # stop and remove everything `up` made
@@ -986,11 +986,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             binaries = ensure_binaries()
             print(f"kube-apiserver {binaries.kubernetes_version}: {binaries.kube_apiserver}")
             print(f"etcd {binaries.etcd_version}: {binaries.etcd}")
-            # helm too: the chart's tests lint and render deploy/helm/kpng with it. Imported
-            # here, as kpng.harness.chart builds it with this module's Go helpers.
-            from kpng.harness import chart
-
-            print(f"helm {chart.HELM_VERSION}: {chart.ensure_helm()}")
             print(f"ready in {time.monotonic() - started:.1f} s")
         elif args.command == "up":
             if (directory / "state.json").exists():
