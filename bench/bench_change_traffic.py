@@ -15,18 +15,26 @@ and asks on it every 50 ms through ``--hold`` seconds after the new pod answered
 connection survives its endpoint's removal from the service (kube-proxy keeps such flows: their
 conntrack entry stays, only UDP entries are deleted; the pod itself still runs here).
 
+Then the same through the whole process (``--no-process`` skips it): ``kpng file --input DIR
+to-local --node-name node-000 to-nft`` in the node, DIR holding ``synthetic.py``'s cluster of
+S services in one file and the target in another, which each change replaces (a rename); the
+figure runs from the rename. The file source notices it through inotify (``watchfiles``,
+which yields once 30 ms pass without another event), re-reads that small file only, and the change
+flows through the store, to-local and to-nft as in a cluster.
+
 Sizes run one after the other in the same test bed, the baseline first, with the same number of
-changes; the ratio of the largest to the smallest median follows. Every step is bounded; the
-namespaces are removed on exit, also on failure.
+changes; the ratio of the largest to the smallest median follows, per mode. Every step is
+bounded; the namespaces are removed on exit, also on failure.
 
     flock /tmp/kpng-bench.lock python bench/bench_change_traffic.py [--sizes 100,100000]
-        [--changes 20] [--interval 0.001] [--watch 10] [--hold 0.5]
+        [--changes 20] [--interval 0.001] [--watch 10] [--hold 0.5] [--no-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import resource
@@ -34,10 +42,15 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from bench_nft import TARGET_IP
+from bench_split import BACKEND, HEALTHZ, KPNG, NODE
 
 TARGET_PORT = 80
 PODS = ("a", "b")
@@ -127,20 +140,24 @@ def _ask(sock: socket.socket | None) -> str:
         return f"error: {exc}"
 
 
-def client(host: str, interval: float, watch: float, hold: float) -> int:
-    """Per input line ``OLD NEW``: hold a connection to OLD, say ``ready``, then connect every
-    ``interval`` until NEW answers (at most ``watch`` s), and ``hold`` s more; report."""
+def client(host: str, interval: float, hold: float) -> int:
+    """Per input line ``OLD NEW WATCH``: hold a connection to OLD, say ``ready``, then connect
+    every ``interval`` until NEW answers (at most WATCH s), and ``hold`` s more; report. With
+    OLD ``-``, only wait for NEW, connecting every 50 ms."""
     for line in sys.stdin:
-        old, new = line.split()
-        opened = socket.create_connection((host, TARGET_PORT), timeout=1.0)
-        opened.settimeout(0.5)
-        held: socket.socket | None = opened
-        first = _ask(held)
-        if first != old:
-            _say({"error": f"the held connection reached {first!r}, not {old}"})
-            return 1
-        _say({"ready": True})
-        deadline = time.monotonic() + watch
+        old, new, watch = line.split()
+        held: socket.socket | None = None
+        pause = 0.05
+        if old != "-":
+            held = socket.create_connection((host, TARGET_PORT), timeout=1.0)
+            held.settimeout(0.5)
+            first = _ask(held)
+            if first != old:
+                _say({"error": f"the held connection reached {first!r}, not {old}"})
+                return 1
+            _say({"ready": True})
+            pause = interval
+        deadline = time.monotonic() + float(watch)
         results: list[tuple[str, float, float]] = []
         asked: list[tuple[float, str]] = []
         last_ask = 0.0
@@ -155,25 +172,26 @@ def client(host: str, interval: float, watch: float, hold: float) -> int:
                     deadline = end + hold
                 elif answer == old:
                     last_old = start
-            if end - last_ask >= 0.05:
+            if held is not None and end - last_ask >= 0.05:
                 last_ask = time.monotonic()
                 asked.append((last_ask, _ask(held)))
-                if asked[-1][1] != old and held is not None:
+                if asked[-1][1] != old:
                     held.close()
                     held = None
-            time.sleep(interval)
+            time.sleep(pause)
         if held is not None:
             held.close()
-        after = [a for a, s, _ in results if reached is not None and s > reached[1]]
-        before = [a for a, _, e in results if reached is None or e < reached[0]]
+        after = [(a, s) for a, s, _ in results if reached is not None and s > reached[1]]
+        before = [(a, s) for a, s, e in results if reached is None or e < reached[0]]
         _say(
             {
                 "reached": reached,
                 "last_old": last_old,
                 "connections": len(results),
-                "failed_before": [a for a in before if a not in (old, new)],
+                "durations": [e - s for _, s, e in results],
+                "failed_before": [(a, s) for a, s in before if a not in (old, new)],
                 "after": len(after),
-                "after_not_new": [a for a in after if a != new],
+                "after_not_new": [(a, s) for a, s in after if a != new],
                 "held_after": [a for t, a in asked if reached is not None and t > reached[1]],
             }
         )
@@ -218,113 +236,90 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-def measure(args: argparse.Namespace) -> int:
-    from bench_nft import TARGET_IP
-
-    from kpng.testing.netns import ClusterSpec, TestBed
-
-    me = [sys.executable, str(Path(__file__).resolve())]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    medians: dict[int, float] = {}
-    print(f"load average before: {os.getloadavg()[0]:.2f} (2 cores; other work skews timings)")
-    with TestBed(ClusterSpec.parse({"node-1": ["a", "b", "client"]})) as bed:
-        ips = {pod: bed.pod(pod).ip4 for pod in PODS}
-        spawned: list[subprocess.Popen[str]] = []
-
-        def spawn(netns: str, argv: list[str]) -> subprocess.Popen[str]:
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", netns, *argv],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            spawned.append(proc)
-            return proc
-
-        try:
-            probe = [*me, "--client", TARGET_IP, "--interval", str(args.interval)]
-            probe += ["--watch", str(args.watch), "--hold", str(args.hold)]
-            prober = spawn(bed.pod("client").netns, probe)
-            node_ns = bed.nodes["node-1"].netns
-            for size in args.sizes:
-                node_argv = [*me, "--node", json.dumps(ips), "--services", str(size)]
-                medians[size] = _size(args, size, spawn(node_ns, node_argv), prober)
-                bed.exec(node_ns, ["nft", "delete", "table", "inet", "kpng"])
-        finally:
-            for proc in spawned:
-                if proc.stdin is not None:
-                    proc.stdin.close()
-            for proc in spawned:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    small, large = min(medians), max(medians)
-    if small != large:
-        print(
-            f"ratio of medians, {large:,} / {small:,} services: "
-            f"{medians[large] / medians[small]:.2f}"
-        )
-    return 0
+Popen = subprocess.Popen[str]
+Handed = tuple[float, float | None]
+"""When a change was handed over, and when the backend had applied it if known."""
 
 
-def _size(
+@dataclass
+class Changes:
+    """What the changes of one size and mode showed."""
+
+    traffic: list[float] = field(default_factory=list)
+    """Seconds from each change to the first new connection the new pod answered."""
+    kernel: list[float] = field(default_factory=list)
+    """Seconds from each change until ``apply`` returned (in process only)."""
+    lower: list[float] = field(default_factory=list)
+    """When the last new connection the old pod answered had started (the switch came later)."""
+    connections: int = 0
+    durations: list[float] = field(default_factory=list)
+    """Seconds each new connection took, connect to answer."""
+    problems: list[str] = field(default_factory=list)
+    held: list[tuple[str, list[str]]] = field(default_factory=list)
+    """The old pod, and what the connection held to it answered after the new pod answered."""
+
+
+def _changes(
     args: argparse.Namespace,
-    size: int,
-    node_proc: subprocess.Popen[str],
     prober: subprocess.Popen[str],
-) -> float:
-    """The changes at ``size`` services; the median change → traffic."""
-    started = _read(node_proc)
-    print(
-        f"{size:,} services x 10 endpoints: state built in {started['built']:.1f} s, full sync "
-        f"{started['full_sync']:.2f} s, node process peak RSS {started['rss_mib']:.0f} MiB"
-    )
-    traffic: list[float] = []
-    kernel: list[float] = []
-    lower: list[float] = []
-    connections = 0
-    problems: list[str] = []
-    held: list[tuple[str, list[str]]] = []
+    change: Callable[[int, str], tuple[float, float | None]],
+) -> Changes:
+    """``args.changes`` changes, each made by ``change(i, new pod)``: when it was handed over
+    (``time.monotonic()``) and when the backend had applied it, if known."""
+    out = Changes()
     holder = "a"
     for i in range(args.changes):
         new = "b" if holder == "a" else "a"
-        _send(prober, f"{holder} {new}")
+        _send(prober, f"{holder} {new} {args.watch}")
         if "error" in (ready := _read(prober, 10)):
             raise SystemExit(f"change {i}: {ready['error']}")
-        _send(node_proc, f"change {2 + i}")
-        applied = _read(node_proc)
+        handed, applied = change(i, new)
         seen = _read(prober, args.watch + args.hold + 30)
         if seen["reached"] is None:
             raise SystemExit(f"change {i}: no new connection reached pod {new} in {args.watch} s")
-        handed = applied["handed"]
-        traffic.append(seen["reached"][1] - handed)
-        kernel.append(applied["applied"] - handed)
-        # The switch came after the last connection the old pod answered had started.
-        lower.append(max(seen["last_old"] - handed, 0.0))
-        connections += seen["connections"]
-        problems += [f"before: {a}" for a in seen["failed_before"]]
-        problems += [f"after, reached {a}" for a in seen["after_not_new"]]
-        held.append((holder, seen["held_after"]))
+        out.traffic.append(seen["reached"][1] - handed)
+        if applied is not None:
+            out.kernel.append(applied - handed)
+        out.lower.append(max(seen["last_old"] - handed, 0.0))
+        out.connections += seen["connections"]
+        out.durations += seen["durations"]
+        for when, bad in (("before", seen["failed_before"]), ("after", seen["after_not_new"])):
+            out.problems += [
+                f"change {i}, {_ms(at - handed)} ms, {when} the new pod answered: {answer}"
+                for answer, at in bad
+            ]
+        out.held.append((holder, seen["held_after"]))
         holder = new
-    assert node_proc.stdin is not None
-    node_proc.stdin.close()
-    node_proc.wait(timeout=60)
+    return out
+
+
+def _report(args: argparse.Namespace, changes: Changes) -> float:
+    """Print the figures of ``changes``; their median change → traffic."""
+    traffic = changes.traffic
     median = _percentile(traffic, 0.5)
     print(
         f"  change → first new connection on the new pod: median {_ms(median)} ms, p99 "
         f"{_ms(_percentile(traffic, 0.99))} ms, worst {_ms(max(traffic))} ms "
-        f"({args.changes} changes, {connections:,} connections)"
+        f"({len(traffic)} changes, {changes.connections:,} connections, one connect to answer: "
+        f"median {_percentile(changes.durations, 0.5) * 1e6:.0f} us)"
     )
+    if changes.kernel:
+        kernel = changes.kernel
+        print(
+            f"  change → rules in the kernel (apply returned): median "
+            f"{_ms(_percentile(kernel, 0.5))} ms, p99 {_ms(_percentile(kernel, 0.99))} ms, "
+            f"worst {_ms(max(kernel))} ms"
+        )
     print(
-        f"  change → rules in the kernel (apply returned): median "
-        f"{_ms(_percentile(kernel, 0.5))} ms, p99 {_ms(_percentile(kernel, 0.99))} ms, worst "
-        f"{_ms(max(kernel))} ms; the last new connection the old pod answered had started "
-        f"{_ms(_percentile(lower, 0.5))} ms after the change (median; the switch came later)"
+        f"  the last new connection the old pod answered had started "
+        f"{_ms(_percentile(changes.lower, 0.5))} ms after the change (median; the switch came "
+        "later)"
     )
-    print(f"  new connections failed or reached the old pod: {len(problems)} {problems[:5]}")
+    problems = changes.problems
+    print(f"  new connections that failed or reached the old pod: {len(problems)}")
+    for problem in problems[:10]:
+        print(f"    {problem}")
+    held = changes.held
     kept = sum(bool(answers) and all(a == old for a in answers) for old, answers in held)
     others = sorted({a for old, answers in held for a in answers if a != old})
     asked = sum(len(answers) for _, answers in held)
@@ -336,6 +331,195 @@ def _size(
     return median
 
 
+def measure(args: argparse.Namespace) -> int:
+    from kpng.testing.netns import ClusterSpec, TestBed
+
+    me = [sys.executable, str(Path(__file__).resolve())]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    medians: dict[str, dict[int, float]] = {"in process": {}, "whole process": {}}
+    print(f"load average before: {os.getloadavg()[0]:.2f} (2 cores; other work skews timings)")
+    with (
+        TestBed(ClusterSpec.parse({"node-1": ["a", "b", "client"]})) as bed,
+        tempfile.TemporaryDirectory(prefix="kpng-traffic-") as tmp_dir,
+    ):
+        tmp = args.workdir or Path(tmp_dir)
+        ips = {pod: bed.pod(pod).ip4 for pod in PODS}
+        node_ns = bed.nodes["node-1"].netns
+        spawned: list[subprocess.Popen[str]] = []
+
+        def spawn(netns: str, argv: list[str], log: IO[bytes] | None = None) -> Popen:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", netns, *argv],
+                stdin=subprocess.PIPE if log is None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if log is None else log,
+                stderr=None if log is None else subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            spawned.append(proc)
+            return proc
+
+        try:
+            probe = [*me, "--client", TARGET_IP, "--interval", str(args.interval)]
+            prober = spawn(bed.pod("client").netns, [*probe, "--hold", str(args.hold)])
+            for size in args.sizes:
+                node_argv = [*me, "--node", json.dumps(ips), "--services", str(size)]
+                node_proc = spawn(node_ns, node_argv)
+                started = _read(node_proc)
+                print(
+                    f"{size:,} services x 10 endpoints, to-nft in process: state built in "
+                    f"{started['built']:.1f} s, full sync {started['full_sync']:.2f} s, peak "
+                    f"RSS {started['rss_mib']:.0f} MiB"
+                )
+
+                def in_process(i: int, _: str, node_proc: Popen = node_proc) -> Handed:
+                    _send(node_proc, f"change {2 + i}")
+                    applied = _read(node_proc)
+                    return applied["handed"], applied["applied"]
+
+                medians["in process"][size] = _report(args, _changes(args, prober, in_process))
+                _close(node_proc)
+                bed.exec(node_ns, ["nft", "delete", "table", "inet", "kpng"])
+                if args.process:
+                    workdir = Path(tmp) / str(size)
+                    in_node = functools.partial(spawn, node_ns)
+                    whole = _whole_process(args, size, ips, workdir, node_ns, in_node, prober)
+                    medians["whole process"][size] = whole
+                    bed.exec(node_ns, ["nft", "delete", "table", "inet", "kpng"], check=False)
+        finally:
+            for proc in spawned:
+                _close(proc)
+    for mode, by_size in medians.items():
+        if len(by_size) > 1:
+            small, large = min(by_size), max(by_size)
+            print(
+                f"{mode}: ratio of medians, {large:,} / {small:,} services: "
+                f"{by_size[large] / by_size[small]:.2f}"
+            )
+    return 0
+
+
+def _close(proc: Popen) -> None:
+    """End a process of ours: its input closed (the node and the client end then), else
+    SIGTERM (kpng), within a minute, else SIGKILL."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+    elif proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _target(ip: str) -> str:
+    """The target service and its slice, its one endpoint at ``ip`` on the node, as a file."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "target", "namespace": "bench"},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": TARGET_IP,
+            "clusterIPs": [TARGET_IP],
+            "ports": [{"name": "http", "port": TARGET_PORT, "targetPort": 8080, "protocol": "TCP"}],
+        },
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "target-1",
+            "namespace": "bench",
+            "labels": {"kubernetes.io/service-name": "target"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [
+            {
+                "addresses": [ip],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "nodeName": NODE,
+            }
+        ],
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [service, endpoints]})
+
+
+def _whole_process(
+    args: argparse.Namespace,
+    size: int,
+    ips: dict[str, str],
+    workdir: Path,
+    node_ns: str,
+    spawn: Callable[[list[str], IO[bytes]], Popen],
+    prober: Popen,
+) -> float:
+    """``kpng file --input DIR to-local ... to-nft`` following a directory: ``synthetic.py``'s
+    cluster of ``size`` services in one file, the target in another, rewritten (a rename) for
+    each change; the median change → traffic."""
+    import synthetic
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if not (workdir / "cluster.json").exists():
+        synthetic.write(workdir / "cluster.json", size)
+    made = time.perf_counter() - start
+    target = workdir / "target.json"
+    target.write_text(_target(ips["a"]))
+    argv = [*KPNG, f"--healthz-bind-address={HEALTHZ}", "file", "--input", str(workdir)]
+    argv += ["to-local", "--node-name", NODE, *BACKEND]
+    with (workdir.parent / f"kpng-{size}.log").open("wb") as log:
+        proc = spawn(argv, log)
+        try:
+            # Wait by /healthz, not by connecting: a connection tried before the rules exist
+            # leaves an entry without DNAT in conntrack (SYN_SENT, 120 s), and a later one
+            # from the same source port follows it and is refused.
+            started = time.monotonic()
+            healthz = f"import urllib.request; urllib.request.urlopen('http://{HEALTHZ}/healthz')"
+            while subprocess.run(
+                ["ip", "netns", "exec", node_ns, sys.executable, "-c", healthz],
+                capture_output=True,
+                check=False,
+            ).returncode:
+                if proc.poll() is not None or time.monotonic() > started + STEP_TIMEOUT_S:
+                    raise SystemExit(f"kpng never became healthy: {_tail(log.name)}")
+                time.sleep(0.2)
+            healthy = time.monotonic() - started
+            _send(prober, f"- a {args.watch}")
+            if _read(prober, args.watch + 30)["reached"] is None:
+                raise SystemExit(f"pod a never answered through kpng: {_tail(log.name)}")
+            peak = _peak_mib(proc.pid)
+            print(
+                f"{size:,} services x 10 endpoints, whole process (cluster file made in "
+                f"{made:.1f} s): start → healthy (first state programmed) {healthy:.1f} s, "
+                f"peak RSS {peak:.0f} MiB"
+            )
+
+            def rewrite(_: int, new: str) -> Handed:
+                staged = workdir / "target.json.new"  # not a manifest's suffix: not read
+                staged.write_text(_target(ips[new]))
+                handed = time.monotonic()
+                os.replace(staged, target)
+                return handed, None
+
+            return _report(args, _changes(args, prober, rewrite))
+        finally:
+            _close(proc)
+
+
+def _peak_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _tail(path: str) -> str:
+    return Path(path).read_text(errors="replace")[-2000:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=_sizes, default=[100, 100000])
@@ -343,6 +527,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.001, help="between new connections")
     parser.add_argument("--watch", type=float, default=10.0, help="per change, at most")
     parser.add_argument("--hold", type=float, default=0.5, help="after the new pod answered")
+    parser.add_argument(
+        "--no-process", dest="process", action="store_false", help="in process only"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="keep the clusters and kpng's logs there (default: none)"
+    )
     parser.add_argument("--node", help=argparse.SUPPRESS)
     parser.add_argument("--services", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -350,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.node:
         return node(args.services, json.loads(args.node))
     if args.client:
-        return client(args.client, args.interval, args.watch, args.hold)
+        return client(args.client, args.interval, args.hold)
     return measure(args)
 
 
