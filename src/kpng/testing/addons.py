@@ -9,11 +9,13 @@ Ready when their ``/healthz`` says the node's rules are programmed.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from kpng.testing.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
+from kpng.testing.waiting import until
 
 DEPLOY_DIR = Path(__file__).resolve().parents[3] / "deploy"
 """The manifests a cluster operator applies; present in a source checkout."""
@@ -56,6 +58,24 @@ def deploy_kpng(
     """deploy/rbac.yaml and the ``shape``'s manifest, applied as the operator would (with
     kube-proxy's ``mode`` in the DaemonSet's configuration); returns once every node's kpng pod
     is Ready."""
+    manifest = kpng_manifest(cluster, image, mode=mode, shape=shape)
+    cluster.kubectl("apply", "-f", "-", input=rbac_manifest())
+    cluster.kubectl("apply", "-f", "-", input=manifest)
+    if shape == "central":
+        wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
+    wait_rollout(cluster, "daemonset/kpng", timeout_s)
+
+
+def rbac_manifest() -> str:
+    """deploy/rbac.yaml: kpng's ServiceAccount and what it may read."""
+    return _deploy_file("rbac.yaml")
+
+
+def kpng_manifest(
+    cluster: RealCluster, image: str, *, mode: str = "nftables", shape: str = "daemonset"
+) -> str:
+    """The ``shape``'s manifest as the operator renders it for ``cluster`` (``envsubst``), in
+    kube-proxy's ``mode``; the central shape's brains are prepared on the way."""
     values = {
         "KPNG_API_SERVER": cluster.server,
         "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
@@ -74,11 +94,7 @@ def deploy_kpng(
         manifest = manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
     elif mode != "nftables":
         raise NodeError(f"the {shape} shape runs to-nft only, not {mode}")
-    cluster.kubectl("apply", "-f", "-", input=_deploy_file("rbac.yaml"))
-    cluster.kubectl("apply", "-f", "-", input=manifest)
-    if shape == "central":
-        wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
-    wait_rollout(cluster, "daemonset/kpng", timeout_s)
+    return manifest
 
 
 def _prepare_brains(cluster: RealCluster) -> str:
@@ -374,3 +390,36 @@ def deploy_coredns(cluster: RealCluster, image: str, *, timeout_s: int = 180) ->
     also proves the proxy deployed before it works."""
     cluster.kubectl("apply", "-f", "-", input=coredns_manifests(image, CLUSTER_DNS))
     wait_rollout(cluster, "deployment/coredns", timeout_s)
+
+
+def debug_node(
+    cluster: RealCluster, node: str, image: str, argv: Sequence[str], *, timeout_s: float = 90
+) -> str:
+    """docs/migration.md's ``kubectl debug node/NODE --profile=sysadmin --image=IMAGE -- ARGV``:
+    ``argv`` as root in the node's network namespace, in a pod of ``image``. Returns its output
+    once it exited, which it must have done with 0; the debugging pod, which ``kubectl debug``
+    leaves, is deleted."""
+    prefix = f"node-debugger-{node}-"
+
+    def debuggers() -> set[str]:
+        pods = cluster.get("pods")["items"]
+        return {p["metadata"]["name"] for p in pods if p["metadata"]["name"].startswith(prefix)}
+
+    before = debuggers()
+    cluster.kubectl("debug", f"node/{node}", "--profile=sysadmin", f"--image={image}", "--", *argv)
+    (pod,) = debuggers() - before
+    try:
+        phase = ""
+
+        def exited() -> bool:
+            nonlocal phase
+            phase = cluster.get("pod", pod)["status"].get("phase", "")
+            return phase in ("Succeeded", "Failed")
+
+        until(exited, f"{' '.join(argv)} on {node}", within=timeout_s, interval=0.5)
+        output = cluster.kubectl("logs", pod)
+        if phase != "Succeeded":
+            raise NodeError(f"{' '.join(argv)} failed on {node}: {output.strip()}")
+        return output
+    finally:
+        cluster.kubectl("delete", "pod", pod, "--wait=false", check=False)
