@@ -10,12 +10,14 @@ Ready when their ``/healthz`` says the node's rules are programmed.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import yaml
 
 from kpng.harness import chart
 from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
 from kpng.harness.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
+from kpng.testing.waiting import until
 
 _PLACEHOLDER = re.compile(r"\$\{(KPNG_[A-Z_]+)\}")
 
@@ -84,6 +86,30 @@ def deploy_kpng(
     if shape == "central":
         wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
     wait_rollout(cluster, "daemonset/kpng", timeout_s)
+
+
+def rbac_manifest() -> str:
+    """deploy/rbac.yaml: kpng's ServiceAccount and what it may read."""
+    return _deploy_file("rbac.yaml")
+
+
+def kpng_manifest(cluster: RealCluster, image: str, *, mode: str = "nftables") -> str:
+    """deploy/kpng.yaml as the migration runbook has the operator render it for ``cluster``
+    (``envsubst``), in kube-proxy's ``mode``: the runbook edits the raw manifest (its commented
+    node selector), where deploy_kpng installs the chart."""
+    values = {
+        "KPNG_API_SERVER": cluster.server,
+        "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
+        "KPNG_IMAGE": image,
+    }
+    manifest = render(_deploy_file(SHAPES["daemonset"]), values)
+    # Nodes are network namespaces of one machine, where only the first may size the machine's
+    # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
+    sized = "      maxPerCore: null\n"
+    assert sized in manifest, "deploy/kpng.yaml no longer sets conntrack.maxPerCore"
+    manifest = manifest.replace(sized, "      maxPerCore: 0\n")
+    assert "    mode: nftables\n" in manifest, "deploy/kpng.yaml no longer says mode: nftables"
+    return manifest.replace("    mode: nftables\n", f"    mode: {mode}\n")
 
 
 def _prepare_brains(cluster: RealCluster) -> list[str]:
@@ -379,3 +405,36 @@ def deploy_coredns(cluster: RealCluster, image: str, *, timeout_s: int = 180) ->
     also proves the proxy deployed before it works."""
     cluster.kubectl("apply", "-f", "-", input=coredns_manifests(image, CLUSTER_DNS))
     wait_rollout(cluster, "deployment/coredns", timeout_s)
+
+
+def debug_node(
+    cluster: RealCluster, node: str, image: str, argv: Sequence[str], *, timeout_s: float = 90
+) -> str:
+    """The runbook's (docs/operators/migration.md) ``kubectl debug node/NODE --profile=sysadmin
+    --image=IMAGE -- ARGV``: ``argv`` as root in the node's network namespace, in a pod of
+    ``image``. Returns its output once it exited, which it must have done with 0; the debugging
+    pod, which ``kubectl debug`` leaves, is deleted."""
+    prefix = f"node-debugger-{node}-"
+
+    def debuggers() -> set[str]:
+        pods = cluster.get("pods")["items"]
+        return {p["metadata"]["name"] for p in pods if p["metadata"]["name"].startswith(prefix)}
+
+    before = debuggers()
+    cluster.kubectl("debug", f"node/{node}", "--profile=sysadmin", f"--image={image}", "--", *argv)
+    (pod,) = debuggers() - before
+    try:
+        phase = ""
+
+        def exited() -> bool:
+            nonlocal phase
+            phase = cluster.get("pod", pod)["status"].get("phase", "")
+            return phase in ("Succeeded", "Failed")
+
+        until(exited, f"{' '.join(argv)} on {node}", within=timeout_s, interval=0.5)
+        output = cluster.kubectl("logs", pod)
+        if phase != "Succeeded":
+            raise NodeError(f"{' '.join(argv)} failed on {node}: {output.strip()}")
+        return output
+    finally:
+        cluster.kubectl("delete", "pod", pod, "--wait=false", check=False)

@@ -483,6 +483,10 @@ def remove_node(layout: NodeLayout) -> None:
             Path(point).unlink()
     _remove_cgroup(layout.cgroup)
     subprocess.run(["ip", "netns", "delete", layout.netns], capture_output=True, check=False)
+    # The namespace's veth goes with it only once the kernel has torn the namespace down, which
+    # may take minutes after a busy run (seen): the next cluster's pair of the same name would
+    # not be made till then. Deleting our end deletes both now.
+    subprocess.run(["ip", "link", "delete", layout.veth], capture_output=True, check=False)
     subprocess.run(["umount", str(layout.uts)], capture_output=True, check=False)
     layout.uts.unlink(missing_ok=True)
     shutil.rmtree(layout.workdir, ignore_errors=True)

@@ -65,23 +65,30 @@ NAT, FILTER = "nat", "filter"
 TABLES = (NAT, FILTER)
 
 _NEW = "-m conntrack --ctstate NEW"
+_FIREWALL = '-m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL'
+_EXTERNAL = (
+    '-m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES'
+)
+_PORTALS = '-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
 Jump = tuple[str, str, str]
 """(table, built-in chain, rule)."""
 JUMPS: tuple[Jump, ...] = (
-    (NAT, "PREROUTING", '-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'),
-    (NAT, "OUTPUT", '-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'),
+    (NAT, "PREROUTING", _PORTALS),
+    (NAT, "OUTPUT", _PORTALS),
     (NAT, "POSTROUTING", '-m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING'),
-    (FILTER, "INPUT", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
-    (FILTER, "INPUT", f"{_NEW} -j KUBE-EXTERNAL-SERVICES"),
-    (FILTER, "FORWARD", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
-    (FILTER, "FORWARD", "-j KUBE-FORWARD"),
-    (FILTER, "FORWARD", f"{_NEW} -j KUBE-SERVICES"),
-    (FILTER, "FORWARD", f"{_NEW} -j KUBE-EXTERNAL-SERVICES"),
-    (FILTER, "OUTPUT", f"{_NEW} -j KUBE-PROXY-FIREWALL"),
-    (FILTER, "OUTPUT", f"{_NEW} -j KUBE-SERVICES"),
+    (FILTER, "INPUT", f"{_NEW} {_FIREWALL}"),
+    (FILTER, "INPUT", f"{_NEW} {_EXTERNAL}"),
+    (FILTER, "FORWARD", f"{_NEW} {_FIREWALL}"),
+    (FILTER, "FORWARD", '-m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD'),
+    (FILTER, "FORWARD", f"{_NEW} {_PORTALS}"),
+    (FILTER, "FORWARD", f"{_NEW} {_EXTERNAL}"),
+    (FILTER, "OUTPUT", f"{_NEW} {_FIREWALL}"),
+    (FILTER, "OUTPUT", f"{_NEW} {_PORTALS}"),
 )
 """(table, built-in chain, rule): how packets reach kpng's chains; kept in place, never flushed
-(other software's rules live in those chains too)."""
+(other software's rules live in those chains too). Each is kube-proxy's iptables mode's jump,
+comment included, as ``iptables-save`` prints it: a node moving between kube-proxy and kpng has
+one jump to each chain, whichever of them wrote it, never two."""
 
 ChainKey = tuple[str, str]
 """(table, chain)."""
