@@ -1,8 +1,9 @@
 """The runbook (docs/operators/migration.md) run on real nodes, under traffic: two nodes start
 with kube-proxy's add-on in iptables mode; the runbook's step 1 deploys kpng (to-iptables) on no
 node yet; each node is moved to kpng (step 2: its label, kpng's warning, ``kpng cleanup
-kube-proxy`` from ``kubectl debug node``), then rolled back ("Rolling back": the label removed, kpng's mark chain removed),
-then the whole cluster is (step 1's patch undone, kpng's DaemonSet deleted).
+kube-proxy`` from ``kubectl debug node``), then rolled back ("Rolling back": the label removed,
+kpng's mark chain removed), then the whole cluster is (step 1's patch undone, kpng's DaemonSet
+deleted).
 
 Meanwhile a client pod on each node opens a new connection after another to the Service's
 ClusterIP and to both nodes' node ports, and the machine keeps one connection alive to a node
