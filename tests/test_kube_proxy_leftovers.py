@@ -377,11 +377,13 @@ def test_ipvs_virtual_servers_are_kube_proxys_only_beside_its_other_ipvs_leftove
 
 
 def _kube_proxy_binary() -> Path | None:
-    """The real kube-proxy, if a real-node or e2e run has built it (kpng.harness.cluster);
-    building it takes minutes, which this test does not spend."""
-    from kpng.harness.cluster import cache_root, kubernetes_release
+    """The real kube-proxy of the newest supported release, if a real-node or e2e run has built
+    it (kpng.harness.cluster); building it takes minutes, which this test does not spend. The
+    newest one against every control plane: what is tested is what it leaves in iptables, and
+    the other releases' control planes (make compat) build no kube-proxy."""
+    from kpng.harness.cluster import KUBERNETES_VERSION, cache_root
 
-    path = cache_root() / kubernetes_release() / "programs" / "kube-proxy"
+    path = cache_root() / KUBERNETES_VERSION / "programs" / "kube-proxy"
     return path if os.access(path, os.X_OK) else None
 
 
