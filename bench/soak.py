@@ -30,11 +30,15 @@ Every ``--sample-every`` seconds, from the sampled process: RSS (``/proc/PID/sta
 (``/proc/PID/fd``), Python objects the garbage collector tracks, by type, and
 ``sys.getallocatedblocks()``; with to-nft, the elements, rules and chains of its nftables table
 (``nft -j list table inet kpng``) and the conntrack entries whose original destination is a
-service IP (the namespace's UDP timeout is raised to an hour and 50 UDP services are sent a
-datagram each sample: kpng must delete the flows of endpoints and services that go away, or
-they pile up). Then each series' growth per hour: a least-squares line over the samples after
+service IP (the namespace's UDP timeout is raised to an hour, and 50 UDP services are sent a
+datagram from one source port each sample), in three: through a ready endpoint of a served
+service; stale, through an endpoint gone or not ready, which kpng deletes (kube-proxy's rule:
+this must stay near 0); to an address no served service holds, which that rule leaves to time
+out (so it grows here, with an hour's timeout); and glibc's heap (``mallinfo2``: in use, and
+free but held). Then each series' growth per hour: a least-squares line over the samples after
 ``--warmup`` minutes (one or more whole churn periods, so the wave cancels out), as a share of
-the line's value at the window's start. Target: RSS < 5 %/hour.
+the line's value at the window's start, and the same between the first and last troughs of the
+wave in that window (the same live count). Target: RSS < 5 %/hour.
 
 The heap counts come from the wrapper, a thread in kpng's process that answers requests on a
 FIFO with ``gc.get_objects()`` counted by type, after a ``gc.collect()`` so that they are live
@@ -113,7 +117,7 @@ TARGET_RSS_PCT_H = 5.0
 
 
 PROBE = r"""
-import collections, gc, json, os, runpy, sys, threading
+import collections, ctypes, gc, json, os, runpy, sys, threading
 fifo, out, frames = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if frames:
     import tracemalloc
@@ -131,6 +135,17 @@ def answer(request):
     del objects
     sample = {"objects": total, "blocks": sys.getallocatedblocks(), "types": counts,
               "gc_counts": gc.get_count(), "garbage": len(gc.garbage)}
+    try:  # glibc's heap: what C code (libnftables, grpc) and large Python objects hold
+        class Mallinfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = Mallinfo2
+        info = libc.mallinfo2()
+        sample["malloc_in_use"] = info.uordblks + info.hblkhd
+        sample["malloc_free"] = info.fordblks
+    except (AttributeError, OSError):
+        pass
     if what == "snapshot" and frames:
         tracemalloc.take_snapshot().dump(os.path.join(out, f"snap-{seq}.trace"))
     tmp = os.path.join(out, f".sample-{seq}.json")
@@ -296,6 +311,7 @@ class Svc:
     endpoints: list[Obj]
     port: int
     labelled: bool = False
+    cluster_ip: str = ""
 
 
 @dataclass
@@ -371,7 +387,7 @@ class Churn:
         )
 
         def create() -> None:
-            self.api.create(body)
+            svc.cluster_ip = self.api.create(body)["spec"].get("clusterIP", "")
             self.api.create(slice_)
 
         return svc, create
@@ -478,10 +494,10 @@ class Churn:
             else:
                 self.stats.label_flips += 1
 
-    def udp_targets(self, count: int) -> list[tuple[str, str]]:
-        """(namespace, name) of up to ``count`` live UDP services kpng serves."""
-        udp = [s for s in self.live if s.udp and not s.labelled]
-        return [(s.namespace, s.name) for s in self.rng.sample(udp, min(count, len(udp)))]
+    def udp_targets(self, count: int) -> list[str]:
+        """The addresses of up to ``count`` live UDP services kpng serves."""
+        udp = [s for s in self.live if s.udp and not s.labelled and s.cluster_ip]
+        return [s.cluster_ip for s in self.rng.sample(udp, min(count, len(udp)))]
 
 
 # --- reading the node
@@ -561,8 +577,12 @@ def table_items(table: Obj | None) -> set[str]:
     return items
 
 
-def service_conntrack(netns: str) -> int:
-    """Conntrack entries whose original destination is a service IP."""
+def service_conntrack(netns: str, live: Sequence[Svc]) -> dict[str, float]:
+    """Conntrack entries whose original destination is a service IP, in three: to a UDP
+    service kpng serves, through one of its ready endpoints; stale, through an endpoint that
+    is gone or not ready, which kpng must delete (kube-proxy's rule); and to an address no
+    served service holds (deleted, or labelled away), which kube-proxy's rule leaves to time
+    out."""
     done = subprocess.run(
         ["ip", "netns", "exec", netns, "conntrack", "-L", "-f", "ipv4"],
         capture_output=True,
@@ -570,21 +590,41 @@ def service_conntrack(netns: str) -> int:
         timeout=60,
         check=False,
     )
+    serving = {
+        s.cluster_ip: {e["addresses"][0] for e in s.endpoints if e["conditions"]["ready"]}
+        for s in live
+        if s.udp and not s.labelled and s.cluster_ip
+    }
     services = ipaddress.IPv4Network(SERVICE_CIDR)
-    count = 0
+    counts = dict.fromkeys(("conntrack_served", "conntrack_stale", "conntrack_unserved"), 0.0)
     for line in done.stdout.splitlines():
-        for item in line.split():
-            if item.startswith("dst="):
-                with contextlib.suppress(ValueError):
-                    if ipaddress.IPv4Address(item[4:]) in services:
-                        count += 1
-                break
-    return count
+        fields = line.split()
+        seen: dict[str, list[str]] = {}
+        for item in fields:
+            name, eq, value = item.partition("=")
+            if eq:
+                seen.setdefault(name, []).append(value)
+        dst, src = seen.get("dst", []), seen.get("src", [])
+        try:
+            if not dst or ipaddress.IPv4Address(dst[0]) not in services:
+                continue
+        except ValueError:
+            continue
+        endpoints = serving.get(dst[0])
+        if endpoints is None:
+            counts["conntrack_unserved"] += 1
+        elif len(src) > 1 and src[1] in endpoints:
+            counts["conntrack_served"] += 1
+        else:
+            counts["conntrack_stale"] += 1
+    return counts
 
 
-_SEND = """
+_SEND = f"""
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("{NS_IP}", 40053))  # one flow per service, refreshed by each probe, not one per probe
 for ip in sys.argv[1:]:
     try:
         s.sendto(b"soak", (ip, 53))
@@ -593,16 +633,10 @@ for ip in sys.argv[1:]:
 """
 
 
-def udp_probe(netns: str, api: KubeApi, targets: list[tuple[str, str]]) -> None:
-    """One datagram to each service: a flow through kpng's DNAT to one of its endpoints."""
-    ips = []
-    for ns, name in targets:
-        with contextlib.suppress(ApiError, OSError):
-            ip = api.get("Service", ns, name)["spec"].get("clusterIP")
-            if ip and ip != "None":
-                ips.append(ip)
-    if ips:
-        _run("ip", "netns", "exec", netns, PYTHON, "-c", _SEND, *ips, check=False)
+def udp_probe(netns: str, targets: list[str]) -> None:
+    """One datagram to each service address: a flow through kpng's DNAT to an endpoint."""
+    if targets:
+        _run("ip", "netns", "exec", netns, PYTHON, "-c", _SEND, *targets, check=False)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -689,7 +723,11 @@ SERIES = [
     ("nft_elements", "nft set/map elements"),
     ("nft_rules", "nft rules"),
     ("nft_chains", "nft chains"),
-    ("conntrack_to_services", "conntrack to service IPs"),
+    ("conntrack_served", "conntrack, served"),
+    ("conntrack_stale", "conntrack, stale"),
+    ("conntrack_unserved", "conntrack, to unserved IPs"),
+    ("malloc_in_use_mib", "malloc in use MiB"),
+    ("malloc_free_mib", "malloc free, held MiB"),
     ("watcher_reconnects", "watchers' reconnects"),
     ("live_services", "live Services (churn)"),
 ]
@@ -710,7 +748,25 @@ def growth(samples: list[Sample], key: str, warmup: float) -> tuple[float, float
     return slope, pct, start
 
 
-def report(samples: list[Sample], warmup: float, mode: str) -> bool:
+def same_phase(samples: list[Sample], key: str, warmup: float, period: float) -> str:
+    """Growth per hour between the first and last samples at the churn's trough (each period's
+    start) after warmup: the same live count, so the wave is out of it."""
+    troughs = [
+        s
+        for s in samples
+        if s.minute >= warmup - 1e-9
+        and abs(s.minute / period - round(s.minute / period)) < 1e-9
+        and key in s.values
+    ]
+    if len(troughs) < 2:
+        return ""
+    a, b = troughs[0], troughs[-1]
+    per_h = (b.values[key] - a.values[key]) / ((b.minute - a.minute) / 60)
+    pct = f"{per_h / a.values[key] * 100:+7.2f} %/h" if a.values[key] else "      — %/h"
+    return f"   troughs {a.values[key]:10.1f} → {b.values[key]:10.1f}: {per_h:+10.1f}/h {pct}"
+
+
+def report(samples: list[Sample], warmup: float, period: float, mode: str) -> bool:
     """Print each series' growth; whether RSS met the target."""
     ends = [s.minute for s in samples if s.minute >= warmup - 1e-9]
     print(
@@ -727,7 +783,7 @@ def report(samples: list[Sample], warmup: float, mode: str) -> bool:
         line = (
             f"  {label:26} at {warmup:g} min {start:12.1f}   end {last:12.1f}   "
             f"{slope:+12.1f}/h  {pct:+7.2f} %/h"
-        )
+        ) + same_phase(samples, key, warmup, period)
         if key == "rss_mib":
             met = pct < TARGET_RSS_PCT_H
             line += f"   (target < {TARGET_RSS_PCT_H:g} %/h: {'met' if met else 'MISSED'})"
@@ -843,7 +899,7 @@ class Soak:
             f"{relists} apiserver restarts, {gone - gone_before:.0f} lists after 410 Gone; "
             f"errors: {dict(s.errors) or 'none'}"
         )
-        self.rss_met = report(self.samples, args.warmup, self.mode)
+        self.rss_met = report(self.samples, args.warmup, args.period, self.mode)
         if len(self.snapshots) >= 2:
             tracemalloc_diff(self.snapshots[0], self.snapshots[-1])
         equal = self._compare()
@@ -917,12 +973,17 @@ class Soak:
             "fds": float(process.fds()),
             "gc_objects": float(heap["objects"]),
             "allocated_blocks": float(heap["blocks"]),
+            **{
+                f"{key}_mib": heap[key] / 1048576
+                for key in ("malloc_in_use", "malloc_free")
+                if key in heap
+            },
             "live_services": float(len(self.churn.live)),
         }
         if self.node_ns is not None:
             values.update(nft_counts(nft_table(self.node_ns)))
-            values["conntrack_to_services"] = float(service_conntrack(self.node_ns))
-            udp_probe(self.node_ns, self.reader, self.churn.udp_targets(UDP_PROBES))
+            values.update(service_conntrack(self.node_ns, self.churn.live))
+            udp_probe(self.node_ns, self.churn.udp_targets(UDP_PROBES))
         if self.watchers is not None:
             values["watcher_reconnects"] = float(self.watchers.reconnects())
             values["watcher_syncs"] = float(self.watchers.syncs())
