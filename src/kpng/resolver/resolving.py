@@ -8,7 +8,7 @@ that a change touched, so one EndpointSlice event costs one service, whatever th
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -289,6 +289,9 @@ class ClusterResolver:
         self._log: list[ServiceKey] = []
         self._log_start = 0
         self._views: set[NodeView] = set()
+        self.on_change: list[Callable[[ServiceKey], None]] = []
+        """Called with each service key whose resolutions are dropped (changed or deleted):
+        caches of values resolved before go stale then."""
         # Views still at the log's start: only when the last of them moves on can the log be
         # trimmed, so each read costs O(1) and not a pass over every view (5,000 watchers of
         # one change would otherwise cost 25 million steps).
@@ -303,6 +306,8 @@ class ClusterResolver:
 
     def _changed(self, key: ServiceKey) -> None:
         self._results.pop(key, None)
+        for listener in self.on_change:
+            listener(key)
         if self._views:
             self._log.append(key)
             if len(self._log) > max(_MIN_LOG, 2 * len(self._services)):
