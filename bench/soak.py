@@ -231,11 +231,16 @@ class Kpng:
         snap = self.dir / f"snap-{seq}.trace"
         return sample, snap if snap.exists() else None
 
-    def rss_mib(self) -> float:
+    def status(self) -> dict[str, float]:
+        """RSS, its anonymous part (the heap, not the mapped libraries) in MiB, and threads."""
+        fields = {"VmRSS:": "rss_mib", "RssAnon:": "rss_anon_mib", "Threads:": "threads"}
+        out = {}
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return math.nan
+            name, *value = line.split()
+            if name in fields:
+                number = float(value[0])
+                out[fields[name]] = number if name == "Threads:" else number / 1024
+        return out
 
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
@@ -717,6 +722,8 @@ class Sample:
 
 SERIES = [
     ("rss_mib", "RSS MiB"),
+    ("rss_anon_mib", "RSS anonymous MiB"),
+    ("threads", "threads"),
     ("fds", "open fds"),
     ("gc_objects", "gc-tracked objects"),
     ("allocated_blocks", "allocated blocks"),
@@ -969,7 +976,7 @@ class Soak:
         if snap is not None:
             self.snapshots.append(snap)
         values = {
-            "rss_mib": process.rss_mib(),
+            **process.status(),
             "fds": float(process.fds()),
             "gc_objects": float(heap["objects"]),
             "allocated_blocks": float(heap["blocks"]),
@@ -989,7 +996,7 @@ class Soak:
             values["watcher_syncs"] = float(self.watchers.syncs())
         self.samples.append(Sample(minute, values, heap["types"]))
         shown = "  ".join(
-            f"{k}={v:.1f}" if k == "rss_mib" else f"{k}={v:.0f}" for k, v in values.items()
+            f"{k}={v:.1f}" if k.endswith("_mib") else f"{k}={v:.0f}" for k, v in values.items()
         )
         print(f"[{minute:5.1f} min] {shown}", flush=True)
         if self.args.output:
