@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -304,6 +304,9 @@ class ClusterResolver:
         # view holds only the services it sees otherwise (NodeView).
         self._bases: dict[str, dict[ServiceKey, ServiceEndpoints]] = {}
         self._zone_views: dict[str, set[NodeView]] = {}
+        self.on_change: list[Callable[[ServiceKey], None]] = []
+        """Called with each service key whose resolutions are dropped (changed or deleted):
+        caches of values resolved before go stale then."""
         # Views still at the log's start: only when the last of them moves on can the log be
         # trimmed, so each read costs O(1) and not a pass over every view (5,000 watchers of
         # one change would otherwise cost 25 million steps).
@@ -318,6 +321,8 @@ class ClusterResolver:
 
     def _changed(self, key: ServiceKey) -> None:
         self._results.pop(key, None)
+        for listener in self.on_change:
+            listener(key)
         if self._views:
             self._log.append(key)
             if len(self._log) > max(_MIN_LOG, 2 * len(self._services)):

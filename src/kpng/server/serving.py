@@ -179,6 +179,8 @@ class WatchServer:
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
         }
+        for encoders in self._encoders.values():
+            self.hub.cluster.on_change.append(encoders.first_ops.forget)
 
     # --- node-local watches
 
