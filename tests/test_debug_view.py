@@ -8,8 +8,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from kpng.harness.cluster import free_port
 from kpng.testing.netns import available
 from kpng.testing.waiting import until
+from tests.test_status import _get as get
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cluster.yaml"
 WAIT_S = 30.0
@@ -45,13 +44,7 @@ def _get(url: str, *, netns: str | None = None) -> tuple[int, str]:
         ).stdout
         code, _, body = out.partition("\n")
         return int(code), body
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError:
-        return 0, ""
+    return get(url)
 
 
 @contextlib.contextmanager

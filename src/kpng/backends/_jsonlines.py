@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kpng.api.lines import node_state_line
 from kpng.client import NodeState, ServiceKey
 
 _encoder = msgspec.json.Encoder()
@@ -32,10 +33,7 @@ class StateLines:
             self._encoded.pop(key, None)
         for key in state.updated:
             self._encoded[key] = _encoder.encode(state.services[key])
-        services = b",".join(self._encoded[key] for key in sorted(self._encoded))
-        head = b'{"node":%s,"revision":%d,"facts":%s,"services":[' % (
-            _encoder.encode(state.node),
-            state.revision,
-            _encoder.encode(state.facts),
+        encoded = self._encoded
+        return node_state_line(
+            state.node, state.revision, state.facts, (encoded[key] for key in sorted(encoded))
         )
-        return head + services + b"]}\n"

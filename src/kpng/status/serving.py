@@ -20,6 +20,7 @@ import msgspec
 from aiohttp import web
 
 from kpng.addresses import host_port
+from kpng.api.lines import node_state_line
 from kpng.errors import KpngError, UsageError
 from kpng.status import ShowsRules, Status
 
@@ -92,27 +93,15 @@ def _proxy_mode_handler(status: Status) -> _Handler:
     return handle
 
 
-def _state_json(status: Status) -> bytes:
-    """The last state given to the backends, as a line of ``to-json`` (kpng.backends.json;
-    tests/test_debug_view.py holds the two equal)."""
-    state = status.last_state
-    if state is None:
-        return b"null\n"
-    encode = msgspec.json.encode
-    services = b",".join(encode(state.services[key]) for key in sorted(state.services))
-    return b'{"node":%s,"revision":%d,"facts":%s,"services":[%s]}\n' % (
-        encode(state.node),
-        state.revision,
-        encode(state.facts),
-        services,
-    )
-
-
 def _debug_handlers(status: Status) -> list[web.RouteDef]:
     async def state(_: web.Request) -> web.Response:
-        if status.last_state is None:
+        state = status.last_state
+        if state is None:
             return web.Response(status=503, text="no state given to the backends yet\n")
-        return web.Response(body=_state_json(status), content_type="application/json")
+        # to-json's line (kpng.backends.json), encoded anew: a request, not every revision.
+        services = (msgspec.json.encode(state.services[k]) for k in sorted(state.services))
+        line = node_state_line(state.node, state.revision, state.facts, services)
+        return web.Response(body=line, content_type="application/json")
 
     async def explain(request: web.Request) -> web.Response:
         if status.explain is None:
