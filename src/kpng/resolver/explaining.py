@@ -302,6 +302,7 @@ def explain_service(
     for p, (port, served_port) in enumerate(
         zip(service.Ports, resolved.service.Ports, strict=True)
     ):
+        port_decisions = [d for d in trace.decisions if d.port == p]
         families = served_port.UsableEndpoints
         usable = tuple(
             _family(v6)
@@ -356,13 +357,11 @@ def explain_service(
                 internal_policy="Local" if trace.internal_local else "Cluster",
                 external_policy=(
                     ("Local" if trace.external_local else "Cluster")
-                    if any(d.external for d in decisions.values() if d.port == p)
+                    if any(d.external for d in port_decisions)
                     else ""
                 ),
                 usable=usable,
-                notes=tuple(
-                    _port_notes(port, [d for d in trace.decisions if d.port == p], trace, usable)
-                ),
+                notes=tuple(_port_notes(port, port_decisions, trace, usable)),
                 endpoints=endpoints,
             )
         )
