@@ -24,6 +24,7 @@ from kpng.harness.cluster import make_pki
 from kpng.model.messages import Service
 from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.resolver.resolving import NodeResolver
+from kpng.server.hub import Turns
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.sources.api.ops import GlobalOps
 from kpng.sources.file import stage
@@ -527,3 +528,45 @@ def test_global_watch_relays_the_store(tmp_path: Path, batched: bool) -> None:
                 await asyncio.gather(task, return_exceptions=True)
 
     _run(scenario())
+
+
+def test_first_states_take_turns_and_a_turn_not_ended_lapses() -> None:
+    async def scenario() -> None:
+        turns = Turns(size=2, hold_s=0.3)
+        first, second = await turns.take(), await turns.take()
+        third = asyncio.ensure_future(turns.take())
+        await asyncio.sleep(0.05)
+        assert not third.done()  # both turns are held
+        first()
+        first()  # ending a turn twice frees one turn, not two
+        end_third = await asyncio.wait_for(third, 1)
+        fourth = asyncio.ensure_future(turns.take())
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        # Nobody ends the second or the third: the first of them to lapse lets the fourth in.
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(fourth, 2)
+        assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
+        second(), end_third()  # ended after lapsing: no extra turn appears
+        assert turns._free._value == 1  # noqa: SLF001  # the fourth still holds its turn
+
+    _run(scenario())
+
+
+def test_watchers_beyond_the_turns_all_get_their_first_states(tmp_path: Path) -> None:
+    store, _ = _example_store()
+
+    async def scenario() -> list[int]:
+        async with _connected(store, tmp_path) as (serving, channel):
+            serving.watch.first_states = Turns(size=1, hold_s=30)
+            watches = [_RawWatch(channel) for _ in range(6)]
+            firsts = await asyncio.gather(
+                *(w.change_set(_watch_req(f"node-{1 + i % 3}")) for i, w in enumerate(watches))
+            )
+            # every turn was given back once its first state was sent
+            end = await asyncio.wait_for(serving.watch.first_states.take(), 1)
+            end()
+            return [len(ops) for ops in firsts]
+
+    lengths = _run(scenario())
+    assert len(lengths) == 6 and min(lengths) > 2

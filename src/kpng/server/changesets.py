@@ -6,6 +6,7 @@ Deletes of services; paths in sorted order within each group.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class SharedOps:
         return entry
 
 
-def batches(ops: list[bytes], limit: int) -> Iterator[bytes]:
+def batches(ops: Iterable[bytes], limit: int) -> Iterator[bytes]:
     """Encoded OpBatches of ``ops``, each cut once it holds ``limit`` bytes of ops or more."""
     chunk: list[bytes] = []
     size = 0
@@ -151,8 +152,8 @@ class ChangeSet:
         size += sum(len(op) for op in self.tail)
         if 0 < size < limit:
             yield codec.op_batch(self.head) + self.shared.framed + codec.op_batch(self.tail)
-        else:
-            yield from batches(self.ops(), limit)
+        else:  # a first state: not copied into one more list of a hundred thousand ops
+            yield from batches(itertools.chain(self.head, self.shared.ops, self.tail), limit)
 
 
 EncodeInfo = Callable[[msgspec.Struct], bytes]

@@ -91,6 +91,41 @@ def _revision(entry: tuple[int, ChangeTriggers]) -> int:
     return entry[0]
 
 
+FIRST_STATES_AT_ONCE = 32
+"""First states a brain sends at once. Each one in flight holds its node's whole state as ops
+and a batch or two of framed bytes (about 4 MB at 10,000 services x 10 endpoints): without a
+bound, 500 watchers connecting together (a brain's restart) held 2 GB for as long as they took
+to read, and the process kept that peak."""
+
+FIRST_STATE_HOLD_S = 10.0
+"""How long one first state may keep its turn: a watcher that does not read (its stream stuck
+on flow control) lets the others through after this long, its memory then no longer bounded."""
+
+
+class Turns:
+    """At most ``size`` holders at once; a turn ends when its holder says so, or after
+    ``hold_s``, whichever comes first."""
+
+    def __init__(self, size: int = FIRST_STATES_AT_ONCE, hold_s: float = FIRST_STATE_HOLD_S):
+        self._free = asyncio.Semaphore(size)
+        self._hold_s = hold_s
+
+    async def take(self) -> Callable[[], None]:
+        """Wait for a turn; returns what ends it (safe to call more than once)."""
+        await self._free.acquire()
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                timer.cancel()
+                self._free.release()
+
+        timer = asyncio.get_running_loop().call_later(self._hold_s, end)
+        return end
+
+
 class PayloadCache(Generic[T]):
     """Encoded payloads of the immutable values streams send, shared by every stream.
 

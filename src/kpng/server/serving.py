@@ -37,7 +37,7 @@ from kpng.server.changesets import (
     SharedOps,
     batches,
 )
-from kpng.server.hub import Hub, PayloadCache
+from kpng.server.hub import Hub, PayloadCache, Turns
 from kpng.store import Store
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ class WatchServer:
         self.store = store
         self.auth = auth
         self.hub = Hub(store)
+        self.first_states = Turns()
         self.stats = WatchStats()
         self._warned: set[str] = set()
         self._encoders: dict[int, Encoders] = {
@@ -191,6 +192,7 @@ class WatchServer:
         answered = False
         sent: NodeFacts | None = None
         revision = 0  # the brain's revision of the last change set sent
+        end_turn: Callable[[], None] | None = None
         self.stats.local_watches += 1
         try:
             async for request in requests:
@@ -199,6 +201,9 @@ class WatchServer:
                     await self._authorize(context, node=request.NodeName)
                     if view is not None:
                         view.close()
+                    # Waits for the store's sync first: turns are for sending, not waiting.
+                    await self.hub.wait_revision(-1)
+                    end_turn = await self.first_states.take()
                     view = self.hub.cluster.view(request.NodeName)
                     enc = encoders(request)
                     sent = None
@@ -234,7 +239,12 @@ class WatchServer:
                 # Not held while the watcher waits for its next change: a first state's changes
                 # and ops are megabytes, times thousands of watchers.
                 del changes, shared, head, tail
+                if end_turn is not None:  # resumed: the stream has taken every batch of it
+                    end_turn()
+                    end_turn = None
         finally:
+            if end_turn is not None:
+                end_turn()
             self.stats.local_watches -= 1
             if view is not None:
                 view.close()
