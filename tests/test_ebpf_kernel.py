@@ -1,5 +1,7 @@
 """to-ebpf in the kernel: what the conformance suite does not look at. Connections a program
-translated leave no conntrack entry to the service address; removing the pins detaches the
+translated leave no conntrack entry to the service address, connected UDP sockets included,
+which kpng destroys once their endpoint is gone (or, without the kernel's or kpng's means for
+that, leaves to conntrack as before); removing the pins detaches the
 programs, and `kpng cleanup ebpf` leaves no program, map or pin; a restart fails no connection;
 the capabilities of deploy/kpng-ebpf.yaml are enough, and each is needed; a program the verifier
 refuses is reported with the verifier's log; syncs reach kube-proxy's metrics as full or
@@ -370,15 +372,16 @@ def _with_only(capabilities: list[str]) -> list[str]:
             f"--bounding-set={caps}"]  # fmt: skip
 
 
-def test_the_deployed_capabilities_are_enough(bed_cluster: Cluster) -> None:
+def test_the_deployed_capabilities_are_enough(udp_cluster: Cluster) -> None:
+    """For the programs, and for the socket destroy in the pods' network namespaces."""
     caps = _deployed_capabilities()
     assert caps == ["bpf", "net_admin", "sys_admin", "sys_ptrace", "sys_resource"]
-    bed_cluster.start_backend("node-1", prefix=_with_only(caps))
-    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
-    node = bed_cluster.bed.nodes["node-1"]
+    udp_cluster.start_backend("node-1", prefix=_with_only(caps))
+    _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
+    node = udp_cluster.bed.nodes["node-1"]
     assert node.cgroup is not None
     assert len(_attached(node.cgroup)) == 8
-    assert _log_has(bed_cluster, "connected UDP sockets are translated at connect")
+    assert "not checked in" not in (udp_cluster.logs / "node-1.log").read_text()
 
 
 _BASE_CAPABILITIES = ["bpf", "net_admin", "sys_resource"]
@@ -619,13 +622,17 @@ def test_a_connected_udp_socket_leaves_no_conntrack_entry_and_is_destroyed_with_
     destroys the socket in a1's network namespace: its next send fails, and a new socket
     reaches a3."""
     udp_cluster.start_backend("node-1")
-    assert _log_has(udp_cluster, "connected UDP sockets are translated at connect")
-    log = udp_cluster.logs / "node-1.log"
+    _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
+
+
+def _connected_udp_is_destroyed_with_its_endpoint(cluster: Cluster) -> None:
+    assert _log_has(cluster, "connected UDP sockets are translated at connect")
+    log = cluster.logs / "node-1.log"
 
     def destroyed() -> bool:
         return "1 connected UDP sockets of gone endpoints destroyed" in log.read_text()
 
-    lines, to_service, to_endpoint = _hold_and_move(udp_cluster, destroyed)
+    lines, to_service, to_endpoint = _hold_and_move(cluster, destroyed)
     assert lines[0] == f"a2 10.244.1.2 {UDP_IP}"
     assert to_service == 0
     assert to_endpoint == 1
