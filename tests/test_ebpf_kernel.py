@@ -712,7 +712,7 @@ def test_a_kernel_refusing_the_destroy_program_keeps_connected_udp_on_conntrack(
     with caplog.at_level(logging.INFO, logger="kpng"):
         asyncio.run(balancer.apply(keyed_state(1, {("ns", "dns"): se})))
     try:
-        assert "left to the nftables part and conntrack: the kernel refused" in caplog.text
+        assert "conntrack: the socket destroy program did not load" in caplog.text
         assert node.cgroup is not None
         assert len(_attached(node.cgroup)) == 8
         a1 = udp_cluster.bed.pods["a1"].netns

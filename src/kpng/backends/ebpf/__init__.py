@@ -201,7 +201,7 @@ class SocketBalancer:
                 path = toolchain.ensure_object(unit=toolchain.UDP_DESTROY)
                 destroyer = UdpDestroyer(path, self.maps_dir, cgroup)
             except BpfError as exc:
-                why_not = f"the kernel refused the socket destroy program (Linux 6.5+): {exc}"
+                why_not = f"the socket destroy program did not load (Linux 6.5+, kernel BTF): {exc}"
         if destroyer is None:
             log.info(
                 "to-ebpf: connected UDP sockets are left to the nftables part and conntrack: %s",
