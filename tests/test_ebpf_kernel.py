@@ -1,5 +1,7 @@
 """to-ebpf in the kernel: what the conformance suite does not look at. Connections a program
-translated leave no conntrack entry to the service address; removing the pins detaches the
+translated leave no conntrack entry to the service address, connected UDP sockets included,
+which kpng destroys once their endpoint is gone (or, without the kernel's or kpng's means for
+that, leaves to conntrack as before); removing the pins detaches the
 programs, and `kpng cleanup ebpf` leaves no program, map or pin; a restart fails no connection;
 the capabilities of deploy/kpng-ebpf.yaml are enough, and each is needed; a program the verifier
 refuses is reported with the verifier's log; syncs reach kube-proxy's metrics as full or
@@ -8,12 +10,14 @@ partial; the programs' counters and the maps' occupancy reach kpng's /metrics.""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.executing import KernelNft
 from kpng.backends._node import FromNode, Options
-from kpng.backends.ebpf import EbpfBackend, SocketBalancer, remove_pins
+from kpng.backends.ebpf import EbpfBackend, SocketBalancer, remove_pins, toolchain
 from kpng.backends.ebpf.entries import LAYOUT_VERSION
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.ebpf.toolchain import compile_object, compiler_unavailable, unavailable
@@ -33,7 +37,14 @@ from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.model.messages import ServiceEndpoints
 from kpng.status import Status
 from kpng.testing import states
-from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port, service
+from kpng.testing.conformance import (
+    SETTLE_S,
+    Cluster,
+    endpoint_slice,
+    node_object,
+    port,
+    service,
+)
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
@@ -337,7 +348,7 @@ def _deployed_capabilities() -> list[str]:
     return _capabilities(container)
 
 
-_CAP_NUMBERS = {"net_admin": 12, "sys_resource": 24, "bpf": 39}
+_CAP_NUMBERS = {"net_admin": 12, "sys_ptrace": 19, "sys_admin": 21, "sys_resource": 24, "bpf": 39}
 """<linux/capability.h>'s numbers of the capabilities the manifest names."""
 
 
@@ -361,14 +372,21 @@ def _with_only(capabilities: list[str]) -> list[str]:
             f"--bounding-set={caps}"]  # fmt: skip
 
 
-def test_the_deployed_capabilities_are_enough(bed_cluster: Cluster) -> None:
+def test_the_deployed_capabilities_are_enough(udp_cluster: Cluster) -> None:
+    """For the programs, and for the socket destroy in the pods' network namespaces."""
     caps = _deployed_capabilities()
-    assert caps == ["bpf", "net_admin", "sys_resource"]
-    bed_cluster.start_backend("node-1", prefix=_with_only(caps))
-    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
-    node = bed_cluster.bed.nodes["node-1"]
+    assert caps == ["bpf", "net_admin", "sys_admin", "sys_ptrace", "sys_resource"]
+    udp_cluster.start_backend("node-1", prefix=_with_only(caps))
+    _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
+    node = udp_cluster.bed.nodes["node-1"]
     assert node.cgroup is not None
     assert len(_attached(node.cgroup)) == 8
+    assert "not checked in" not in (udp_cluster.logs / "node-1.log").read_text()
+
+
+_BASE_CAPABILITIES = ["bpf", "net_admin", "sys_resource"]
+"""The deployed capabilities without those of the socket destroy: what to-ebpf runs with at
+all (SYS_ADMIN would stand for BPF and NET_ADMIN in bpf() calls)."""
 
 
 @pytest.mark.parametrize(
@@ -384,7 +402,8 @@ def test_each_deployed_capability_but_sys_resource_is_needed(
     bed_cluster: Cluster, dropped: str, refusal: str
 ) -> None:
     """SYS_RESOURCE is for kernels before 5.11 only (RLIMIT_MEMLOCK), so not needed here."""
-    caps = [c for c in _deployed_capabilities() if c != dropped]
+    assert set(_BASE_CAPABILITIES) < set(_deployed_capabilities())
+    caps = [c for c in _BASE_CAPABILITIES if c != dropped]
     bed_cluster.start_backend("node-1", prefix=_with_only(caps))
     log = bed_cluster.logs / "node-1.log"
     deadline = time.monotonic() + 20
@@ -396,6 +415,46 @@ def test_each_deployed_capability_but_sys_resource_is_needed(
     node = bed_cluster.bed.nodes["node-1"]
     assert node.cgroup is not None
     assert _attached(node.cgroup) == {}
+
+
+_ENTER = """
+import os, sys
+from kpng.backends.ebpf.system import enter_netns
+try:
+    fd = os.open(f"/proc/{sys.argv[1]}/ns/net", os.O_RDONLY)
+    enter_netns(fd)
+except OSError as exc:
+    print(exc.errno)
+else:
+    print("entered")
+"""
+
+
+@pytest.mark.parametrize(
+    ("dropped", "refusal"),
+    [
+        (None, "entered"),
+        # A process whose capabilities kpng's do not include: ptrace's read access to open
+        # its namespace.
+        ("sys_ptrace", str(errno.EACCES)),
+        # setns into another network namespace.
+        ("sys_admin", str(errno.EPERM)),
+    ],
+)
+def test_the_destroy_needs_sys_admin_and_sys_ptrace_to_enter_a_pods_namespace(
+    bed_cluster: Cluster, dropped: str | None, refusal: str
+) -> None:
+    """What kpng does in each pod's network namespace, with the deployed capabilities but
+    ``dropped``, against a process of a pod running as root with every capability."""
+    bed = bed_cluster.bed
+    pod_process = bed.spawn(bed.pods["a2"].netns, ["sleep", "60"])
+    caps = [c for c in _deployed_capabilities() if c != dropped]
+    entered = subprocess.run(
+        [*_with_only(caps), sys.executable, "-c", _ENTER, str(pod_process.pid)],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    assert entered.stdout.strip() == refusal
 
 
 def test_kpng_cleanup_ebpf_removes_every_program_map_and_pin(bed_cluster: Cluster) -> None:
@@ -459,3 +518,207 @@ def test_kpng_cleanup_ebpf_removes_every_program_map_and_pin(bed_cluster: Cluste
     finally:
         holder.kill()
         holder.wait()
+
+
+# --- connected UDP sockets: translated at connect and destroyed once their endpoint is gone, or
+# left to the nftables part where kpng cannot destroy them.
+
+UDP_IP = "10.96.0.20"
+_DNS_PORT = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+_HELD_UDP = """
+import socket, sys
+
+def connected():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    return s
+
+def ask(s):
+    try:
+        s.send(b"hello\\n")
+        return s.recv(4096).decode().strip()
+    except OSError as exc:
+        return f"error: {exc.errno}"
+
+s = connected()
+print(ask(s), s.getpeername()[0], flush=True)
+sys.stdin.readline()  # the test moves the service to another endpoint meanwhile
+answer = ask(s)
+print(answer, flush=True)
+if answer.startswith("error"):
+    s.close()
+    s = connected()  # as glibc's resolver does: a new socket, connected anew
+print(ask(s), flush=True)
+"""
+"""One connected UDP socket held across a change of the service's endpoint: its first answer
+and the peer getpeername gives, the answer of the same socket after the change, and the answer
+after a reconnect if that one failed."""
+
+
+@pytest.fixture
+def udp_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A node with three pods, a UDP service on a2, no kpng started yet."""
+    (tmp_path / "manifests").mkdir()
+    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2", "a3"]}), sockets=True) as bed:
+        c = Cluster(bed, tmp_path / "manifests", tmp_path, BACKEND)
+        c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
+        _serve_udp(c, "a2")
+        yield c
+
+
+def _serve_udp(cluster: Cluster, pod: str) -> None:
+    cluster.write(
+        "dns",
+        service("dns", UDP_IP, [port("dns", 53, 5353, "UDP")]),
+        endpoint_slice(cluster, "dns", [pod], ports=_DNS_PORT),
+    )
+
+
+def _hold_and_move(cluster: Cluster, settled: Callable[[], bool]) -> tuple[list[str], int, int]:
+    """A connected socket held while the service moves from a2 to a3, asking again once
+    ``settled``: the held socket's lines, and the node's conntrack entries of UDP to the
+    ClusterIP and to a2 while it stood."""
+    bed = cluster.bed
+    node = bed.nodes["node-1"].netns
+    cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a2 10.244.1.2"])
+    _forget_flows(cluster)
+    argv = [sys.executable, "-c", _HELD_UDP, UDP_IP, "53"]
+    held = subprocess.Popen(
+        bed.command_in(bed.pods["a1"].netns, argv),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert held.stdout is not None
+        first = held.stdout.readline().strip()
+        to_service = _udp_conntrack(bed, node, UDP_IP)
+        to_endpoint = _udp_conntrack(bed, node, bed.pods["a2"].ip4)
+        _serve_udp(cluster, "a3")
+        cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a3 10.244.1.2"])
+        assert poll(settled, within=SETTLE_S, interval=0.2)
+        out, _ = held.communicate("go\n", timeout=30)
+    finally:
+        if held.poll() is None:
+            held.kill()
+            held.wait()
+    return [first, *out.splitlines()], to_service, to_endpoint
+
+
+def _udp_conntrack(bed: TestBed, netns: str, dst: str) -> int:
+    out = bed.exec(netns, ["conntrack", "-L", "-p", "udp", "-d", dst], check=False)
+    return sum(1 for line in out.splitlines() if line.startswith("udp"))
+
+
+def _log_has(cluster: Cluster, text: str, within: float = 20) -> bool:
+    log = cluster.logs / "node-1.log"
+    return poll(lambda: text in log.read_text(), within=within, interval=0.2)
+
+
+def test_a_connected_udp_socket_leaves_no_conntrack_entry_and_is_destroyed_with_its_endpoint(
+    udp_cluster: Cluster,
+) -> None:
+    """Translated at connect (getpeername still says the ClusterIP): the node's conntrack sees
+    the pod talk to a2, never to the ClusterIP. Once a2 no longer serves the service, kpng
+    destroys the socket in a1's network namespace: its next send fails, and a new socket
+    reaches a3."""
+    udp_cluster.start_backend("node-1")
+    _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
+
+
+def _connected_udp_is_destroyed_with_its_endpoint(cluster: Cluster) -> None:
+    assert _log_has(cluster, "connected UDP sockets are translated at connect")
+    log = cluster.logs / "node-1.log"
+
+    def destroyed() -> bool:
+        return "1 connected UDP sockets of gone endpoints destroyed" in log.read_text()
+
+    lines, to_service, to_endpoint = _hold_and_move(cluster, destroyed)
+    assert lines[0] == f"a2 10.244.1.2 {UDP_IP}"
+    assert to_service == 0
+    assert to_endpoint == 1
+    # EDESTADDRREQ: the destroyed socket is no longer connected.
+    assert lines[1] == f"error: {errno.EDESTADDRREQ}", lines
+    assert lines[2] == "a3 10.244.1.2"
+
+
+def test_a_socket_connected_to_a_pod_ip_is_never_destroyed(udp_cluster: Cluster) -> None:
+    """Only sockets kpng translated are destroyed: one connected to a2's own address keeps
+    working after a2 leaves the service."""
+    udp_cluster.start_backend("node-1")
+    bed = udp_cluster.bed
+    udp_cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a2 10.244.1.2"])
+    argv = [sys.executable, "-c", _HELD_UDP, bed.pods["a2"].ip4, "5353"]
+    held = subprocess.Popen(
+        bed.command_in(bed.pods["a1"].netns, argv),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert held.stdout is not None
+    assert held.stdout.readline().strip() == "a2 10.244.1.2 10.244.1.3"
+    _serve_udp(udp_cluster, "a3")
+    udp_cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a3 10.244.1.2"])
+    out, _ = held.communicate("go\n", timeout=30)
+    assert out.splitlines() == ["a2 10.244.1.2", "a2 10.244.1.2"]
+
+
+def test_without_the_privileges_to_destroy_connected_udp_is_left_to_conntrack(
+    udp_cluster: Cluster,
+) -> None:
+    """kpng without CAP_SYS_ADMIN cannot enter the pods' namespaces: connect leaves connected
+    UDP untranslated, as before the destroy existed. The nftables part DNATs it (a conntrack
+    entry to the ClusterIP) and moves it when its endpoint goes: the same socket goes on, to a3."""
+    caps = [c for c in _deployed_capabilities() if c != "sys_admin"]
+    udp_cluster.start_backend("node-1", prefix=_with_only(caps))
+    assert _log_has(udp_cluster, "connected UDP sockets are left to the nftables part")
+    assert "lacks CAP_SYS_ADMIN" in (udp_cluster.logs / "node-1.log").read_text()
+    bed = udp_cluster.bed
+    a2 = f"src={bed.pods['a2'].ip4} "
+
+    def flow_deleted() -> bool:
+        node = bed.nodes["node-1"].netns
+        return a2 not in bed.exec(node, ["conntrack", "-L", "-p", "udp", "-d", UDP_IP])
+
+    lines, to_service, _ = _hold_and_move(udp_cluster, flow_deleted)
+    assert lines[0] == f"a2 10.244.1.2 {UDP_IP}"
+    assert to_service == 1
+    assert lines[1:] == ["a3 10.244.1.2", "a3 10.244.1.2"]
+
+
+@pytest.mark.skipif(compiler_unavailable() is not None, reason=str(compiler_unavailable()))
+def test_a_kernel_refusing_the_destroy_program_keeps_connected_udp_on_conntrack(
+    udp_cluster: Cluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As on a kernel before 6.5: the iterator's kfunc is not there (here, one of another name),
+    so the kernel refuses the destroy program; the cgroup programs load and attach all the same,
+    and leave connected UDP sockets untranslated."""
+    source = tmp_path / "udp_destroy.bpf.c"
+    source.write_text(
+        toolchain.UDP_DESTROY.source.read_text().replace("bpf_sock_destroy", "kpng_no_such_kfunc")
+    )
+    monkeypatch.setattr(
+        toolchain, "UDP_DESTROY", toolchain.Unit(source, compile_object(tmp_path / "d.o", source))
+    )
+    node = udp_cluster.bed.nodes["node-1"]
+    balancer = SocketBalancer(
+        options=Options(), from_node=FromNode(), cgroup=node.cgroup,
+        pin_dir=node.pin_dir or Path(), bpf_object=None,
+    )  # fmt: skip
+    se = ServiceEndpoints(
+        states.service(cluster_ip=UDP_IP, port=53, protocol="UDP", target_port=5353),
+        (states.endpoint(udp_cluster.bed.pods["a2"].ip4, 5353, protocol="UDP"),),
+    )
+    with caplog.at_level(logging.INFO, logger="kpng"):
+        asyncio.run(balancer.apply(keyed_state(1, {("ns", "dns"): se})))
+    try:
+        assert "conntrack: the socket destroy program did not load" in caplog.text
+        assert node.cgroup is not None
+        assert len(_attached(node.cgroup)) == 8
+        a1 = udp_cluster.bed.pods["a1"].netns
+        # Unconnected: translated at sendmsg4. Connected: left alone, and no nftables part here.
+        unconnected = udp_cluster.bed.exec(a1, [sys.executable, "-c", _UDP, UDP_IP, "53", "1"])
+        assert unconnected.splitlines() == [f"{UDP_IP} 53 a2 10.244.1.2"]
+        assert udp_cluster.probe("a1", "udp", UDP_IP, 53, timeout=1.0) == ["timeout"]
+    finally:
+        balancer.close()

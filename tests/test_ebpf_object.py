@@ -1,10 +1,12 @@
-"""The object to-ebpf ships: it is the compile of today's sockets.bpf.c (regenerated and
-committed with it), the same bytes wherever it is compiled with the same clang, and loadable on
-any kernel from the minimum on (no CO-RE relocation, so no kernel BTF needed); to-ebpf refuses
-to start, saying why, on an older kernel."""
+"""The objects to-ebpf ships: each is the compile of today's source (regenerated and committed
+with it), the same bytes wherever it is compiled with the same clang; the cgroup programs load
+on any kernel from the minimum on (no CO-RE relocation, so no kernel BTF needed), the socket
+destroy iterator only where the kernel has BTF; to-ebpf refuses to start, saying why, on an
+older kernel."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,43 +19,48 @@ from tests.conftest import EXAMPLE
 needs_clang = pytest.mark.skipif(
     toolchain.compiler_unavailable() is not None, reason=str(toolchain.compiler_unavailable())
 )
+UNITS = pytest.mark.parametrize("unit", toolchain.UNITS, ids=lambda u: u.object.name)
 
 
-def test_the_shipped_object_is_the_compile_of_the_source() -> None:
+@UNITS
+def test_the_shipped_object_is_the_compile_of_the_source(unit: toolchain.Unit) -> None:
     made = toolchain.manifest()
     assert made is not None, f"{toolchain.MANIFEST} is missing: run `make bpf-object`"
-    assert made["source_sha256"] == toolchain.digest(toolchain.SOURCE), (
-        "sockets.bpf.c changed after sockets.bpf.o was made: run `make bpf-object` and commit "
-        "the object and its manifest"
+    assert made[f"{unit.source.name} sha256"] == toolchain.digest(unit.source), (
+        f"{unit.source.name} changed after {unit.object.name} was made: run `make bpf-object` "
+        "and commit the objects and their manifest"
     )
-    assert made["object_sha256"] == toolchain.digest(toolchain.OBJECT)
+    assert made[f"{unit.object.name} sha256"] == toolchain.digest(unit.object)
     assert made["flags"] == " ".join(toolchain.FLAGS)
-    assert toolchain.shipped_object() == toolchain.OBJECT
-    assert toolchain.ensure_object() == toolchain.OBJECT
+    assert toolchain.shipped_object(unit) == unit.object
+    assert toolchain.ensure_object(unit=unit) == unit.object
 
 
 @needs_clang
-def test_compiling_again_gives_the_same_bytes_anywhere(tmp_path: Path) -> None:
+@UNITS
+def test_compiling_again_gives_the_same_bytes_anywhere(
+    tmp_path: Path, unit: toolchain.Unit
+) -> None:
     """Compiled from a copy in another directory: no path of the checkout in the object. With
     the clang that made the shipped object, the very same bytes."""
-    copy = tmp_path / "elsewhere" / "sockets.bpf.c"
+    copy = tmp_path / "elsewhere" / unit.source.name
     copy.parent.mkdir()
-    copy.write_bytes(toolchain.SOURCE.read_bytes())
-    here = toolchain.compile_object(tmp_path / "here.o")
+    copy.write_bytes(unit.source.read_bytes())
+    here = toolchain.compile_object(tmp_path / "here.o", unit.source)
     there = toolchain.compile_object(tmp_path / "there.o", copy)
     assert here.read_bytes() == there.read_bytes()
-    assert str(toolchain.SOURCE.parent).encode() not in here.read_bytes()
+    assert str(unit.source.parent).encode() not in here.read_bytes()
     made = toolchain.manifest()
     assert made is not None
     if made["compiler"] != toolchain.compiler_version():
         pytest.skip(f"the shipped object was made by {made['compiler']}")
-    assert here.read_bytes() == toolchain.OBJECT.read_bytes()
+    assert here.read_bytes() == unit.object.read_bytes()
 
 
-def test_the_object_has_no_co_re_relocation_so_needs_no_kernel_btf() -> None:
+def test_the_cgroup_programs_have_no_co_re_relocation_so_need_no_kernel_btf() -> None:
     """The programs read only their UAPI context, which the verifier maps to each kernel's
     layout itself: nothing for libbpf to relocate against /sys/kernel/btf/vmlinux."""
-    found = toolchain.sections(toolchain.OBJECT)
+    found = toolchain.sections(toolchain.SOCKETS.object)
     programs = sorted(name for name in found if name.startswith("cgroup/"))
     assert programs == [
         f"cgroup/{hook}{family}"
@@ -61,7 +68,38 @@ def test_the_object_has_no_co_re_relocation_so_needs_no_kernel_btf() -> None:
         for family in "46"
     ]
     assert ".BTF" in found  # the maps' definitions
-    assert toolchain.core_relocations(toolchain.OBJECT) == 0
+    assert toolchain.core_relocations(toolchain.SOCKETS.object) == 0
+
+
+def test_the_co_re_relocations_are_the_destroy_iterators_alone() -> None:
+    """udp_destroy.bpf.o reads struct sock, relocated against the kernel's BTF: a separate
+    object, one program, so that sockets.bpf.o loads where that BTF is missing."""
+    found = toolchain.sections(toolchain.UDP_DESTROY.object)
+    assert [name for name in found if "/" in name and not name.startswith(".")] == ["iter/udp"]
+    assert toolchain.core_relocations(toolchain.UDP_DESTROY.object) > 0
+
+
+def _definitions(source: str) -> dict[str, str]:
+    """Each struct and map definition of a BPF source, by name."""
+    found = {m[1]: m[0] for m in re.finditer(r"^struct (\w+) \{[^{}]*\}[^;\n]*;", source, re.M)}
+    found |= {
+        m[1]: m[0] for m in re.finditer(r'^struct \{[^{}]*\} (\w+) SEC\("\.maps"\);', source, re.M)
+    }
+    return found
+
+
+def test_the_destroy_iterator_reads_the_maps_as_the_cgroup_programs_write_them() -> None:
+    """Its copies of sockets.bpf.c's structs and map definitions are the same text: a drift of
+    a key's layout would have it look up keys that are never there."""
+    ours = _definitions(toolchain.SOCKETS.source.read_text())
+    copies = _definitions(toolchain.UDP_DESTROY.source.read_text())
+    shared = [name for name in copies if name in ours]
+    assert {"kpng_frontends", "kpng_members", "kpng_revnat", "revnat_key", "endpoint"} <= set(
+        shared
+    )
+    assert {name: copies[name] for name in shared} == {name: ours[name] for name in shared}
+    kernel = set(copies) - set(shared)
+    assert kernel == {"sock_common", "sock", "bpf_iter_meta", "bpf_iter__udp"}
 
 
 @needs_clang
@@ -129,6 +167,8 @@ def test_to_ebpf_runs_from_linux_5_8_and_says_what_an_older_kernel_lacks(
 
 def test_the_minimum_is_the_newest_feature_used() -> None:
     assert max(since for _, since in system.KERNEL_FEATURES) == system.MINIMUM_KERNEL
+    # What to-ebpf does without where the kernel lacks it is newer than the minimum.
+    assert min(since for _, since in system.OPTIONAL_FEATURES) > system.MINIMUM_KERNEL
 
 
 def test_to_ebpf_refuses_to_start_on_an_older_kernel(

@@ -149,6 +149,7 @@ def test_the_split_shapes_run_the_modes_backend_with_net_admin_only(
     ]
     assert node["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
     assert "privileged" not in node["securityContext"]
+    assert "hostPID" not in spec
 
 
 @pytest.mark.parametrize(
@@ -169,12 +170,17 @@ def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs_unprivileged
         "--cgroup=/run/kpng/host-cgroup",
     ]
     # What the kernel asks of to-ebpf's calls (tests/test_ebpf_kernel.py runs it with exactly
-    # these), not privileged, no SYS_ADMIN.
+    # these), not privileged; SYS_ADMIN, SYS_PTRACE and the host's PIDs to destroy connected UDP
+    # sockets in the pods' network namespaces.
     assert node["securityContext"] == {
-        "capabilities": {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "SYS_RESOURCE"]},
+        "capabilities": {
+            "drop": ["ALL"],
+            "add": ["BPF", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE", "SYS_RESOURCE"],
+        },
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
     }
+    assert spec["hostPID"] is True
     # The host's bpffs (the pins outlive the pod) and cgroup2 hierarchy (read-only), and no
     # other host path; no cache: nothing is compiled.
     mounts = {m["name"]: m for m in node["volumeMounts"]}

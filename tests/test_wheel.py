@@ -48,7 +48,13 @@ def test_the_sdist_and_the_wheel_carry_the_license_and_the_protos(dist: Path) ->
         assert f"kpng/api/{proto}.proto" in names
     assert "kpng/py.typed" in names
     # to-ebpf's compiled programs, as committed: no node compiles them.
-    for name in ("sockets.bpf.c", "sockets.bpf.o", "sockets.bpf.json"):
+    for name in (
+        "sockets.bpf.c",
+        "sockets.bpf.o",
+        "sockets.bpf.json",
+        "udp_destroy.bpf.c",
+        "udp_destroy.bpf.o",
+    ):
         shipped = zipfile.ZipFile(wheel).read(f"kpng/backends/ebpf/{name}")
         assert shipped == (ROOT / "src/kpng/backends/ebpf" / name).read_bytes(), name
     assert not any(n.startswith("tests/") for n in names)

@@ -8,8 +8,9 @@ is a new connection (TCP) or a new socket (UDP) sending one line, from ``--sourc
 if given (an address of the namespace: one client host among several); its result is the
 answer (``"NAME CLIENT"``), ``"refused"``, ``"timeout"`` or ``"error: ..."``. ``--hold`` keeps
 one TCP connection (or one connected UDP socket) open for S seconds, asking every 0.2 s, and
-reports every answer (to see that a connection survives changes, or that a UDP socket moves);
-it says ``connected`` on stderr after its first answer.
+reports every answer (to see that a connection survives changes, or that a UDP socket moves:
+one that fails is replaced, as a resolver replaces it); it says ``connected`` on stderr after
+its first answer.
 ``http`` asks ``GET /healthz`` and answers ``"STATUS BODY"``.
 ``--ports`` (tcp, udp) asks the echo server for the source port it saw and adds the one the
 probe sent from: ``"NAME CLIENT SEEN_PORT SENT_PORT"``, to tell how the port was translated.
@@ -147,18 +148,31 @@ def hold(host: str, port: int, seconds: float, timeout: float) -> list[str]:
 
 def hold_udp(host: str, port: int, seconds: float, timeout: float) -> list[str]:
     """One connected UDP socket (as a resolver or a metrics agent keeps one), a datagram every
-    0.2 s; a datagram that gets no answer is ``timeout`` and the socket goes on."""
+    0.2 s; a datagram that gets no answer is ``timeout`` and the socket goes on. One that fails
+    (``error: ...``: a proxy destroyed the socket, its endpoint gone) has the socket replaced by
+    a new one, connected anew, as glibc's resolver does."""
     out: list[str] = []
-    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+
+    def connected() -> socket.socket:
+        sock = socket.socket(_family(host), socket.SOCK_DGRAM)
         sock.settimeout(timeout)
         sock.connect((host, port))
+        return sock
+
+    sock = connected()
+    try:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            answer = _ask(sock, lambda: sock.send(b"hello\n"))
+            answer = _ask(sock, functools.partial(sock.send, b"hello\n"))
             out.append(answer)
             if len(out) == 1 and answer != "timeout" and not answer.startswith("error: "):
                 print("connected", file=sys.stderr, flush=True)
+            if answer.startswith("error: "):
+                sock.close()
+                sock = connected()
             time.sleep(0.2)
+    finally:
+        sock.close()
     return out
 
 

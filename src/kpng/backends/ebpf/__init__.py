@@ -9,13 +9,15 @@ Two parts, each complete for the traffic it sees:
   primary IPs, an endpoint picked from BPF maps, before any packet exists. Its packets leave
   addressed to the endpoint: no DNAT, no conntrack entry for the translation, a cost that does
   not grow with the number of services.
-  getpeername and recvmsg answer with the service's address.
+  getpeername and recvmsg answer with the service's address. Where the kernel and kpng's
+  privileges allow it (``destroying``), a UDP socket that connects is translated too, and
+  destroyed once its endpoint is gone, so that the application connects again.
 - **Packets** (to-nft's ruleset in ``inet kpng``, unchanged): what no local socket connected
   to: node ports, external and LB IPs reached from outside, ClusterIPs routed to the node, and
   the answers for services without endpoints (REJECT or DROP), which the programs leave
-  untranslated on purpose, and connected UDP sockets, which conntrack moves when their endpoint
-  goes (a socket translated at connect would stay on it). It also serves the health check node
-  ports.
+  untranslated on purpose, and, where kpng cannot destroy them, connected UDP sockets, which
+  conntrack moves when their endpoint goes (a socket translated at connect would stay on it).
+  It also serves the health check node ports.
 
 The maps are pinned under ``--pin-dir`` and the programs attached through pinned BPF links, so
 that the data path outlives kpng as rules outlive kube-proxy. A (re)start loads the programs,
@@ -42,7 +44,8 @@ from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
 from kpng.backends._nftables.executing import LibNft, default_nft
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
-from kpng.backends.ebpf import entries, libbpf, observing, system, toolchain
+from kpng.backends.ebpf import destroying, entries, libbpf, observing, system, toolchain
+from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.ebpf.observing import Occupancy, Sample
@@ -92,6 +95,7 @@ class SocketBalancer:
         self._options, self._from_node = options, from_node
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
         self._object: BpfObject | None = None
+        self._destroyer: UdpDestroyer | None = None
         self._fds: dict[entries.MapName, int] = {}
         self._counters_fd: int | None = None
         self.state = SocketState()
@@ -129,6 +133,8 @@ class SocketBalancer:
             else:
                 changes = self.state.changes(updated)
                 await asyncio.to_thread(self._write, changes)
+            if self._destroyer is not None and _may_take_endpoints(changes):
+                await asyncio.to_thread(self._sweep, self._destroyer)
         except BpfError:
             self._needs_full = True
             raise
@@ -168,11 +174,61 @@ class SocketBalancer:
         if self._object is None:
             system.ensure_bpffs(self._pin_dir)
             self.maps_dir.mkdir(parents=True, exist_ok=True)
-            self._object = BpfObject(toolchain.ensure_object(self._bpf_object), self.maps_dir)
+            self._destroyer = self._load_destroyer(cgroup)
+            # Connected UDP translated at connect only where its sockets are destroyed later.
+            rodata = struct.pack("=I", self._destroyer is not None)
+            try:
+                self._object = BpfObject(
+                    toolchain.ensure_object(self._bpf_object), self.maps_dir, rodata=rodata
+                )
+            except BpfError:
+                if self._destroyer is not None:
+                    self._destroyer.close()
+                    self._destroyer = None
+                raise
             self._fds = {name: self._object.map_fd(name) for name in MAPS}
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
         return cgroup
+
+    def _load_destroyer(self, cgroup: Path) -> UdpDestroyer | None:
+        """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
+        allow it; which way connected UDP sockets go is logged once."""
+        why_not = destroying.unavailable(cgroup)
+        destroyer = None
+        if why_not is None:
+            try:
+                path = toolchain.ensure_object(unit=toolchain.UDP_DESTROY)
+                destroyer = UdpDestroyer(path, self.maps_dir, cgroup)
+            except BpfError as exc:
+                why_not = f"the socket destroy program did not load (Linux 6.5+, kernel BTF): {exc}"
+        if destroyer is None:
+            log.info(
+                "to-ebpf: connected UDP sockets are left to the nftables part and conntrack: %s",
+                why_not,
+            )
+        else:
+            log.info(
+                "to-ebpf: connected UDP sockets are translated at connect, and destroyed in "
+                "every network namespace of cgroup %s once their endpoint is gone",
+                cgroup,
+            )
+        return destroyer
+
+    def _sweep(self, destroyer: UdpDestroyer) -> None:
+        done = destroyer.sweep()
+        if done.failures:
+            log.warning(
+                "to-ebpf: connected UDP sockets not checked in %d network namespaces: %s",
+                len(done.failures),
+                "; ".join(done.failures[:5]),
+            )
+        log.log(
+            logging.INFO if done.destroyed else logging.DEBUG,
+            "to-ebpf: %d connected UDP sockets of gone endpoints destroyed (%d network namespaces)",
+            done.destroyed,
+            done.namespaces,
+        )
 
     def metric_samples(self) -> list[Sample]:
         """The programs' counters, summed over the CPUs (once loaded), and the maps'
@@ -242,11 +298,23 @@ class SocketBalancer:
             libbpf.delete_batch(self._fds[name], name, keys)
 
     def close(self) -> None:
-        # The pins keep programs and maps: closing only lets go of this process's handles.
+        # The pins keep programs and maps: closing only lets go of this process's handles (and
+        # detaches the iterator, which runs only when kpng runs it).
+        if self._destroyer is not None:
+            self._destroyer.close()
+            self._destroyer = None
         if self._object is not None:
             self._counters_fd = None
             self._object.close()
             self._object = None
+
+
+def _may_take_endpoints(changes: MapChanges) -> bool:
+    """Whether an endpoint may have stopped serving a frontend: a member left a set, or a
+    frontend went (a full sync, also after a restart, may follow removals kpng did not see)."""
+    return changes.full or any(
+        name in ("kpng_members", "kpng_frontends") for name, _ in changes.deletes
+    )
 
 
 class EbpfBackend:

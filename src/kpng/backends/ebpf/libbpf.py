@@ -80,6 +80,10 @@ def library() -> ctypes.CDLL:
             ("bpf_link__update_program", [_c_void_p, _c_void_p], ctypes.c_int),
             ("bpf_link__destroy", [_c_void_p], ctypes.c_int),
             ("bpf_obj_get", [ctypes.c_char_p], ctypes.c_int),
+            ("bpf_map__initial_value", [_c_void_p, ctypes.POINTER(ctypes.c_size_t)], _c_void_p),
+            ("bpf_program__attach_iter", [_c_void_p, _c_void_p], _c_void_p),
+            ("bpf_link__fd", [_c_void_p], ctypes.c_int),
+            ("bpf_iter_create", [ctypes.c_int], ctypes.c_int),
             (
                 "bpf_map_update_batch",
                 [ctypes.c_int, _c_void_p, _c_void_p, ctypes.POINTER(ctypes.c_uint32), _c_void_p],
@@ -116,11 +120,13 @@ def _failure(call: str, what: object, code: int | None = None) -> BpfError:
 
 
 class BpfObject:
-    """A loaded object file: its programs and maps, pinned maps reused from ``pin_root``."""
+    """A loaded object file: its programs and maps, pinned maps reused from ``pin_root``;
+    ``rodata``, if given, is what its ``const volatile`` globals hold (the whole ``.rodata``
+    section, set before the load: the verifier then knows them as constants)."""
 
-    def __init__(self, path: Path, pin_root: Path) -> None:
+    def __init__(self, path: Path, pin_root: Path, *, rodata: bytes | None = None) -> None:
         self._lib = library()
-        self._path, self._pin_root = path, pin_root
+        self._path, self._pin_root, self._rodata = path, pin_root, rodata
         self._ptr = self._open(verifier_log=None)
         code = self._lib.bpf_object__load(self._ptr)
         if code < 0:
@@ -136,7 +142,23 @@ class BpfObject:
         ptr = self._lib.bpf_object__open_file(str(self._path).encode(), ctypes.byref(opts))
         if not ptr:
             raise _failure("cannot open BPF object", self._path)
+        if self._rodata is not None:
+            try:
+                self._set_rodata(int(ptr), self._rodata)
+            except BpfError:
+                self._lib.bpf_object__close(ptr)
+                raise
         return int(ptr)
+
+    def _set_rodata(self, ptr: int, data: bytes) -> None:
+        found = self._lib.bpf_object__find_map_by_name(ptr, b".rodata")
+        size = ctypes.c_size_t()
+        initial = self._lib.bpf_map__initial_value(found, ctypes.byref(size)) if found else None
+        if not initial or size.value != len(data):
+            raise BpfError(
+                f"{self._path} has no .rodata of {len(data)} bytes (an object of another source?)"
+            )
+        ctypes.memmove(initial, data, len(data))
 
     def _refused(self, code: int) -> BpfError:
         """The load's failure, with the verifier's log: the load again, logging this time."""
@@ -205,6 +227,37 @@ def attach(program: int, name: str, cgroup: Path, pin: Path) -> None:
             raise _failure(f"cannot pin the link of {name} at", pin, code)
     finally:
         lib.bpf_link__destroy(link)
+
+
+class BpfIterator:
+    """A BPF iterator program, attached: each ``run`` walks the kernel objects it iterates (for
+    ``iter/udp``, the UDP sockets of the calling thread's network namespace at that moment) and
+    returns what the program wrote."""
+
+    def __init__(self, program: int, name: str) -> None:
+        self._lib = library()
+        self._name = name
+        link = self._lib.bpf_program__attach_iter(program, None)
+        if not link:
+            raise _failure("cannot attach the iterator", name)
+        self._link = int(link)
+
+    def run(self) -> bytes:
+        fd = self._lib.bpf_iter_create(self._lib.bpf_link__fd(self._link))
+        if fd < 0:
+            raise _failure("cannot create an iterator of", self._name, fd)
+        chunks = []
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        if self._link:
+            self._lib.bpf_link__destroy(self._link)
+            self._link = 0
 
 
 def pinned_map(path: Path) -> int:

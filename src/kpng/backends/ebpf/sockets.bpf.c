@@ -19,6 +19,10 @@
  * families and a dual-stack socket connecting to a mapped address finds the IPv4 frontend.
  * Ports are in network byte order, as the socket calls carry them. Every key spells out its
  * padding, so that a key built here compares equal to the bytes kpng wrote.
+ *
+ * udp_destroy.bpf.c, a separate object since it needs the kernel's BTF and Linux 6.5, reads
+ * kpng_frontends, kpng_members and kpng_revnat: its copies of their structs and definitions
+ * are these (tests/test_ebpf_object.py compares them).
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
@@ -164,6 +168,11 @@ struct {
 	__type(value, struct revnat_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_revnat SEC(".maps");
+
+/* Set by kpng before the load (libbpf's .rodata, so the verifier drops the code it disables):
+ * whether kpng destroys a connected UDP socket once its endpoint is gone, with
+ * udp_destroy.bpf.c's iterator in every network namespace of the cgroup. */
+const volatile __u32 connected_udp = 0;
 
 /* kpng_counters' keys: one per program, in the order of PROGRAMS in __init__.py. */
 enum hook {
@@ -322,11 +331,12 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	struct endpoint ep = {};
 	if (!l4(ctx, &key.proto))
 		return 1;
-	/* A connected UDP socket is left to the nftables part: translated here, it would stay on
-	 * its endpoint after that endpoint is gone, where kube-proxy deletes the flow and the next
-	 * datagram goes to another endpoint. Without a socket destroy per network namespace, only
-	 * conntrack can move it. */
-	if (!send && key.proto == IPPROTO_UDP)
+	/* A connected UDP socket translated here would stay on its endpoint after that endpoint is
+	 * gone, where kube-proxy deletes the flow and the next datagram goes to another endpoint:
+	 * it is translated only when kpng destroys it then (the application gets an error and
+	 * connects again). Otherwise it is left to the nftables part, whose conntrack entry
+	 * moves. */
+	if (!send && key.proto == IPPROTO_UDP && !connected_udp)
 		return 1;
 	load_addr(ctx, v6, &key.addr);
 	key.port = (__u16)ctx->user_port;

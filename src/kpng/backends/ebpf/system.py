@@ -89,6 +89,14 @@ KERNEL_FEATURES = (
 )
 """What the programs and their loading use, and the release that brought each."""
 
+OPTIONAL_FEATURES = (
+    (
+        "bpf_sock_destroy from iter/udp programs: connected UDP sockets translated at connect",
+        (6, 5),
+    ),
+)
+"""What to-ebpf uses where the kernel has it, and otherwise does without (saying so at start)."""
+
 
 def parse_release(release: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a kernel release string (``6.1.0-18-amd64``, ``5.15.0-1051-aws``,
@@ -114,3 +122,27 @@ def kernel_too_old(release: str | None = None) -> str | None:
         f"to-ebpf needs Linux {'.'.join(map(str, MINIMUM_KERNEL))} or later; this kernel is "
         f"{release}, without: {'; '.join(missing)}. Use to-nft on this node."
     )
+
+
+CLONE_NEWNET = 0x40000000
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+
+
+def effective_capabilities(status: str | None = None) -> int:
+    """This process's effective capabilities, as a bit set (pure over ``status``'s text, that
+    of /proc/self/status)."""
+    text = Path("/proc/self/status").read_text() if status is None else status
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def enter_netns(fd: int) -> None:
+    """Move the calling thread, and only it, into the network namespace open at ``fd``.
+    (Python 3.11 has no os.setns.)"""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"setns: {os.strerror(number)}")

@@ -1,10 +1,11 @@
-"""The compiled programs: ``sockets.bpf.o``, made from ``sockets.bpf.c`` and shipped beside it.
+"""The compiled programs: ``sockets.bpf.o`` and ``udp_destroy.bpf.o``, made from their ``.c``
+and shipped beside them.
 
-The object is compiled once, by whoever changes the source (``make bpf-object``, that is
+Each object is compiled once, by whoever changes its source (``make bpf-object``, that is
 ``python -m kpng.backends.ebpf.toolchain --regenerate``), and committed with
-``sockets.bpf.json``: the source's digest, the object's and the compiler that made it. The
-wheel and the image carry both, so that no node, no image build and no ``pip install`` needs
-clang; ``tests/test_ebpf_object.py`` fails while the object is older than the source.
+``sockets.bpf.json``: each source's digest, each object's and the compiler that made them. The
+wheel and the image carry them, so that no node, no image build and no ``pip install`` needs
+clang; ``tests/test_ebpf_object.py`` fails while an object is older than its source.
 
 Why committed rather than compiled by a setuptools build step: a build step would put clang and
 libbpf-dev on every machine that builds a wheel or installs kpng from its sdist, and the image's
@@ -12,12 +13,15 @@ bytes would depend on whichever clang that machine has. A committed object is th
 everywhere (clang's output depends on nothing else: the source is compiled from its own directory,
 under a relative name, for a fixed target, ``-mcpu=v2``), and a change to it is reviewed.
 
-One object for every kernel: the programs read only their context (``struct bpf_sock_addr`` and
-the ``struct bpf_sock`` it points to), which is UAPI that the verifier itself rewrites to each
-kernel's layout, and never a kernel-internal struct. So the object has no CO-RE relocations and
-needs no kernel BTF (``/sys/kernel/btf/vmlinux``); ``core_relocations`` checks that it stays so.
-It is built for little-endian kernels (``bpfel``: amd64, arm64); on a big-endian machine the
-source is compiled at first start, as when the source was changed after the object: with clang
+``sockets.bpf.o``, the cgroup programs, is one object for every kernel: they read only their
+context (``struct bpf_sock_addr`` and the ``struct bpf_sock`` it points to), which is UAPI that
+the verifier itself rewrites to each kernel's layout, and never a kernel-internal struct. So it
+has no CO-RE relocations and needs no kernel BTF (``/sys/kernel/btf/vmlinux``);
+``core_relocations`` checks that it stays so. ``udp_destroy.bpf.o``, the iterator that destroys
+connected UDP sockets, reads ``struct sock`` and calls a kfunc: it needs the kernel's BTF and
+Linux 6.5, and is a separate object so that ``sockets.bpf.o`` loads without them.
+Both are built for little-endian kernels (``bpfel``: amd64, arm64); on a big-endian machine the
+sources are compiled at first start, as when a source was changed after its object: with clang
 14 or later, libbpf-dev (``bpf/bpf_helpers.h``) and linux-libc-dev, into a cache.
 """
 
@@ -32,6 +36,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 from kpng.backends.ebpf.libbpf import BpfError, library
@@ -39,8 +44,21 @@ from kpng.backends.ebpf.system import kernel_too_old
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("sockets.bpf.c")
-OBJECT = Path(__file__).with_name("sockets.bpf.o")
+
+@dataclass(frozen=True)
+class Unit:
+    """A source and the object kpng ships compiled from it."""
+
+    source: Path
+    object: Path
+
+
+SOCKETS = Unit(Path(__file__).with_name("sockets.bpf.c"), Path(__file__).with_name("sockets.bpf.o"))
+UDP_DESTROY = Unit(
+    Path(__file__).with_name("udp_destroy.bpf.c"), Path(__file__).with_name("udp_destroy.bpf.o")
+)
+UNITS = (SOCKETS, UDP_DESTROY)
+SOURCE, OBJECT = SOCKETS.source, SOCKETS.object
 MANIFEST = Path(__file__).with_name("sockets.bpf.json")
 CLANGS = ("clang", *(f"clang-{v}" for v in range(21, 13, -1)))
 FLAGS = ("-O2", "-g", "-target", "bpfel", "-mcpu=v2", "-Wall", "-Werror")
@@ -57,9 +75,10 @@ def cache_dir() -> Path:
     return Path(base) / "kpng" / "ebpf"
 
 
-def object_path(cache: Path | None = None) -> Path:
-    """Where a compile of this source is cached: its name holds the source's hash."""
-    return (cache or cache_dir()) / f"sockets-{digest(SOURCE)[:16]}.o"
+def object_path(cache: Path | None = None, unit: Unit = SOCKETS) -> Path:
+    """Where a compile of ``unit``'s source is cached: its name holds the source's hash."""
+    stem = unit.source.name.removesuffix(".bpf.c")
+    return (cache or cache_dir()) / f"{stem}-{digest(unit.source)[:16]}.o"
 
 
 def clang() -> str | None:
@@ -104,14 +123,13 @@ def compiler_version() -> str:
 
 
 def regenerate() -> dict[str, str]:
-    """Compile the shipped object and write its manifest; the manifest."""
-    compile_object(OBJECT)
-    manifest = {
-        "source_sha256": digest(SOURCE),
-        "object_sha256": digest(OBJECT),
-        "compiler": compiler_version(),
-        "flags": " ".join(FLAGS),
-    }
+    """Compile the shipped objects and write their manifest; the manifest."""
+    manifest = {}
+    for unit in UNITS:
+        compile_object(unit.object, unit.source)
+        manifest[f"{unit.source.name} sha256"] = digest(unit.source)
+        manifest[f"{unit.object.name} sha256"] = digest(unit.object)
+    manifest |= {"compiler": compiler_version(), "flags": " ".join(FLAGS)}
     MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -124,14 +142,16 @@ def manifest() -> dict[str, str] | None:
     return loaded
 
 
-def shipped_object() -> Path | None:
-    """The object shipped with kpng, if it is the compile of this source for this machine."""
+def shipped_object(unit: Unit = SOCKETS) -> Path | None:
+    """The object shipped with kpng, if it is the compile of its source for this machine."""
     made = manifest()
-    if made is None or not OBJECT.is_file() or sys.byteorder != "little":
+    if made is None or not unit.object.is_file() or sys.byteorder != "little":
         return None
-    if made.get("source_sha256") != digest(SOURCE) or made.get("object_sha256") != digest(OBJECT):
+    if made.get(f"{unit.source.name} sha256") != digest(unit.source):
         return None
-    return OBJECT
+    if made.get(f"{unit.object.name} sha256") != digest(unit.object):
+        return None
+    return unit.object
 
 
 def unavailable() -> str | None:
@@ -155,32 +175,32 @@ def compiler_unavailable() -> str | None:
     return None
 
 
-def ensure_object(given: Path | None = None) -> Path:
-    """The object to load: ``given``, else the shipped one, else (a source changed since, or a
-    big-endian machine) the cached compile of this source, made if missing."""
+def ensure_object(given: Path | None = None, unit: Unit = SOCKETS) -> Path:
+    """The object of ``unit`` to load: ``given``, else the shipped one, else (a source changed
+    since, or a big-endian machine) the cached compile of its source, made if missing."""
     if given is not None:
         if not given.is_file():
             raise BpfError(f"no BPF object at {given}")
         return given
-    shipped = shipped_object()
+    shipped = shipped_object(unit)
     if shipped is not None:
         return shipped
-    path = object_path()
+    path = object_path(unit=unit)
     if path.is_file():
         return path
     if clang() is None:
         raise BpfError(
-            f"{OBJECT} is not the compile of {SOURCE.name} (changed since? `make bpf-object` "
-            "makes it anew), and there is no clang to compile it here"
+            f"{unit.object} is not the compile of {unit.source.name} (changed since? `make "
+            "bpf-object` makes it anew), and there is no clang to compile it here"
         )
     log.warning(
         "to-ebpf: %s is not the compile of %s; compiling it into %s (`make bpf-object` updates "
         "the shipped object)",
-        OBJECT.name,
-        SOURCE.name,
+        unit.object.name,
+        unit.source.name,
         path,
     )
-    return compile_object(path)
+    return compile_object(path, unit.source)
 
 
 def sections(path: Path) -> dict[str, bytes]:
@@ -220,7 +240,8 @@ def main(argv: list[str]) -> int:
         except BpfError as exc:
             print(exc, file=sys.stderr)
             return 1
-        print(f"{OBJECT} ({OBJECT.stat().st_size} bytes, {made['compiler']})")
+        for unit in UNITS:
+            print(f"{unit.object} ({unit.object.stat().st_size} bytes, {made['compiler']})")
         return 0
     if len(argv) != 1 or argv[0].startswith("-"):
         print(
