@@ -532,23 +532,27 @@ def test_global_watch_relays_the_store(tmp_path: Path, batched: bool) -> None:
 
 def test_first_states_take_turns_and_a_turn_not_ended_lapses() -> None:
     async def scenario() -> None:
-        turns = Turns(size=2, hold_s=0.3)
-        first, second = await turns.take(), await turns.take()
-        third = asyncio.ensure_future(turns.take())
+        turns = Turns(size=1, hold_s=0.3)
+        loop = asyncio.get_running_loop()
+        end_a = await turns.take()
+        b = asyncio.ensure_future(turns.take())
         await asyncio.sleep(0.05)
-        assert not third.done()  # both turns are held
-        first()
-        first()  # ending a turn twice frees one turn, not two
-        end_third = await asyncio.wait_for(third, 1)
-        fourth = asyncio.ensure_future(turns.take())
+        assert not b.done()  # the one turn is held
+        end_a()
+        end_a()  # ending a turn twice gives back one turn, not two
+        end_b = await asyncio.wait_for(b, 1)
+        c, d = asyncio.ensure_future(turns.take()), asyncio.ensure_future(turns.take())
         await asyncio.sleep(0.05)
-        assert not fourth.done()
-        # Nobody ends the second or the third: the first of them to lapse lets the fourth in.
-        started = asyncio.get_running_loop().time()
-        await asyncio.wait_for(fourth, 2)
-        assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
-        second(), end_third()  # ended after lapsing: no extra turn appears
-        assert turns._free._value == 1  # noqa: SLF001  # the fourth still holds its turn
+        assert not c.done()
+        assert not d.done()
+        started = loop.time()
+        end_c = await asyncio.wait_for(c, 2)  # b never ends its turn: it lapses
+        assert 0.1 < loop.time() - started < 1.0
+        end_b()  # ended after lapsing: no extra turn appears
+        await asyncio.sleep(0.05)
+        assert not d.done()
+        end_c()
+        (await asyncio.wait_for(d, 1))()
 
     _run(scenario())
 
@@ -569,4 +573,5 @@ def test_watchers_beyond_the_turns_all_get_their_first_states(tmp_path: Path) ->
             return [len(ops) for ops in firsts]
 
     lengths = _run(scenario())
-    assert len(lengths) == 6 and min(lengths) > 2
+    assert len(lengths) == 6
+    assert min(lengths) > 2

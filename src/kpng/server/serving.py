@@ -43,8 +43,11 @@ from kpng.store import Store
 log = logging.getLogger(__name__)
 
 
-# Batches are cut at about this size: well under gRPC's default 4 MiB receive limit.
-BATCH_BYTES = 1 << 20
+# Batches are cut at about this size: well under gRPC's default 4 MiB receive limit, and small
+# enough that the memory a stream keeps after sending its big first state stays small: measured
+# with 300 idle watchers of 10,000 services x 10 endpoints, the brain's peak RSS grew 0.98 MB a
+# watcher at 256 KiB, 1.27 MB at 1 MiB (and 1.48 MB at 64 KiB, where messages are many).
+BATCH_BYTES = 1 << 18
 _JSON = msgspec.json.Encoder()
 
 
