@@ -71,9 +71,12 @@ compat: $(DEV)
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
 # SHAPE: how kpng is deployed: daemonset (one process per node), sidecar (a brain and a backend
 # per node) or central (brains in a Deployment, a backend per node).
+# MODE: kube-proxy's mode in both proxies' configuration (nftables or iptables), or ebpf: kpng
+# with to-ebpf, judged against kube-proxy's nftables mode.
 SHAPE ?= daemonset
+MODE ?= nftables
 e2e: $(DEV)
-	$(BIN)/python -m kpng.harness.e2e --shape $(SHAPE) --report-dir e2e-results
+	$(BIN)/python -m kpng.harness.e2e --shape $(SHAPE) --mode $(MODE) --report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(DEV)

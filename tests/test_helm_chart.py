@@ -6,6 +6,7 @@ says."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 import kpng
 from kpng.harness import addons, chart
 from kpng.harness.chart import ChartError
+from kpng.harness.nodes import RealCluster
 from kpng.kubeproxy.config import load
 
 API_SERVER = "https://10.0.0.1:6443"
@@ -252,3 +254,31 @@ def test_values_set_resources_replicas_conntrack_and_the_namespace() -> None:
 def test_values_kpng_cannot_run_with_are_refused(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ChartError, match=message):
         chart.template({**_values(), **change})
+
+
+def test_the_e2e_nodes_of_one_machine_get_a_to_ebpf_daemonset_each(tmp_path: Path) -> None:
+    """The real-node harness's nodes share one machine: each gets the chart's to-ebpf DaemonSet
+    with its own cgroup2 directory and bpffs directory, on that node only; nothing else
+    differs."""
+    cluster = RealCluster(nodes=2, pause_image="pause", workdir=tmp_path, cgroup2=True)
+    rendered = chart.template(_values(mode="ebpf"))
+    manifest, names = addons.ebpf_per_node(rendered, cluster)
+    chart_set = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "DaemonSet")
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    daemonsets = {d["metadata"]["name"]: d for d in documents if d["kind"] == "DaemonSet"}
+    assert names == ["kpng-node-1", "kpng-node-2"] == sorted(daemonsets)
+    others = [d for d in documents if d["kind"] != "DaemonSet"]
+    assert others == [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "DaemonSet"]
+    for node in ("node-1", "node-2"):
+        daemonset = daemonsets[f"kpng-{node}"]
+        pod = daemonset["spec"]["template"]
+        assert pod["spec"]["nodeSelector"] == {"kubernetes.io/hostname": node}
+        assert daemonset["spec"]["selector"]["matchLabels"]["kpng.io/node"] == node
+        assert pod["metadata"]["labels"]["kpng.io/node"] == node
+        volumes = pod["spec"]["volumes"]
+        paths = {v["name"]: v["hostPath"]["path"] for v in volumes if "hostPath" in v}
+        assert paths == {
+            "host-cgroup": f"/sys/fs/cgroup/unified/kpng-{node}",
+            "bpffs": f"/sys/fs/bpf/kpng-{node}",
+        }
+        assert pod["spec"]["containers"] == chart_set["spec"]["template"]["spec"]["containers"]

@@ -9,14 +9,23 @@ Ready when their ``/healthz`` says the node's rules are programmed.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
 from kpng.harness import chart
 from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
-from kpng.harness.nodes import CLUSTER_CIDR, CLUSTER_DNS, NodeError, RealCluster
+from kpng.harness.nodes import (
+    BPFFS,
+    CLUSTER_CIDR,
+    CLUSTER_DNS,
+    NodeError,
+    RealCluster,
+    RealNode,
+)
 from kpng.testing.waiting import until
 
 _PLACEHOLDER = re.compile(r"\$\{(KPNG_[A-Z_]+)\}")
@@ -82,10 +91,52 @@ def deploy_kpng(
     # Nodes are network namespaces of one machine, where only the first may size the machine's
     # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
     given["conntrack"] = {"maxPerCore": 0}
-    cluster.kubectl("apply", "-f", "-", input=chart.template(given))
+    manifest = chart.template(given)
+    daemonsets = ["kpng"]
+    if mode == "ebpf":
+        manifest, daemonsets = ebpf_per_node(manifest, cluster)
+        for node in cluster.nodes:
+            ebpf_pin_dir(node).mkdir(exist_ok=True)
+    cluster.kubectl("apply", "-f", "-", input=manifest)
     if shape == "central":
         wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
-    wait_rollout(cluster, "daemonset/kpng", timeout_s)
+    for name in daemonsets:
+        wait_rollout(cluster, f"daemonset/{name}", timeout_s)
+
+
+def ebpf_per_node(manifest: str, cluster: RealCluster) -> tuple[str, list[str]]:
+    """The chart's to-ebpf DaemonSet made one per node, each given its node's cgroup2 directory
+    and a bpffs directory of its own; the manifest and the DaemonSets' names.
+
+    On a real node the host's cgroup2 root holds just that node's sockets and its bpffs just its
+    pins, as the chart assumes. These nodes share one machine: with the chart's paths, each
+    node's programs would balance the other node's pods too, and the two kpngs would take over
+    each other's maps."""
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    (chart_set,) = [d for d in documents if d["kind"] == "DaemonSet"]
+    documents.remove(chart_set)
+    names = []
+    for node in cluster.nodes:
+        daemonset = copy.deepcopy(chart_set)
+        name = f"kpng-{node.name}"
+        daemonset["metadata"]["name"] = name
+        spec = daemonset["spec"]
+        spec["selector"]["matchLabels"]["kpng.io/node"] = node.name
+        pod = spec["template"]
+        pod["metadata"]["labels"]["kpng.io/node"] = node.name
+        pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+        paths = {"host-cgroup": cluster.node_cgroup2(node), "bpffs": ebpf_pin_dir(node)}
+        for volume in pod["spec"]["volumes"]:
+            if volume["name"] in paths:
+                volume["hostPath"]["path"] = str(paths[volume["name"]])
+        documents.append(daemonset)
+        names.append(name)
+    return yaml.safe_dump_all(documents, sort_keys=False), names
+
+
+def ebpf_pin_dir(node: RealNode) -> Path:
+    """The directory of the host's bpffs that ``node``'s to-ebpf sees as /sys/fs/bpf."""
+    return BPFFS / node.layout.cgroup
 
 
 def rbac_manifest() -> str:

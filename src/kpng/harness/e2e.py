@@ -176,13 +176,20 @@ def start_cluster(
     ``mode`` (kpng: to-nft for nftables, to-iptables for iptables), kpng in ``shape``
     (``addons.SHAPES``)."""
     archives = images.node_images(with_kube_proxy=proxy == "kube-proxy")
-    cluster = RealCluster(nodes=nodes, images=archives, pause_image=images.pause_reference())
+    cluster = RealCluster(
+        nodes=nodes,
+        images=archives,
+        pause_image=images.pause_reference(),
+        cgroup2=proxy == "kpng" and mode == "ebpf",
+    )
     cluster.start()
     try:
         if proxy == "kpng":
             addons.deploy_kpng(cluster, images.KPNG_REFERENCE, mode=mode, shape=shape)
         else:
-            addons.deploy_kube_proxy(cluster, images.kube_proxy_reference(), mode=mode)
+            # kube-proxy has no ebpf mode: kpng's to-ebpf is judged against its nftables mode.
+            baseline = "nftables" if mode == "ebpf" else mode
+            addons.deploy_kube_proxy(cluster, images.kube_proxy_reference(), mode=baseline)
         if with_dns:
             addons.deploy_coredns(cluster, images.COREDNS_REFERENCE)
     except BaseException:
@@ -235,9 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("nftables", "iptables"),
+        choices=("nftables", "iptables", "ebpf"),
         default="nftables",
-        help="kube-proxy's proxy mode, in both proxies' configuration",
+        help="kube-proxy's proxy mode, in both proxies' configuration; ebpf: kpng's to-ebpf "
+        "(the daemonset shape), against kube-proxy's nftables mode",
     )
     parser.add_argument(
         "--shape",
@@ -264,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for proxy in args.proxy or PROXIES:
             name = f"kpng-{args.shape}" if proxy == "kpng" and args.shape != "daemonset" else proxy
+            if proxy == "kpng" and args.mode == "ebpf":
+                name = "kpng-ebpf"
             log.info("e2e with %s in %s mode: starting a cluster", name, args.mode)
             cluster = start_cluster(proxy, mode=args.mode, shape=args.shape)
             try:

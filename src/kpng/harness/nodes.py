@@ -128,11 +128,31 @@ def _wait_for(what: str, probe: Callable[[], bool], timeout: float = _READY_TIME
 
 
 def _hierarchies() -> list[Path]:
+    """The v1 hierarchies, and cgroup2's at ``unified`` once mounted (``mount_cgroup2``)."""
     if not _CGROUP_ROOT.is_dir():
         return []
-    return sorted(
-        d for d in _CGROUP_ROOT.iterdir() if d.name != "unified" and (d / "cgroup.procs").exists()
-    )
+    return sorted(d for d in _CGROUP_ROOT.iterdir() if (d / "cgroup.procs").exists())
+
+
+UNIFIED = _CGROUP_ROOT / "unified"
+BPFFS = Path("/sys/fs/bpf")
+
+
+def mount_cgroup2() -> None:
+    """cgroup2 at /sys/fs/cgroup/unified beside the v1 hierarchies, and bpffs at /sys/fs/bpf,
+    as systemd mounts them on a hybrid host: runc then puts every container in the node's
+    cgroup2 directory too (``node_cgroup2``), where cgroup BPF programs (to-ebpf) see just that
+    node's sockets. Left mounted: other clusters' containers are in it too, harmlessly."""
+    if not _mounted(UNIFIED):
+        UNIFIED.mkdir(exist_ok=True)
+        _run(["mount", "-t", "cgroup2", "cgroup2", str(UNIFIED)])
+    if not _mounted(BPFFS):
+        BPFFS.mkdir(exist_ok=True)
+        _run(["mount", "-t", "bpf", "bpf", str(BPFFS)])
+
+
+def _mounted(path: Path) -> bool:
+    return subprocess.run(["mountpoint", "-q", str(path)], check=False).returncode == 0
 
 
 def _make_cgroup(name: str) -> None:
@@ -534,10 +554,13 @@ class RealCluster:
         pause_image: str,
         workdir: Path | None = None,
         detach: bool = False,
+        cgroup2: bool = False,
     ) -> None:
         if not 1 <= nodes <= 200:
             raise NodeError(f"{nodes} nodes: between 1 and 200")
         self._detach = detach
+        self._cgroup2 = cgroup2
+        """Whether the nodes get cgroup2 directories of their own (``mount_cgroup2``)."""
         self._own_workdir = workdir is None
         # Not /tmp's default: containerd's overlay snapshots need a real file system, and the
         # path must be short (unix sockets are limited to 107 bytes).
@@ -571,6 +594,8 @@ class RealCluster:
             raise NodeError(f"real nodes cannot run here: {missing}")
         try:
             self.programs = ensure_programs(NODE_PROGRAMS)
+            if self._cgroup2:
+                mount_cgroup2()
             self._create_bridge()
             directory = self.workdir / "control-plane"
             directory.mkdir(parents=True, exist_ok=True)
@@ -628,6 +653,11 @@ class RealCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def node_cgroup2(self, node: RealNode) -> Path:
+        """The cgroup2 directory of ``node``'s kubelet and containers (``cgroup2`` only)."""
+        assert self._cgroup2, "a cluster with cgroup2=True"
+        return UNIFIED / node.layout.cgroup
 
     def pids(self) -> list[int]:
         """Nodes first, then controllers, then the control plane: the order to stop them."""
