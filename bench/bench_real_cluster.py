@@ -10,11 +10,12 @@ endpoints once the EndpointSlice controller publishes them. sig-scalability's ne
 programming latency SLO measures that last part.
 
     sudo .venv/bin/python bench/bench_real_cluster.py [--runs 10] [--proxy kpng --proxy kube-proxy]
-        [--shape daemonset --shape sidecar --shape central]
+        [--shape daemonset --shape sidecar --shape central] [--mode nftables --mode ebpf]
 
 With several ``--shape``, kpng is measured in each (``kpng.harness.addons.SHAPES``), one after
-the other. For each, the API server's own metrics say how many watches of EndpointSlices it
-holds, and how many bytes of EndpointSlice watch events it sent per run.
+the other; with several ``--mode``, in each mode (nftables: to-nft, ebpf: to-ebpf; kube-proxy
+is measured in nftables mode). For each, the API server's own metrics say how many watches of
+EndpointSlices it holds, and how many bytes of EndpointSlice watch events it sent per run.
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ def slice_watch_figures(cluster: RealCluster) -> tuple[float, float]:
     return watches, sent
 
 
-def measure(proxy: str, runs: int, shape: str = "daemonset") -> tuple[list[float], float, float]:
+def measure(
+    proxy: str, runs: int, shape: str = "daemonset", mode: str = "nftables"
+) -> tuple[list[float], float, float]:
     """Latencies, EndpointSlice watches held, and slice watch bytes sent per run."""
-    cluster = e2e.start_cluster(proxy, with_dns=False, shape=shape)
+    cluster = e2e.start_cluster(proxy, with_dns=False, shape=shape, mode=mode)
     try:
         image = images.agnhost_reference()
         cluster.apply(k.pod("bench-client", "default", image, ["pause"], node="node-1"))
@@ -108,7 +111,7 @@ def measure(proxy: str, runs: int, shape: str = "daemonset") -> tuple[list[float
         latencies = []
         for i in range(runs):
             latency = one_run(cluster, i)
-            print(f"  {proxy} ({shape}) run {i + 1}: {latency:.2f} s", flush=True)
+            print(f"  {proxy} ({shape}, {mode}) run {i + 1}: {latency:.2f} s", flush=True)
             latencies.append(latency)
         _, sent_after = slice_watch_figures(cluster)
         return latencies, watches, (sent_after - sent_before) / runs
@@ -121,13 +124,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--proxy", choices=e2e.PROXIES, action="append")
     parser.add_argument("--shape", choices=tuple(addons.SHAPES), action="append")
+    parser.add_argument("--mode", choices=("nftables", "ebpf"), action="append")
     args = parser.parse_args(argv)
     results = {}
     for proxy in args.proxy or e2e.PROXIES:
-        for shape in (args.shape or ["daemonset"]) if proxy == "kpng" else ["daemonset"]:
-            name = proxy if shape == "daemonset" else f"{proxy} ({shape})"
-            print(f"{name}: Deployment of {REPLICAS} pods → first connection through the ClusterIP")
-            results[name] = measure(proxy, args.runs, shape)
+        kpng = proxy == "kpng"
+        for shape in (args.shape or ["daemonset"]) if kpng else ["daemonset"]:
+            for mode in (args.mode or ["nftables"]) if kpng else ["nftables"]:
+                extra = [s for s in (shape, mode) if s not in ("daemonset", "nftables")]
+                name = f"{proxy} ({', '.join(extra)})" if extra else proxy
+                print(f"{name}: {REPLICAS} pods behind a Service → first connection through it")
+                results[name] = measure(proxy, args.runs, shape, mode)
     print(
         "\n| proxy | median | min | max | runs | EndpointSlice watches | slice watch bytes / run |"
         "\n|---|---|---|---|---|---|---|"
