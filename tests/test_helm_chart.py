@@ -5,6 +5,7 @@ says."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 from typing import Any
@@ -281,4 +282,16 @@ def test_the_e2e_nodes_of_one_machine_get_a_to_ebpf_daemonset_each(tmp_path: Pat
             "host-cgroup": f"/sys/fs/cgroup/unified/kpng-{node}",
             "bpffs": f"/sys/fs/bpf/kpng-{node}",
         }
-        assert pod["spec"]["containers"] == chart_set["spec"]["template"]["spec"]["containers"]
+        (container,) = pod["spec"]["containers"]
+        (expected,) = copy.deepcopy(chart_set["spec"]["template"]["spec"]["containers"])
+        added = expected["securityContext"]["capabilities"]["add"]
+        grantable = addons.grantable_capabilities()
+        expected["securityContext"]["capabilities"]["add"] = [c for c in added if c in grantable]
+        assert container == expected
+
+
+def test_capabilities_this_machine_cannot_grant_are_found_in_its_bounding_set() -> None:
+    status = "Name:\tx\nCapBnd:\t000001fffeffffff\nCapAmb:\t0000000000000000\n"
+    assert addons.grantable_capabilities(status) == {"NET_ADMIN", "SYS_PTRACE", "SYS_ADMIN", "BPF"}
+    full = "CapBnd:\t000001ffffffffff\n"
+    assert addons.grantable_capabilities(full) == set(addons.CAPABILITY_BITS)

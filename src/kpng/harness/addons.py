@@ -111,7 +111,9 @@ def ebpf_per_node(manifest: str, cluster: RealCluster) -> tuple[str, list[str]]:
     On a real node the host's cgroup2 root holds just that node's sockets and its bpffs just its
     pins, as the chart assumes. These nodes share one machine: with the chart's paths, each
     node's programs would balance the other node's pods too, and the two kpngs would take over
-    each other's maps."""
+    each other's maps. A capability this machine's own bounding set lacks is left out (runc
+    could not grant it): in this sandbox SYS_RESOURCE, which only kernels before 5.11 use."""
+    grantable = grantable_capabilities()
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     (chart_set,) = [d for d in documents if d["kind"] == "DaemonSet"]
     documents.remove(chart_set)
@@ -129,9 +131,31 @@ def ebpf_per_node(manifest: str, cluster: RealCluster) -> tuple[str, list[str]]:
         for volume in pod["spec"]["volumes"]:
             if volume["name"] in paths:
                 volume["hostPath"]["path"] = str(paths[volume["name"]])
+        for container in pod["spec"]["containers"]:
+            capabilities = container["securityContext"]["capabilities"]
+            capabilities["add"] = [c for c in capabilities["add"] if c in grantable]
         documents.append(daemonset)
         names.append(name)
     return yaml.safe_dump_all(documents, sort_keys=False), names
+
+
+CAPABILITY_BITS = {
+    "NET_ADMIN": 12,
+    "SYS_PTRACE": 19,
+    "SYS_ADMIN": 21,
+    "SYS_RESOURCE": 24,
+    "BPF": 39,
+}
+"""The capabilities kpng's manifests add, by their number in the kernel's sets."""
+
+
+def grantable_capabilities(status: str | None = None) -> set[str]:
+    """Those of ``CAPABILITY_BITS`` in this process's bounding set (``/proc/self/status``)."""
+    text = Path("/proc/self/status").read_text() if status is None else status
+    bounding = next(
+        int(line.split()[1], 16) for line in text.splitlines() if line.startswith("CapBnd:")
+    )
+    return {name for name, bit in CAPABILITY_BITS.items() if bounding >> bit & 1}
 
 
 def ebpf_pin_dir(node: RealNode) -> Path:
