@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kpng import sinks, sources, subcommands
+from kpng import heap, sinks, sources, subcommands
 from kpng.backends import registry
 from kpng.backends.registry import BackendSpec
 from kpng.errors import EXIT_ERROR, EXIT_USAGE, KpngError, UsageError
@@ -338,7 +338,9 @@ def _feeds_backends(name: str) -> bool:
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:
-    task = asyncio.ensure_future(pipeline())
+    task = asyncio.ensure_future(
+        _concurrently({"pipeline": pipeline, "heap": heap.trim_periodically})()
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
