@@ -81,6 +81,7 @@ from kpng.api.localv1_pb2 import EndpointsSet, ServicesSet
 
 TARGET_P99_S = 2.0
 TARGET_RSS_MB = 4096.0
+WAVE_S_PER_WATCHER = 2.0
 TARGET_CPU_S = 1.0
 CHANGE_TIMEOUT_S = 120.0  # one change reaching every watcher
 SETTLE_S = 0.5  # before a change: nothing in flight, keepalives aside
@@ -127,7 +128,9 @@ class Fleet:
                 asyncio.create_task(w.run(apis[(offset + j) % len(apis)]))
                 for j, w in enumerate(new)
             ]
-            async with asyncio.timeout(INITIAL_TIMEOUT_S):
+            # A bound per wave, longer for a wave of many: a wave of 500 first states took
+            # 200 s on two busy cores.
+            async with asyncio.timeout(max(INITIAL_TIMEOUT_S, len(new) * WAVE_S_PER_WATCHER)):
                 await _all_synced(new, 1, self.tasks)
         for w in self.watchers:
             w.keep = True
