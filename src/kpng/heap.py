@@ -1,10 +1,12 @@
 """The C heap's free memory given back to the kernel, once a minute.
 
-glibc keeps what the process frees for its next allocations. Under churn, freed chunks end up
-scattered between live ones, where glibc never returns them by itself: a soak of ``kpng kube ...
-to-nft`` (bench/soak.py) saw the heap's live bytes stay flat while its free-but-held bytes, and
-RSS with them, grew some 6 MiB an hour. ``malloc_trim`` hands back every whole free page, where
-it lies. Other C libraries (musl) have no such call: there this does nothing.
+glibc keeps what the process frees for its next allocations, and under churn the freed chunks
+end up scattered between live ones, where glibc never returns them by itself: ``malloc_trim``
+hands back every whole free page, where it lies. Measured: a brain with 1,000 idle watchers of
+10,000 services kept 929 MB after their first states, 505 MB with this; ``kpng kube ... to-nft``
+under the soak's churn (bench/soak.py) held 95 MiB at 10 minutes where it held 110. It lowers
+the level, not the slope: the soak's slow growth is that free-but-held memory, and continues.
+Other C libraries (musl) have no such call: there this does nothing.
 """
 
 from __future__ import annotations
