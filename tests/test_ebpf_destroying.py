@@ -35,7 +35,7 @@ def test_entering_the_pods_namespaces_takes_sys_admin_and_sys_ptrace(
 
 def test_the_effective_capabilities_are_read_from_proc_status() -> None:
     status = "Name:\tkpng\nCapInh:\t0000000000000000\nCapEff:\t0000000000280000\n"
-    assert system.effective_capabilities(status) == ADMIN | PTRACE
+    assert system.capabilities(status=status) == ADMIN | PTRACE
 
 
 def test_the_cgroups_processes_are_found_below_it_and_unseen_ones_counted(

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import kpng
+from kpng.backends.ebpf import system
 from kpng.harness import addons, chart
 from kpng.harness.chart import ChartError
 from kpng.harness.nodes import RealCluster
@@ -294,4 +295,4 @@ def test_capabilities_this_machine_cannot_grant_are_found_in_its_bounding_set() 
     status = "Name:\tx\nCapBnd:\t000001fffeffffff\nCapAmb:\t0000000000000000\n"
     assert addons.grantable_capabilities(status) == {"NET_ADMIN", "SYS_PTRACE", "SYS_ADMIN", "BPF"}
     full = "CapBnd:\t000001ffffffffff\n"
-    assert addons.grantable_capabilities(full) == set(addons.CAPABILITY_BITS)
+    assert addons.grantable_capabilities(full) == set(system.CAPABILITIES)

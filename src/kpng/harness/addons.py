@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from kpng.backends.ebpf import system
 from kpng.harness import chart
 from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
 from kpng.harness.nodes import (
@@ -139,23 +140,10 @@ def ebpf_per_node(manifest: str, cluster: RealCluster) -> tuple[str, list[str]]:
     return yaml.safe_dump_all(documents, sort_keys=False), names
 
 
-CAPABILITY_BITS = {
-    "NET_ADMIN": 12,
-    "SYS_PTRACE": 19,
-    "SYS_ADMIN": 21,
-    "SYS_RESOURCE": 24,
-    "BPF": 39,
-}
-"""The capabilities kpng's manifests add, by their number in the kernel's sets."""
-
-
 def grantable_capabilities(status: str | None = None) -> set[str]:
-    """Those of ``CAPABILITY_BITS`` in this process's bounding set (``/proc/self/status``)."""
-    text = Path("/proc/self/status").read_text() if status is None else status
-    bounding = next(
-        int(line.split()[1], 16) for line in text.splitlines() if line.startswith("CapBnd:")
-    )
-    return {name for name, bit in CAPABILITY_BITS.items() if bounding >> bit & 1}
+    """Those of to-ebpf's capabilities in this process's bounding set (``/proc/self/status``)."""
+    bounding = system.capabilities("CapBnd", status)
+    return {name for name, bit in system.CAPABILITIES.items() if bounding >> bit & 1}
 
 
 def ebpf_pin_dir(node: RealNode) -> Path:

@@ -39,7 +39,7 @@ _COOKIE_SIZE = 8
 
 def missing_privileges(capabilities: int | None = None) -> str | None:
     """Why this process cannot enter other processes' network namespaces, or None."""
-    caps = system.effective_capabilities() if capabilities is None else capabilities
+    caps = system.capabilities() if capabilities is None else capabilities
     missing = [
         name
         for name, bit in (

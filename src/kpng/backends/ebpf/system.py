@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 from pathlib import Path
@@ -125,16 +126,18 @@ def kernel_too_old(release: str | None = None) -> str | None:
 
 
 CLONE_NEWNET = 0x40000000
-CAP_SYS_PTRACE = 19
-CAP_SYS_ADMIN = 21
+CAPABILITIES = {"NET_ADMIN": 12, "SYS_PTRACE": 19, "SYS_ADMIN": 21, "SYS_RESOURCE": 24, "BPF": 39}
+"""The capabilities to-ebpf's manifests add, by their number in the kernel's sets."""
+CAP_SYS_PTRACE = CAPABILITIES["SYS_PTRACE"]
+CAP_SYS_ADMIN = CAPABILITIES["SYS_ADMIN"]
 
 
-def effective_capabilities(status: str | None = None) -> int:
-    """This process's effective capabilities, as a bit set (pure over ``status``'s text, that
-    of /proc/self/status)."""
+def capabilities(kind: str = "CapEff", status: str | None = None) -> int:
+    """One of this process's capability sets (``CapEff``, ``CapBnd``...), as a bit set (pure
+    over ``status``'s text, that of /proc/self/status)."""
     text = Path("/proc/self/status").read_text() if status is None else status
     for line in text.splitlines():
-        if line.startswith("CapEff:"):
+        if line.startswith(f"{kind}:"):
             return int(line.split()[1], 16)
     return 0
 
@@ -142,7 +145,12 @@ def effective_capabilities(status: str | None = None) -> int:
 def enter_netns(fd: int) -> None:
     """Move the calling thread, and only it, into the network namespace open at ``fd``.
     (Python 3.11 has no os.setns.)"""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
+    if _libc().setns(fd, CLONE_NEWNET) != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"setns: {os.strerror(number)}")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc, loaded once: a sweep enters one namespace per pod."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
