@@ -16,19 +16,3 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")  # type: ignore[no-redef]
 def backend_command() -> str:
     return "to-ebpf --cluster-cidr {cluster_cidrs} --cgroup {cgroup} --pin-dir {pin_dir}"
-
-
-NOT_LOCAL = (
-    "the programs translate when the socket connects, before it has a source address or an "
-    "interface: a pod that local traffic detection does not count as local cannot be "
-    "masqueraded (--masquerade-all is honoured: ClusterIPs are then left to the nftables part)"
-)
-
-
-@pytest.fixture(scope="module")  # type: ignore[no-redef]
-def known_failures() -> dict[str, str]:
-    return {
-        "test_local_traffic_detection_decides_what_is_masqueraded[flags3-True]": NOT_LOCAL,
-        "test_local_traffic_detection_decides_what_is_masqueraded[flags4-True]": NOT_LOCAL,
-        "test_node_cidr_detection_follows_the_node_object": NOT_LOCAL,
-    }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.backends.ebpf import _may_take_endpoints, destroying, system
+from kpng.backends.ebpf import _may_take_endpoints, namespaces, system
 from kpng.backends.ebpf.entries import MapChanges
 
 ADMIN, PTRACE = 1 << system.CAP_SYS_ADMIN, 1 << system.CAP_SYS_PTRACE
@@ -26,7 +26,7 @@ ADMIN, PTRACE = 1 << system.CAP_SYS_ADMIN, 1 << system.CAP_SYS_PTRACE
 def test_entering_the_pods_namespaces_takes_sys_admin_and_sys_ptrace(
     caps: int, missing: str | None
 ) -> None:
-    reason = destroying.missing_privileges(caps)
+    reason = namespaces.missing_privileges(caps)
     assert (reason is None) == (missing is None)
     if missing is not None:
         assert reason is not None
@@ -46,8 +46,8 @@ def test_the_cgroups_processes_are_found_below_it_and_unseen_ones_counted(
     (tmp_path / "pod-a").mkdir()
     (tmp_path / "cgroup.procs").write_text("1\n0\n0\n")
     (tmp_path / "pod-a" / "cgroup.procs").write_text("42\n")
-    assert sorted(destroying.pids(tmp_path)) == [0, 0, 1, 42]
-    assert destroying.unseen_processes(tmp_path) == 2
+    assert sorted(namespaces.pids(tmp_path)) == [0, 0, 1, 42]
+    assert namespaces.unseen_processes(tmp_path) == 2
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,63 @@ def test_translated_connections_leave_no_conntrack_entry_to_the_service(cluster:
     assert _conntrack(cluster.bed, node.netns, IP) == 1
 
 
+def test_namespaces_detection_does_not_count_as_local_are_left_to_the_nftables_part(
+    bed_cluster: Cluster,
+) -> None:
+    """With the pods' veths named vp*, detection by the prefix xx counts no pod local: a1's
+    connections go through the nftables part (a conntrack entry), which masquerades them, as
+    the conformance suite checks; by the prefix vp, they are translated at connect. A pod's
+    namespace made after kpng started is translated from kpng's next look at the cgroup on."""
+    bed, node = bed_cluster.bed, bed_cluster.bed.nodes["node-1"]
+    assert node.cgroup is not None
+    bed_cluster.start_backend("node-1", "--detect-local-mode", "InterfaceNamePrefix",
+                              "--pod-interface-name-prefix", "xx")  # fmt: skip
+    a1 = bed.pods["a1"].ip4
+    # Masqueraded: to a2's veth, the node's address there.
+    masqueraded = ["a2 10.244.1.1"]
+    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == masqueraded)
+    _forget_flows(bed_cluster)
+    assert bed_cluster.probe("a1", "tcp", IP, 80) == masqueraded
+    assert _conntrack(bed, node.netns, IP) == 1
+
+    bed_cluster.start_backend("node-1", "--detect-local-mode", "InterfaceNamePrefix",
+                              "--pod-interface-name-prefix", "vp")  # fmt: skip
+    bed_cluster.eventually("a1", "tcp", IP, 80, lambda r: r == [f"a2 {a1}"])
+    _forget_flows(bed_cluster)
+    assert bed_cluster.probe("a1", "tcp", IP, 80) == [f"a2 {a1}"]
+    assert _conntrack(bed, node.netns, IP) == 0
+    late, address, gateway = f"{bed.prefix}late", "10.244.1.9", "10.244.1.1"
+    for argv in (
+        ["ip", "netns", "add", late],
+        ["ip", "-n", node.netns, "link", "add", "vp9", "type", "veth", "peer", "eth0", "netns",
+         late],
+        ["ip", "-n", node.netns, "addr", "add", f"{gateway}/32", "dev", "vp9"],
+        ["ip", "-n", node.netns, "link", "set", "vp9", "up"],
+        ["ip", "-n", node.netns, "route", "add", f"{address}/32", "dev", "vp9"],
+        ["ip", "-n", late, "addr", "add", f"{address}/32", "dev", "eth0"],
+        ["ip", "-n", late, "link", "set", "eth0", "up"],
+        ["ip", "-n", late, "route", "add", gateway, "dev", "eth0"],
+        ["ip", "-n", late, "route", "add", "default", "via", gateway, "dev", "eth0"],
+    ):  # fmt: skip
+        subprocess.run(argv, check=True)
+    in_cgroup = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(node.cgroup / "cgroup.procs")]
+    holder = subprocess.Popen([*in_cgroup, "ip", "netns", "exec", late, "sleep", "30"])
+    probe = [sys.executable, "-m", "kpng.testing.probe", "tcp", IP, "80"]
+    try:
+
+        def translated() -> bool:
+            _forget_flows(bed_cluster)
+            out = subprocess.run([*in_cgroup, "ip", "netns", "exec", late, *probe],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            return f"a2 {address}" in out and _conntrack(bed, node.netns, IP) == 0
+
+        assert poll(translated, within=SETTLE_S, interval=0.5)
+    finally:
+        holder.kill()
+        holder.wait()
+        subprocess.run(["ip", "netns", "del", late], check=False)
+
+
 def test_removing_the_pins_detaches_the_programs(cluster: Cluster) -> None:
     node = cluster.bed.nodes["node-1"]
     assert node.cgroup is not None

@@ -44,10 +44,11 @@ from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
 from kpng.backends._nftables.executing import LibNft, default_nft
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
-from kpng.backends.ebpf import destroying, entries, libbpf, observing, system, toolchain
+from kpng.backends.ebpf import entries, libbpf, locality, namespaces, observing, system, toolchain
 from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
+from kpng.backends.ebpf.locality import LocalNamespaces
 from kpng.backends.ebpf.observing import Occupancy, Sample
 from kpng.client import (
     Backend,
@@ -96,6 +97,9 @@ class SocketBalancer:
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
         self._object: BpfObject | None = None
         self._destroyer: UdpDestroyer | None = None
+        self._locality: LocalNamespaces | None = None
+        self._looking: asyncio.Task[None] | None = None
+        self._resolved = options
         self._fds: dict[entries.MapName, int] = {}
         self._counters_fd: int | None = None
         self.state = SocketState()
@@ -113,6 +117,7 @@ class SocketBalancer:
     async def apply(self, state: NodeState) -> MapChanges:
         """Program ``state``; the changes made."""
         options = node_options(self._options, self._from_node, state)
+        self._resolved = options
         node = (options, state.node_ips)
         if node != self._node:
             # Node ports follow the node's primary IPs: every service is contributed anew.
@@ -129,10 +134,14 @@ class SocketBalancer:
                 present = asyncio.get_running_loop().run_in_executor(None, self._present)
             updated = self._contribute(state, options)
             if present is not None:
-                changes = await asyncio.to_thread(self._full, updated, await present, cgroup)
+                changes = await asyncio.to_thread(
+                    self._full, updated, await present, cgroup, options
+                )
             else:
                 changes = self.state.changes(updated)
                 await asyncio.to_thread(self._write, changes)
+            if self._looking is None and self._locality is not None and self._attached:
+                self._looking = asyncio.create_task(self._look_periodically(self._locality))
             if self._destroyer is not None and _may_take_endpoints(changes):
                 await asyncio.to_thread(self._sweep, self._destroyer)
         except BpfError:
@@ -187,6 +196,12 @@ class SocketBalancer:
                     self._destroyer = None
                 raise
             self._fds = {name: self._object.map_fd(name) for name in MAPS}
+            self._locality = LocalNamespaces(
+                self._object.map_fd("kpng_locality"),
+                self._object.map_fd("kpng_local_netns"),
+                cgroup,
+                why_not=locality.unavailable(cgroup),
+            )
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
         return cgroup
@@ -194,7 +209,7 @@ class SocketBalancer:
     def _load_destroyer(self, cgroup: Path) -> UdpDestroyer | None:
         """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
         allow it; which way connected UDP sockets go is logged once."""
-        why_not = destroying.unavailable(cgroup)
+        why_not = namespaces.unavailable(cgroup)
         destroyer = None
         if why_not is None:
             try:
@@ -260,16 +275,28 @@ class SocketBalancer:
         updated: dict[ServiceKey, Contribution | None],
         present: dict[entries.MapName, list[bytes]],
         cgroup: Path,
+        options: Options,
     ) -> MapChanges:
-        """Every entry written over what the maps hold; at the first state, the programs are
-        attached only then, so that they see only whole states."""
+        """Every entry written over what the maps hold, and which namespaces are local; at the
+        first state, the programs are attached only then, so that they see only whole states."""
         with collector_paused():
             changes = self.state.full(updated, present)
         self._write(changes)
+        assert self._locality is not None
+        self._locality.refresh(options)
         self._needs_full = False
         if not self._attached:
             self._attach(cgroup)
         return changes
+
+    async def _look_periodically(self, locals: LocalNamespaces) -> None:
+        """New pods' namespaces found, gone ones forgotten, every ``LOOK_EVERY_S``."""
+        while True:
+            await asyncio.sleep(locality.LOOK_EVERY_S)
+            try:
+                await asyncio.to_thread(locals.refresh, self._resolved)
+            except (BpfError, OSError) as exc:
+                log.warning("to-ebpf: the pods' network namespaces not looked at: %s", exc)
 
     def _attach(self, cgroup: Path) -> None:
         assert self._object is not None
@@ -300,6 +327,9 @@ class SocketBalancer:
     def close(self) -> None:
         # The pins keep programs and maps: closing only lets go of this process's handles (and
         # detaches the iterator, which runs only when kpng runs it).
+        if self._looking is not None:
+            self._looking.cancel()
+            self._looking = None
         if self._destroyer is not None:
             self._destroyer.close()
             self._destroyer = None
@@ -307,6 +337,7 @@ class SocketBalancer:
             self._counters_fd = None
             self._object.close()
             self._object = None
+            self._locality = None
 
 
 def _may_take_endpoints(changes: MapChanges) -> bool:

@@ -14,6 +14,10 @@
  *   kpng_revnat     (socket, endpoint) -> frontend, for getpeername and recvmsg (LRU)
  *   kpng_counters   hook -> translations and lookups that found no endpoint (per CPU; the
  *                   programs count, kpng sums the CPUs for /metrics)
+ *   kpng_locality   0 -> the families whose sockets are translated only in the network
+ *                   namespaces of kpng_local_netns (locality.py)
+ *   kpng_local_netns  network namespace -> the families local traffic detection counts its
+ *                   traffic as the node's pods' for
  *
  * Addresses are 16 bytes, IPv4 as IPv4-mapped IPv6 (::ffff:a.b.c.d), so one map serves both
  * families and a dual-stack socket connecting to a mapped address finds the IPv4 frontend.
@@ -169,6 +173,33 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_revnat SEC(".maps");
 
+/* Local traffic detection (kube-proxy's --detect-local-mode) decides whether a connection to a
+ * service is masqueraded, and whether an external IP with eTP=Local short-circuits it, by its
+ * source address or the interface it arrives on: neither exists when a socket connects. kpng
+ * decides by the socket's network namespace instead: where detection is set for a family, a
+ * socket of that family is translated only if kpng found its namespace local; any other (one
+ * kpng has not looked at yet included) is left to the nftables part, which decides by the
+ * packet, as kube-proxy does. */
+#define LOCAL_V4 1
+#define LOCAL_V6 2
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_locality SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_local_netns SEC(".maps");
+
 /* Set by kpng before the load (libbpf's .rodata, so the verifier drops the code it disables):
  * whether kpng destroys a connected UDP socket once its endpoint is gone, with
  * udp_destroy.bpf.c's iterator in every network namespace of the cgroup. */
@@ -323,6 +354,21 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 	return 1;
 }
 
+/* Whether detection is set for this connection's family and its namespace is not known local.
+ * An IPv4-mapped address is an IPv4 connection, whatever the socket's family. */
+static __always_inline int left_to_nftables(struct bpf_sock_addr *ctx, const struct addr *a)
+{
+	__u32 zero = 0;
+	__u32 *checked = bpf_map_lookup_elem(&kpng_locality, &zero);
+	__u32 family = (a->w[0] == 0 && a->w[1] == 0 && a->w[2] == bpf_htonl(0xffff)) ? LOCAL_V4
+										     : LOCAL_V6;
+	if (!checked || !(*checked & family))
+		return 0;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	__u32 *local = bpf_map_lookup_elem(&kpng_local_netns, &netns);
+	return !local || !(*local & family);
+}
+
 static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send, __u32 hook)
 {
 	struct frontend_key key = {};
@@ -343,7 +389,7 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	struct frontend *fe = bpf_map_lookup_elem(&kpng_frontends, &key);
 	/* No frontend, or no endpoint: the packet goes as addressed, and the node's nftables
 	 * rules answer it (REJECT or DROP, as for any proxy). */
-	if (!fe)
+	if (!fe || left_to_nftables(ctx, &key.addr))
 		return 1;
 	struct counters *c = counters(hook);
 	if (!fe->set || !(send ? pick_for_send(ctx, &key, fe, &ep) : pick(ctx, fe, &ep))) {
