@@ -1,7 +1,9 @@
 """kpng against upstream kube-proxy in nftables or iptables mode (``--mode``): the same API server
 state, node and configuration file, one after the other, each in a network namespace of its own
 (root). In iptables mode kpng runs to-iptables, and both use the node's ``iptables`` (Debian's
-alternative: iptables-nft unless switched).
+alternative: iptables-nft unless switched). With ``--ebpf`` (nftables mode) kpng's to-ebpf is
+measured third, the same way (issue 26: connect latency of to-ebpf, to-nft and kube-proxy's
+nftables mode in one run).
 
 kube-proxy is built from the ``k8s.io/kubernetes`` Go module of the test control plane's release
 (``kpng.harness.cluster.ensure_programs``), as that kube-apiserver is. For each size
@@ -26,13 +28,29 @@ file: ``mode: nftables`` or ``iptables``, node ``node-000``) run in turn, and fo
    from the proxy's namespace (the node itself) to the ClusterIPs of ``CONNECT_TARGETS`` services,
    whose 10 endpoint addresses are made local there with a listener behind them; p50 and p99 of
    the time ``connect()`` takes. Every connection's first packet crosses the proxy's rules:
-   iptables' KUBE-SERVICES is a list of a rule per service port, nftables' a map lookup.
+   iptables' KUBE-SERVICES is a list of a rule per service port, nftables' a map lookup;
+   to-ebpf's programs give the socket an endpoint at ``connect()``, before any packet;
+6. **conntrack entries** whose original destination is one of those ClusterIPs, after the
+   connects: one a connection through DNAT rules, none through to-ebpf's translation.
 
-Ratios kpng / kube-proxy follow each size (targets at 10k: first sync <= 0.5, change -> rules
-<= 0.2, RSS and CPU per change <= 1). Every wait is bounded; namespaces, processes and the
-control plane are removed at the end, also on failure.
+**to-ebpf**: ``kpng kube-proxy`` has no choice of backend (the mode picks to-nft or
+to-iptables), so to-ebpf runs as the command line the drop-in builds from the same file
+(``kpng.kubeproxy.config.kpng_argv``) with ``to-nft`` made ``to-ebpf`` and given ``--cgroup``
+and ``--pin-dir``, after ``kpng kube-proxy --config F --init-only`` (the drop-in's conntrack
+settings). The cgroup is a directory of this run's own in the host's cgroup2 hierarchy
+(``kpng.backends.ebpf.system.cgroup2_root``: /sys/fs/cgroup/unified on a cgroup v1 host), the
+pins a directory of this run's own on bpffs (/sys/fs/bpf); both are removed after the run, also
+on failure. kpng enters only the namespace's network (``nsenter --net``): ``ip netns exec``
+remounts /sys, which hides both. The connect probe starts in that cgroup, where the programs
+see its sockets, and the run fails unless to-ebpf's ``kpng_ebpf_translations{hook="connect4"}``
+counted every connect and conntrack saw none of them: a to-ebpf column measured through the
+nftables rules would be to-nft's.
 
-    python bench/bench_kube_proxy.py [--mode nftables|iptables] [--iptables nft|legacy]
+Ratios against kube-proxy follow each size (targets at 10k for kpng's to-nft: first sync <= 0.5,
+change -> rules <= 0.2, RSS and CPU per change <= 1), and to-ebpf's against to-nft. Every wait
+is bounded; namespaces, processes and the control plane are removed at the end, also on failure.
+
+    python bench/bench_kube_proxy.py [--mode nftables|iptables] [--iptables nft|legacy] [--ebpf]
         [--sizes 100,1000,10000] [--changes 10] [--connects 2000] [--first-sync-timeout 900]
 """
 
@@ -50,8 +68,8 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +77,11 @@ import msgspec
 import synthetic
 from bench_kube import APISERVER_ARGS, NODE, fill, nearest_rank
 
+from kpng.backends.ebpf import remove_pins, system
 from kpng.harness.cluster import ControlPlane, ensure_binaries, ensure_programs
 from kpng.harness.kubeapi import KubeApi
+from kpng.kubeproxy import command
+from kpng.kubeproxy.config import kpng_argv
 from kpng.testing.waiting import until
 
 Obj = dict[str, Any]
@@ -134,19 +155,25 @@ def namespace(name: str) -> Iterator[None]:
         subprocess.run(["ip", "link", "del", host], check=False, stderr=subprocess.DEVNULL)
 
 
-def scrape() -> dict[str, float]:
-    """Every sample of the proxy's /metrics, summed over label sets (both report one family
-    here); timestamps, the newest."""
+def _samples() -> Iterator[tuple[str, str]]:
+    """(name and labels, value) of each sample of the proxy's /metrics; none if it does not
+    answer."""
     try:
         with urllib.request.urlopen(METRICS, timeout=2) as response:
             text = response.read().decode()
     except OSError:
-        return {}
-    out: dict[str, float] = {}
+        return
     for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
+        if line and not line.startswith("#"):
+            name_labels, _, value = line.rpartition(" ")
+            yield name_labels, value
+
+
+def scrape() -> dict[str, float]:
+    """Every sample of the proxy's /metrics, summed over label sets (both report one family
+    here); timestamps, the newest."""
+    out: dict[str, float] = {}
+    for name_labels, value in _samples():
         name = name_labels.split("{", 1)[0]
         try:
             number = float(value)
@@ -156,6 +183,14 @@ def scrape() -> dict[str, float]:
         merge = max if name.endswith("_timestamp_seconds") else operator.add
         out[name] = merge(out.get(name, 0.0), number)
     return out
+
+
+TRANSLATED_CONNECTS = 'kpng_ebpf_translations_total{hook="connect4"}'
+
+
+def translated_connects() -> float:
+    """How many IPv4 connects to-ebpf's programs have given an endpoint, by its /metrics."""
+    return sum(float(v) for name, v in _samples() if name == TRANSLATED_CONNECTS)
 
 
 POLL_S = 0.2
@@ -197,6 +232,61 @@ class Figures:
     children_cpu_per_change_s: float
     rss_mib: float
     connect_us: list[float]
+    conntracked: int
+    """Conntrack entries to the connect targets' ClusterIPs after the connects."""
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """A proxy measured: its command line, run in the proxy's namespace after ``prepare``
+    (when given, and not timed). A proxy that ``balances_sockets`` (to-ebpf) is given
+    ``--cgroup`` and ``--pin-dir`` directories of its own, the connect probe runs in that
+    cgroup, and its connects must be seen translated."""
+
+    name: str
+    argv: list[str]
+    prepare: list[str] = field(default_factory=list)
+    balances_sockets: bool = False
+
+
+@dataclass(frozen=True)
+class SocketDirs:
+    """to-ebpf's ``--cgroup`` and ``--pin-dir``."""
+
+    cgroup: Path
+    pin_dir: Path
+
+
+@contextmanager
+def socket_dirs() -> Iterator[SocketDirs]:
+    """A cgroup2 directory and a pin directory on bpffs of this run's own, for to-ebpf: not the
+    whole hierarchy, which would translate every process's connects on the machine. Removed on
+    exit, pins first (they hold the programs' links to the cgroup), also on failure."""
+    cgroup = system.cgroup2_root() / f"kpng-bench-kp-{os.getpid()}"
+    system.ensure_bpffs(system.BPFFS)
+    cgroup.mkdir()
+    try:
+        pin_dir = Path(tempfile.mkdtemp(prefix="kpng-bench-kp-", dir=system.BPFFS))
+        try:
+            yield SocketDirs(cgroup, pin_dir)
+        finally:
+            remove_pins(pin_dir)
+    finally:
+        try:
+            cgroup.rmdir()
+        except OSError as exc:
+            print(f"cannot remove the cgroup {cgroup}: {exc}", file=sys.stderr)
+
+
+def ebpf_argv(config: Path) -> list[str]:
+    """kpng's command line with to-ebpf for the kube-proxy configuration file ``config``: the
+    one ``kpng kube-proxy --config`` runs with to-nft (``--cgroup`` and ``--pin-dir`` to be
+    added)."""
+    pipeline = kpng_argv(command.build(["--config", str(config)]).config)
+    if pipeline.count("to-nft") != 1:
+        raise RuntimeError(f"no to-nft to replace in kpng kube-proxy's {pipeline}")
+    pipeline[pipeline.index("to-nft")] = "to-ebpf"
+    return [sys.executable, "-m", "kpng", *pipeline]
 
 
 @dataclass(frozen=True)
@@ -209,9 +299,11 @@ class Target:
     endpoint_port: int
 
 
+PROBE_WARM_UP = 200
+"""Connects the probe makes before those it times."""
 PROBE = """
 import json, socket, sys, threading, time
-targets, count = json.loads(sys.argv[1]), int(sys.argv[2])
+targets, count, warm_up = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 for port in {t[2] for t in targets}:
     listener = socket.create_server(("0.0.0.0", port), backlog=4096, reuse_port=True)
     def serve(listener=listener):
@@ -219,7 +311,7 @@ for port in {t[2] for t in targets}:
             listener.accept()[0].close()
     threading.Thread(target=serve, daemon=True).start()
 took = []
-for i in range(count + 200):
+for i in range(count + warm_up):
     ip, port, _ = targets[i % len(targets)]
     client = socket.socket()
     client.settimeout(5)
@@ -228,7 +320,7 @@ for i in range(count + 200):
         client.connect((ip, port))
     except OSError as exc:
         sys.exit(f"connect {i} to {ip}:{port}: {exc}")
-    if i >= 200:  # the first ones warm caches up
+    if i >= warm_up:  # the first ones warm caches up
         took.append((time.perf_counter_ns() - started) / 1000)
     client.close()
 print(json.dumps(took))
@@ -236,17 +328,27 @@ print(json.dumps(took))
 """Run in the proxy's namespace: listeners on the endpoints' port, then timed connects."""
 
 
-def connect_latencies(netns: str, targets: list[Target], count: int) -> list[float]:
+def connect_latencies(
+    netns: str, targets: list[Target], count: int, *, cgroup: Path | None
+) -> list[float]:
     """Microseconds each connect to the targets' ClusterIPs took, from the proxy's namespace
-    (the node), with the targets' endpoint addresses local there (on a bridge of their own)."""
+    (the node), with the targets' endpoint addresses local there (on a bridge of their own);
+    the probe in ``cgroup`` if given."""
     inside = ("ip", "netns", "exec", netns)
     _run(*inside, "ip", "link", "add", "kpkp-ep", "type", "bridge")
     _run(*inside, "ip", "link", "set", "kpkp-ep", "up")
     for address in sorted({a for t in targets for a in t.endpoints}):
         _run(*inside, "ip", "addr", "add", f"{address}/32", "dev", "kpkp-ep")
     spec = [[t.cluster_ip, t.port, t.endpoint_port] for t in targets]
+    encoded = msgspec.json.encode(spec).decode()
+    probe = [*inside, sys.executable, "-c", PROBE, encoded, str(count), str(PROBE_WARM_UP)]
+    if cgroup is not None:
+        # As kpng.testing.netns.TestBed.command_in: the shell joins the cgroup, then becomes
+        # the probe, whose sockets the cgroup's programs then see.
+        procs = str(cgroup / "cgroup.procs")
+        probe = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *probe]
     done = subprocess.run(
-        [*inside, sys.executable, "-c", PROBE, msgspec.json.encode(spec).decode(), str(count)],
+        probe,
         capture_output=True,
         text=True,
         timeout=300,
@@ -258,12 +360,27 @@ def connect_latencies(netns: str, targets: list[Target], count: int) -> list[flo
     return list(msgspec.json.decode(done.stdout))
 
 
+def conntrack_entries(*, netns: str, targets: list[Target]) -> int:
+    """Conntrack entries in ``netns`` whose original destination is a target's ClusterIP."""
+    found = 0
+    for ip in sorted({t.cluster_ip for t in targets}):
+        listed = subprocess.run(
+            ["ip", "netns", "exec", netns, "conntrack", "-L", "-p", "tcp", "--orig-dst", ip],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        found += sum(1 for line in listed.stdout.splitlines() if line.startswith("tcp"))
+    return found
+
+
 def connect_targets(api: KubeApi, slices: list[Obj], changing: list[Obj]) -> list[Target]:
     """``CONNECT_TARGETS`` single-port TCP ClusterIP services whose 10 endpoints are all
-    ready, at random (the same ones for both proxies); their ClusterIPs as the API server
+    ready, at random (the same ones for every proxy); their ClusterIPs as the API server
     allocated them."""
-    # Not a slice the changes move: the first proxy's changes would take its endpoints away
-    # from the local addresses before the second proxy's connects.
+    # Not a slice the changes move: a proxy's changes would take its endpoints away from the
+    # local addresses before the next proxy's connects.
     candidates = [s for s in _candidates(slices) if not any(s is c for c in changing)]
     random.Random(7).shuffle(candidates)
     found: list[Target] = []
@@ -300,8 +417,7 @@ def _candidates(slices: list[Obj]) -> list[Obj]:
 
 
 def measure(
-    name: str,
-    argv: list[str],
+    proxy: Proxy,
     plane: ControlPlane,
     changing: list[Obj],
     log: Path,
@@ -311,12 +427,28 @@ def measure(
     env: Mapping[str, str],
 ) -> Figures | None:
     """The proxy's figures; None if its first sync took longer than ``first_sync_timeout``."""
+    name = proxy.name
     netns = f"kpng-kp-{os.getpid()}"
-    with namespace(netns), log.open("wb") as out:
+    dirs: AbstractContextManager[SocketDirs | None] = (
+        socket_dirs() if proxy.balances_sockets else nullcontext()
+    )
+    with namespace(netns), dirs as sockets, log.open("wb") as out:
+        if proxy.prepare:
+            subprocess.run(
+                ["ip", "netns", "exec", netns, *proxy.prepare],
+                stdout=out,
+                stderr=out,
+                env=env,
+                timeout=60,
+                check=True,
+            )
+        argv = ["ip", "netns", "exec", netns, *proxy.argv]
+        if sockets is not None:
+            # ip netns exec remounts /sys, hiding the cgroup2 and bpffs mounts under it.
+            argv = ["nsenter", f"--net=/run/netns/{netns}", *proxy.argv]
+            argv += ["--cgroup", str(sockets.cgroup), "--pin-dir", str(sockets.pin_dir)]
         started = time.time()
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns, *argv], stdout=out, stderr=out, env=env
-        )
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env)
         synced_at = 0.0
 
         def synced() -> bool:
@@ -338,7 +470,18 @@ def measure(
                 raise RuntimeError(f"{name} exited with {proc.returncode}: see {log}")
             first = synced_at - started
             first_cpu = cpu_seconds(proc.pid)
-            connect = connect_latencies(netns, targets, connects) if connects else []
+            connect: list[float] = []
+            conntracked = 0
+            if connects:
+                translated = translated_connects()
+                cgroup = sockets.cgroup if sockets is not None else None
+                connect = connect_latencies(netns, targets, connects, cgroup=cgroup)
+                translated = translated_connects() - translated
+                conntracked = conntrack_entries(netns=netns, targets=targets)
+                if sockets is not None:
+                    _check_translated(
+                        name=name, connects=connects, translated=translated, conntracked=conntracked
+                    )
             own_before, children_before = cpu_split(proc.pid)
             latencies = _changes(plane, changing)
             own, children = cpu_split(proc.pid)
@@ -350,6 +493,7 @@ def measure(
                 (children - children_before) / len(changing),
                 peak_rss_mib(proc.pid),
                 connect,
+                conntracked,
             )
         finally:
             proc.terminate()
@@ -358,6 +502,18 @@ def measure(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=15)
+
+
+def _check_translated(*, name: str, connects: int, translated: float, conntracked: int) -> None:
+    """Fail unless the programs gave every connect of the probe (its warm-up's included) an
+    endpoint and none went through the nftables rules (which would leave conntrack entries)."""
+    made = connects + PROBE_WARM_UP
+    if translated < made or conntracked:
+        raise RuntimeError(
+            f"{name}: {translated:.0f} of {made} connects translated at connect, {conntracked} "
+            "conntrack entries to the ClusterIPs: its connect latency would be the nftables "
+            "rules'"
+        )
 
 
 _counter = iter(range(1, 1 << 20))
@@ -413,6 +569,7 @@ def run_size(
     kube_proxy: Path,
     workdir: Path,
     verbosity: list[str],
+    ebpf: bool,
 ) -> None:
     document = synthetic.generate(services)
     items: list[Obj] = document["items"]
@@ -430,7 +587,7 @@ def run_size(
             status = {"status": {"addresses": [{"type": "InternalIP", "address": NS_IP}]}}
             path = f"/api/v1/nodes/{NODE}/status"
             api.request("PATCH", path, status, "application/merge-patch+json")
-            # The same slices change under both proxies; connects avoid them.
+            # The same slices change under every proxy; connects avoid them.
             changing = random.Random(11).sample(_candidates(slices), changes)
             targets = connect_targets(api, slices, changing)
         finally:
@@ -442,41 +599,63 @@ def run_size(
         config.write_text(
             CONFIG.format(kubeconfig=plane.kubeconfig, node=NODE, ns_ip=NS_IP, mode=mode)
         )
-        proxies = {
-            "kube-proxy": [str(kube_proxy), "--config", str(config), *verbosity],
-            "kpng": [sys.executable, "-m", "kpng", "kube-proxy", "--config", str(config)],
-        }
+        drop_in = [sys.executable, "-m", "kpng", "kube-proxy", "--config", str(config)]
+        # kpng's drop-in is named for the backend the mode gives it.
+        kpng = BACKENDS[mode]
+        proxies = [
+            Proxy("kube-proxy", [str(kube_proxy), "--config", str(config), *verbosity]),
+            Proxy(kpng, drop_in),
+        ]
+        if ebpf:
+            proxies.append(
+                Proxy(
+                    "to-ebpf",
+                    ebpf_argv(config),
+                    prepare=[*drop_in, "--init-only"],
+                    balances_sockets=True,
+                )
+            )
         figures = {}
-        for name, argv in proxies.items():
+        for proxy in proxies:
+            name = proxy.name
             log = workdir / f"{name}-{services}.log"
             measured = measure(
-                name, argv, plane, changing, log, targets, connects, first_sync_timeout, env
+                proxy, plane, changing, log, targets, connects, first_sync_timeout, env
             )
             if measured is None:
                 continue
             figures[name] = f = measured
             print(
-                f"   {name:10}  first sync {f.first_sync_s:6.2f} s "
+                f"   {name:11} first sync {f.first_sync_s:6.2f} s "
                 f"({f.first_sync_cpu_s:5.2f} CPU s)"
                 f"   change -> rules median {statistics.median(f.change_ms):7.1f} ms, worst "
                 f"{max(f.change_ms):7.1f} ms   CPU per change {f.cpu_per_change_s * 1000:6.1f} ms "
                 f"({f.children_cpu_per_change_s * 1000:.1f} in children)"
                 f"   peak RSS {f.rss_mib:6.0f} MiB   connect p50 "
                 f"{nearest_rank(f.connect_us, 0.5):6.1f} us, p99 "
-                f"{nearest_rank(f.connect_us, 0.99):6.1f} us",
+                f"{nearest_rank(f.connect_us, 0.99):6.1f} us"
+                f"   conntrack entries to the ClusterIPs {f.conntracked}",
                 flush=True,
             )
-        if len(figures) < 2:
-            return
-        k, p = figures["kpng"], figures["kube-proxy"]
-        change = statistics.median(k.change_ms) / statistics.median(p.change_ms)
-        connect = nearest_rank(k.connect_us, 0.5) / nearest_rank(p.connect_us, 0.5)
-        print(
-            f"   kpng / kube-proxy: first sync {k.first_sync_s / p.first_sync_s:.2f}x, "
-            f"change -> rules {change:.2f}x"
-            f", CPU per change {k.cpu_per_change_s / max(p.cpu_per_change_s, 1e-9):.2f}x, "
-            f"peak RSS {k.rss_mib / p.rss_mib:.2f}x, connect p50 {connect:.2f}x"
-        )
+        for a, b in ((kpng, "kube-proxy"), ("to-ebpf", "kube-proxy"), ("to-ebpf", kpng)):
+            if a in figures and b in figures:
+                print_ratios(title=f"{a} / {b}", a=figures[a], b=figures[b])
+
+
+BACKENDS = {"nftables": "to-nft", "iptables": "to-iptables"}
+"""kpng's backend for kube-proxy's mode, as ``kpng kube-proxy`` picks it."""
+
+
+def print_ratios(*, title: str, a: Figures, b: Figures) -> None:
+    change = statistics.median(a.change_ms) / statistics.median(b.change_ms)
+    p50 = nearest_rank(a.connect_us, 0.5) / nearest_rank(b.connect_us, 0.5)
+    p99 = nearest_rank(a.connect_us, 0.99) / nearest_rank(b.connect_us, 0.99)
+    print(
+        f"   {title}: first sync {a.first_sync_s / b.first_sync_s:.2f}x, "
+        f"change -> rules {change:.2f}x"
+        f", CPU per change {a.cpu_per_change_s / max(b.cpu_per_change_s, 1e-9):.2f}x, "
+        f"peak RSS {a.rss_mib / b.rss_mib:.2f}x, connect p50 {p50:.2f}x, p99 {p99:.2f}x"
+    )
 
 
 def _variant_bin(variant: str, workdir: Path) -> Path:
@@ -513,11 +692,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--connects", type=int, default=2000, help="timed connects per proxy (0: none)"
     )
+    parser.add_argument(
+        "--ebpf",
+        action="store_true",
+        help="also measure kpng with to-ebpf, third (nftables mode: its packets part is to-nft's)",
+    )
     parser.add_argument("--logs", type=Path, help="keep the proxies' logs and configs here")
     parser.add_argument(
         "--verbose", action="store_true", help="kube-proxy at -v=4 (skews its figures)"
     )
     args = parser.parse_args(argv)
+    if args.ebpf and args.mode != "nftables":
+        parser.error("--ebpf is judged against nftables mode (--mode nftables)")
     sizes = args.sizes or [1000, 10000]
     kube_proxy = ensure_programs(["kube-proxy"])["kube-proxy"]
     version = subprocess.run([str(kube_proxy), "--version"], capture_output=True, text=True)
@@ -546,6 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kube_proxy,
                 workdir,
                 verbosity,
+                args.ebpf,
             )
     return 0
 
