@@ -320,6 +320,11 @@ def test_translations_and_services_without_endpoints_are_counted_per_hook(
     assert after[("kpng_ebpf_map_entries", (("map", "kpng_frontends"),))] == 3
     assert after[("kpng_ebpf_map_capacity", (("map", "kpng_frontends"),))] == 262144
     assert after[("kpng_ebpf_map_entries", (("map", "kpng_slots"),))] == 3
+    # The node's, a1's and a2's network namespaces, all local by --cluster-cidr.
+    assert after[("kpng_ebpf_network_namespaces", (("local", "true"),))] == 3
+    assert after[("kpng_ebpf_network_namespaces", (("local", "false"),))] == 0
+    # No endpoint went: no connected UDP socket destroyed.
+    assert after[("kpng_ebpf_udp_sockets_destroyed_total", ())] == 0
 
 
 def test_the_counters_outlive_a_restart_of_kpng(metered: Cluster) -> None:

@@ -100,6 +100,7 @@ class SocketBalancer:
         self._locality: LocalNamespaces | None = None
         self._looking: asyncio.Task[None] | None = None
         self._resolved = options
+        self._destroyed = 0
         self._fds: dict[entries.MapName, int] = {}
         self._counters_fd: int | None = None
         self.state = SocketState()
@@ -232,6 +233,7 @@ class SocketBalancer:
 
     def _sweep(self, destroyer: UdpDestroyer) -> None:
         done = destroyer.sweep()
+        self._destroyed += done.destroyed
         if done.failures:
             log.warning(
                 "to-ebpf: connected UDP sockets not checked in %d network namespaces: %s",
@@ -246,9 +248,14 @@ class SocketBalancer:
         )
 
     def metric_samples(self) -> list[Sample]:
-        """The programs' counters, summed over the CPUs (once loaded), and the maps'
-        occupancy: read at each scrape."""
+        """The programs' counters, summed over the CPUs (once loaded), the maps' occupancy, the
+        sockets destroyed and the namespaces looked at: read at each scrape."""
         samples = self.occupancy.samples()
+        if self._destroyer is not None:
+            samples.append(observing.destroyed_sample(self._destroyed))
+        counts = self._locality.counts if self._locality is not None else None
+        if counts is not None:
+            samples += observing.namespace_samples(*counts)
         fd = self._counters_fd
         if fd is None:
             return samples

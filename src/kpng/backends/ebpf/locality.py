@@ -157,6 +157,9 @@ class LocalNamespaces:
         self._written: dict[int, int] | None = None  # by cookie: families; None: not read
         self._failed: set[int] = set()
         self._told = False
+        self.counts: tuple[int, int] | None = None
+        """Namespaces local for every family detection is set for, and the others (the node's
+        own among the first); None while detection is not set or kpng cannot look."""
         self._lock = threading.Lock()  # the periodic look and a full sync's
 
     def refresh(self, options: Options) -> None:
@@ -171,6 +174,8 @@ class LocalNamespaces:
                 self._look()
                 wanted = {cookie: local(options, ns) for cookie, ns in self._known.values()}
                 wanted[self._own] = V4 | V6
+            in_full = sum(1 for f in wanted.values() if f & families == families)
+            self.counts = (in_full, len(wanted) - in_full) if wanted else None
             self._write(wanted, families if self._why_not is None else 0)
 
     def _tell(self) -> None:

@@ -1,4 +1,5 @@
-"""What to-ebpf tells ``/metrics`` (pure): its programs' counters and its maps' occupancy.
+"""What to-ebpf tells ``/metrics`` (pure): its programs' counters, its maps' occupancy, the
+connected UDP sockets it destroyed and the network namespaces it looked at.
 
 The programs count, per hook and per CPU, the addresses they translated and the frontends
 they found with no endpoint (``kpng_counters``); kpng sums the CPUs when scraped. How full the
@@ -47,7 +48,9 @@ TRANSLATIONS = "kpng_ebpf_translations"
 NO_ENDPOINT = "kpng_ebpf_no_endpoint"
 MAP_ENTRIES = "kpng_ebpf_map_entries"
 MAP_CAPACITY = "kpng_ebpf_map_capacity"
-METRICS = (TRANSLATIONS, NO_ENDPOINT, MAP_ENTRIES, MAP_CAPACITY)
+UDP_DESTROYED = "kpng_ebpf_udp_sockets_destroyed"
+NAMESPACES = "kpng_ebpf_network_namespaces"
+METRICS = (TRANSLATIONS, NO_ENDPOINT, MAP_ENTRIES, MAP_CAPACITY, UDP_DESTROYED, NAMESPACES)
 """The metric families to-ebpf adds (the counters' samples end in ``_total``)."""
 
 
@@ -160,3 +163,25 @@ class Occupancy:
                 )
             )
         return out
+
+
+def destroyed_sample(destroyed: int) -> Sample:
+    return Sample(
+        UDP_DESTROYED,
+        "connected UDP sockets destroyed because their endpoint no longer served the service "
+        "they were translated for (the application connects again)",
+        destroyed,
+        counter=True,
+    )
+
+
+def namespace_samples(local: int, elsewhere: int) -> list[Sample]:
+    help = (
+        "network namespaces with a process in the cgroup, by whether local traffic detection "
+        "counts them as the node's pods' (their sockets balanced at connect) or not (left to "
+        "the nftables part)"
+    )
+    return [
+        Sample(NAMESPACES, help, local, labels=(("local", "true"),)),
+        Sample(NAMESPACES, help, elsewhere, labels=(("local", "false"),)),
+    ]
