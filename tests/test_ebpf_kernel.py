@@ -759,9 +759,10 @@ def test_a_kernel_refusing_the_destroy_program_keeps_connected_udp_on_conntrack(
     source.write_text(
         toolchain.UDP_DESTROY.source.read_text().replace("bpf_sock_destroy", "kpng_no_such_kfunc")
     )
-    monkeypatch.setattr(
-        toolchain, "UDP_DESTROY", toolchain.Unit(source, compile_object(tmp_path / "d.o", source))
-    )
+    header = tmp_path / toolchain.MAPS_HEADER.name
+    header.write_bytes(toolchain.MAPS_HEADER.read_bytes())
+    made = compile_object(tmp_path / "d.o", source)
+    monkeypatch.setattr(toolchain, "UDP_DESTROY", toolchain.Unit(source, made, (header,)))
     node = udp_cluster.bed.nodes["node-1"]
     balancer = SocketBalancer(
         options=Options(), from_node=FromNode(), cgroup=node.cgroup,

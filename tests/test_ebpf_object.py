@@ -26,10 +26,11 @@ UNITS = pytest.mark.parametrize("unit", toolchain.UNITS, ids=lambda u: u.object.
 def test_the_shipped_object_is_the_compile_of_the_source(unit: toolchain.Unit) -> None:
     made = toolchain.manifest()
     assert made is not None, f"{toolchain.MANIFEST} is missing: run `make bpf-object`"
-    assert made[f"{unit.source.name} sha256"] == toolchain.digest(unit.source), (
-        f"{unit.source.name} changed after {unit.object.name} was made: run `make bpf-object` "
-        "and commit the objects and their manifest"
-    )
+    for path in unit.inputs:
+        assert made[f"{path.name} sha256"] == toolchain.digest(path), (
+            f"{path.name} changed after {unit.object.name} was made: run `make bpf-object` "
+            "and commit the objects and their manifest"
+        )
     assert made[f"{unit.object.name} sha256"] == toolchain.digest(unit.object)
     assert made["flags"] == " ".join(toolchain.FLAGS)
     assert toolchain.shipped_object(unit) == unit.object
@@ -43,9 +44,11 @@ def test_compiling_again_gives_the_same_bytes_anywhere(
 ) -> None:
     """Compiled from a copy in another directory: no path of the checkout in the object. With
     the clang that made the shipped object, the very same bytes."""
-    copy = tmp_path / "elsewhere" / unit.source.name
-    copy.parent.mkdir()
-    copy.write_bytes(unit.source.read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for path in unit.inputs:
+        (elsewhere / path.name).write_bytes(path.read_bytes())
+    copy = elsewhere / unit.source.name
     here = toolchain.compile_object(tmp_path / "here.o", unit.source)
     there = toolchain.compile_object(tmp_path / "there.o", copy)
     assert here.read_bytes() == there.read_bytes()
@@ -79,27 +82,37 @@ def test_the_co_re_relocations_are_the_destroy_iterators_alone() -> None:
     assert toolchain.core_relocations(toolchain.UDP_DESTROY.object) > 0
 
 
-def _definitions(source: str) -> dict[str, str]:
-    """Each struct and map definition of a BPF source, by name."""
-    found = {m[1]: m[0] for m in re.finditer(r"^struct (\w+) \{[^{}]*\}[^;\n]*;", source, re.M)}
-    found |= {
-        m[1]: m[0] for m in re.finditer(r'^struct \{[^{}]*\} (\w+) SEC\("\.maps"\);', source, re.M)
-    }
-    return found
+def _definitions(source: str) -> set[str]:
+    """The names of the structs and maps a BPF source defines."""
+    found = {m[1] for m in re.finditer(r"^struct (\w+) \{", source, re.M)}
+    return found | {m[1] for m in re.finditer(r'^\} (\w+) SEC\("\.maps"\);', source, re.M)}
 
 
 def test_the_destroy_iterator_reads_the_maps_as_the_cgroup_programs_write_them() -> None:
-    """Its copies of sockets.bpf.c's structs and map definitions are the same text: a drift of
-    a key's layout would have it look up keys that are never there."""
-    ours = _definitions(toolchain.SOCKETS.source.read_text())
-    copies = _definitions(toolchain.UDP_DESTROY.source.read_text())
-    shared = [name for name in copies if name in ours]
-    assert {"kpng_frontends", "kpng_members", "kpng_revnat", "revnat_key", "endpoint"} <= set(
-        shared
-    )
-    assert {name: copies[name] for name in shared} == {name: ours[name] for name in shared}
-    kernel = set(copies) - set(shared)
+    """Both sources take the maps they share, and the structs of their keys and values, from
+    maps.bpf.h, and define none of them again: a drift of a key's layout would have the
+    iterator look up keys that are never there."""
+    shared = _definitions(toolchain.MAPS_HEADER.read_text())
+    assert {"kpng_frontends", "kpng_members", "kpng_revnat", "revnat_key", "endpoint"} <= shared
+    for unit in toolchain.UNITS:
+        source = unit.source.read_text()
+        assert '#include "maps.bpf.h"' in source
+        assert toolchain.MAPS_HEADER in unit.headers
+        assert not _definitions(source) & shared
+    kernel = _definitions(toolchain.UDP_DESTROY.source.read_text())
     assert kernel == {"sock_common", "sock", "bpf_iter_meta", "bpf_iter__udp"}
+
+
+def test_a_change_to_the_header_asks_for_a_new_compile(tmp_path: Path) -> None:
+    """The cache of a compile is named by the source's and the header's hashes: a header
+    changed after the shipped object is a different compile."""
+    header = tmp_path / "maps.bpf.h"
+    header.write_bytes(toolchain.MAPS_HEADER.read_bytes())
+    unit = toolchain.Unit(toolchain.SOCKETS.source, toolchain.SOCKETS.object, (header,))
+    before = toolchain.object_path(tmp_path, unit)
+    header.write_text(header.read_text() + "/* changed */\n")
+    assert toolchain.object_path(tmp_path, unit) != before
+    assert toolchain.shipped_object(unit) is None
 
 
 @needs_clang

@@ -54,6 +54,7 @@ def test_the_sdist_and_the_wheel_carry_the_license_and_the_protos(dist: Path) ->
         "sockets.bpf.json",
         "udp_destroy.bpf.c",
         "udp_destroy.bpf.o",
+        "maps.bpf.h",
     ):
         shipped = zipfile.ZipFile(wheel).read(f"kpng/backends/ebpf/{name}")
         assert shipped == (ROOT / "src/kpng/backends/ebpf" / name).read_bytes(), name

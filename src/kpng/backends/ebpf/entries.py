@@ -1,7 +1,7 @@
 """What to-ebpf writes in its BPF maps, and in which order (pure: bytes in, bytes out).
 
-``sockets.bpf.c`` describes the maps; the packing here is the C structs' layout, padding
-included. A service port contributes:
+``sockets.bpf.c`` and ``maps.bpf.h`` describe the maps; the packing here is the C structs'
+layout, padding included. A service port contributes:
 
 - an **endpoint set** per scope of endpoints it uses (its id, 64 bits of a hash of the service
   port, family and scope, is the same in every kpng process, so a restarted kpng finds its sets

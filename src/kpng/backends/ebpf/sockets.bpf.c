@@ -25,34 +25,17 @@
  * padding, so that a key built here compares equal to the bytes kpng wrote.
  *
  * udp_destroy.bpf.c, a separate object since it needs the kernel's BTF and Linux 6.5, reads
- * kpng_frontends, kpng_members and kpng_revnat: its copies of their structs and definitions
- * are these (tests/test_ebpf_object.py compares them).
+ * kpng_frontends, kpng_members and kpng_revnat: their structs and definitions are in
+ * maps.bpf.h, which both include.
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "maps.bpf.h"
+
 #define NS_PER_S 1000000000ULL
-
-struct addr {
-	__u32 w[4];
-};
-
-struct frontend_key {
-	struct addr addr;
-	__u16 port;
-	__u8 proto;
-	__u8 pad;
-};
-
-struct frontend {
-	__u64 set;      /* 0: the service has no endpoint for this traffic */
-	__u64 affinity; /* 0: no ClientIP affinity */
-	__u64 serving;  /* UDP: the set of endpoints serving anywhere; 0: the set above */
-	__u32 timeout_s;
-	__u32 pad;
-};
 
 struct set_info {
 	__u32 count;
@@ -62,18 +45,6 @@ struct set_info {
 struct slot_key {
 	__u64 set;
 	__u32 index;
-	__u32 pad;
-};
-
-struct endpoint {
-	struct addr addr;
-	__u16 port;
-	__u16 pad;
-};
-
-struct member_key {
-	__u64 set;
-	struct endpoint ep;
 	__u32 pad;
 };
 
@@ -101,27 +72,6 @@ struct flow {
 	__u64 last_ns;
 };
 
-struct revnat_key {
-	__u64 cookie;
-	struct endpoint ep;
-	__u32 pad;
-};
-
-struct revnat_value {
-	struct addr addr;
-	__u16 port;
-	__u16 pad;
-};
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct frontend_key);
-	__type(value, struct frontend);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_frontends SEC(".maps");
-
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 262144);
@@ -141,15 +91,6 @@ struct {
 } kpng_slots SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 2097152);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct member_key);
-	__type(value, __u8);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_members SEC(".maps");
-
-struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct affinity_key);
@@ -164,14 +105,6 @@ struct {
 	__type(value, struct flow);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_flows SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 131072);
-	__type(key, struct revnat_key);
-	__type(value, struct revnat_value);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_revnat SEC(".maps");
 
 /* Local traffic detection (kube-proxy's --detect-local-mode) decides whether a connection to a
  * service is masqueraded, and whether an external IP with eTP=Local short-circuits it, by its

@@ -47,16 +47,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Unit:
-    """A source and the object kpng ships compiled from it."""
+    """A source, the headers of kpng's it includes, and the object kpng ships compiled from
+    them."""
 
     source: Path
     object: Path
+    headers: tuple[Path, ...] = ()
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        return (self.source, *self.headers)
 
 
-SOCKETS = Unit(Path(__file__).with_name("sockets.bpf.c"), Path(__file__).with_name("sockets.bpf.o"))
-UDP_DESTROY = Unit(
-    Path(__file__).with_name("udp_destroy.bpf.c"), Path(__file__).with_name("udp_destroy.bpf.o")
-)
+_HERE = Path(__file__).parent
+MAPS_HEADER = _HERE / "maps.bpf.h"
+SOCKETS = Unit(_HERE / "sockets.bpf.c", _HERE / "sockets.bpf.o", (MAPS_HEADER,))
+UDP_DESTROY = Unit(_HERE / "udp_destroy.bpf.c", _HERE / "udp_destroy.bpf.o", (MAPS_HEADER,))
 UNITS = (SOCKETS, UDP_DESTROY)
 SOURCE, OBJECT = SOCKETS.source, SOCKETS.object
 MANIFEST = Path(__file__).with_name("sockets.bpf.json")
@@ -75,10 +81,15 @@ def cache_dir() -> Path:
     return Path(base) / "kpng" / "ebpf"
 
 
+def inputs_digest(unit: Unit) -> str:
+    """One hash of the source and its headers."""
+    return hashlib.sha256("".join(digest(p) for p in unit.inputs).encode()).hexdigest()
+
+
 def object_path(cache: Path | None = None, unit: Unit = SOCKETS) -> Path:
-    """Where a compile of ``unit``'s source is cached: its name holds the source's hash."""
+    """Where a compile of ``unit``'s source is cached: its name holds the inputs' hash."""
     stem = unit.source.name.removesuffix(".bpf.c")
-    return (cache or cache_dir()) / f"{stem}-{digest(unit.source)[:16]}.o"
+    return (cache or cache_dir()) / f"{stem}-{inputs_digest(unit)[:16]}.o"
 
 
 def clang() -> str | None:
@@ -127,7 +138,8 @@ def regenerate() -> dict[str, str]:
     manifest = {}
     for unit in UNITS:
         compile_object(unit.object, unit.source)
-        manifest[f"{unit.source.name} sha256"] = digest(unit.source)
+        for path in unit.inputs:
+            manifest[f"{path.name} sha256"] = digest(path)
         manifest[f"{unit.object.name} sha256"] = digest(unit.object)
     manifest |= {"compiler": compiler_version(), "flags": " ".join(FLAGS)}
     MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -147,7 +159,7 @@ def shipped_object(unit: Unit = SOCKETS) -> Path | None:
     made = manifest()
     if made is None or not unit.object.is_file() or sys.byteorder != "little":
         return None
-    if made.get(f"{unit.source.name} sha256") != digest(unit.source):
+    if any(made.get(f"{path.name} sha256") != digest(path) for path in unit.inputs):
         return None
     if made.get(f"{unit.object.name} sha256") != digest(unit.object):
         return None

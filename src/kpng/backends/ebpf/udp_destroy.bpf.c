@@ -20,15 +20,15 @@
  * to load any program of the object. sockets.bpf.o alone needs neither, and loads where this
  * one does not (an older kernel, no BTF, no CAP_PERFMON), as it did before this object existed.
  *
- * The maps are sockets.bpf.c's, reused from their pins: the structs and definitions below are
- * copies of that file's (tests/test_ebpf_object.py compares them; libbpf also refuses to reuse
- * a pinned map whose type, sizes or flags differ).
+ * The maps are sockets.bpf.c's, reused from their pins, as maps.bpf.h defines them for both.
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
 #include <linux/in6.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+
+#include "maps.bpf.h"
 
 #define AF_INET 2
 #define AF_INET6 10
@@ -64,75 +64,6 @@ struct bpf_iter__udp {
 /* __weak: a kernel without it refuses the program (kpng then leaves connected UDP to the
  * nftables part), rather than libbpf failing to open the object. */
 extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
-
-struct addr {
-	__u32 w[4];
-};
-
-struct frontend_key {
-	struct addr addr;
-	__u16 port;
-	__u8 proto;
-	__u8 pad;
-};
-
-struct frontend {
-	__u64 set;      /* 0: the service has no endpoint for this traffic */
-	__u64 affinity; /* 0: no ClientIP affinity */
-	__u64 serving;  /* UDP: the set of endpoints serving anywhere; 0: the set above */
-	__u32 timeout_s;
-	__u32 pad;
-};
-
-struct endpoint {
-	struct addr addr;
-	__u16 port;
-	__u16 pad;
-};
-
-struct member_key {
-	__u64 set;
-	struct endpoint ep;
-	__u32 pad;
-};
-
-struct revnat_key {
-	__u64 cookie;
-	struct endpoint ep;
-	__u32 pad;
-};
-
-struct revnat_value {
-	struct addr addr;
-	__u16 port;
-	__u16 pad;
-};
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct frontend_key);
-	__type(value, struct frontend);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_frontends SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 2097152);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct member_key);
-	__type(value, __u8);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_members SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 131072);
-	__type(key, struct revnat_key);
-	__type(value, struct revnat_value);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} kpng_revnat SEC(".maps");
 
 /* Whether the endpoint a socket was given for this frontend still serves it: the frontend is
  * still there and the endpoint is a member of its serving set (as in pick_for_send). */
