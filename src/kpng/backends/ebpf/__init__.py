@@ -297,13 +297,18 @@ class SocketBalancer:
         return changes
 
     async def _look_periodically(self, locals: LocalNamespaces) -> None:
-        """New pods' namespaces found, gone ones forgotten, every ``LOOK_EVERY_S``."""
+        """New pods' namespaces found, gone ones forgotten, every ``LOOK_EVERY_S``; a failure
+        is logged when it first happens, not every second while it lasts."""
+        failed = ""
         while True:
             await asyncio.sleep(locality.LOOK_EVERY_S)
             try:
                 await asyncio.to_thread(locals.refresh, self._resolved)
+                failed = ""
             except (BpfError, OSError) as exc:
-                log.warning("to-ebpf: the pods' network namespaces not looked at: %s", exc)
+                if str(exc) != failed:
+                    log.warning("to-ebpf: the pods' network namespaces not looked at: %s", exc)
+                failed = str(exc)
 
     def _attach(self, cgroup: Path) -> None:
         assert self._object is not None

@@ -119,7 +119,8 @@ def netns_cookie() -> int:
     """The cookie of the calling thread's network namespace, as bpf_get_netns_cookie gives the
     programs that of a socket's."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        return int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8), "little")
+        (cookie,) = _KEY.unpack(sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, _KEY.size))
+        return int(cookie)
 
 
 def look(node_links: Sequence[Link]) -> Namespace:
