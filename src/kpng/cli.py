@@ -362,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kpng: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(options.log_level, options.log_format)
+    heap.configure()
     try:
         asyncio.run(_run_until_signalled(pipeline))
     except KpngError as exc:
