@@ -157,6 +157,7 @@ def test_addresses_are_the_interfaces_own_not_a_point_to_point_peers() -> None:
     [
         struct.pack("=IHHII", 64, rtnetlink.RTM_NEWLINK, 0, 0, 0),  # longer than what came
         _message(rtnetlink.RTM_NEWLINK, struct.pack("=BxHiII", 0, 1, 7, 0, 0) + b"\x40\0\3\0"),
+        _message(rtnetlink.RTM_NEWLINK, b"\0" * 8),  # shorter than ifinfomsg
     ],
 )
 def test_a_truncated_answer_is_a_netlink_error(data: bytes) -> None:

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -80,6 +81,11 @@ def _messages(data: bytes) -> Iterator[tuple[int, int, int]]:
         offset += (length + 3) & ~3
 
 
+def _short(start: int, end: int, header: struct.Struct) -> None:
+    if end - start < header.size:
+        raise NetlinkError(f"a netlink message of {end - start} bytes, shorter than its header")
+
+
 def _text(value: bytes) -> str:
     return value.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -90,15 +96,16 @@ def parse_links(data: bytes) -> list[Link]:
     for kind, start, end in _messages(data):
         if kind != RTM_NEWLINK:
             continue
+        _short(start, end, _IFINFO)
         _, _, index, _, _ = _IFINFO.unpack_from(data, start)
         name, kind_name, peer, master, elsewhere = "", "", None, None, False
         for attr, value in _attributes(data, start + _IFINFO.size, end):
             if attr == IFLA_IFNAME:
                 name = _text(value)
             elif attr == IFLA_LINK and len(value) >= 4:
-                peer = int.from_bytes(value[:4], "little", signed=True)
+                peer = int.from_bytes(value[:4], sys.byteorder, signed=True)
             elif attr == IFLA_MASTER and len(value) >= 4:
-                master = int.from_bytes(value[:4], "little")
+                master = int.from_bytes(value[:4], sys.byteorder)
             elif attr == IFLA_LINK_NETNSID:
                 elsewhere = True
             elif attr == IFLA_LINKINFO:
@@ -115,12 +122,13 @@ def parse_addresses(data: bytes) -> list[Address]:
     for kind, start, end in _messages(data):
         if kind != RTM_NEWADDR:
             continue
+        _short(start, end, _IFADDR)
         family, _, _, scope, index = _IFADDR.unpack_from(data, start)
         attrs = dict(_attributes(data, start + _IFADDR.size, end))
         # IFA_LOCAL is the interface's own address; IFA_ADDRESS is the peer's on a
         # point-to-point link, and the only one an IPv6 address has.
         raw = attrs.get(IFA_LOCAL) or attrs.get(IFA_ADDRESS)
-        if raw is None or family not in (socket.AF_INET, socket.AF_INET6):
+        if raw is None or len(raw) != {socket.AF_INET: 4, socket.AF_INET6: 16}.get(family):
             continue
         addresses.append(Address(index, str(ipaddress.ip_address(raw)), scope))
     return addresses
