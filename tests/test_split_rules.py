@@ -175,13 +175,15 @@ def test_to_ebpf_programs_the_same_maps_and_rules_behind_the_api(
             # Keyed by network namespace cookies, which differ from node to node: compared by
             # what they say of each node's namespaces.
             local_netns = maps.pop("kpng_local_netns")
-            maps["local namespaces"] = [json.loads(e)["formatted"]["value"] for e in local_netns]
+            maps["local namespaces"] = [
+                json.dumps(json.loads(e)["formatted"]["value"]) for e in local_netns
+            ]
             listings.append((maps, _listing(node.netns, ["nft", "list", "ruleset"])))
         (maps, rules), (maps_behind, rules_behind) = listings
         assert maps, "no pinned map"
         # NodeCIDR detection, from the Node's podCIDRs: the node's own namespace, local for both
         # families (it has no pod).
-        assert maps["local namespaces"] == [3]
+        assert maps["local namespaces"] == ["3"]
         # the node port's frontend on the node's primary IP (a word of its address, as bpftool
         # prints the key: network order read as a little-endian u32)
         node_ip = int.from_bytes(ipaddress.IPv4Address("192.0.2.11").packed, "little")
