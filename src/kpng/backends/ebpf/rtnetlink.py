@@ -29,6 +29,7 @@ _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, po
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
 _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefix length, flags, scope, index
 _ATTR = struct.Struct("=HH")  # rtattr: length, type
+_ADDRESS_SIZES = {int(socket.AF_INET): 4, int(socket.AF_INET6): 16}
 
 
 class NetlinkError(OSError):
@@ -81,9 +82,17 @@ def _messages(data: bytes) -> Iterator[tuple[int, int, int]]:
         offset += (length + 3) & ~3
 
 
-def _short(start: int, end: int, header: struct.Struct) -> None:
-    if end - start < header.size:
-        raise NetlinkError(f"a netlink message of {end - start} bytes, shorter than its header")
+def _records(
+    data: bytes, kind: int, header: struct.Struct
+) -> Iterator[tuple[tuple[int, ...], int, int]]:
+    """Each message of type ``kind`` in ``data``: its fixed header's fields, where its
+    attributes start and where it ends."""
+    for found, start, end in _messages(data):
+        if found != kind:
+            continue
+        if end - start < header.size:
+            raise NetlinkError(f"a netlink message of {end - start} bytes, shorter than its header")
+        yield header.unpack_from(data, start), start + header.size, end
 
 
 def _text(value: bytes) -> str:
@@ -93,13 +102,9 @@ def _text(value: bytes) -> str:
 def parse_links(data: bytes) -> list[Link]:
     """The links of RTM_NEWLINK messages in ``data`` (others are skipped)."""
     links = []
-    for kind, start, end in _messages(data):
-        if kind != RTM_NEWLINK:
-            continue
-        _short(start, end, _IFINFO)
-        _, _, index, _, _ = _IFINFO.unpack_from(data, start)
-        name, kind_name, peer, master, elsewhere = "", "", None, None, False
-        for attr, value in _attributes(data, start + _IFINFO.size, end):
+    for (_, _, index, _, _), attrs, end in _records(data, RTM_NEWLINK, _IFINFO):
+        name, kind, peer, master, elsewhere = "", "", None, None, False
+        for attr, value in _attributes(data, attrs, end):
             if attr == IFLA_IFNAME:
                 name = _text(value)
             elif attr == IFLA_LINK and len(value) >= 4:
@@ -111,24 +116,20 @@ def parse_links(data: bytes) -> list[Link]:
             elif attr == IFLA_LINKINFO:
                 for info, nested in _attributes(value, 0, len(value)):
                     if info == IFLA_INFO_KIND:
-                        kind_name = _text(nested)
-        links.append(Link(index, name, kind_name, peer, elsewhere, master))
+                        kind = _text(nested)
+        links.append(Link(index, name, kind, peer, elsewhere, master))
     return links
 
 
 def parse_addresses(data: bytes) -> list[Address]:
     """The IPv4 and IPv6 addresses of RTM_NEWADDR messages in ``data``."""
     addresses = []
-    for kind, start, end in _messages(data):
-        if kind != RTM_NEWADDR:
-            continue
-        _short(start, end, _IFADDR)
-        family, _, _, scope, index = _IFADDR.unpack_from(data, start)
-        attrs = dict(_attributes(data, start + _IFADDR.size, end))
+    for (family, _, _, scope, index), start, end in _records(data, RTM_NEWADDR, _IFADDR):
+        attrs = dict(_attributes(data, start, end))
         # IFA_LOCAL is the interface's own address; IFA_ADDRESS is the peer's on a
         # point-to-point link, and the only one an IPv6 address has.
         raw = attrs.get(IFA_LOCAL) or attrs.get(IFA_ADDRESS)
-        if raw is None or len(raw) != {socket.AF_INET: 4, socket.AF_INET6: 16}.get(family):
+        if raw is None or len(raw) != _ADDRESS_SIZES.get(family):
             continue
         addresses.append(Address(index, str(ipaddress.ip_address(raw)), scope))
     return addresses
