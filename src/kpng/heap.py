@@ -37,7 +37,10 @@ _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's malloc.h
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
-    return None if name is None else ctypes.CDLL(name)
+    try:
+        return None if name is None else ctypes.CDLL(name)
+    except OSError:
+        return None
 
 
 @functools.cache
@@ -46,11 +49,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def _function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
-    libc = _libc()
-    try:
-        function = getattr(libc, name) if libc is not None else None
-    except AttributeError:
-        return None
+    """``name`` of the C library, typed; None where it has no such function."""
+    function = getattr(_libc(), name, None)
     if function is not None:
         function.argtypes, function.restype = argtypes, ctypes.c_int
     return function
@@ -62,7 +62,9 @@ def configure() -> bool:
     mallopt = _function("mallopt", [ctypes.c_int, ctypes.c_int])
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(_M_ARENA_MAX, ARENAS))
+    threshold = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    arenas = mallopt(_M_ARENA_MAX, ARENAS)
+    return bool(threshold and arenas)
 
 
 def trim() -> bool:
