@@ -184,7 +184,9 @@ class SocketBalancer:
         if self._object is None:
             system.ensure_bpffs(self._pin_dir)
             self.maps_dir.mkdir(parents=True, exist_ok=True)
-            self._destroyer = self._load_destroyer(cgroup)
+            # Both the destroy and local traffic detection enter the pods' namespaces.
+            entering = namespaces.unavailable(cgroup)
+            self._destroyer = self._load_destroyer(cgroup, entering)
             # Connected UDP translated at connect only where its sockets are destroyed later.
             rodata = struct.pack("=I", self._destroyer is not None)
             try:
@@ -201,16 +203,17 @@ class SocketBalancer:
                 self._object.map_fd("kpng_locality"),
                 self._object.map_fd("kpng_local_netns"),
                 cgroup,
-                why_not=locality.unavailable(cgroup),
+                why_not=entering or locality.unavailable(),
             )
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
         return cgroup
 
-    def _load_destroyer(self, cgroup: Path) -> UdpDestroyer | None:
+    def _load_destroyer(self, cgroup: Path, entering: str | None) -> UdpDestroyer | None:
         """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
-        allow it; which way connected UDP sockets go is logged once."""
-        why_not = namespaces.unavailable(cgroup)
+        allow it (``entering``: why kpng cannot enter the pods' namespaces, or None); which way
+        connected UDP sockets go is logged once."""
+        why_not = entering
         destroyer = None
         if why_not is None:
             try:

@@ -132,11 +132,9 @@ def look(node_links: Sequence[Link]) -> Namespace:
     )
 
 
-def unavailable(cgroup: Path) -> str | None:
-    """Why kpng cannot tell the programs which namespaces are local, or None."""
-    why_not = namespaces.unavailable(cgroup)
-    if why_not is not None:
-        return why_not
+def unavailable() -> str | None:
+    """Why this kernel cannot tell kpng the namespace cookies the programs see, or None (kpng
+    must also be able to enter the namespaces: ``namespaces.unavailable``)."""
     try:
         netns_cookie()
     except OSError as exc:
@@ -156,6 +154,9 @@ class LocalNamespaces:
         self._own = netns_cookie() if why_not is None else 0
         self._known: dict[int, tuple[int, Namespace]] = {}  # by inode: cookie, what it is
         self._written: dict[int, int] | None = None  # by cookie: families; None: not read
+        self._families: int | None = None  # what kpng_locality holds; None: not written
+        self._classified: Options | None = None  # what the namespaces were last written for
+        self._dirty = True  # a namespace came or went since
         self._failed: set[int] = set()
         self._told = False
         self.counts: tuple[int, int] | None = None
@@ -170,14 +171,23 @@ class LocalNamespaces:
             if families and not self._told:
                 self._told = True
                 self._tell()
+            if self._why_not is not None:
+                families = 0
+            # Once a second: the namespaces are classified and written again only when one came
+            # or went, or the options changed (the Node's pod CIDRs).
+            if families and self._look():
+                self._dirty = True
+            if not self._dirty and options == self._classified and families == self._families:
+                return
             wanted: dict[int, int] = {}
-            if families and self._why_not is None:
-                self._look()
+            if families:
                 wanted = {cookie: local(options, ns) for cookie, ns in self._known.values()}
                 wanted[self._own] = V4 | V6
             in_full = sum(1 for f in wanted.values() if f & families == families)
             self.counts = (in_full, len(wanted) - in_full) if wanted else None
-            self._write(wanted, families if self._why_not is None else 0)
+            self._write(wanted, families)
+            # Only once written: after a failed write, the next look writes again.
+            self._classified, self._dirty = options, False
 
     def _tell(self) -> None:
         if self._why_not is None:
@@ -192,13 +202,16 @@ class LocalNamespaces:
                 self._why_not,
             )
 
-    def _look(self) -> None:
+    def _look(self) -> bool:
+        """Forget the namespaces gone, look at the new ones; whether any went or came."""
         found = namespaces.found(self._cgroup)
-        for inode in set(self._known) - set(found):
+        gone = set(self._known) - set(found)
+        for inode in gone:
             del self._known[inode]
         new = {inode: pid for inode, pid in found.items() if inode not in self._known}
         if not new:
-            return
+            return bool(gone)
+        before = len(self._known)
         node = rtnetlink.links()
 
         def enter(inode: int) -> None:
@@ -213,6 +226,7 @@ class LocalNamespaces:
                 self._cgroup,
                 why,
             )
+        return bool(gone) or len(self._known) > before
 
     def _write(self, wanted: dict[int, int], families: int) -> None:
         if self._written is None:
@@ -226,9 +240,11 @@ class LocalNamespaces:
         if updates:
             pairs = [(_KEY.pack(c), _VALUE.pack(f)) for c, f in updates]
             libbpf.update_batch(self._local_fd, "kpng_local_netns", pairs)
-        libbpf.update_batch(
-            self._locality_fd, "kpng_locality", [(_VALUE.pack(0), _VALUE.pack(families))]
-        )
+        if families != self._families:
+            libbpf.update_batch(
+                self._locality_fd, "kpng_locality", [(_VALUE.pack(0), _VALUE.pack(families))]
+            )
+            self._families = families
         if gone:
             libbpf.delete_batch(self._local_fd, "kpng_local_netns", [_KEY.pack(c) for c in gone])
         written.update(updates)
