@@ -103,6 +103,31 @@ def test_output_is_deterministic(kpng_command: list[str]) -> None:
     assert _state(kpng_command, "node-3") == _state(kpng_command, "node-3")
 
 
+def test_a_one_shot_run_ends_with_its_output_flushed_and_its_exit_handlers_run(
+    tmp_path: Path,
+) -> None:
+    """``--once`` leaves the interpreter without its teardown: what exit must still do is done.
+    Its state goes to a pipe (block-buffered) and its log to stderr; an exit handler, as kpng
+    registers to remove a kubeconfig's key files, still runs."""
+    marker = tmp_path / "handler-ran"
+    script = (
+        "import atexit, pathlib, sys, kpng.cli\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+        "sys.exit(kpng.cli.main(sys.argv[1:]))\n"
+    )
+    argv = ["--log-level", "info", "file", "--input", str(EXAMPLE), "to-local"]
+    done = _run(
+        [sys.executable, "-c", script],
+        *argv,
+        *("--node-name", "node-2", "to-json", "--once"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "yes"
+    (line,) = done.stdout.splitlines()
+    assert json.loads(line)["node"] == "node-2"
+    assert "source file synced" in done.stderr
+
+
 def test_to_file_dump_reads_back_to_the_same_node_state(
     kpng_command: list[str], tmp_path: Path
 ) -> None:

@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent(
     stages = {{}}
     import kpng.cli
     stages["import kpng.cli"] = heavy()
-    _, pipeline = kpng.cli.build(sys.argv[1:])
+    pipeline = kpng.cli.build(sys.argv[1:]).run
     stages["build"] = heavy()
     asyncio.run(pipeline())
     stages["run"] = heavy()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import difflib
 import functools
@@ -20,6 +21,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from kpng import heap, sinks, sources, subcommands
 from kpng.backends import registry
@@ -200,8 +202,18 @@ def _help_of_a_later_part(segments: list[_Segment]) -> None:
         parser.parse_args(["--help"])  # prints and exits 0
 
 
-def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
-    """Parse the command line into logging options and the coroutine that runs the pipeline."""
+@dataclass(frozen=True)
+class Pipeline:
+    """A parsed command line: the logging options, the coroutine that runs the pipeline, and
+    whether a backend stops after its first state (``--once``)."""
+
+    options: argparse.Namespace
+    run: Runner
+    once: bool
+
+
+def build(argv: Sequence[str]) -> Pipeline:
+    """Parse the command line into what runs it."""
     head, segments = _split(argv)
     _help_of_a_later_part(segments)
     for segment in segments[1:] if segments and not _feeds_backends(segments[0].name) else segments:
@@ -218,9 +230,9 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
         f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
     ).parse_args(segments[0].args)
     if source_spec.feeds_backends is not None:
-        backends_of_source, _ = _backends(segments[1:], f"kpng {source_spec.name}", status)
+        backends_of_source, once = _backends(segments[1:], f"kpng {source_spec.name}", status)
         runner = source_spec.feeds_backends(source_args, backends_of_source)
-        return options, _with_status(options, status, runner)
+        return Pipeline(options, _with_status(options, status, runner), once)
     if len(segments) < 2:
         raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")
     sink_spec = SINKS[segments[1].name]
@@ -245,7 +257,7 @@ def build(argv: Sequence[str]) -> tuple[argparse.Namespace, Runner]:
     parts = {"source": source_run, "sink": sink_run}
     if once:
         parts["sync"] = functools.partial(_fail_if_blocked, store)
-    return options, _with_status(options, status, _concurrently(parts))
+    return Pipeline(options, _with_status(options, status, _concurrently(parts)), once)
 
 
 async def _fail_if_blocked(store: Store) -> None:
@@ -357,14 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return done
         argv = done
     try:
-        options, pipeline = build(argv)
+        pipeline = build(argv)
     except KpngError as exc:
         print(f"kpng: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(options.log_level, options.log_format)
+    configure_logging(pipeline.options.log_level, pipeline.options.log_format)
     heap.configure()
     try:
-        asyncio.run(_run_until_signalled(pipeline))
+        asyncio.run(_run_until_signalled(pipeline.run))
     except KpngError as exc:
         log.error("%s", exc)
         return EXIT_ERROR
@@ -372,7 +384,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (e.g. `| head -1`): not kpng's failure. Point stdout at /dev/null
         # so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if pipeline.once:
+        _exit_without_teardown(0)
     return 0
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """End a finished one-shot run now. The interpreter's own exit frees every object one by one
+    and collects them first: 0.8 s of a 10,000-service ``--once`` run's 7 s, for memory the
+    kernel takes back at once. What exit must still do is done here: the exit handlers (kpng
+    removes its kubeconfig's key files in them), the logs and the standard streams."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
