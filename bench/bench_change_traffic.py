@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench_nft import TARGET_IP
-from bench_split import BACKEND, HEALTHZ, KPNG, NODE
+from bench_split import BACKEND, HEALTHZ, KPNG, NODE, compiled_as_installed
 
 TARGET_PORT = 80
 PODS = ("a", "b")
@@ -537,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--services", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    compiled_as_installed()
     if args.node:
         return node(args.services, json.loads(args.node))
     if args.client:

@@ -76,6 +76,7 @@ from typing import Any
 import msgspec
 import synthetic
 from bench_kube import APISERVER_ARGS, NODE, fill, nearest_rank
+from bench_split import compiled_as_installed
 
 from kpng.backends.ebpf import remove_pins, system
 from kpng.harness.cluster import ControlPlane, ensure_binaries, ensure_programs
@@ -702,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--verbose", action="store_true", help="kube-proxy at -v=4 (skews its figures)"
     )
     args = parser.parse_args(argv)
+    compiled_as_installed()
     if args.ebpf and args.mode != "nftables":
         parser.error("--ebpf is judged against nftables mode (--mode nftables)")
     sizes = args.sizes or [1000, 10000]

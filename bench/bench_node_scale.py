@@ -43,7 +43,7 @@ from pathlib import Path
 
 import synthetic
 from bench_nft import _ip
-from bench_split import KPNG, NODE, _netns, measured_usage
+from bench_split import KPNG, NODE, _netns, compiled_as_installed, measured_usage
 
 from kpng.backends._nftables.nftables import ELEMENTS_PER_LINE
 
@@ -262,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up figures")
     args = parser.parse_args(argv)
+    compiled_as_installed()
     if os.geteuid() != 0:
         print("needs root (network namespaces, nftables, BPF)", file=sys.stderr)
         return 2
