@@ -20,7 +20,6 @@ from kpng.backends.ebpf import system
 from kpng.harness import chart
 from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
 from kpng.harness.nodes import (
-    BPFFS,
     CLUSTER_CIDR,
     CLUSTER_DNS,
     NodeError,
@@ -148,7 +147,7 @@ def grantable_capabilities(status: str | None = None) -> set[str]:
 
 def ebpf_pin_dir(node: RealNode) -> Path:
     """The directory of the host's bpffs that ``node``'s to-ebpf sees as /sys/fs/bpf."""
-    return BPFFS / node.layout.cgroup
+    return node.layout.pins
 
 
 def rbac_manifest() -> str:

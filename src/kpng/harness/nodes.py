@@ -255,6 +255,11 @@ class NodeLayout:
         return f"kpng-{self.name}"
 
     @property
+    def pins(self) -> Path:
+        """The node's own directory of the host's bpffs: to-ebpf's /sys/fs/bpf there."""
+        return BPFFS / self.cgroup
+
+    @property
     def containerd_socket(self) -> Path:
         return self.workdir / "containerd.sock"
 
@@ -501,6 +506,9 @@ def remove_node(layout: NodeLayout) -> None:
     for point in pod_netns:
         with contextlib.suppress(OSError):
             Path(point).unlink()
+    # to-ebpf's pinned links are its programs' last references: without them the programs
+    # leave the node's cgroup, and nothing of a run stays on the host's bpffs.
+    shutil.rmtree(layout.pins, ignore_errors=True)
     _remove_cgroup(layout.cgroup)
     subprocess.run(["ip", "netns", "delete", layout.netns], capture_output=True, check=False)
     # The namespace's veth goes with it only once the kernel has torn the namespace down, which
