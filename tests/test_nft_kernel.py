@@ -12,13 +12,13 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from kpng.backends._nftables import NftBackend
-from kpng.backends._nftables.executing import KernelNft
+from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
 from kpng.backends._nftables.layout import TABLE, Options
 from kpng.backends._nftables.nftables import (
     Element,
@@ -121,6 +121,86 @@ def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     ruleset = _ruleset(netns)
     assert "timeout 30s" in ruleset
     assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
+
+
+class RecordingNetlink(NetlinkBatches):
+    """Netlink batches into ``netns``, counted; the first ``refuse`` of them refused as the
+    kernel refuses a batch (nothing of it applied)."""
+
+    def __init__(self, netns: str, *, refuse: int = 0) -> None:
+        super().__init__(f"/run/netns/{netns}")
+        self.sent = 0
+        self._refuse = refuse
+
+    async def send(self, messages: Sequence[bytes]) -> None:
+        if self._refuse:
+            self._refuse -= 1
+            raise NftError("the kernel refused the elements' batch (this test's refusal)")
+        await super().send(messages)
+        self.sent += 1
+
+
+def test_a_first_sync_sends_its_elements_as_netlink_and_makes_the_text_paths_table(
+    namespaces: Callable[[], str],
+) -> None:
+    """Where there is no table yet, the elements go as one netlink batch that also wakes the
+    table the text made dormant: the kernel then holds what the text alone makes, comments
+    (the Services' names) included."""
+    by_netlink, by_text = namespaces(), namespaces()
+    state = keyed_state(1, generate(300))
+    nft = RecordingNft(by_netlink)
+    netlink = RecordingNetlink(by_netlink)
+    asyncio.run(NftBackend(nft=nft, options=Options(), netlink=netlink).apply(state))
+    asyncio.run(NftBackend(nft=_nft(by_text), options=Options()).apply(state))
+    assert netlink.sent == 1
+    ((text, refused),) = nft.runs
+    assert refused is None
+    assert "flags dormant" in text.render()
+    assert " : goto pick-" not in text.render()  # the dispatch maps' elements went by netlink
+    listed = _ruleset(by_netlink)
+    assert "dormant" not in listed
+    assert 'comment "' in listed.split("map cluster-v4")[1]
+    assert listed == _ruleset(by_text)
+    assert _table(by_netlink) == _table(by_text)
+    # A later full sync (a restart) finds the table and replaces it as text, as before.
+    nft.runs.clear()
+    asyncio.run(NftBackend(nft=nft, options=Options(), netlink=netlink).apply(state))
+    assert netlink.sent == 1
+    assert _table(by_netlink) == _table(by_text)  # objects made again list in a new order
+
+
+def test_a_refused_netlink_batch_leaves_a_table_no_packet_sees_and_the_retry_wakes_it(
+    namespaces: Callable[[], str],
+) -> None:
+    netns, expected = namespaces(), namespaces()
+    state = keyed_state(1, generate(50))
+    netlink = RecordingNetlink(netns, refuse=1)
+    backend = NftBackend(nft=_nft(netns), options=Options(), netlink=netlink)
+    with pytest.raises(NftError, match="refused"):
+        asyncio.run(backend.apply(state))
+    assert "flags dormant" in _ruleset(netns)
+    asyncio.run(backend.apply(state))  # the feeder's retry: a full sync over the table, as text
+    asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
+    assert "dormant" not in _ruleset(netns)
+    assert _table(netns) == _table(expected)
+
+
+def test_a_restart_over_a_table_left_dormant_makes_it_anew(
+    namespaces: Callable[[], str],
+) -> None:
+    """kpng ended between a first sync's text and its netlink batch: the next kpng finds the
+    dormant table (the kernel takes no new base chain in a transaction that wakes a table) and
+    makes it anew, elements by netlink again."""
+    netns, expected = namespaces(), namespaces()
+    state = keyed_state(1, generate(50))
+    left = NftBackend(nft=_nft(netns), options=Options(), netlink=RecordingNetlink(netns, refuse=1))
+    with pytest.raises(NftError):
+        asyncio.run(left.apply(state))
+    netlink = RecordingNetlink(netns)
+    asyncio.run(NftBackend(nft=_nft(netns), options=Options(), netlink=netlink).apply(state))
+    asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
+    assert netlink.sent == 1
+    assert _ruleset(netns) == _ruleset(expected)
 
 
 def test_kernel_full_sync_over_a_table_keeps_only_the_affinity_memory(

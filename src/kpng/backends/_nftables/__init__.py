@@ -28,8 +28,9 @@ from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
-from kpng.backends._nftables.executing import KernelNft, default_nft
+from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import TABLE, FromNode, Options, contribute
+from kpng.backends._nftables.netlink import split_fresh
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects
 from kpng.backends._node import node_options
 from kpng.backends._node import options_from_args as options_from_args
@@ -79,8 +80,11 @@ class NftBackend:
         clock: Callable[[], float] = time.monotonic,
         syncs: SyncReporter | None = None,
         kube_proxy: KubeProxyLeftovers | None = None,
+        netlink: NetlinkBatches | None = None,
     ) -> None:
         self._nft = nft
+        self._netlink = netlink
+        self._elements_by_netlink = True
         self._kube_proxy = kube_proxy
         self._conntrack = conntrack
         self._health = health
@@ -206,18 +210,23 @@ class NftBackend:
                 # memory.
                 try:
                     present = await self._nft.list_objects(TABLE)
+                    if present is not None and await self._dormant():
+                        # Made by a first sync whose elements never came (``netlink.py``): no
+                        # packet has seen it, and a dormant table takes no new base chain in
+                        # the transaction that wakes it. It is made anew.
+                        present = None
                 except NftError as exc:
                     error = exc
             with collector_paused():
                 plan = self._plan(touched, present)
             if error is None:
-                error = await self._run(plan)
+                error = await self._run(plan, fresh=present is None)
             if error is not None:
                 self._syncs.failed()
             if error is not None and plan.full and await self._leave_out_refused_services():
                 with collector_paused():
                     plan = self._plan(touched, present)
-                error = await self._run(plan)
+                error = await self._run(plan, fresh=present is None)
             self._syncs.attempted(seconds=time.monotonic() - started, full=plan.full)
             if error is not None:
                 # The UDP flows this change makes stale are cleaned by the full resync's
@@ -258,9 +267,32 @@ class NftBackend:
         since = self.pending_since
         return since is None or self._clock() - since < UNHEALTHY_AFTER_S
 
-    async def _run(self, plan: Plan) -> NftError | None:
+    async def _dormant(self) -> bool:
+        return self._netlink is not None and await self._netlink.dormant(TABLE)
+
+    async def _run(self, plan: Plan, *, fresh: bool = False) -> NftError | None:
+        """Apply ``plan``; what nft refused, or None. A full sync that makes the table anew
+        (``fresh``: there was none) sends its bulk elements as netlink (``netlink.py``), until
+        the kernel refuses such a batch once: from then on they go as text."""
+        split = None
+        if fresh and plan.full and self._netlink is not None and self._elements_by_netlink:
+            try:
+                with collector_paused():
+                    split = split_fresh(plan.tx)
+            except ValueError as exc:
+                log.info("the first sync goes as text: an element netlink cannot encode: %s", exc)
         try:
-            await self._nft.run(plan.tx)
+            if split is None:
+                await self._nft.run(plan.tx)
+            else:
+                text, batch = split
+                await self._nft.run(text)
+                assert self._netlink is not None
+                try:
+                    await self._netlink.send(batch)
+                except NftError:
+                    self._elements_by_netlink = False
+                    raise
         except NftError as exc:
             return exc
         return None

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import logging
 import os
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import threading
 import weakref
@@ -19,6 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Literal, cast, overload
 
 from kpng.backends._commands import CommandError, run_command
+from kpng.backends._nftables.netlink import (
+    NETLINK_NETFILTER,
+    NLM_F_ACK,
+    TABLE_F_DORMANT,
+    TABLE_FLAGS_ATTR,
+    get_table,
+)
 from kpng.backends._nftables.nftables import (
     Nft,
     NftError,
@@ -44,6 +54,9 @@ TRIM_AFTER_BYTES = 1 << 20
 """Before and after a transaction this long (a full sync), the C heap is given back to the
 system: see ``LibNft``."""
 WRITE_BUFFER = 1 << 20
+CLONE_NEWNET = 0x40000000
+NLMSG_ERROR = 2
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 
 
 def libnftables_version() -> str:
@@ -332,3 +345,103 @@ def default_nft(library: str = LIBNFTABLES) -> Nft:
     except (OSError, AttributeError) as exc:
         log.info("running the nft command for each transaction: no %s (%s)", library, exc)
         return KernelNft()
+
+
+class NetlinkBatches:
+    """Sends nf_tables netlink batches (``netlink.py``): each the kernel commits whole or not at
+    all, in the network namespace the process is in, or ``netns`` (a path such as
+    /run/netns/NAME: the socket is made there, as ``KernelNft``'s command reaches another)."""
+
+    def __init__(self, netns: str | None = None) -> None:
+        self._netns = netns
+
+    async def send(self, messages: Sequence[bytes]) -> None:
+        """One batch; ``NftError`` (nothing applied) if the kernel refuses any message of it."""
+        await asyncio.to_thread(self._send, messages)
+
+    async def dormant(self, table: Table) -> bool:
+        """Whether ``table`` exists and is dormant: made by the text of a first sync whose
+        netlink batch never came (refused, or kpng ended between the two)."""
+        return await asyncio.to_thread(self._dormant, table)
+
+    def _dormant(self, table: Table) -> bool:
+        try:
+            with self._socket() as sock:
+                sock.bind((0, 0))
+                sock.send(get_table(table))
+                flags = _table_flags(sock.recv(1 << 16))
+        except OSError as exc:
+            raise NftError(f"netlink: {exc}") from exc
+        return flags is not None and bool(flags & TABLE_F_DORMANT)
+
+    def _socket(self) -> socket.socket:
+        if self._netns is None:
+            return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        made: list[socket.socket] = []
+        failed: list[OSError] = []
+
+        def made_there() -> None:
+            # setns moves only the calling thread: this short one, which ends there.
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert self._netns is not None
+            with open(self._netns) as there:
+                if libc.setns(there.fileno(), CLONE_NEWNET) != 0:
+                    failed.append(OSError(ctypes.get_errno(), f"setns {self._netns}"))
+                    return
+            made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER))
+
+        thread = threading.Thread(target=made_there)
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return made[0]
+
+    def _send(self, messages: Sequence[bytes]) -> None:
+        size = sum(len(m) for m in messages)
+        acks = sum(1 for m in messages if struct.unpack_from("=H", m, 6)[0] & NLM_F_ACK)
+        try:
+            with self._socket() as sock:
+                # The batch travels as one message, which the send buffer must hold.
+                sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, size + 65536)
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
+                sock.bind((0, 0))
+                sent = sock.sendmsg(messages)
+                if sent != size:
+                    raise NftError(f"netlink took {sent} of the batch's {size} bytes")
+                _acknowledged(sock, acks)
+        except OSError as exc:
+            raise NftError(f"netlink: {exc}") from exc
+
+
+def _acknowledged(sock: socket.socket, acks: int) -> None:
+    """Read the kernel's answers to a batch until every message asking for one has it; the
+    first error refuses the whole batch (the kernel has undone it)."""
+    while acks:
+        reply = sock.recv(1 << 20)
+        offset = 0
+        while offset < len(reply):
+            length, kind = struct.unpack_from("=IH", reply, offset)
+            if kind == NLMSG_ERROR:
+                (error,) = struct.unpack_from("=i", reply, offset + 16)
+                if error:
+                    raise NftError(f"the kernel refused the elements' batch: {os.strerror(-error)}")
+                acks -= 1
+            offset += (length + 3) & ~3
+
+
+def _table_flags(reply: bytes) -> int | None:
+    """A table's flags from the kernel's answer to ``get_table`` (None: no such table)."""
+    length, kind = struct.unpack_from("=IH", reply, 0)
+    if kind == NLMSG_ERROR:
+        (error,) = struct.unpack_from("=i", reply, 16)
+        if error == -errno.ENOENT:
+            return None
+        raise NftError(f"netlink: {os.strerror(-error)}")
+    offset = 20  # the message's header and nfgenmsg, then its attributes
+    while offset + 4 <= length:
+        size, attr = struct.unpack_from("=HH", reply, offset)
+        if attr & 0x7FFF == TABLE_FLAGS_ATTR:
+            return int(struct.unpack_from(">I", reply, offset + 4)[0])
+        offset += (size + 3) & ~3
+    return 0

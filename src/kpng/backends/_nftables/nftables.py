@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, cast
 
 from kpng.client import KpngError
@@ -73,6 +73,9 @@ class Table:
     family: Family
     name: str
     comment: str = ""
+    dormant: bool = False
+    """Its base chains not attached to netfilter's hooks: no packet sees the table (set when
+    it is made, until a netlink batch wakes it: ``netlink.py``)."""
 
     def __post_init__(self) -> None:
         if self.family not in ("ip", "ip6", "inet"):
@@ -285,7 +288,7 @@ class Transaction:
 
     def add(self, obj: Object) -> Transaction:
         """Create ``obj`` (a no-op for an existing table, chain, set or map, as in nft)."""
-        if isinstance(obj, Table) and obj != self.table:
+        if isinstance(obj, Table) and replace(obj, dormant=False) != self.table:
             raise InvalidNftObject(f"table {obj.name} is not this transaction's table")
         self.operations.append(Operation("add", obj))
         return self
@@ -348,8 +351,11 @@ class Transaction:
     def _render_one(self, op: Operation) -> str:
         obj, verb, t = op.obj, op.verb, self._prefix()
         if isinstance(obj, Table):
-            comment = f' {{ comment "{obj.comment}" ; }}' if obj.comment and verb == "add" else ""
-            return f"{verb} table {t}{comment}"
+            body = ""
+            if verb == "add":
+                body = f'comment "{obj.comment}" ; ' if obj.comment else ""
+                body += "flags dormant ; " if obj.dormant else ""
+            return f"{verb} table {t}" + (f" {{ {body}}}" if body else "")
         if isinstance(obj, Named):
             if verb == "add":
                 raise InvalidNftObject(f"{obj.kind} {obj.name}: only its definition can be added")

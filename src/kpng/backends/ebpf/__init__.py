@@ -42,7 +42,7 @@ from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
-from kpng.backends._nftables.executing import LibNft, default_nft
+from kpng.backends._nftables.executing import LibNft, NetlinkBatches, default_nft
 from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
 from kpng.backends.ebpf import entries, libbpf, locality, namespaces, observing, system, toolchain
 from kpng.backends.ebpf.destroying import UdpDestroyer
@@ -445,6 +445,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         health=None if args.no_health_check else HealthServers(),
         once=args.once,
         kube_proxy=kube_proxy_leftovers(nft),
+        netlink=NetlinkBatches(),
     )
     sockets = SocketBalancer(
         options=options,

@@ -13,7 +13,7 @@ import sys
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_leftovers
-from kpng.backends._nftables.executing import KernelNft, LibNft, default_nft
+from kpng.backends._nftables.executing import KernelNft, LibNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.nftables import Nft
 from kpng.backends._node import add_arguments, options_from_args
 from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
@@ -43,6 +43,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         dry_run=args.dry_run,
         syncs=syncs,
         kube_proxy=None if args.dry_run else kube_proxy_leftovers(nft),
+        netlink=None if args.dry_run else NetlinkBatches(),
     )
 
 
