@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
-from kpng.backends._nftables.layout import TABLE, Options
+from kpng.backends._nftables.layout import TABLE, Options, contribute
+from kpng.backends._nftables.netlink import split_fresh
 from kpng.backends._nftables.nftables import (
     Element,
     NftError,
@@ -123,16 +125,23 @@ def test_kernel_takes_a_new_affinity_timeout_incrementally(netns: str) -> None:
     assert "timeout 1m" not in ruleset  # nft lists 60s as 1m
 
 
+class Killed(BaseException):
+    """kpng ending (SIGKILL, a node's reboot) between a first sync's text and its batch."""
+
+
 class RecordingNetlink(NetlinkBatches):
     """Netlink batches into ``netns``, counted; the first ``refuse`` of them refused as the
-    kernel refuses a batch (nothing of it applied)."""
+    kernel refuses a batch (nothing of it applied), or ended by ``Killed`` (``kill``)."""
 
-    def __init__(self, netns: str, *, refuse: int = 0) -> None:
+    def __init__(self, netns: str, *, refuse: int = 0, kill: bool = False) -> None:
         super().__init__(f"/run/netns/{netns}")
         self.sent = 0
         self._refuse = refuse
+        self._kill = kill
 
     async def send(self, messages: Sequence[bytes]) -> None:
+        if self._kill:
+            raise Killed
         if self._refuse:
             self._refuse -= 1
             raise NftError("the kernel refused the elements' batch (this test's refusal)")
@@ -169,20 +178,42 @@ def test_a_first_sync_sends_its_elements_as_netlink_and_makes_the_text_paths_tab
     assert _table(by_netlink) == _table(by_text)  # objects made again list in a new order
 
 
-def test_a_refused_netlink_batch_leaves_a_table_no_packet_sees_and_the_retry_wakes_it(
+def test_a_refused_netlink_batch_is_followed_at_once_by_the_whole_table_as_text(
     namespaces: Callable[[], str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     netns, expected = namespaces(), namespaces()
     state = keyed_state(1, generate(50))
     netlink = RecordingNetlink(netns, refuse=1)
     backend = NftBackend(nft=_nft(netns), options=Options(), netlink=netlink)
-    with pytest.raises(NftError, match="refused"):
-        asyncio.run(backend.apply(state))
-    assert "flags dormant" in _ruleset(netns)
-    asyncio.run(backend.apply(state))  # the feeder's retry: a full sync over the table, as text
+    asyncio.run(backend.apply(state))
+    assert "made again with its elements as text" in caplog.text
     asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
-    assert "dormant" not in _ruleset(netns)
-    assert _table(netns) == _table(expected)
+    listed = _ruleset(netns)
+    assert "dormant" not in listed
+    assert listed == _ruleset(expected)
+    assert netlink.sent == 0
+
+
+def test_a_batch_of_more_messages_than_one_sendmsg_takes_buffers_is_taken_whole(
+    namespaces: Callable[[], str],
+) -> None:
+    """At 100k services a first sync's batch has some 2,000 messages; a sendmsg takes at most
+    1,024 buffers (IOV_MAX)."""
+    netns = namespaces()
+    state = keyed_state(1, generate(300))
+    store = TableState(Options())
+    for key, se in state.services.items():
+        store.update(key, contribute(se, ()), Touched())
+    split = split_fresh(store.full(None).tx, message_bytes=1)
+    assert split is not None
+    text, batch = split
+    assert len(batch) > 1024
+    asyncio.run(_nft(netns).run(text))
+    asyncio.run(NetlinkBatches(f"/run/netns/{netns}").send(batch))
+    expected = namespaces()
+    asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
+    assert _ruleset(netns) == _ruleset(expected)
 
 
 def test_a_restart_over_a_table_left_dormant_makes_it_anew(
@@ -193,9 +224,12 @@ def test_a_restart_over_a_table_left_dormant_makes_it_anew(
     makes it anew, elements by netlink again."""
     netns, expected = namespaces(), namespaces()
     state = keyed_state(1, generate(50))
-    left = NftBackend(nft=_nft(netns), options=Options(), netlink=RecordingNetlink(netns, refuse=1))
-    with pytest.raises(NftError):
+    left = NftBackend(
+        nft=_nft(netns), options=Options(), netlink=RecordingNetlink(netns, kill=True)
+    )
+    with pytest.raises(Killed):
         asyncio.run(left.apply(state))
+    assert "flags dormant" in _ruleset(netns)
     netlink = RecordingNetlink(netns)
     asyncio.run(NftBackend(nft=_nft(netns), options=Options(), netlink=netlink).apply(state))
     asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))

@@ -272,8 +272,9 @@ class NftBackend:
 
     async def _run(self, plan: Plan, *, fresh: bool = False) -> NftError | None:
         """Apply ``plan``; what nft refused, or None. A full sync that makes the table anew
-        (``fresh``: there was none) sends its bulk elements as netlink (``netlink.py``), until
-        the kernel refuses such a batch once: from then on they go as text."""
+        (``fresh``: there was none) sends its bulk elements as netlink (``netlink.py``). If that
+        batch fails, the whole plan goes as text at once (it makes the dormant table anew),
+        and every later one too."""
         split = None
         if fresh and plan.full and self._netlink is not None and self._elements_by_netlink:
             try:
@@ -290,9 +291,10 @@ class NftBackend:
                 assert self._netlink is not None
                 try:
                     await self._netlink.send(batch)
-                except NftError:
+                except NftError as exc:
                     self._elements_by_netlink = False
-                    raise
+                    log.warning("%s; the table is made again with its elements as text", exc)
+                    await self._nft.run(plan.tx)
         except NftError as exc:
             return exc
         return None

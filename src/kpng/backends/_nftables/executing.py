@@ -406,7 +406,9 @@ class NetlinkBatches:
                 sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, size + 65536)
                 sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
                 sock.bind((0, 0))
-                sent = sock.sendmsg(messages)
+                # One buffer: a sendmsg takes at most 1,024 (IOV_MAX), a batch of 100k services
+                # has some 2,000 messages.
+                sent = sock.send(b"".join(messages))
                 if sent != size:
                     raise NftError(f"netlink took {sent} of the batch's {size} bytes")
                 _acknowledged(sock, acks)

@@ -47,7 +47,7 @@ NLM_F_ACK = 0x4
 _NLM_F_CREATE = 0x400
 _NLA_F_NESTED = 0x8000
 _FAMILIES = {"inet": 1, "ip": 2, "ip6": 10}  # NFPROTO_*
-_MESSAGE_ELEMENTS = 60_000
+MESSAGE_ELEMENTS = 60_000
 """Bytes of elements a message holds: their list is one attribute, with a 16-bit length."""
 
 _VERDICTS = {"accept": 1, "drop": 0, "continue": -1, "return": -5}
@@ -199,12 +199,14 @@ def encoder(container: Set | Map) -> ElementEncoder | None:
     return None if value is None else ElementEncoder(key, value, verdict=False)
 
 
-def split_fresh(tx: Transaction) -> tuple[Transaction, list[bytes]] | None:
+def split_fresh(
+    tx: Transaction, *, message_bytes: int = MESSAGE_ELEMENTS
+) -> tuple[Transaction, list[bytes]] | None:
     """A full transaction that makes its table anew (``add``, ``delete``, ``add`` of the table
     first) as text that leaves the table dormant and without its bulk elements, and the netlink
     batch that adds them and wakes the table; None if ``tx`` is not such a transaction or has
     no element this module encodes. ``ValueError``: an element it cannot encode (the caller
-    applies ``tx`` as text instead)."""
+    applies ``tx`` as text instead). ``message_bytes``: of elements in one message, at most."""
     ops = tx.operations
     table = tx.table
     fresh = [Operation("add", table), Operation("delete", table), Operation("add", table)]
@@ -235,7 +237,7 @@ def split_fresh(tx: Transaction) -> tuple[Transaction, list[bytes]] | None:
         size = 0
         for item in items:
             element = encode(item)
-            if size + len(element) > _MESSAGE_ELEMENTS:
+            if chunk and size + len(element) > message_bytes:
                 messages.append(_elements_message(seq, family, head, chunk, size))
                 seq += 1
                 chunk, size = [], 0
