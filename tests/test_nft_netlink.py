@@ -11,7 +11,7 @@ import pytest
 from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.layout import TABLE, Options, contribute
 from kpng.backends._nftables.netlink import encoder, split_fresh
-from kpng.backends._nftables.nftables import Elements, Map, Set, TableObjects
+from kpng.backends._nftables.nftables import ElementFields, Elements, Map, Set, TableObjects
 from kpng.testing.states import keyed_state
 from tests.nft_services import generate
 
@@ -132,3 +132,22 @@ def test_only_a_full_sync_that_makes_the_table_anew_is_split() -> None:
     store.update(key, None, touched)
     assert split_fresh(store.incremental(touched).tx) is None
     assert TABLE.dormant is False
+
+
+def test_elements_encoded_from_their_fields_are_those_encoded_from_their_text() -> None:
+    """A full sync's items give their fields (``ElementFields``), sent without being rendered;
+    the bytes are those of the rendered text."""
+    tx = _state().full(None).tx
+    checked = 0
+    containers = {op.obj.name: op.obj for op in tx.operations if isinstance(op.obj, Set | Map)}
+    for op in tx.operations:
+        if not isinstance(op.obj, Elements):
+            continue
+        encode = encoder(containers[op.obj.container])
+        items = op.obj.items
+        if encode is None:
+            continue
+        assert isinstance(items, ElementFields)
+        assert [encode.element(*f) for f in items.fields()] == [encode(i) for i in items]
+        checked += len(items)
+    assert checked > 400

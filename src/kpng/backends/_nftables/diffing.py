@@ -408,6 +408,13 @@ class _Rendered(Sequence[str]):
         ek = (self._container, key)
         return render_element(key, self._table[ek], self._comments.get(ek, ""))
 
+    def fields(self) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
+        """Each element's key, value and comment (``nftables.ElementFields``)."""
+        container, table, comments = self._container, self._table, self._comments
+        for key in self._keys:
+            ek = (container, key)
+            yield key, table[ek], comments.get(ek, "")
+
 
 def check_transaction(
     options: Options, contributions: Iterable[tuple[ServiceKey, Contribution]]

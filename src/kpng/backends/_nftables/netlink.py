@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kpng.backends._nftables.nftables import (
+    ElementFields,
     Elements,
     Map,
     Operation,
@@ -101,36 +102,88 @@ def _port(text: str) -> bytes:
     return struct.pack(">H", int(text))
 
 
-_FIELDS: dict[str, Callable[[str], bytes]] = {
-    "ipv4_addr": _ipv4,
-    "ipv6_addr": _ipv6,
-    "inet_proto": _protocol,
-    "inet_service": _port,
+_FIELDS: dict[str, tuple[Callable[[str], bytes], bool]] = {
+    "ipv4_addr": (_ipv4, False),
+    "ipv6_addr": (_ipv6, False),
+    # Few values, repeated by every service: each encoded once.
+    "inet_proto": (_protocol, True),
+    "inet_service": (_port, True),
 }
 
+Field = Callable[[str], bytes]
 Fields = Callable[[Sequence[str]], bytes]
+
+
+def _field(name: str, *, concatenated: bool) -> Field | None:
+    known = _FIELDS.get(name)
+    if known is None:
+        return None
+    encode, repeated = known
+    if not repeated:
+        return encode  # addresses: 4 or 16 bytes, whole registers already
+    # Concatenated, each field takes whole 32-bit registers, as nf_tables lays them out.
+    padding = concatenated
+    cache: dict[str, bytes] = {}
+
+    def cached(text: str) -> bytes:
+        found = cache.get(text)
+        if found is None:
+            found = encode(text)
+            if padding:
+                found += b"\0" * (-len(found) % 4)
+            cache[text] = found
+        return found
+
+    return cached
 
 
 def _fields(type_: str) -> Fields | None:
     """The encoder of a key or value of nft type ``type_`` (None: not one this module knows).
-    Concatenated, each field takes whole 32-bit registers, as nf_tables lays them out."""
+    Unrolled for the arities kpng's maps have: it runs for every element."""
     names = type_.split(" . ")
-    encoders = [_FIELDS.get(name) for name in names]
-    if None in encoders:
+    each = [_field(name, concatenated=len(names) > 1) for name in names]
+    if None in each:
         return None
-    each = [e for e in encoders if e is not None]
-    if len(each) == 1:
-        (single,) = each
-        return lambda values: single(values[0])
+    fields = [f for f in each if f is not None]
+    arity = len(fields)
 
-    def concatenated(values: Sequence[str]) -> bytes:
-        out = b""
-        for encode, value in zip(each, values, strict=True):
-            field = encode(value)
-            out += field + b"\0" * (-len(field) % 4)
-        return out
+    def wrong(values: Sequence[str]) -> ValueError:
+        return ValueError(f"{len(values)} fields for {type_}")
 
-    return concatenated
+    if arity == 1:
+        (f0,) = fields
+
+        def one(values: Sequence[str]) -> bytes:
+            if len(values) != 1:
+                raise wrong(values)
+            return f0(values[0])
+
+        return one
+    if arity == 2:
+        f0, f1 = fields
+
+        def two(values: Sequence[str]) -> bytes:
+            if len(values) != 2:
+                raise wrong(values)
+            return f0(values[0]) + f1(values[1])
+
+        return two
+    if arity == 3:
+        f0, f1, f2 = fields
+
+        def three(values: Sequence[str]) -> bytes:
+            if len(values) != 3:
+                raise wrong(values)
+            return f0(values[0]) + f1(values[1]) + f2(values[2])
+
+        return three
+
+    def many(values: Sequence[str]) -> bytes:
+        if len(values) != arity:
+            raise wrong(values)
+        return b"".join([f(v) for f, v in zip(fields, values, strict=True)])
+
+    return many
 
 
 def _verdict(text: str) -> bytes:
@@ -143,42 +196,62 @@ def _verdict(text: str) -> bytes:
     return _nested(2, _nested(2, inner))  # NFTA_SET_ELEM_DATA { NFTA_DATA_VERDICT { ... } }
 
 
+def _value_header(kind: int, length: int) -> bytes:
+    """The headers of ``kind`` { NFTA_DATA_VALUE } around a value of ``length`` bytes."""
+    padded = length + (-length % 4)
+    return struct.pack("=HH", 8 + padded, kind | _NLA_F_NESTED) + struct.pack("=HH", 4 + length, 1)
+
+
 class ElementEncoder:
-    """One container's elements (``Elements`` items, as ``render_element`` writes them) as the
-    attributes of an element list. ``ValueError`` for an item it cannot encode."""
+    """One container's elements as the attributes of an element list: from their fields
+    (``element``) or from ``Elements`` items, as ``render_element`` writes them (calling it).
+    ``ValueError`` for an element it cannot encode."""
 
     def __init__(self, key: Fields, value: Fields | None, verdict: bool) -> None:
         self._key = key
         self._value = value
         self._verdict = verdict
         self._verdicts: dict[str, bytes] = {}
+        self._headers: dict[tuple[int, int], bytes] = {}
 
     def __call__(self, item: str) -> bytes:
-        try:
-            return self._encode(item)
-        except (OSError, struct.error, KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"element {item!r}: {exc}") from exc
-
-    def _encode(self, item: str) -> bytes:
         key_text, colon, value_text = item.partition(" : ")
-        key_text, commented, comment = key_text.partition(_COMMENTED)
-        key = self._key(key_text.split(" . "))
-        body = _nested(1, _attr(1, key))  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
-        if colon:
+        key_text, _, comment = key_text.partition(_COMMENTED)
+        value = tuple(value_text.split(" . ")) if colon else ()
+        return self.element(key_text.split(" . "), value, comment.removesuffix('"'))
+
+    def element(self, key: Sequence[str], value: Sequence[str], comment: str = "") -> bytes:
+        try:
+            return self._element(key, value, comment)
+        except (OSError, struct.error, KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"element {' . '.join(key)!r}: {exc}") from exc
+
+    def _element(self, key: Sequence[str], value: Sequence[str], comment: str) -> bytes:
+        k = self._key(key)
+        body = self._header(1, len(k)) + k + b"\0" * (-len(k) % 4)  # KEY { DATA_VALUE }
+        if value:
             if self._verdict:
-                data = self._verdicts.get(value_text)
+                (verdict,) = value
+                data = self._verdicts.get(verdict)
                 if data is None:
-                    data = self._verdicts[value_text] = _verdict(value_text)
+                    data = self._verdicts[verdict] = _verdict(verdict)
                 body += data
             elif self._value is not None:
-                body += _nested(2, _attr(1, self._value(value_text.split(" . "))))
+                v = self._value(value)
+                body += self._header(2, len(v)) + v + b"\0" * (-len(v) % 4)
             else:
-                raise ValueError(f"a value for a set: {item!r}")
-        if commented:
-            text = comment.removesuffix('"').encode() + b"\0"
+                raise ValueError("a value for a set")
+        if comment:
+            note = comment.encode() + b"\0"
             # nftnl's user data: the comment's type (0), its length, the string.
-            body += _attr(6, bytes((0, len(text))) + text)
-        return _nested(1, body)
+            body += _attr(6, bytes((0, len(note))) + note)
+        return struct.pack("=HH", 4 + len(body), 1 | _NLA_F_NESTED) + body
+
+    def _header(self, kind: int, length: int) -> bytes:
+        found = self._headers.get((kind, length))
+        if found is None:
+            found = self._headers[kind, length] = _value_header(kind, length)
+        return found
 
 
 def encoder(container: Set | Map) -> ElementEncoder | None:
@@ -214,7 +287,7 @@ def split_fresh(
         return None
     containers: dict[str, ElementEncoder | None] = {}
     text: list[Operation] = [*fresh[:2], Operation("add", replace(table, dormant=True))]
-    moved: list[tuple[str, Iterable[str]]] = []
+    moved: list[tuple[str, Sequence[str]]] = []
     for op in ops[3:]:
         obj = op.obj
         if isinstance(obj, Set | Map) and op.verb == "add":
@@ -235,8 +308,14 @@ def split_fresh(
         head = names + _string(2, container)
         chunk: list[bytes] = []
         size = 0
-        for item in items:
-            element = encode(item)
+        # Items that hold their fields are encoded from them: rendering each as text only
+        # to parse it again took most of the encoding's time.
+        elements: Iterable[bytes] = (
+            (encode.element(*fields) for fields in items.fields())
+            if isinstance(items, ElementFields)
+            else map(encode, items)
+        )
+        for element in elements:
             if chunk and size + len(element) > message_bytes:
                 messages.append(_elements_message(seq, family, head, chunk, size))
                 seq += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol, cast, runtime_checkable
 
 from kpng.client import KpngError
 
@@ -215,6 +215,14 @@ def comment_name(namespace: str, name: str, port: str = "") -> str:
     """kube-proxy's name of a service port in its rules: ``namespace/name:port`` (``:port``
     only for a named port), cut to what an nft comment holds."""
     return f"{namespace}/{name}{':' + port if port else ''}"[:128]
+
+
+@runtime_checkable
+class ElementFields(Protocol):
+    """``Elements`` items that also give each element's fields (key, value, comment): what
+    is sent as netlink (``netlink.py``) need not be rendered and parsed back."""
+
+    def fields(self) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]: ...
 
 
 @dataclass(frozen=True)
