@@ -21,8 +21,10 @@ map of a new table:
 Both are whole processes timed from start to exit, with their peak RSS; each run ends by
 checking, with ``nft list``, that the map holds every element (not timed).
 
-This is a measurement, not kpng's netlink client: it covers one map shape, and nothing else
-in kpng speaks netlink to nf_tables.
+This measured the approach before kpng had it; kpng's own encoder and sender are
+``kpng.backends._nftables.netlink`` and ``executing.NetlinkBatches``. The loader here keeps a
+small encoder of its own for this one map shape, so that its process imports nothing of kpng's
+and its figures stay those of the approach alone.
 
     flock /tmp/kpng-bench.lock python bench/bench_nft_netlink.py [--sizes 10000,100000] [--runs 3]
 """

@@ -11,10 +11,10 @@ that makes the table anew and gives back the same transaction with the table mad
 (its base chains are not attached to netfilter's hooks: no packet sees any of it) and without
 the bulk elements, and a netlink batch that adds those elements and wakes the table, in one
 kernel transaction. Until that batch commits, the node has no kpng rules at all, as before its
-first sync. A refused batch (or a kpng that ends between the two) leaves the dormant table: the
-next full sync finds it so (``NetlinkBatches.dormant``) and makes the table anew, as text once a
-batch was refused. Waking the old one would not do: the kernel takes no new base chain in a
-transaction that changes a table's flags.
+first sync. A refused batch is followed at once by the whole transaction as text, which makes
+the table anew. A kpng that ends between the two leaves the dormant table: the next full sync
+finds it so (``NetlinkBatches.dormant``) and makes it anew too. Waking the old one would not do:
+the kernel takes no new base chain in a transaction that changes a table's flags.
 """
 
 from __future__ import annotations
