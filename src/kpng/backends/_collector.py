@@ -15,8 +15,11 @@ def collector_paused() -> Iterator[None]:
 
     A full sync makes about a million small objects (tuples, dicts) that cannot form cycles;
     the collector's passes over the growing heap took a quarter of its time. Reference counting
-    still frees everything, and the collector's next pass untracks most of what stays (tuples
-    and dicts of strings).
+    still frees everything. What stays is the state kpng keeps (the store, the records, the
+    table's contents), so it is frozen (``gc.freeze``) as the step ends: enabled again over it,
+    the collector walked it all once more, 0.5 s of a 10,000-service start. Frozen objects are
+    still freed by reference counting; only a cycle made in the step would never be collected,
+    and these steps make none.
     """
     if not gc.isenabled():
         yield
@@ -25,4 +28,5 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        gc.freeze()
         gc.enable()
