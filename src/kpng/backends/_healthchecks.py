@@ -176,10 +176,13 @@ class HealthServers:
         if self._host is not None or self._hosts is not None:
             host = self._host if self._host is not None else self._hosts
             return await asyncio.start_server(answer, host=host, port=port, reuse_address=True)
-        # host=None is a socket per family (asyncio makes IPv6 sockets V6ONLY, so "::" alone
-        # would refuse IPv4); a node without IPv6 cannot bind "::", and gets IPv4 only.
+        # A socket per family (asyncio makes IPv6 sockets V6ONLY, so "::" alone would refuse
+        # IPv4), named by address: host=None asked getaddrinfo in a thread for each port, 0.4 s
+        # of a start with 250 of them. A node without IPv6 cannot bind "::", and gets IPv4 only.
         try:
-            return await asyncio.start_server(answer, host=None, port=port, reuse_address=True)
+            return await asyncio.start_server(
+                answer, host=["0.0.0.0", "::"], port=port, reuse_address=True
+            )
         except OSError:
             return await asyncio.start_server(answer, host="0.0.0.0", port=port, reuse_address=True)
 
