@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
 from kpng.backends._nftables.layout import TABLE, Options, contribute
-from kpng.backends._nftables.netlink import split_fresh
+from kpng.backends._nftables.netlink import ElementEncoder, split_fresh
 from kpng.backends._nftables.nftables import (
     Element,
     NftError,
@@ -178,13 +178,24 @@ def test_a_first_sync_sends_its_elements_as_netlink_and_makes_the_text_paths_tab
     assert _table(by_netlink) == _table(by_text)  # objects made again list in a new order
 
 
-def test_a_refused_netlink_batch_is_followed_at_once_by_the_whole_table_as_text(
+def _unencodable(*_: object) -> Iterator[bytes]:
+    raise ValueError("element '10.96.0.1 . tcp . 80': this test's")
+
+
+@pytest.mark.parametrize("failure", ["refused", "unencodable"])
+def test_a_failed_netlink_batch_is_followed_at_once_by_the_whole_table_as_text(
     namespaces: Callable[[], str],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: str,
 ) -> None:
+    """The kernel refuses the batch, or an element cannot be encoded: the batch is encoded
+    while libnftables takes the text, so the dormant table is there either way."""
     netns, expected = namespaces(), namespaces()
     state = keyed_state(1, generate(50))
-    netlink = RecordingNetlink(netns, refuse=1)
+    netlink = RecordingNetlink(netns, refuse=int(failure == "refused"))
+    if failure == "unencodable":
+        monkeypatch.setattr(ElementEncoder, "elements", _unencodable)
     backend = NftBackend(nft=_nft(netns), options=Options(), netlink=netlink)
     asyncio.run(backend.apply(state))
     assert "made again with its elements as text" in caplog.text
@@ -207,7 +218,7 @@ def test_a_batch_of_more_messages_than_one_sendmsg_takes_buffers_is_taken_whole(
         store.update(key, contribute(se, ()), Touched())
     split = split_fresh(store.full(None).tx, message_bytes=1)
     assert split is not None
-    text, batch = split
+    text, batch = split.text, split.batch()
     assert len(batch) > 1024
     asyncio.run(_nft(netns).run(text))
     asyncio.run(NetlinkBatches(f"/run/netns/{netns}").send(batch))

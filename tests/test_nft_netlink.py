@@ -105,7 +105,7 @@ def test_a_first_sync_splits_into_dormant_text_and_one_batch_that_wakes_the_tabl
     tx = _state().full(None).tx
     split = split_fresh(tx)
     assert split is not None
-    text, batch = split
+    text, batch = split.text, split.batch()
     rendered = text.render()
     assert rendered.startswith("add table inet kpng { comment ")
     assert "flags dormant ; }" in rendered.splitlines()[2]

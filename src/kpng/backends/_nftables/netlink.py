@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from kpng.backends._nftables.nftables import (
     ElementFields,
@@ -204,54 +204,82 @@ def _value_header(kind: int, length: int) -> bytes:
 
 class ElementEncoder:
     """One container's elements as the attributes of an element list: from their fields
-    (``element``) or from ``Elements`` items, as ``render_element`` writes them (calling it).
-    ``ValueError`` for an element it cannot encode."""
+    (``elements``, ``element``) or from ``Elements`` items, as ``render_element`` writes them
+    (calling it). ``ValueError`` for an element it cannot encode. ``key_type``: the nft type of
+    its keys; containers with the same one may share the memo of ``elements``."""
 
-    def __init__(self, key: Fields, value: Fields | None, verdict: bool) -> None:
+    def __init__(self, key_type: str, key: Fields, value: Fields | None, verdict: bool) -> None:
+        self.key_type = key_type
         self._key = key
         self._value = value
         self._verdict = verdict
         self._verdicts: dict[str, bytes] = {}
+        self._comments: dict[str, bytes] = {}
         self._headers: dict[tuple[int, int], bytes] = {}
 
     def __call__(self, item: str) -> bytes:
         key_text, colon, value_text = item.partition(" : ")
         key_text, _, comment = key_text.partition(_COMMENTED)
         value = tuple(value_text.split(" . ")) if colon else ()
-        return self.element(key_text.split(" . "), value, comment.removesuffix('"'))
+        return self.element(tuple(key_text.split(" . ")), tuple(value), comment.removesuffix('"'))
 
-    def element(self, key: Sequence[str], value: Sequence[str], comment: str = "") -> bytes:
+    def element(self, key: tuple[str, ...], value: tuple[str, ...], comment: str = "") -> bytes:
+        (encoded,) = self.elements([(key, value, comment)], {})
+        return encoded
+
+    def elements(
+        self,
+        fields: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]],
+        keys: dict[tuple[str, ...], bytes],
+    ) -> Iterator[bytes]:
+        """Each element's attribute. ``keys``: encoded keys by their fields, shared by the
+        containers of one ``key_type``: a service's frontend is the key of its element in
+        every endpoint map, encoded once."""
+        encode_key, encode_value, verdicts, comments = (
+            self._key,
+            self._value,
+            self._verdicts,
+            self._comments,
+        )
+        key: tuple[str, ...] = ()
         try:
-            return self._element(key, value, comment)
+            for key, value, comment in fields:
+                k = keys.get(key)
+                if k is None:
+                    raw = encode_key(key)
+                    k = keys[key] = self._header(1, len(raw)) + raw + b"\0" * (-len(raw) % 4)
+                if not value:
+                    body = k
+                elif self._verdict:
+                    (verdict,) = value
+                    data = verdicts.get(verdict)
+                    if data is None:
+                        data = verdicts[verdict] = _verdict(verdict)
+                    body = k + data
+                elif encode_value is not None:
+                    raw = encode_value(value)
+                    body = k + self._header(2, len(raw)) + raw + b"\0" * (-len(raw) % 4)
+                else:
+                    raise ValueError("a value for a set")
+                if comment:
+                    note = comments.get(comment)
+                    if note is None:
+                        text = comment.encode() + b"\0"
+                        # nftnl's user data: the comment's type (0), its length, the string.
+                        note = comments[comment] = _attr(6, bytes((0, len(text))) + text)
+                    body += note
+                yield _ELEMENT_HEADER(4 + len(body), 1 | _NLA_F_NESTED) + body
         except (OSError, struct.error, KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"element {' . '.join(key)!r}: {exc}") from exc
-
-    def _element(self, key: Sequence[str], value: Sequence[str], comment: str) -> bytes:
-        k = self._key(key)
-        body = self._header(1, len(k)) + k + b"\0" * (-len(k) % 4)  # KEY { DATA_VALUE }
-        if value:
-            if self._verdict:
-                (verdict,) = value
-                data = self._verdicts.get(verdict)
-                if data is None:
-                    data = self._verdicts[verdict] = _verdict(verdict)
-                body += data
-            elif self._value is not None:
-                v = self._value(value)
-                body += self._header(2, len(v)) + v + b"\0" * (-len(v) % 4)
-            else:
-                raise ValueError("a value for a set")
-        if comment:
-            note = comment.encode() + b"\0"
-            # nftnl's user data: the comment's type (0), its length, the string.
-            body += _attr(6, bytes((0, len(note))) + note)
-        return struct.pack("=HH", 4 + len(body), 1 | _NLA_F_NESTED) + body
 
     def _header(self, kind: int, length: int) -> bytes:
         found = self._headers.get((kind, length))
         if found is None:
             found = self._headers[kind, length] = _value_header(kind, length)
         return found
+
+
+_ELEMENT_HEADER = struct.Struct("=HH").pack
 
 
 def encoder(container: Set | Map) -> ElementEncoder | None:
@@ -263,23 +291,73 @@ def encoder(container: Set | Map) -> ElementEncoder | None:
     if key is None:
         return None
     if isinstance(container, Set):
-        return ElementEncoder(key, None, verdict=False)
+        return ElementEncoder(container.type, key, None, verdict=False)
     if container.timeout_s:
         return None
     if container.is_verdict_map:
-        return ElementEncoder(key, None, verdict=True)
+        return ElementEncoder(container.type, key, None, verdict=True)
     value = _fields(container.value)
-    return None if value is None else ElementEncoder(key, value, verdict=False)
+    return None if value is None else ElementEncoder(container.type, key, value, verdict=False)
 
 
-def split_fresh(
-    tx: Transaction, *, message_bytes: int = MESSAGE_ELEMENTS
-) -> tuple[Transaction, list[bytes]] | None:
-    """A full transaction that makes its table anew (``add``, ``delete``, ``add`` of the table
-    first) as text that leaves the table dormant and without its bulk elements, and the netlink
-    batch that adds them and wakes the table; None if ``tx`` is not such a transaction or has
-    no element this module encodes. ``ValueError``: an element it cannot encode (the caller
-    applies ``tx`` as text instead). ``message_bytes``: of elements in one message, at most."""
+@dataclass(frozen=True)
+class FreshTable:
+    """A full transaction that makes its table anew, split in two (``split_fresh``): ``text``
+    makes the table dormant and without its bulk elements; ``batch`` encodes the netlink batch
+    that adds them and wakes the table. Apart, so that the batch is encoded while libnftables
+    takes the text."""
+
+    text: Transaction
+    family: int
+    moved: tuple[tuple[str, ElementEncoder, Sequence[str]], ...]
+    message_bytes: int = MESSAGE_ELEMENTS
+    """Of elements in one message, at most."""
+
+    def batch(self) -> list[bytes]:
+        """The batch's messages. ``ValueError``: an element it cannot encode (the caller applies
+        the whole transaction as text instead)."""
+        names = _string(1, self.text.table.name)
+        messages = [_batch_edge(_NFNL_MSG_BATCH_BEGIN, 0)]
+        seq = 1
+        keys: dict[str, dict[tuple[str, ...], bytes]] = {}
+        for container, encode, items in self.moved:
+            head = names + _string(2, container)
+            chunk: list[bytes] = []
+            size = 0
+            # Items that hold their fields are encoded from them: rendering each as text only
+            # to parse it again took most of the encoding's time.
+            elements: Iterable[bytes] = (
+                encode.elements(items.fields(), keys.setdefault(encode.key_type, {}))
+                if isinstance(items, ElementFields)
+                else map(encode, items)
+            )
+            for element in elements:
+                if chunk and size + len(element) > self.message_bytes:
+                    messages.append(_elements_message(seq, self.family, head, chunk, size))
+                    seq += 1
+                    chunk, size = [], 0
+                chunk.append(element)
+                size += len(element)
+            if chunk:
+                messages.append(_elements_message(seq, self.family, head, chunk, size))
+                seq += 1
+        # The table's flags set to none: awake, its base chains attached, with every element in.
+        wake = _message(
+            (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWTABLE,
+            seq,
+            self.family,
+            names + _u32(TABLE_FLAGS_ATTR, 0),
+            flags=_NLM_F_CREATE | NLM_F_ACK,
+        )
+        messages.append(wake)
+        messages.append(_batch_edge(_NFNL_MSG_BATCH_END, seq + 1))
+        return messages
+
+
+def split_fresh(tx: Transaction, *, message_bytes: int = MESSAGE_ELEMENTS) -> FreshTable | None:
+    """``tx``, a full transaction that makes its table anew (``add``, ``delete``, ``add`` of the
+    table first), as a ``FreshTable``; None if ``tx`` is not such a transaction or has no
+    element this module encodes."""
     ops = tx.operations
     table = tx.table
     fresh = [Operation("add", table), Operation("delete", table), Operation("add", table)]
@@ -287,55 +365,22 @@ def split_fresh(
         return None
     containers: dict[str, ElementEncoder | None] = {}
     text: list[Operation] = [*fresh[:2], Operation("add", replace(table, dormant=True))]
-    moved: list[tuple[str, Sequence[str]]] = []
+    moved: list[tuple[str, ElementEncoder, Sequence[str]]] = []
     for op in ops[3:]:
         obj = op.obj
         if isinstance(obj, Set | Map) and op.verb == "add":
             containers[obj.name] = encoder(obj)
-        if isinstance(obj, Elements) and containers.get(obj.container) is not None:
-            moved.append((obj.container, obj.items))
-            continue
+        if isinstance(obj, Elements):
+            encode = containers.get(obj.container)
+            if encode is not None:
+                moved.append((obj.container, encode, obj.items))
+                continue
         text.append(op)
     if not moved:
         return None
-    family = _FAMILIES[table.family]
-    names = _string(1, table.name)
-    messages = [_batch_edge(_NFNL_MSG_BATCH_BEGIN, 0)]
-    seq = 1
-    for container, items in moved:
-        encode = containers[container]
-        assert encode is not None
-        head = names + _string(2, container)
-        chunk: list[bytes] = []
-        size = 0
-        # Items that hold their fields are encoded from them: rendering each as text only
-        # to parse it again took most of the encoding's time.
-        elements: Iterable[bytes] = (
-            (encode.element(*fields) for fields in items.fields())
-            if isinstance(items, ElementFields)
-            else map(encode, items)
-        )
-        for element in elements:
-            if chunk and size + len(element) > message_bytes:
-                messages.append(_elements_message(seq, family, head, chunk, size))
-                seq += 1
-                chunk, size = [], 0
-            chunk.append(element)
-            size += len(element)
-        if chunk:
-            messages.append(_elements_message(seq, family, head, chunk, size))
-            seq += 1
-    # The table's flags set to none: awake, its base chains attached, with every element in.
-    wake = _message(
-        (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWTABLE,
-        seq,
-        family,
-        names + _u32(TABLE_FLAGS_ATTR, 0),
-        flags=_NLM_F_CREATE | NLM_F_ACK,
+    return FreshTable(
+        Transaction(table, text), _FAMILIES[table.family], tuple(moved), message_bytes
     )
-    messages.append(wake)
-    messages.append(_batch_edge(_NFNL_MSG_BATCH_END, seq + 1))
-    return Transaction(table, text), messages
 
 
 def _elements_message(seq: int, family: int, head: bytes, chunk: list[bytes], size: int) -> bytes:
