@@ -19,6 +19,7 @@ the kernel takes no new base chain in a transaction that changes a table's flags
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -85,12 +86,9 @@ def _batch_edge(kind: int, seq: int) -> bytes:
     return header + struct.pack("=BBH", 0, 0, socket.htons(_NFNL_SUBSYS_NFTABLES))
 
 
-def _ipv4(text: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET, text)
-
-
-def _ipv6(text: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET6, text)
+# Partials of C functions: called for every address, they cost no Python frame.
+_ipv4: Callable[[str], bytes] = functools.partial(socket.inet_pton, socket.AF_INET)
+_ipv6: Callable[[str], bytes] = functools.partial(socket.inet_pton, socket.AF_INET6)
 
 
 def _protocol(text: str) -> bytes:
@@ -114,6 +112,22 @@ Field = Callable[[str], bytes]
 Fields = Callable[[Sequence[str]], bytes]
 
 
+class _Encoded(dict[str, bytes]):
+    """Field texts to their encoding, each encoded on first use: a hit is a C-level lookup."""
+
+    def __init__(self, encode: Field, padded: bool) -> None:
+        super().__init__()
+        self._encode = encode
+        self._padded = padded
+
+    def __missing__(self, text: str) -> bytes:
+        found = self._encode(text)
+        if self._padded:
+            found += b"\0" * (-len(found) % 4)
+        self[text] = found
+        return found
+
+
 def _field(name: str, *, concatenated: bool) -> Field | None:
     known = _FIELDS.get(name)
     if known is None:
@@ -122,19 +136,7 @@ def _field(name: str, *, concatenated: bool) -> Field | None:
     if not repeated:
         return encode  # addresses: 4 or 16 bytes, whole registers already
     # Concatenated, each field takes whole 32-bit registers, as nf_tables lays them out.
-    padding = concatenated
-    cache: dict[str, bytes] = {}
-
-    def cached(text: str) -> bytes:
-        found = cache.get(text)
-        if found is None:
-            found = encode(text)
-            if padding:
-                found += b"\0" * (-len(found) % 4)
-            cache[text] = found
-        return found
-
-    return cached
+    return _Encoded(encode, padded=concatenated).__getitem__
 
 
 def _fields(type_: str) -> Fields | None:
@@ -241,6 +243,8 @@ class ElementEncoder:
             self._verdicts,
             self._comments,
         )
+        value_parts: dict[int, tuple[bytes, bytes]] = {}
+        """The header and the padding around a value, by its length."""
         key: tuple[str, ...] = ()
         try:
             for key, value, comment in fields:
@@ -258,7 +262,11 @@ class ElementEncoder:
                     body = k + data
                 elif encode_value is not None:
                     raw = encode_value(value)
-                    body = k + self._header(2, len(raw)) + raw + b"\0" * (-len(raw) % 4)
+                    around = value_parts.get(len(raw))
+                    if around is None:
+                        n = len(raw)
+                        around = value_parts[n] = (self._header(2, n), b"\0" * (-n % 4))
+                    body = k + around[0] + raw + around[1]
                 else:
                     raise ValueError("a value for a set")
                 if comment:
