@@ -167,7 +167,7 @@ class NftBackend:
 
     def _record(self, state: NodeState) -> Touched:
         """Record the services of ``state`` that changed in the store; what they touched."""
-        touched = Touched()
+        touched = Touched(whole=self._needs_full)
         for key in state.deleted:
             self._recorded.pop(key, None)
             self.store.update(key, None, touched)

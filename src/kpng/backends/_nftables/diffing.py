@@ -18,6 +18,7 @@ memory.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, overload
@@ -63,9 +64,9 @@ class Touched:
     """UDP frontends whose serving endpoints changed: their stale conntrack flows go."""
     services: set[ServiceKey] = field(default_factory=set)
     """The services whose contribution changed, named in the logs and the dry run."""
-
-    def __bool__(self) -> bool:
-        return bool(self.elements or self.chains or self.maps)
+    whole: bool = False
+    """A full plan follows, which reads no touched element: they are not collected (a set of
+    1.8 million at 100k services)."""
 
 
 @dataclass
@@ -128,7 +129,8 @@ class TableState:
         else:
             # A full sync passes here for every element of every service: the common case
             # (no other owner) inline.
-            touched.elements.update(new_elements)
+            if not touched.whole:
+                touched.elements.update(new_elements)
             index = self._element_owners
             for ek, value in new_elements.items():
                 if ek in index:
@@ -314,14 +316,12 @@ class TableState:
                     tx.add(rule)
         for element in static:
             tx.add(element)
-        # The bulk of a full sync: every element as text, in batches per container (see
-        # ``Elements``), in the order of ``sorted(element keys)``, rendered only when the
-        # transaction is (``_Rendered``). Sorting by the rendered keys gives that order (fields
-        # hold no space, which sorts before anything they hold) at half the cost of sorting
-        # tuples.
+        # The bulk of a full sync: every element, in batches per container (see ``Elements``),
+        # rendered only when the transaction is (``_Rendered``).
         table: dict[ElementKey, tuple[str, ...]] = {}
         comments: dict[ElementKey, str] = {}
-        by_container: dict[str, list[tuple[str, ...]]] = {}
+        commented: set[str] = set()
+        by_container: dict[str, tuple[list[tuple[str, ...]], list[tuple[str, ...]]]] = {}
         contributions = self.contributions
         for ek, owners in self._element_owners.items():
             if isinstance(owners, dict):
@@ -334,14 +334,16 @@ class TableState:
             comment = contributions[owner].comments.get(ek)
             if comment:
                 comments[ek] = comment
-            keys = by_container.get(ek[0])
-            if keys is None:
-                keys = by_container[ek[0]] = []
-            keys.append(ek[1])
+                commented.add(ek[0])
+            lists = by_container.get(ek[0])
+            if lists is None:
+                lists = by_container[ek[0]] = ([], [])
+            lists[0].append(ek[1])
+            lists[1].append(value)
         for container in sorted(by_container):
-            keys = by_container[container]
-            keys.sort(key=_joined)
-            tx.add(Elements(container, _Rendered(container, keys, table, comments)))
+            keys, values = by_container[container]
+            items = _Rendered(container, keys, values, table, comments, container in commented)
+            tx.add(Elements(container, items))
         return Plan(tx, table, chains, maps, table=table, comments=comments)
 
     def commit(self, plan: Plan) -> None:
@@ -366,26 +368,35 @@ def _joined(fields: tuple[str, ...]) -> str:
 
 
 class _Rendered(Sequence[str]):
-    """The elements of one container, as ``Elements`` items (``key : value`` text), in the order
-    of ``keys``, each rendered when read.
+    """The elements of one container, as ``Elements`` items (``key : value`` text), each
+    rendered when read, in the order of ``sorted(keys)``; and their fields, in no particular
+    order (``fields``).
 
     A full sync's texts are written once, into the file libnftables reads; held from the plan
     to the commit, 100k services' 1.8 million texts sat in memory beside libnftables' parse of
-    them."""
+    them. Its elements sent as netlink are never rendered, nor sorted: their fields are read
+    in the order the plan found them, with their values beside them."""
 
-    __slots__ = ("_comments", "_container", "_keys", "_table")
+    __slots__ = ("_commented", "_comments", "_container", "_keys", "_sorted", "_table", "_values")
 
     def __init__(
         self,
         container: str,
         keys: list[tuple[str, ...]],
+        values: list[tuple[str, ...]],
         table: Mapping[ElementKey, tuple[str, ...]],
         comments: Mapping[ElementKey, str],
+        commented: bool,
     ) -> None:
         self._container = container
         self._keys = keys
+        self._values: list[tuple[str, ...]] | None = values
+        """The value of each of ``keys``, until they are sorted."""
         self._table = table
         self._comments = comments
+        self._commented = commented
+        """Whether any element has a comment: most containers have none to look up."""
+        self._sorted = False
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -397,12 +408,22 @@ class _Rendered(Sequence[str]):
     def __getitem__(self, index: slice) -> list[str]: ...
 
     def __getitem__(self, index: int | slice) -> str | list[str]:
+        keys = self._sorted_keys()
         if isinstance(index, slice):
-            return [self._render(key) for key in self._keys[index]]
-        return self._render(self._keys[index])
+            return [self._render(key) for key in keys[index]]
+        return self._render(keys[index])
 
     def __iter__(self) -> Iterator[str]:
-        return map(self._render, self._keys)
+        return map(self._render, self._sorted_keys())
+
+    def _sorted_keys(self) -> list[tuple[str, ...]]:
+        if not self._sorted:
+            # Sorting by the rendered keys gives the order of ``sorted(keys)`` (fields hold no
+            # space, which sorts before anything they hold) at half the cost of sorting tuples.
+            self._keys.sort(key=_joined)
+            self._values = None
+            self._sorted = True
+        return self._keys
 
     def _render(self, key: tuple[str, ...]) -> str:
         ek = (self._container, key)
@@ -410,10 +431,15 @@ class _Rendered(Sequence[str]):
 
     def fields(self) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
         """Each element's key, value and comment (``nftables.ElementFields``)."""
-        container, table, comments = self._container, self._table, self._comments
-        for key in self._keys:
-            ek = (container, key)
-            yield key, table[ek], comments.get(ek, "")
+        container, keys, table, comments = self._container, self._keys, self._table, self._comments
+        if self._values is not None and not self._commented:
+            return zip(keys, self._values, itertools.repeat(""))
+        if self._values is not None:
+            return (
+                (key, value, comments.get((container, key), ""))
+                for key, value in zip(keys, self._values, strict=True)
+            )
+        return ((key, table[container, key], comments.get((container, key), "")) for key in keys)
 
 
 def check_transaction(

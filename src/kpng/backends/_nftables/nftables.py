@@ -219,8 +219,8 @@ def comment_name(namespace: str, name: str, port: str = "") -> str:
 
 @runtime_checkable
 class ElementFields(Protocol):
-    """``Elements`` items that also give each element's fields (key, value, comment): what
-    is sent as netlink (``netlink.py``) need not be rendered and parsed back."""
+    """``Elements`` items that also give each element's fields (key, value, comment), in any
+    order: what is sent as netlink (``netlink.py``) need not be rendered and parsed back."""
 
     def fields(self) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]: ...
 
