@@ -42,7 +42,7 @@ def endpoints_by_scope(
             continue
         for po in ep.PortOverrides:
             if po.Name == name and po.Protocol == protocol and po.Port:
-                number, text = po.Port, str(po.Port)
+                number, text = po.Port, _port_text(po.Port)
                 for a in addrs:
                     # One value tuple per endpoint, shared by every map it appears in; an
                     # address that comes twice (two slices, two scope sets) counts once.
@@ -55,6 +55,12 @@ def endpoints_by_scope(
                         cluster[key] = value
                 break
     return _ordered(internal), _ordered(external), _ordered(cluster)
+
+
+@functools.cache
+def _port_text(number: int) -> str:
+    """One string per port number, not one per endpoint (a million at 100k services)."""
+    return str(number)
 
 
 def _ordered(endpoints: dict[tuple[str, int], EndpointValue]) -> list[EndpointValue]:

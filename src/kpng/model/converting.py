@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 from collections.abc import Callable
 
 from kpng.errors import InvalidObject
@@ -287,8 +288,10 @@ def _slice_endpoint(
     return SliceEndpoint(
         ip=ip,
         hostname=ep.hostname or "",
-        node=ep.node_name or "",
-        zone=ep.zone or "",
+        # A few names, each decoded afresh for every endpoint: one string each (interned),
+        # not a million copies at 100k services.
+        node=sys.intern(ep.node_name or ""),
+        zone=sys.intern(ep.zone or ""),
         pod=ref.name if ref is not None and ref.kind == "Pod" else "",
         ready=cond is None or cond.ready is None or cond.ready,
         serving=cond is None or cond.serving is None or cond.serving,

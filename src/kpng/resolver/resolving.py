@@ -137,6 +137,11 @@ def resolve_service(
     # kube-proxy's conntrack rule: a UDP flow is stale once its endpoint serves nowhere, whatever
     # the policies and topology let this node use.
     serving: list[set[tuple[str, int]]] = [set() for _ in service.Ports]
+    # One PortName for each port and endpoint port number, and one tuple of them for the
+    # endpoints that serve the same ports (most of a service's): a 100k-service node holds
+    # a million endpoints.
+    port_names: dict[tuple[int, int], PortName] = {}
+    overrides: dict[tuple[PortName, ...], tuple[PortName, ...]] = {}
     for v6 in (False, True):
         if not cluster_ips.family(v6):
             continue
@@ -184,7 +189,12 @@ def resolve_service(
                 entry = grouped.get((id(ep), scopes))
                 if entry is None:
                     entry = grouped[(id(ep), scopes)] = (ep, v6, [])
-                entry[2].append(PortName(Name=port.Name, Port=number, Protocol=port.Protocol))
+                name = port_names.get((p, number))
+                if name is None:
+                    name = port_names[p, number] = PortName(
+                        Name=port.Name, Port=number, Protocol=port.Protocol
+                    )
+                entry[2].append(name)
 
     entries = [
         (
@@ -193,7 +203,7 @@ def resolve_service(
                 Hostname=ep.hostname,
                 IPs=IPSet(V6=(ep.ip,)) if v6 else IPSet(V4=(ep.ip,)),
                 Local=ep.node == node,
-                PortOverrides=tuple(ports),
+                PortOverrides=overrides.setdefault(named := tuple(ports), named),
                 Scopes=scopes,
                 Ready=ep.ready,
                 Serving=ep.serving,

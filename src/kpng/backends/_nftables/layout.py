@@ -327,7 +327,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
         if not cluster_ips:
             continue
         for cip in cluster_ips:
-            out.elements[(f"cluster-ips-{fam}", (cip,))] = ()
+            out.elements[(_container("cluster-ips", fam), (cip,))] = ()
         external_ips = list(ips.ExternalIPs.family(v6) if ips.ExternalIPs else ())
         lb_ips = list(ips.LoadBalancerIPs.family(v6) if ips.LoadBalancerIPs else ())
         for port in service.Ports:
@@ -352,11 +352,12 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
             name = comment_name(service.Namespace, service.Name, port.Name)
 
             def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
-                out.comments[(f"{kind}-{fam}", key)] = name  # noqa: B023
+                ek = (_container(kind, fam), key)  # noqa: B023
+                out.comments[ek] = name  # noqa: B023
                 if sticky is not None and eps:  # noqa: B023
-                    _remember(out, sticky, kind, key, eps)  # noqa: B023
+                    _remember(out, sticky, kind, ek, eps)  # noqa: B023
                     return
-                _dispatch(out, kind, fam=fam, proto=proto, key=key, eps=eps, usable=usable)  # noqa: B023
+                _dispatch(out, kind, fam=fam, ek=ek, eps=eps, usable=usable)  # noqa: B023
 
             for cip in cluster_ips:
                 dispatch("cluster", (cip, proto, p), internal)
@@ -366,14 +367,14 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                 if local_etp:
                     dispatch("external-sc", key, cluster_wide)
                 else:
-                    out.elements[(f"external-masq-{fam}", key)] = ()
+                    out.elements[(_container("external-masq", fam), key)] = ()
             if port.NodePort:
                 np_key = (proto, str(port.NodePort))
                 dispatch("nodeport", np_key, external)
                 if local_etp:
                     dispatch("nodeport-sc", np_key, cluster_wide)
                 else:
-                    out.elements[(f"nodeport-masq-{fam}", np_key)] = ()
+                    out.elements[(_container("nodeport-masq", fam), np_key)] = ()
             if proto == "udp":
                 serving = serving_endpoints(port, (*internal, *external, *cluster_wide))
                 # kube-proxy 1.37: an address frontend with no serving endpoint loses all its
@@ -389,7 +390,7 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
             if local:
                 for ep_addr, _ in {*internal, *external, *cluster_wide}:
                     if ep_addr in local:
-                        out.elements[(f"hairpin-{fam}", (ep_addr, ep_addr))] = ()
+                        out.elements[(_container("hairpin", fam), (ep_addr, ep_addr))] = ()
             for flt in service.IPFilters:
                 ranges = allowed_ranges(
                     (*flt.SourceRanges, *allowed_from_node(flt.SourceRanges, node_ips, lb_ips)), v6
@@ -399,9 +400,9 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                 targets = flt.TargetIPs.family(v6) if flt.TargetIPs and ranges else ()
                 for target in targets:
                     key = (target, proto, p)
-                    out.elements[(f"firewall-{fam}", key)] = ()
+                    out.elements[(_container("firewall", fam), key)] = ()
                     for r in ranges:
-                        out.elements[(f"firewall-allow-{fam}", (*key, r))] = ()
+                        out.elements[(_container("firewall-allow", fam), (*key, r))] = ()
     return out
 
 
@@ -410,21 +411,38 @@ def _dispatch(
     kind: Kind,
     *,
     fam: Fam,
-    proto: str,
-    key: tuple[str, ...],
+    ek: ElementKey,
     eps: list[EndpointValue],
     usable: bool,
 ) -> None:
+    """Send ``ek`` (an element of ``kind``'s dispatch map) to its endpoints ``eps``."""
     elements = out.elements
     if eps:
         chain, rules, maps = pick_chain(kind, fam, len(eps))
         out.chains[chain.name] = (chain, rules)
-        elements[(f"{kind}-{fam}", key)] = (f"goto {chain.name}",)
+        elements[ek] = _goto(chain.name)
+        key = ek[1]
         for m, value in zip(maps, eps, strict=True):
             out.maps[m.name] = m
             elements[(m.name, key)] = value
     else:
-        elements[(f"{kind}-{fam}", key)] = ("drop" if usable else "goto service-reject",)
+        elements[ek] = _DROP if usable else _REJECT
+
+
+_DROP = ("drop",)
+_REJECT = ("goto service-reject",)
+
+
+@functools.cache
+def _goto(chain: str) -> tuple[str]:
+    return (f"goto {chain}",)
+
+
+@functools.cache
+def _container(kind: str, fam: Fam) -> str:
+    """``kind-fam``: one string in the key of every element of that container, not one each
+    (a 100k-service table has 1.8 million elements)."""
+    return f"{kind}-{fam}"
 
 
 _SCOPES: dict[Kind, str] = {
@@ -486,10 +504,10 @@ def _remember(
     out: Contribution,
     sticky: _Affinity,
     kind: Kind,
-    key: tuple[str, ...],
+    ek: ElementKey,
     eps: list[EndpointValue],
 ) -> None:
-    """Dispatch ``key``'s ``kind`` traffic to the service port's affinity chain for ``eps``, the
+    """Dispatch ``ek``'s ``kind`` traffic to the service port's affinity chain for ``eps``, the
     endpoints of that kind: a client remembered with one of them goes there again, any other
     gets a new pick, and either is remembered."""
     fam, ip, proto = sticky.fam, _IP[sticky.fam], sticky.proto
@@ -518,4 +536,4 @@ def _remember(
             n = len(endpoints)
             picks.append(Rule(name, f"numgen random mod {n - i} 0 {then}" if i < n - 1 else then))
         out.chains[name] = (Chain(name), (*remembered, *picks))
-    out.elements[(f"{kind}-{fam}", key)] = (f"goto {name}",)
+    out.elements[ek] = (f"goto {name}",)
