@@ -206,21 +206,25 @@ def test_a_failed_netlink_batch_is_followed_at_once_by_the_whole_table_as_text(
     assert netlink.sent == 0
 
 
-def test_a_batch_of_more_messages_than_one_sendmsg_takes_buffers_is_taken_whole(
+def test_a_dormant_text_in_many_parts_and_a_batch_of_more_messages_than_one_sendmsg_takes(
     namespaces: Callable[[], str],
 ) -> None:
-    """At 100k services a first sync's batch has some 2,000 messages; a sendmsg takes at most
-    1,024 buffers (IOV_MAX)."""
+    """At 100k services a first sync's dormant text goes in 8 parts, and its batch has some
+    2,000 messages (a sendmsg takes at most 1,024 buffers, IOV_MAX): the table is the one a
+    single text makes."""
     netns = namespaces()
     state = keyed_state(1, generate(300))
     store = TableState(Options())
     for key, se in state.services.items():
         store.update(key, contribute(se, ()), Touched())
-    split = split_fresh(store.full(None).tx, message_bytes=1)
+    split = split_fresh(store.full(None).tx, message_bytes=1, text_operations=7)
     assert split is not None
-    text, batch = split.text, split.batch()
+    texts, batch = split.texts(), split.batch()
+    assert len(texts) > 20
+    assert [op for text in texts for op in text.operations] == split.text.operations
     assert len(batch) > 1024
-    asyncio.run(_nft(netns).run(text))
+    for text in texts:
+        asyncio.run(_nft(netns).run(text))
     asyncio.run(NetlinkBatches(f"/run/netns/{netns}").send(batch))
     expected = namespaces()
     asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))

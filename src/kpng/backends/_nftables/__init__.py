@@ -31,7 +31,7 @@ from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_tra
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import TABLE, FromNode, Options, contribute
 from kpng.backends._nftables.netlink import FreshTable, split_fresh
-from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects
+from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
 from kpng.backends._node import node_options
 from kpng.backends._node import options_from_args as options_from_args
 from kpng.client import (
@@ -287,7 +287,7 @@ class NftBackend:
             # libnftables runs without the GIL, so on two cores the encoding (0.5 s at 10k
             # services) costs no wall time.
             taken, encoded = await asyncio.gather(
-                self._nft.run(split.text),
+                self._run_all(split.texts()),
                 asyncio.to_thread(_encoded, split),
                 return_exceptions=True,
             )
@@ -305,6 +305,10 @@ class NftBackend:
         except NftError as exc:
             return exc
         return None
+
+    async def _run_all(self, transactions: list[Transaction]) -> None:
+        for tx in transactions:
+            await self._nft.run(tx)
 
     async def _leave_out_refused_services(self) -> bool:
         """After a refused full sync: find the services whose rules the kernel refuses on

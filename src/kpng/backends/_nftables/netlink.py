@@ -51,6 +51,8 @@ _NLA_F_NESTED = 0x8000
 _FAMILIES = {"inet": 1, "ip": 2, "ip6": 10}  # NFPROTO_*
 MESSAGE_ELEMENTS = 60_000
 """Bytes of elements a message holds: their list is one attribute, with a 16-bit length."""
+TEXT_OPERATIONS = 10_000
+"""Operations of the dormant table's text in one libnftables transaction (``FreshTable``)."""
 
 _VERDICTS = {"accept": 1, "drop": 0, "continue": -1, "return": -5}
 _CHAIN_VERDICTS = {"jump": -3, "goto": -4}
@@ -320,6 +322,19 @@ class FreshTable:
     moved: tuple[tuple[str, ElementEncoder, Sequence[str]], ...]
     message_bytes: int = MESSAGE_ELEMENTS
     """Of elements in one message, at most."""
+    text_operations: int = TEXT_OPERATIONS
+    """Of ``text`` in one of ``texts``, at most."""
+
+    def texts(self) -> list[Transaction]:
+        """``text`` as transactions of ``text_operations`` each, to run in order: the first
+        makes the table, dormant, so no packet sees the parts between them. libnftables then
+        holds one part's parse at a time: 100k services' rules took 450 MB as one. Each
+        operation refers only to what earlier ones made, so any cut keeps the order valid."""
+        ops, size = self.text.operations, self.text_operations
+        return [
+            Transaction(self.text.table, ops[start : start + size])
+            for start in range(0, len(ops), size)
+        ]
 
     def batch(self) -> list[bytes]:
         """The batch's messages. ``ValueError``: an element it cannot encode (the caller applies
@@ -362,7 +377,12 @@ class FreshTable:
         return messages
 
 
-def split_fresh(tx: Transaction, *, message_bytes: int = MESSAGE_ELEMENTS) -> FreshTable | None:
+def split_fresh(
+    tx: Transaction,
+    *,
+    message_bytes: int = MESSAGE_ELEMENTS,
+    text_operations: int = TEXT_OPERATIONS,
+) -> FreshTable | None:
     """``tx``, a full transaction that makes its table anew (``add``, ``delete``, ``add`` of the
     table first), as a ``FreshTable``; None if ``tx`` is not such a transaction or has no
     element this module encodes."""
@@ -387,7 +407,11 @@ def split_fresh(tx: Transaction, *, message_bytes: int = MESSAGE_ELEMENTS) -> Fr
     if not moved:
         return None
     return FreshTable(
-        Transaction(table, text), _FAMILIES[table.family], tuple(moved), message_bytes
+        Transaction(table, text),
+        _FAMILIES[table.family],
+        tuple(moved),
+        message_bytes,
+        text_operations,
     )
 
 
