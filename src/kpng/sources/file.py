@@ -174,9 +174,10 @@ class FileSource:
             self._never_parsed.pop(path, None)
             self._parsed[path] = result
             touched.update(result.objects)
-        order = {p: i for i, p in enumerate(sorted(self._parsed))}
+        # In the order that decides duplicates, each with its objects: looked up once per key.
+        files = [(p, self._parsed[p].objects) for p in sorted(self._parsed)]
         for key in touched:
-            self._resolve_owner(key, order, out)
+            self._resolve_owner(key, files, out)
         self._report_orphans(touched)
 
     def _report_orphans(self, keys: Iterable[ObjectKey]) -> None:
@@ -240,10 +241,10 @@ class FileSource:
             log.error("%s; nothing is served until the file parses", error)
             self._never_parsed[path] = error
 
-    def _resolve_owner(self, key: ObjectKey, order: dict[Path, int], out: SourceHandle) -> None:
-        holders = sorted(
-            (p for p in self._parsed if key in self._parsed[p].objects), key=order.__getitem__
-        )
+    def _resolve_owner(
+        self, key: ObjectKey, files: list[tuple[Path, dict[ObjectKey, Entry]]], out: SourceHandle
+    ) -> None:
+        holders = [p for p, objects in files if key in objects]
         owner = holders[0] if holders else None
         if len(holders) > 1 and self._owner.get(key) != owner:
             kind, namespace, name = key
