@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kpng.backends import _nftables as nft_backend
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
@@ -247,6 +248,43 @@ def test_a_restart_over_a_table_left_dormant_makes_it_anew(
     assert "flags dormant" in _ruleset(netns)
     netlink = RecordingNetlink(netns)
     asyncio.run(NftBackend(nft=_nft(netns), options=Options(), netlink=netlink).apply(state))
+    asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
+    assert netlink.sent == 1
+    assert _ruleset(netns) == _ruleset(expected)
+
+
+class RefusingNft(KernelNft):
+    """The kernel's nft, but its ``refuse``-th transaction (from 1) is refused."""
+
+    def __init__(self, netns: str, refuse: int) -> None:
+        super().__init__(("ip", "netns", "exec", netns, "nft"))
+        self._left = refuse
+
+    async def run(self, tx: Transaction) -> None:
+        self._left -= 1
+        if self._left == 0:
+            raise NftError("Operation not supported (this test's refusal)")
+        await super().run(tx)
+
+
+def test_a_refused_part_of_the_dormant_text_fails_the_sync_and_the_retry_makes_the_table_anew(
+    namespaces: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dormant table's text goes in parts: one refused leaves a part-made dormant table,
+    which no packet sees; the retry finds it dormant and makes it anew."""
+    monkeypatch.setattr(
+        nft_backend, "split_fresh", functools.partial(split_fresh, text_operations=20)
+    )
+    netns, expected = namespaces(), namespaces()
+    state = keyed_state(1, generate(50))
+    netlink = RecordingNetlink(netns)
+    backend = NftBackend(nft=RefusingNft(netns, refuse=2), options=Options(), netlink=netlink)
+    with pytest.raises(NftError, match="this test's refusal"):
+        asyncio.run(backend.apply(state))
+    assert "flags dormant" in _ruleset(netns)
+    assert netlink.sent == 0
+    asyncio.run(backend.apply(state))
     asyncio.run(NftBackend(nft=_nft(expected), options=Options()).apply(state))
     assert netlink.sent == 1
     assert _ruleset(netns) == _ruleset(expected)
