@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpng.backends._collector import collector_paused
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
+from kpng.collector import collector_paused
 from tests.nft_services import churn
 
 

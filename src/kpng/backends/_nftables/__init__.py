@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TextIO
 
-from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
@@ -42,6 +41,7 @@ from kpng.client import (
     SyncReporter,
     object_name,
 )
+from kpng.collector import collector_paused
 
 log = logging.getLogger(__name__)
 

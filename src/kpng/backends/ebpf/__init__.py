@@ -37,7 +37,6 @@ import struct
 import time
 from pathlib import Path
 
-from kpng.backends._collector import collector_paused
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
@@ -63,6 +62,7 @@ from kpng.client import (
     object_name,
     register,
 )
+from kpng.collector import collector_paused
 
 log = logging.getLogger(__name__)
 

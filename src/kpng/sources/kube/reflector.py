@@ -36,6 +36,7 @@ from typing import Generic, Protocol, TypeVar
 import msgspec
 
 from kpng.backoff import Backoff
+from kpng.collector import collector_paused
 from kpng.kubeclient.client import (
     ApiClient,
     ApiStatus,
@@ -343,9 +344,10 @@ class Reflector(Generic[T]):
                     listed.clear()
                     continue
                 raise
-            page = _list_decoder.decode(body)
-            for raw in page.items or ():
-                self._apply_listed(raw, listed)
+            with collector_paused():
+                page = _list_decoder.decode(body)
+                for raw in page.items or ():
+                    self._apply_listed(raw, listed)
             resource_version = page.metadata.resource_version
             if not page.metadata.continue_:
                 break
