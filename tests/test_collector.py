@@ -12,7 +12,7 @@ import pytest
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
-from kpng.collector import collector_paused
+from kpng.collector import FREEZE_AFTER, collector_paused
 from tests.nft_services import churn
 
 
@@ -28,17 +28,22 @@ def _unfrozen() -> Iterator[None]:
         gc.enable()
 
 
-def test_what_a_paused_step_keeps_is_frozen_and_the_collector_runs_again() -> None:
+def test_what_a_big_paused_step_keeps_is_frozen_and_the_collector_runs_again() -> None:
     with collector_paused():
         assert not gc.isenabled()
-        kept = [{"n": i} for i in range(1000)]
+        kept = [[i] for i in range(FREEZE_AFTER)]  # lists: always tracked
     assert gc.isenabled()
     assert gc.get_freeze_count() >= len(kept)
-    frozen = gc.get_freeze_count()
-    with collector_paused(), collector_paused():  # nested: the outer one freezes, once
-        pass
-    assert gc.get_freeze_count() >= frozen
+
+
+def test_a_small_step_is_left_to_the_collector() -> None:
+    """A change's few objects are not frozen, nor is the garbage made beside them."""
+    with collector_paused(), collector_paused():  # nested: the outer one decides, once
+        kept = [[i] for i in range(1000)]
+        assert not gc.isenabled()
     assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    assert len(kept) == 1000
 
 
 def test_the_collector_left_off_stays_off() -> None:

@@ -8,6 +8,10 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+FREEZE_AFTER = 100_000
+"""Objects a step must have left behind for them to be frozen: a full sync, a list or a parse
+of thousands of services leaves millions; a change, a few hundred."""
+
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
@@ -15,11 +19,15 @@ def collector_paused() -> Iterator[None]:
 
     A full sync makes about a million small objects (tuples, dicts) that cannot form cycles;
     the collector's passes over the growing heap took a quarter of its time. Reference counting
-    still frees everything. What stays is the state kpng keeps (the store, the records, the
-    table's contents), so it is frozen (``gc.freeze``) as the step ends: enabled again over it,
-    the collector walked it all once more, 0.5 s of a 10,000-service start. Frozen objects are
-    still freed by reference counting; only a cycle made in the step would never be collected,
-    and these steps make none but a few of msgspec's type caches, once (some 80 objects).
+    still frees everything. What a big step leaves is the state kpng keeps (the store, the
+    records, the table's contents), so it is frozen (``gc.freeze``) as the step ends: enabled
+    again over it, the collector walked it all once more, 0.5 s of a 10,000-service start.
+
+    Frozen objects are still freed by reference counting, but a cycle among them is never
+    collected. These steps make none (but a few of msgspec's type caches, once). A freeze also
+    takes whatever else is young then, though: garbage the event loop made while a step ran in
+    a thread, say. So only a big step's objects are frozen (``FREEZE_AFTER``); a small step's
+    are left to the collector, which then walks only them.
     """
     if not gc.isenabled():
         yield
@@ -28,5 +36,6 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        gc.freeze()
+        if gc.get_count()[0] >= FREEZE_AFTER:
+            gc.freeze()
         gc.enable()
