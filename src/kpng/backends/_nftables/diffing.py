@@ -377,7 +377,7 @@ class _Rendered(Sequence[str]):
     them. Its elements sent as netlink are never rendered, nor sorted: their fields are read
     in the order the plan found them, with their values beside them."""
 
-    __slots__ = ("_commented", "_comments", "_container", "_keys", "_sorted", "_table", "_values")
+    __slots__ = ("_commented", "_comments", "_container", "_keys", "_table", "_values")
 
     def __init__(
         self,
@@ -391,12 +391,11 @@ class _Rendered(Sequence[str]):
         self._container = container
         self._keys = keys
         self._values: list[tuple[str, ...]] | None = values
-        """The value of each of ``keys``, until they are sorted."""
+        """The value of each of ``keys``, until they are sorted (then None)."""
         self._table = table
         self._comments = comments
         self._commented = commented
         """Whether any element has a comment: most containers have none to look up."""
-        self._sorted = False
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -417,12 +416,11 @@ class _Rendered(Sequence[str]):
         return map(self._render, self._sorted_keys())
 
     def _sorted_keys(self) -> list[tuple[str, ...]]:
-        if not self._sorted:
+        if self._values is not None:
             # Sorting by the rendered keys gives the order of ``sorted(keys)`` (fields hold no
             # space, which sorts before anything they hold) at half the cost of sorting tuples.
             self._keys.sort(key=_joined)
             self._values = None
-            self._sorted = True
         return self._keys
 
     def _render(self, key: tuple[str, ...]) -> str:
