@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import pytest
+import yaml
 
 from kpng.harness import kubeapi as k
 from kpng.harness.cluster import ControlPlane, ensure_binaries, issue_client_cert
@@ -28,6 +29,7 @@ from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
 from kpng.testing.recording import KpngUnderTest, View, view_of
 from kpng.testing.waiting import eventually
+from tests.proxying import ConnectProxy
 
 pytestmark = pytest.mark.apiserver
 
@@ -482,6 +484,33 @@ def test_env_kubeconfig_is_used(
     )
     assert done.returncode == 0, done.stderr
     assert b'"Name":"kubernetes"' in done.stdout
+
+
+def test_lists_and_watches_go_through_the_kubeconfigs_proxy(
+    control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
+) -> None:
+    """``proxy-url``: every request goes through a CONNECT tunnel of the proxy, and the watch's
+    events still stream through it."""
+    proxy = ConnectProxy()
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        async with proxy.running() as port:
+            config = yaml.safe_load(control_plane.kubeconfig.read_text())
+            for cluster in config["clusters"]:
+                cluster["cluster"]["proxy-url"] = f"http://127.0.0.1:{port}"
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump(config))
+            async with KpngUnderTest.start(kubeconfig, namespace=ns) as kpng:
+                await kpng.wait_for(lambda v: v == {})
+                await call(kube_api.create, k.service("web", ns))
+                await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+
+    run(scenario)
+    server = control_plane.kubeconfig.read_text()
+    assert proxy.asked
+    assert all(a.startswith("CONNECT 127.0.0.1:") for a in proxy.asked), proxy.asked
+    assert all(a.split()[1] in server for a in proxy.asked)
 
 
 def test_exec_credential_plugin(

@@ -150,3 +150,14 @@ def test_the_library_and_kpng_read_a_plain_kubeconfig_alike(tmp_path: Path) -> N
 def test_in_cluster_without_the_service_environment_is_a_clear_error() -> None:
     with pytest.raises(KubeConfigError, match="KUBERNETES_SERVICE_HOST and"):
         _in_cluster({})
+
+
+def test_a_socks_proxy_is_a_clear_error(tmp_path: Path) -> None:
+    """kubectl also takes socks5:// proxies; kpng's client does not, and says so at start rather
+    than failing each request."""
+    from kpng.kubeclient.config import load_connection
+
+    cluster = {**SERVER, "proxy-url": "socks5://127.0.0.1:1080"}
+    path = _kubeconfig(tmp_path / "config", cluster, {"token": "t"})
+    with pytest.raises(KubeConfigError, match=r"proxy-url 'socks5://127\.0\.0\.1:1080': only http"):
+        asyncio.run(load_connection(Path(path)))

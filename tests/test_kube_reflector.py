@@ -383,9 +383,9 @@ class ScriptedServer:
                 await asyncio.wait(self._handlers, timeout=5)
 
 
-def test_a_stream_that_aiohttp_holds_paused_still_ends_at_the_idle_bound() -> None:
-    """aiohttp stops its own read timeout (sock_read) while it holds a connection's reading
-    paused: a stream wedged so would wait forever without a timer of kpng's."""
+def test_a_stream_whose_reading_is_paused_still_ends_at_the_idle_bound() -> None:
+    """A connection whose reading is held paused (flow control) delivers nothing, and must still
+    end at the idle bound: the bound is a timer around each read, not a socket timeout."""
     server = ScriptedServer({}, [[b'{"n":1}']])
 
     async def scenario() -> None:
@@ -393,10 +393,11 @@ def test_a_stream_that_aiohttp_holds_paused_still_ends_at_the_idle_bound() -> No
             params = {"watch": "1", "resourceVersion": "1"}
             async with client.stream_lines("/w", params, idle_timeout=0.3) as batches:
                 assert await anext(batches) == [b'{"n":1}']
-                connector = client._session.http.connector if client._session else None
-                assert connector is not None
-                (protocol,) = connector._acquired
-                protocol.pause_reading()
+                assert client._session is not None
+                (connection,) = client._session.http._busy
+                transport = connection.writer.transport
+                assert isinstance(transport, asyncio.ReadTransport)
+                transport.pause_reading()
                 with pytest.raises(StreamIdle, match=r"no data for 0\.3 s"):
                     await asyncio.wait_for(anext(batches), 10)
 

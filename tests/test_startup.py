@@ -78,3 +78,26 @@ def test_kpng_local_to_nft_builds_without_parsers_file_watcher_or_resolver() -> 
     )
     argv = ["local", "--api", "unix:///nonexistent.sock", "--node-name", "node-1", "to-nft"]
     assert json.loads(_run_python(script, *argv).stdout) == []
+
+
+def test_kpng_kube_with_status_addresses_builds_without_aiohttp(tmp_path: Path) -> None:
+    """The kube source's client and the status server are kpng's own (``kpng.http1``): aiohttp
+    alone took about 0.2 s to import (kubernetes_asyncio, for the kubeconfigs kpng does not read
+    itself, still brings it, but only then)."""
+    script = (
+        "import json, sys, kpng.cli; kpng.cli.build(sys.argv[1:]); "
+        "print(json.dumps([m for m in ('aiohttp', 'kubernetes_asyncio') if m in sys.modules]))"
+    )
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:6443'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    argv = [
+        "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0",
+        "kube", "--kubeconfig", str(kubeconfig),
+        "to-local", "--node-name", "node-1", "to-nft",
+    ]  # fmt: skip
+    assert json.loads(_run_python(script, *argv).stdout) == []

@@ -298,7 +298,7 @@ def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) 
         return pipeline
     if options.healthz_timeout <= 0:
         raise UsageError("--healthz-timeout must be positive")
-    # aiohttp's server side is imported only by the commands that serve HTTP.
+    # The HTTP server is imported only by the commands that serve HTTP.
     from kpng.status.serving import HttpAddress, serve
 
     healthz, metrics = (

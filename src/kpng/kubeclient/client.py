@@ -1,8 +1,6 @@
-"""kpng's HTTP client of the API server: one GET, and one streamed GET read line by line.
-
-aiohttp's own ``readline`` refuses lines longer than its buffer limit (128 KiB by default); an
-EndpointSlice with 1,000 endpoints is a single watch line of about that size, so lines are split
-here from the raw chunks, with no cap.
+"""kpng's client of the API server: one GET, one POST, and one streamed GET read line by line
+(a watch), over ``kpng.http1``. Lines are split here from the raw chunks, with no cap: an
+EndpointSlice with 1,000 endpoints is a single watch line of about 128 KiB.
 """
 
 from __future__ import annotations
@@ -12,25 +10,17 @@ import contextlib
 import logging
 import os
 import ssl
-import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 import msgspec
 
+from kpng.http1 import HttpClient, HttpError, Response
 from kpng.kubeclient.config import Connection
 
 log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
-# Before CPython 3.12.8 and in 3.13.0, asyncio can leak the socket of a TLS connection that is
-# lost while it closes (fixed by python/cpython pull request 118960): each API server outage would
-# cost file descriptors. aiohttp aborts such transports itself when asked (and warns if asked on a
-# fixed version).
-_ASYNCIO_LEAKS_SSL_TRANSPORTS = sys.version_info < (3, 12, 8) or (
-    (3, 13, 0) <= sys.version_info < (3, 13, 1)
-)
 _REQUEST_TIMEOUT_S = 60.0
 
 
@@ -96,19 +86,10 @@ class WatchLineSplitter:
 
 @dataclass(eq=False)
 class _Session:
-    """An aiohttp session, whose pooled connections carry one client certificate."""
+    """Connections that carry one client certificate."""
 
-    http: aiohttp.ClientSession
-    ssl_context: ssl.SSLContext | None
+    http: HttpClient
     in_flight: int = 0
-
-
-async def _close(session: _Session) -> None:
-    # Abort rather than shut TLS down politely: the polite close waits for the server's reply,
-    # and an event loop that stops first leaks the sockets.
-    if session.http.connector is not None:
-        await session.http.connector.close(abort_ssl=True)
-    await session.http.close()
 
 
 class ApiClient:
@@ -121,13 +102,12 @@ class ApiClient:
         """Sessions of replaced client certificates, closed once their last request ends."""
 
     def _open(self) -> _Session:
-        context = self.connection.ssl_context
-        connector = aiohttp.TCPConnector(
-            ssl=context if context is not None else False,
-            enable_cleanup_closed=_ASYNCIO_LEAKS_SSL_TRANSPORTS,
+        http = HttpClient(
+            ssl_context=self.connection.ssl_context,
+            proxy=self.connection.proxy,
+            connect_timeout=_CONNECT_TIMEOUT_S,
         )
-        # raise_for_status off: error bodies are Status objects worth reading.
-        return _Session(aiohttp.ClientSession(connector=connector, auto_decompress=True), context)
+        return _Session(http)
 
     async def __aenter__(self) -> ApiClient:
         self._session = self._open()
@@ -139,7 +119,7 @@ class ApiClient:
             sessions.append(self._session)
             self._session = None
         for session in sessions:
-            await _close(session)
+            await session.http.close()
 
     async def _current(self) -> _Session:
         """The session for a new request. The server checks the client certificate on every
@@ -147,24 +127,41 @@ class ApiClient:
         new connections, hence a new session. Requests in flight (watches) end on the old one."""
         assert self._session is not None
         self.connection.refresh_client_certificate()
-        if self.connection.ssl_context is not self._session.ssl_context:
+        if self.connection.ssl_context is not self._session.http.ssl_context:
             self._retired.append(self._session)
             self._session = self._open()
         idle = [s for s in self._retired if s.in_flight == 0]
         self._retired = [s for s in self._retired if s.in_flight > 0]
         for session in idle:
-            await _close(session)
+            await session.http.close()
         return self._session
 
     @contextlib.asynccontextmanager
-    async def _request(self) -> AsyncIterator[tuple[_Session, dict[str, str]]]:
-        """The session and headers of one request, which must end within the block."""
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+    ) -> AsyncIterator[Response]:
+        """One request with the connection's headers, proxy and TLS name; its response's body
+        must be read within the block."""
         # Headers first: an exec plugin run for them may bring a new client certificate.
         headers = await self._headers()
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         session = await self._current()
         session.in_flight += 1
         try:
-            yield session, headers
+            async with session.http.request(
+                method,
+                self.connection.server + path,
+                params=params,
+                headers=headers,
+                body=body,
+                server_hostname=self.connection.tls_server_name,
+            ) as response:
+                yield response
         finally:
             session.in_flight -= 1
 
@@ -176,74 +173,43 @@ class ApiClient:
         return headers
 
     def _describe(self, exc: BaseException) -> str:
-        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-            return f"TLS verification of {self.connection.server} failed: {exc.certificate_error}"
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            error = exc.os_error
-            reason = os.strerror(error.errno) if error.errno else (error.strerror or str(exc))
-            return f"cannot connect to {self.connection.server}: {reason}"
-        if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return f"TLS verification of {self.connection.server} failed: {exc.verify_message}"
+        if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) and exc.errno:
+            return f"cannot connect to {self.connection.server}: {os.strerror(exc.errno)}"
+        if isinstance(exc, TimeoutError):
             return f"{self.connection.server}: timed out"
         return f"{self.connection.server}: {exc.__class__.__name__}: {exc}".rstrip(": ")
 
     async def get(self, path: str, params: Mapping[str, str]) -> bytes:
         """The body of a successful GET; raises ApiStatusError or TransportError."""
-        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
-        try:
-            async with (
-                self._request() as request,
-                await self._get(request, path, params, timeout) as response,
-            ):
-                body = await response.read()
-                if response.status != 200:
-                    self._note_status(response.status)
-                    raise _status_error(response.status, body)
-                return body
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise TransportError(self._describe(exc)) from exc
+        return await self._whole("GET", path, params, None, (200,))
 
     async def post(self, path: str, body: bytes) -> bytes:
         """The body of a successful POST of a JSON ``body`` (a create: 200 or 201); raises
         ApiStatusError or TransportError."""
-        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
+        return await self._whole("POST", path, None, body, (200, 201))
+
+    async def _whole(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: bytes | None,
+        success: tuple[int, ...],
+    ) -> bytes:
         try:
             async with (
-                self._request() as (session, headers),
-                session.http.post(
-                    self.connection.server + path,
-                    data=body,
-                    headers={**headers, "Content-Type": "application/json"},
-                    timeout=timeout,
-                    proxy=self.connection.proxy,
-                    server_hostname=self.connection.tls_server_name,
-                ) as response,
+                asyncio.timeout(_REQUEST_TIMEOUT_S),
+                self._request(method, path, params, body) as response,
             ):
                 answer = await response.read()
-                if response.status not in (200, 201):
-                    self._note_status(response.status)
-                    raise _status_error(response.status, answer)
-                return answer
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (HttpError, OSError, ValueError) as exc:  # OSError: TimeoutError too
             raise TransportError(self._describe(exc)) from exc
-
-    async def _get(
-        self,
-        request: tuple[_Session, dict[str, str]],
-        path: str,
-        params: Mapping[str, str],
-        limits: aiohttp.ClientTimeout,
-    ) -> aiohttp.ClientResponse:
-        """One GET with the connection's headers, proxy and TLS name (responses must be
-        released: ``async with`` or ``release()``)."""
-        session, headers = request
-        return await session.http.get(
-            self.connection.server + path,
-            params=dict(params),
-            headers=headers,
-            timeout=limits,
-            proxy=self.connection.proxy,
-            server_hostname=self.connection.tls_server_name,
-        )
+        if response.status not in success:
+            self._note_status(response.status)
+            raise _status_error(response.status, answer)
+        return answer
 
     def _note_status(self, status: int) -> None:
         if status == 401:
@@ -256,43 +222,34 @@ class ApiClient:
         """A streamed GET whose body is yielded as the lists of complete lines each network read
         completes. ``idle_timeout``: the stream is considered dead after so long without data
         (StreamIdle once its headers have come, TransportError before)."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=_CONNECT_TIMEOUT_S, sock_read=idle_timeout
-        )
         async with contextlib.AsyncExitStack() as stack:
             try:
-                request = await stack.enter_async_context(self._request())
-                response = await self._get(request, path, params, timeout)
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                async with asyncio.timeout(_CONNECT_TIMEOUT_S + idle_timeout):
+                    response = await stack.enter_async_context(self._request("GET", path, params))
+            except (HttpError, OSError, ValueError) as exc:
                 raise TransportError(self._describe(exc)) from exc
-            try:
-                if response.status != 200:
-                    self._note_status(response.status)
-                    try:
+            if response.status != 200:
+                self._note_status(response.status)
+                try:
+                    async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                         body = await response.read()
-                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                        raise TransportError(self._describe(exc)) from exc
-                    raise _status_error(response.status, body)
-                yield self._lines(response, idle_timeout)
-            finally:
-                response.release()
+                except (HttpError, OSError) as exc:
+                    raise TransportError(self._describe(exc)) from exc
+                raise _status_error(response.status, body)
+            yield self._lines(response, idle_timeout)
 
-    async def _lines(
-        self, response: aiohttp.ClientResponse, idle_timeout: float
-    ) -> AsyncIterator[list[bytes]]:
+    async def _lines(self, response: Response, idle_timeout: float) -> AsyncIterator[list[bytes]]:
         splitter = WatchLineSplitter()
+        chunks = aiter(response.chunks())
         while True:
             try:
-                # A timer of our own, besides aiohttp's sock_read: aiohttp stops that one while
-                # it holds reading paused (flow control) and once the peer's EOF arrives, so a
-                # stream wedged in either state would never time out.
                 async with asyncio.timeout(idle_timeout):
-                    chunk = await response.content.readany()
-            except TimeoutError as exc:  # ours, or aiohttp's sock_read (a TimeoutError too)
+                    chunk = await anext(chunks, b"")
+            except TimeoutError as exc:
                 raise StreamIdle(
                     f"{self.connection.server}: no data for {idle_timeout:g} s"
                 ) from exc
-            except (aiohttp.ClientError, OSError) as exc:
+            except (HttpError, OSError) as exc:
                 raise TransportError(self._describe(exc)) from exc
             if not chunk:
                 break

@@ -228,11 +228,17 @@ def _connection(
     host = str(configuration.host or "").rstrip("/")
     if not host.startswith(("https://", "http://")):
         raise KubeConfigError(f"{source}: no API server address (cluster.server)")
+    proxy = configuration.proxy or None
+    if proxy is not None and not proxy.startswith(("http://", "https://")):
+        # kubectl takes socks5:// proxies too; kpng's client does not speak SOCKS.
+        raise KubeConfigError(
+            f"{source}: proxy-url {proxy!r}: only http:// and https:// proxies are supported"
+        )
     connection = Connection(
         server=host,
         ssl_context=None,
         tls_server_name=getattr(configuration, "tls_server_name", None) or None,
-        proxy=configuration.proxy or None,
+        proxy=proxy,
         source=source,
         _configuration=configuration,
         _loader=loader,

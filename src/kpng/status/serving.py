@@ -13,20 +13,20 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import web
 
 from kpng.addresses import host_port
 from kpng.api.lines import node_state_line
 from kpng.errors import KpngError, UsageError
+from kpng.http1.server import Handler, Listener, Reply, Request
+from kpng.http1.server import serve as serve_http
 from kpng.status import ShowsRules, Status
 
 log = logging.getLogger(__name__)
 
-_Handler = Callable[[web.Request], Awaitable[web.Response]]
+_JSON = "application/json"
 
 
 @dataclass(frozen=True)
@@ -47,23 +47,19 @@ class HttpAddress:
         return f"{host}:{self.port}"
 
 
-def _health_handler(status: Status, live_only: bool) -> _Handler:
+def _health_handler(status: Status, live_only: bool) -> Handler:
     answers = status.counters.livez if live_only else status.counters.healthz
 
-    async def handle(_: web.Request) -> web.Response:
+    async def handle(_: Request) -> Reply:
         verdict = status.verdict()
         ok = verdict.live if live_only else verdict.healthy
         answers[200 if ok else 503] += 1
-        return web.Response(
-            status=200 if ok else 503,
-            text=json.dumps(verdict.body),
-            content_type="application/json",
-        )
+        return Reply(200 if ok else 503, json.dumps(verdict.body), _JSON)
 
     return handle
 
 
-def _metrics_handler(status: Status) -> _Handler:
+def _metrics_handler(status: Status) -> Handler:
     # prometheus_client costs some 50 ms to import: only when metrics are asked for.
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -71,59 +67,55 @@ def _metrics_handler(status: Status) -> _Handler:
 
     reg = registry(status)
 
-    async def handle(_: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(reg))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+    async def handle(_: Request) -> Reply:
+        return Reply(body=generate_latest(reg), content_type=CONTENT_TYPE_LATEST)
 
     return handle
 
 
-async def _ping(_: web.Request) -> web.Response:
+async def _ping(_: Request) -> Reply:
     # kube-proxy's metrics server answers /healthz with its HTTP server's own check, "ok"
     # whenever it answers: whether the rules are current is the health address' question.
-    return web.Response(text="ok")
+    return Reply(body="ok")
 
 
-def _proxy_mode_handler(status: Status) -> _Handler:
-    async def handle(_: web.Request) -> web.Response:
+def _proxy_mode_handler(status: Status) -> Handler:
+    async def handle(_: Request) -> Reply:
         # kube-proxy answers its mode ("nftables"); kpng's mode is its backends.
-        return web.Response(text=",".join(status.fanout_names()) or "none")
+        return Reply(body=",".join(status.fanout_names()) or "none")
 
     return handle
 
 
-def _debug_handlers(status: Status) -> list[web.RouteDef]:
-    async def state(_: web.Request) -> web.Response:
+def _debug_handlers(status: Status) -> dict[str, Handler]:
+    async def state(_: Request) -> Reply:
         state = status.last_state
         if state is None:
-            return web.Response(status=503, text="no state given to the backends yet\n")
+            return Reply(503, "no state given to the backends yet\n")
         # to-json's line (kpng.backends.json), encoded anew: a request, not every revision.
         services = (msgspec.json.encode(state.services[k]) for k in sorted(state.services))
         line = node_state_line(state.node, state.revision, state.facts, services)
-        return web.Response(body=line, content_type="application/json")
+        return Reply(body=line, content_type=_JSON)
 
-    async def explain(request: web.Request) -> web.Response:
+    async def explain(request: Request) -> Reply:
         if status.explain is None:
-            return web.Response(
-                status=404,
-                text="this kpng gets node-local states from a brain, which alone knows why: "
+            return Reply(
+                404,
+                "this kpng gets node-local states from a brain, which alone knows why: "
                 "ask the brain's /debug/explain\n",
             )
         node = request.query.get("node") or status.node
         namespace, slash, name = request.query.get("service", "").partition("/")
         if not node or not slash or not namespace or not name:
             usage = "service=NAMESPACE/NAME" + ("" if status.node else "&node=NODE")
-            return web.Response(status=400, text=f"ask /debug/explain?{usage}\n")
+            return Reply(400, f"ask /debug/explain?{usage}\n")
         if not status.sources_synced:
-            return web.Response(status=503, text="the sources have not synced yet\n")
+            return Reply(503, "the sources have not synced yet\n")
         # On the loop, not in a thread: the store changes on the loop. One Service costs a pass
         # over the slices, some 20 ms at 100k.
-        return web.Response(
-            body=status.explain(node, (namespace, name)), content_type="application/json"
-        )
+        return Reply(body=status.explain(node, (namespace, name)), content_type=_JSON)
 
-    async def rules(_: web.Request) -> web.Response:
+    async def rules(_: Request) -> Reply:
         parts = []
         for feeder in status.feeders():
             if isinstance(feeder.backend, ShowsRules):
@@ -133,60 +125,50 @@ def _debug_handlers(status: Status) -> list[web.RouteDef]:
                     text = f"# cannot list them: {exc}\n"
                 parts.append(f"# {feeder.name}\n{text}")
         if not parts:
-            return web.Response(status=404, text="no backend here programs the kernel\n")
-        return web.Response(text="".join(parts))
+            return Reply(404, "no backend here programs the kernel\n")
+        return Reply(body="".join(parts))
 
-    return [
-        web.get("/debug/state", state),
-        web.get("/debug/explain", explain),
-        web.get("/debug/rules", rules),
-    ]
+    return {"/debug/state": state, "/debug/explain": explain, "/debug/rules": rules}
 
 
 async def serve(
     status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
 ) -> None:
     """Answer until cancelled. A port already taken is an error at start, not a silent gap."""
-    routes: dict[HttpAddress, list[web.RouteDef]] = {}
+    routes: dict[HttpAddress, dict[str, Handler]] = {}
     if healthz is not None:
-        routes.setdefault(healthz, []).extend(
-            [
-                web.get("/healthz", _health_handler(status, live_only=False)),
-                web.get("/livez", _health_handler(status, live_only=True)),
-            ]
+        routes.setdefault(healthz, {}).update(
+            {
+                "/healthz": _health_handler(status, live_only=False),
+                "/livez": _health_handler(status, live_only=True),
+            }
         )
     if metrics is not None:
-        routes.setdefault(metrics, []).extend(
-            [
-                web.get("/metrics", _metrics_handler(status)),
+        routes.setdefault(metrics, {}).update(
+            {
+                "/metrics": _metrics_handler(status),
                 # Where kube-proxy tells its mode; scripts and upstream's e2e tests read it.
-                web.get("/proxyMode", _proxy_mode_handler(status)),
-                *_debug_handlers(status),
-            ]
+                "/proxyMode": _proxy_mode_handler(status),
+                **_debug_handlers(status),
+            }
         )
         if metrics != healthz:
-            routes[metrics].append(web.get("/healthz", _ping))
-            routes[metrics].append(web.get("/livez", _health_handler(status, live_only=True)))
-    runners: list[web.AppRunner] = []
+            routes[metrics]["/healthz"] = _ping
+            routes[metrics]["/livez"] = _health_handler(status, live_only=True)
+    listeners: list[Listener] = []
     try:
-        for address, defs in routes.items():
+        for address, handlers in routes.items():
             try:
                 sock = _bind(address)
             except OSError as exc:
                 raise KpngError(f"cannot serve HTTP on {address}: {exc.strerror}") from exc
-            app = web.Application()
-            app.add_routes(defs)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            runners.append(runner)
-            await web.SockSite(runner, sock).start()
+            listeners.append(await serve_http(sock, handlers))
             host, port = sock.getsockname()[:2]
-            paths = ", ".join(d.path for d in defs if isinstance(d, web.RouteDef))
-            log.info("serving %s on http://%s", paths, HttpAddress(host, port))
+            log.info("serving %s on http://%s", ", ".join(handlers), HttpAddress(host, port))
         await asyncio.Event().wait()
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for listener in listeners:
+            await listener.close()
 
 
 def _bind(address: HttpAddress) -> socket.socket:

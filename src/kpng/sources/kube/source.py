@@ -1,6 +1,6 @@
 """The kube source itself: four reflectors feeding four store handles (see the package's
 documentation for the behaviour). Kept apart from the package's ``SPEC`` so that ``kpng`` commands
-that do not use it do not import aiohttp and kubernetes_asyncio."""
+that do not use it do not import its HTTP client, nor kubernetes_asyncio."""
 
 from __future__ import annotations
 
