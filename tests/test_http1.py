@@ -470,3 +470,33 @@ def test_closing_the_client_ends_a_request_in_flight() -> None:
                 await asyncio.wait_for(ended.wait(), 10)
 
     asyncio.run(scenario())
+
+
+def test_a_client_that_does_not_read_its_answer_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer larger than the sockets' buffers waits on the client; past the idle bound the
+    connection ends, and with it the answer kept in memory."""
+    monkeypatch.setattr(http_server, "IDLE_S", 0.3)
+    big = b"x" * (64 << 20)
+
+    async def large(_: Request) -> Reply:
+        return Reply(body=big)
+
+    async def scenario() -> tuple[int, int]:
+        sock = socket.create_server(("127.0.0.1", 0))
+        listener = await serve(sock, {"/large": large})
+        try:
+            _reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            writer.write(b"GET /large HTTP/1.1\r\n\r\n")
+            await asyncio.sleep(0.2)
+            held = len(listener._connections)
+            await asyncio.sleep(LINGER_AND_IDLE_S)
+            after = len(listener._connections)
+            writer.close()
+            return held, after
+        finally:
+            await listener.close()
+
+    assert asyncio.run(scenario()) == (1, 0)
+
+
+LINGER_AND_IDLE_S = 0.3 + http_server.LINGER_S + 0.5

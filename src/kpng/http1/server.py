@@ -111,7 +111,9 @@ class Listener:
             except Exception:
                 log.exception("answering %s %s", method, parts.path)
                 reply = _plain(500)
-        await _write(writer, method, reply, keep=keep)
+        # A client that does not read its answer holds it in memory: not for longer than this.
+        async with asyncio.timeout(IDLE_S):
+            await _write(writer, method, reply, keep=keep)
         return keep
 
 
