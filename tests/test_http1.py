@@ -186,8 +186,13 @@ def test_a_kept_alive_connection_the_server_dropped_is_retried_only_for_a_get(
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
         (b"HTTP/1.1 200 OK\r\nBad Header\r\n\r\n", "malformed header field"),
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\n\r\n", "unasked encoding"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\nbody", "malformed Content-Length"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nnope",
+            "corrupt gzip body",
+        ),
     ],
-    ids=["status-line", "short-body", "chunk-size", "header", "encoding"],
+    ids=["status-line", "short-body", "chunk-size", "header", "encoding", "length", "gzip"],
 )
 def test_a_broken_answer_is_an_http_error(answer: bytes, error: str) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -104,16 +104,19 @@ class Response:
         if encoding not in ("identity", "gzip"):
             raise HttpError(f"a body in the unasked encoding {encoding!r}")
         inflate = zlib.decompressobj(wbits=31) if encoding == "gzip" else None
-        async for raw in self._framed():
-            piece = inflate.decompress(raw) if inflate is not None else raw
-            if piece:
-                yield piece
-        if inflate is not None:
-            rest = inflate.flush()
-            if not inflate.eof:
-                raise HttpError("a gzip body cut short")
-            if rest:
-                yield rest
+        try:
+            async for raw in self._framed():
+                piece = inflate.decompress(raw) if inflate is not None else raw
+                if piece:
+                    yield piece
+            if inflate is not None:
+                rest = inflate.flush()
+                if not inflate.eof:
+                    raise HttpError("a gzip body cut short")
+                if rest:
+                    yield rest
+        except zlib.error as exc:
+            raise HttpError(f"a corrupt gzip body: {exc}") from None
         self.complete = True
 
     async def _framed(self) -> AsyncIterator[bytes]:
@@ -134,10 +137,10 @@ class Response:
                 if await _line(reader):
                     raise HttpError("a chunk longer than its size")
         elif "content-length" in self.headers:
-            try:
-                length = int(self.headers["content-length"])
-            except ValueError:
-                raise HttpError("a malformed Content-Length") from None
+            text = self.headers["content-length"]
+            if not text.isdigit():
+                raise HttpError(f"a malformed Content-Length {text[:40]!r}")
+            length = int(text)
             async for piece in _exactly(reader, length):
                 yield piece
         else:  # the body ends with the connection
