@@ -342,9 +342,6 @@ class ScriptedServer:
         self.listed = msgspec.json.encode(listed)
         self.watches = watches
         self.watched_from: list[str] = []
-        self.listed_from: list[str | None] = []
-        """Each list's resourceVersion parameter (None: not given)."""
-        self.list_served = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -357,8 +354,6 @@ class ScriptedServer:
                 query = parse_qs(urlsplit(head.split(b" ", 2)[1].decode()).query)
                 ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                 if "watch" not in query:
-                    self.listed_from.append(query.get("resourceVersion", [None])[0])
-                    self.list_served.set()
                     writer.write(ok + b"Content-Length: %d\r\n\r\n" % len(self.listed))
                     writer.write(self.listed)
                     continue
@@ -453,35 +448,6 @@ def test_a_silent_watch_is_resumed_at_once_from_where_it_was(
         "no data for 0.5 s on the watch, not even a bookmark; watching again from "
         "resourceVersion 10"
     )
-
-
-def test_the_first_list_is_from_the_watch_cache_and_a_relist_after_410_is_current() -> None:
-    """As client-go's reflector: resourceVersion=0 first (no read of etcd for each node that
-    starts), none after 410 (the cache may be older than what was already seen)."""
-    listed = {"metadata": {"resourceVersion": "10"}, "items": [_svc("a", "5")]}
-    expired = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
-    server = ScriptedServer(listed, [[_event("ERROR", expired)]])
-    sink = RecordingSink()
-
-    async def scenario() -> None:
-        async with server.client() as client:
-            resource = Resource("Service", "/api/v1/services", k8s.Service)
-            reflector = Reflector(client, resource, sink)
-            task = asyncio.create_task(reflector.run())
-            try:
-                async with asyncio.timeout(10):
-                    while True:
-                        server.list_served.clear()
-                        if len(server.listed_from) >= 2:
-                            break
-                        await server.list_served.wait()
-            finally:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-    asyncio.run(scenario())
-    assert server.listed_from[:2] == ["0", None]
-    assert server.watched_from[0] == "10"
 
 
 def test_objects_the_converters_reject_are_logged_and_dropped(

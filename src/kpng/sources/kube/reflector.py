@@ -1,8 +1,6 @@
 """kpng's reflector: one Kubernetes resource kept in step with the API server by list and watch.
 
 - **List** in pages (``limit``/``continue``); an expired ``continue`` token (410) restarts the list.
-  The first list is from the API server's watch cache (``resourceVersion=0``), as client-go's;
-  a relist after 410 Gone is of the current state.
 - **Watch** from the list's resourceVersion with ``allowWatchBookmarks``; the resourceVersion is
   taken from every event, bookmarks included, so a re-watch resumes where the stream stopped.
 - A watch that ends cleanly (the server's ``timeoutSeconds``, a closed connection) is resumed at
@@ -333,12 +331,6 @@ class Reflector(Generic[T]):
 
     async def _list(self) -> None:
         params = {"limit": str(self.settings.page_size), **self.resource.selectors()}
-        if self.stats.lists == 0:
-            # The first list, as client-go's reflector: from the API server's watch cache, in
-            # whatever state it holds, rather than a read of etcd; the watch brings what is newer.
-            # A relist after 410 lists what is current (no resourceVersion): the cache could be
-            # older than what this reflector has already seen.
-            params["resourceVersion"] = "0"
         listed: dict[Key, str] = {}
         resource_version = ""
         while True:
