@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import gzip
+import re
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -390,6 +392,13 @@ def test_the_server_answers_routes_and_keeps_the_connection() -> None:
             )
 
     answer = asyncio.run(scenario())
+    dates = re.findall(rb"Date: ([^\r]*)\r\n", answer)
+    assert len(dates) == 6
+    for date in dates:  # the format of RFC 9110's IMF-fixdate, within a minute of now
+        sent = datetime.datetime.strptime(date.decode(), "%a, %d %b %Y %H:%M:%S GMT")
+        now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        assert abs((now - sent).total_seconds()) < 60
+    answer = re.sub(rb"Date: [^\r]*\r\n", b"", answer)
     text = "text/plain; charset=utf-8"
     assert (
         answer

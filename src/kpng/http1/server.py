@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -146,6 +147,8 @@ def _length(text: str) -> int:
 async def _write(writer: asyncio.StreamWriter, method: str, reply: Reply, *, keep: bool) -> None:
     body = reply.body.encode() if isinstance(reply.body, str) else reply.body
     fields = {
+        # RFC 9110 asks a server with a clock for a Date (Go's servers, kube-proxy's, send one).
+        "Date": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime()),
         "Content-Type": reply.content_type,
         "Content-Length": str(len(body)),
         **reply.headers,
