@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 IDLE_S = 30.0
 """How long a connection may take to send the next request's head (a scraper keeps its
-connection open between scrapes; Prometheus' shortest default interval is 15 s)."""
+connection open between scrapes; Prometheus' shortest default interval is 15 s), and to take
+its answer."""
 BODY_LIMIT = 64 * 1024
 """The largest request body read (and ignored): every route is a GET."""
 LINGER_S = 2.0
