@@ -110,7 +110,7 @@ def test_a_chunked_gzip_body_is_decoded_as_its_chunks_arrive() -> None:
 
     server = Scripted(script)
 
-    async def scenario() -> bytes:
+    async def scenario() -> None:
         async with server.running() as url:
             client = HttpClient(ssl_context=None)
             async with client.request("GET", url + "/w") as response:
