@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-HEAD_LIMIT = 256 * 1024
-"""The longest head read, in bytes (a stream's buffer limit): API server responses and status
-requests have heads of a few hundred bytes."""
-
 
 class HttpError(Exception):
     """A peer broke the protocol: a malformed head, a body cut short, a refused tunnel."""
@@ -23,7 +19,9 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
             return b""
         raise HttpError("the connection closed inside a message head") from None
     except asyncio.LimitOverrunError:
-        raise HttpError(f"a message head longer than {HEAD_LIMIT} bytes") from None
+        # The limit is the stream's own (``limit=`` where it was made): the client's and the
+        # server's differ.
+        raise HttpError("a message head longer than the connection takes") from None
 
 
 def parse_head(head: bytes) -> tuple[str, dict[str, str]]:

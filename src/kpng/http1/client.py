@@ -16,16 +16,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlencode, urlsplit
 
-from kpng.http1._head import (
-    HEAD_LIMIT,
-    HttpError,
-    encode_fields,
-    keeps_alive,
-    parse_head,
-    read_head,
-)
+from kpng.http1._head import HttpError, encode_fields, keeps_alive, parse_head, read_head
 
 __all__ = ["HttpClient", "HttpError", "Response"]
+
+HEAD_LIMIT = 256 * 1024
+"""The longest response head read, in bytes (the streams' buffer limit): the API server's have a
+few hundred bytes."""
 
 _READ_SIZE = 256 * 1024
 """The most one read of a body takes at once: a watch's events come as they arrive, in pieces
@@ -33,6 +30,9 @@ of up to this."""
 
 IDLE_KEEP_S = 15.0
 """How long a connection waits unused for its next request before it is closed."""
+
+_PORTS = {"http": 80, "https": 443}
+"""Each scheme's port when a URL names none."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,7 @@ class _Origin:
 
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        default = 443 if self.scheme == "https" else 80
-        return host if self.port == default else f"{host}:{self.port}"
+        return host if self.port == _PORTS[self.scheme] else f"{host}:{self.port}"
 
 
 @dataclass(eq=False)
@@ -73,13 +72,11 @@ class Response:
         connection: _Connection,
         version: str,
         status: int,
-        reason: str,
         headers: dict[str, str],
         *,
         bodiless: bool,
     ) -> None:
         self.status = status
-        self.reason = reason
         self.headers = headers
         self._connection = connection
         self._keep = keeps_alive(version, headers)
@@ -186,6 +183,9 @@ class HttpClient:
         connect_timeout: float = 10.0,
     ) -> None:
         self.ssl_context = ssl_context
+        self._default_tls: ssl.SSLContext | None = None
+        """The system's CAs, for TLS without ``ssl_context``: loaded once, at first use (the
+        bundle takes some 45 ms to load)."""
         self._proxy = _Proxy.parse(proxy) if proxy else None
         self._connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
@@ -211,7 +211,7 @@ class HttpClient:
         origin = _Origin(
             parts.scheme,
             parts.hostname,
-            parts.port or (443 if parts.scheme == "https" else 80),
+            parts.port or _PORTS[parts.scheme],
             server_hostname,
         )
         target = parts.path or "/"
@@ -272,14 +272,14 @@ class HttpClient:
                 raise HttpError("the server closed the connection before answering")
             start, headers = parse_head(head)
             version, _, rest = start.partition(" ")
-            code, _, reason = rest.partition(" ")
+            code = rest.partition(" ")[0]
             if not version.startswith("HTTP/1.") or not code.isdigit():
                 raise HttpError(f"not an HTTP/1 status line: {start[:80]!r}")
             status = int(code)
             if not 100 <= status < 200:  # interim answers (103 Early Hints) come before the one
                 break
         bodiless = method == "HEAD" or status in (204, 304)
-        return Response(connection, version, status, reason, headers, bodiless=bodiless)
+        return Response(connection, version, status, headers, bodiless=bodiless)
 
     async def _connection(self, origin: _Origin, *, fresh: bool = False) -> _Connection:
         now = time.monotonic()
@@ -301,9 +301,7 @@ class HttpClient:
 
     async def _open(self, origin: _Origin) -> _Connection:
         tls = origin.scheme == "https"
-        context = self.ssl_context if tls else None
-        if tls and context is None:
-            context = ssl.create_default_context()
+        context = self._tls() if tls else None
         name = origin.server_hostname or origin.host
         if self._proxy is None:
             reader, writer = await asyncio.open_connection(
@@ -314,9 +312,7 @@ class HttpClient:
                 limit=HEAD_LIMIT,
             )
             return _Connection(origin, reader, writer)
-        proxy_tls = None
-        if self._proxy.tls:
-            proxy_tls = self.ssl_context or ssl.create_default_context()
+        proxy_tls = self._tls() if self._proxy.tls else None
         reader, writer = await asyncio.open_connection(
             self._proxy.host,
             self._proxy.port,
@@ -332,6 +328,13 @@ class HttpClient:
             writer.transport.abort()
             raise
         return _Connection(origin, reader, writer)
+
+    def _tls(self) -> ssl.SSLContext:
+        if self.ssl_context is not None:
+            return self.ssl_context
+        if self._default_tls is None:
+            self._default_tls = ssl.create_default_context()
+        return self._default_tls
 
     async def close(self) -> None:
         """Ends every connection, idle or in use."""
@@ -359,7 +362,7 @@ class _Proxy:
             user_password = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             credentials = base64.b64encode(user_password.encode()).decode()
         tls = parts.scheme == "https"
-        return cls(parts.hostname, parts.port or (443 if tls else 80), tls, credentials)
+        return cls(parts.hostname, parts.port or _PORTS[parts.scheme], tls, credentials)
 
     def authorization(self) -> dict[str, str]:
         if self.credentials is None:

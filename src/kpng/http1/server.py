@@ -23,6 +23,9 @@ IDLE_S = 30.0
 """How long a connection may take to send the next request's head (a scraper keeps its
 connection open between scrapes; Prometheus' shortest default interval is 15 s), and to take
 its answer."""
+REQUEST_HEAD_LIMIT = 64 * 1024
+"""The longest request head read (asyncio's default stream limit, stated): a scraper's or a
+load balancer's is a few hundred bytes."""
 BODY_LIMIT = 64 * 1024
 """The largest request body read (and ignored): every route is a GET."""
 LINGER_S = 2.0
@@ -165,5 +168,7 @@ async def _write(writer: asyncio.StreamWriter, method: str, reply: Reply, *, kee
 async def serve(sock: socket.socket, routes: Mapping[str, Handler]) -> Listener:
     """Answers on ``sock``, a bound socket, until the listener is closed."""
     listener = Listener(routes)
-    listener._server = await asyncio.start_server(listener._connection, sock=sock)
+    listener._server = await asyncio.start_server(
+        listener._connection, sock=sock, limit=REQUEST_HEAD_LIMIT
+    )
     return listener
