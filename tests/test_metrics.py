@@ -9,7 +9,6 @@ import time
 
 import msgspec
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends._nftables import NftBackend
@@ -31,7 +30,7 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.status import Status
-from kpng.status.metrics import registry
+from kpng.status.metrics import scrape
 from kpng.store import Store
 from kpng.testing.netns import available
 from kpng.testing.states import keyed_state
@@ -44,7 +43,7 @@ TO_NFT = (("backend", "to-nft"),)
 
 
 def _scrape(status: Status) -> Samples:
-    text = generate_latest(registry(status)).decode()
+    text = scrape(status).decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, NodeState
@@ -24,7 +23,7 @@ from kpng.harness.cluster import ControlPlane, free_port
 from kpng.harness.kubeapi import KubeApi
 from kpng.status import Status
 from kpng.status.health import Verdict, judge
-from kpng.status.metrics import registry
+from kpng.status.metrics import scrape
 from kpng.testing import states
 from kpng.testing.recording import KpngUnderTest
 from kpng.testing.waiting import eventually, until
@@ -418,7 +417,7 @@ def test_the_kube_source_counts_its_lists_and_events(
     ns = kube_namespace
 
     def samples(status: Status) -> dict[tuple[str, str], float]:
-        text = generate_latest(registry(status)).decode()
+        text = scrape(status).decode()
         return {
             (sample.name, sample.labels.get("source", "")): sample.value
             for family in text_string_to_metric_families(text)

@@ -83,8 +83,8 @@ class ReportsSamples(Protocol):
 
 @dataclass(frozen=True)
 class Sample:
-    """One value a part of kpng reports for ``/metrics``, in plain types: Prometheus' own are
-    imported only by the commands that serve metrics."""
+    """One value a part of kpng reports for ``/metrics``, in plain types (``exposition.py``
+    writes them as Prometheus' text)."""
 
     name: str
     help: str

@@ -11,33 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
-
 from kpng.feeding import FeederStats, Histogram
 from kpng.status import FAMILIES, Status, Verdict
+from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
 
 
-class _StatusCollector(Collector):
+def scrape(status: Status) -> bytes:
+    """The text of ``/metrics`` now: kpng's metrics, then the process' (CPU, memory, file
+    descriptors), the interpreter's and its garbage collector's."""
+    return render([*_StatusFamilies(status).collect(), *process_families()])
+
+
+class _StatusFamilies:
     def __init__(self, status: Status) -> None:
         self._status = status
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         backends = self._status.backends
         verdict = self._status.verdict(backends)
         yield from self._store()
         yield from self._sources()
         yield from self._backends(backends, verdict)
-        yield GaugeMetricFamily(
-            "kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy)
-        )
-        yield GaugeMetricFamily(
+        yield gauge("kpng_healthy", "1 when /healthz answers 200", value=int(verdict.healthy))
+        yield gauge(
             "kpng_node_eligible",
             "0 while the node is being deleted or tainted ToBeDeletedByClusterAutoscaler",
             value=int(verdict.body["nodeEligible"]),
@@ -45,7 +41,7 @@ class _StatusCollector(Collector):
         yield from self._samples()
         yield from self._kube_proxy()
 
-    def _kube_proxy(self) -> Iterator[Metric]:
+    def _kube_proxy(self) -> Iterator[Family]:
         """kube-proxy's metrics. A sync counts once the rules of every backend fed directly
         are in place: the oldest backend's time, every backend's attempts."""
         status = self._status
@@ -55,18 +51,18 @@ class _StatusCollector(Collector):
         if syncs:
             full, partial = _merged(s.full for s in syncs), _merged(s.partial for s in syncs)
             every = _merged((full, partial))
-            for name, text, histogram in (
+            for name, text, observed in (
                 ("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", every),
                 ("sync_full_proxy_rules_duration_seconds",
                  "SyncProxyRules latency in seconds for full resyncs", full),
                 ("sync_partial_proxy_rules_duration_seconds",
                  "SyncProxyRules latency in seconds for partial resyncs", partial),
             ):  # fmt: skip
-                yield _histogram(f"kubeproxy_{name}", text, histogram)
+                yield _histogram(f"kubeproxy_{name}", text, observed)
             synced = [s.last_synced for s in syncs]
             if None not in synced:
                 yield _per_family(
-                    GaugeMetricFamily(
+                    gauge(
                         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                         "The last time proxy rules were successfully synced",
                         labels=family,
@@ -75,7 +71,7 @@ class _StatusCollector(Collector):
                 )
             queued = [s.last_queued for s in syncs if s.last_queued is not None]
             yield _per_family(
-                GaugeMetricFamily(
+                gauge(
                     "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
                     "The last time a sync of proxy rules was queued",
                     labels=family,
@@ -84,14 +80,14 @@ class _StatusCollector(Collector):
                 max(queued, default=status.started),
             )
             yield _per_family(
-                CounterMetricFamily(
+                counter(
                     "kubeproxy_sync_proxy_rules_nftables_sync_failures",
                     "Cumulative proxy nftables sync failures",
                     labels=family,
                 ),
                 sum(s.failures for s in syncs),
             )
-            no_local = GaugeMetricFamily(
+            no_local = gauge(
                 "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
                 "Number of services with a Local traffic policy and no endpoints",
                 labels=["traffic_policy", "ip_family"],
@@ -101,136 +97,130 @@ class _StatusCollector(Collector):
                     # Every backend is given the same states: the counts of the one that
                     # applied the latest.
                     latest = max(syncs, key=lambda s: s.revision)
-                    no_local.add_metric(
-                        [policy, fam], latest.no_local_endpoints.get((policy, fam), 0)
-                    )
+                    no_local.add([policy, fam], latest.no_local_endpoints.get((policy, fam), 0))
             yield no_local
-        programming = HistogramMetricFamily(
+        programming = histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
             labels=family,
         )
-        for fam, histogram in counters.programming.items():
-            programming.add_metric([fam], *_buckets(histogram))
+        for fam, observed in counters.programming.items():
+            programming.add_histogram([fam], *_buckets(observed))
         yield programming
         for kind, total, pending in (
             ("endpoint", counters.endpoint_changes, counters.endpoint_changes_pending),
             ("service", counters.service_changes, counters.service_changes_pending),
         ):
             title = kind.capitalize()
-            yield GaugeMetricFamily(
+            yield gauge(
                 f"kubeproxy_sync_proxy_rules_{kind}_changes_pending",
                 f"Pending proxy rules {title} changes",
                 value=pending,
             )
-            yield CounterMetricFamily(
+            yield counter(
                 f"kubeproxy_sync_proxy_rules_{kind}_changes",
                 f"Cumulative proxy rules {title} changes",
                 value=total,
             )
         for path, answers in (("healthz", counters.healthz), ("livez", counters.livez)):
-            family_ = CounterMetricFamily(
+            family_ = counter(
                 f"kubeproxy_proxy_{path}", f"Cumulative proxy {path} HTTP status", labels=["code"]
             )
             for code, n in sorted(answers.items()):
-                family_.add_metric([str(code)], n)
+                family_.add([str(code)], n)
             yield family_
 
-    def _samples(self) -> Iterator[Metric]:
-        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    def _samples(self) -> Iterator[Family]:
+        families: dict[str, Family] = {}
         for sample in self._status.samples():
             family = families.get(sample.name)
             if family is None:
-                kind = CounterMetricFamily if sample.counter else GaugeMetricFamily
+                kind = counter if sample.counter else gauge
                 labels = [name for name, _ in sample.labels]
                 family = families[sample.name] = kind(sample.name, sample.help, labels=labels)
-            family.add_metric([value for _, value in sample.labels], sample.value)
+            family.add([value for _, value in sample.labels], sample.value)
         yield from families.values()
 
-    def _store(self) -> Iterator[Metric]:
+    def _store(self) -> Iterator[Family]:
         store = self._status.store
         if store is None:
             return
-        yield GaugeMetricFamily(
+        yield gauge(
             "kpng_sources_synced", "1 once every source has delivered its initial state",
             value=int(store.synced),
         )  # fmt: skip
-        yield GaugeMetricFamily(
-            "kpng_store_revision", "the revision of the global state", value=store.revision
-        )
-        objects = GaugeMetricFamily(
+        yield gauge("kpng_store_revision", "the revision of the global state", value=store.revision)
+        objects = gauge(
             "kpng_store_objects", "objects in the global state, by kind", labels=["kind"]
         )
-        objects.add_metric(["Service"], len(store.services))
-        objects.add_metric(["EndpointSlice"], len(store.slices))
-        objects.add_metric(["Node"], len(store.nodes))
+        objects.add(["Service"], len(store.services))
+        objects.add(["EndpointSlice"], len(store.slices))
+        objects.add(["Node"], len(store.nodes))
         yield objects
 
-    def _sources(self) -> Iterator[Metric]:
+    def _sources(self) -> Iterator[Family]:
         store = self._status.store
         if store is None:
             return
         label = ["source"]
-        synced = GaugeMetricFamily("kpng_source_synced", "1 once the source synced", labels=label)
-        skipped = CounterMetricFamily(
+        synced = gauge("kpng_source_synced", "1 once the source synced", labels=label)
+        skipped = counter(
             "kpng_source_skipped_objects",
             "objects reported as unusable (invalid, or kpng cannot serve them) and skipped",
             labels=label,
         )
-        counters: dict[str, CounterMetricFamily] = {}
+        counters: dict[str, Family] = {}
         for handle in store.sources:
-            synced.add_metric([handle.name], int(handle.synced))
-            skipped.add_metric([handle.name], handle.skipped)
+            synced.add([handle.name], int(handle.synced))
+            skipped.add([handle.name], handle.skipped)
             if handle.counters is None:
                 continue
-            for counter in handle.counters():
-                name = f"kpng_source_{counter.name}"
+            for count in handle.counters():
+                name = f"kpng_source_{count.name}"
                 if name not in counters:
-                    counters[name] = CounterMetricFamily(name, counter.help, labels=label)
-                counters[name].add_metric([handle.name], counter.value)
+                    counters[name] = counter(name, count.help, labels=label)
+                counters[name].add([handle.name], count.value)
         yield synced
         yield skipped
         yield from counters.values()
 
-    def _backends(self, backends: Mapping[str, FeederStats], verdict: Verdict) -> Iterator[Metric]:
+    def _backends(self, backends: Mapping[str, FeederStats], verdict: Verdict) -> Iterator[Family]:
         if not backends:
             return
         label = ["backend"]
-        revision = GaugeMetricFamily(
+        revision = gauge(
             "kpng_backend_applied_revision", "revision of the last state applied", labels=label
         )
-        services = GaugeMetricFamily(
+        services = gauge(
             "kpng_backend_services", "services in the last state applied", labels=label
         )
-        last = GaugeMetricFamily(
+        last = gauge(
             "kpng_backend_last_applied_timestamp_seconds",
             "when the last state was applied (kube-proxy: sync_proxy_rules_last_timestamp_seconds)",
             labels=label,
         )
-        pending = GaugeMetricFamily(
+        pending = gauge(
             "kpng_backend_pending_seconds",
             "how long the oldest state not yet applied has waited (0: up to date)",
             labels=label,
         )
-        duration = HistogramMetricFamily(
+        duration = histogram(
             "kpng_backend_apply_duration_seconds",
             "time taken by successful applies (kube-proxy: sync_proxy_rules_duration_seconds)",
             labels=label,
         )
-        failures = CounterMetricFamily(
+        failures = counter(
             "kpng_backend_apply_failures", "applies that failed (and were retried)", labels=label
         )
         for name, stats in backends.items():
-            revision.add_metric([name], stats.applied_revision)
-            services.add_metric([name], stats.applied_services)
-            last.add_metric([name], stats.last_applied or 0.0)
-            pending.add_metric([name], verdict.body["backends"][name]["pendingSeconds"])
+            revision.add([name], stats.applied_revision)
+            services.add([name], stats.applied_services)
+            last.add([name], stats.last_applied or 0.0)
+            pending.add([name], verdict.body["backends"][name]["pendingSeconds"])
             bounds = zip(FeederStats.BUCKETS_S, stats.apply_buckets, strict=True)
             buckets = [(f"{bound:g}", n) for bound, n in bounds]
-            duration.add_metric(
-                [name], [*buckets, ("+Inf", stats.applies)], sum_value=stats.apply_seconds
-            )
-            failures.add_metric([name], stats.failures)
+            duration.add_histogram([name], [*buckets, ("+Inf", stats.applies)], stats.apply_seconds)
+            failures.add([name], stats.failures)
         yield from (revision, services, last, pending, duration, failures)
 
 
@@ -243,32 +233,19 @@ def _merged(histograms: Iterable[Histogram]) -> Histogram:
     return merged
 
 
-def _buckets(histogram: Histogram) -> tuple[list[tuple[str, float]], float]:
-    bounds = zip(histogram.bounds, histogram.buckets, strict=True)
-    return [*((f"{b:g}", n) for b, n in bounds), ("+Inf", histogram.count)], histogram.sum
+def _buckets(observed: Histogram) -> tuple[list[tuple[str, float]], float]:
+    bounds = zip(observed.bounds, observed.buckets, strict=True)
+    return [*((f"{b:g}", n) for b, n in bounds), ("+Inf", observed.count)], observed.sum
 
 
-def _histogram(name: str, text: str, histogram: Histogram) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, text, labels=["ip_family"])
+def _histogram(name: str, text: str, observed: Histogram) -> Family:
+    family = histogram(name, text, labels=["ip_family"])
     for fam in FAMILIES:
-        family.add_metric([fam], *_buckets(histogram))
+        family.add_histogram([fam], *_buckets(observed))
     return family
 
 
-def _per_family(
-    family: GaugeMetricFamily | CounterMetricFamily, value: float
-) -> GaugeMetricFamily | CounterMetricFamily:
+def _per_family(family: Family, value: float) -> Family:
     for fam in FAMILIES:
-        family.add_metric([fam], value)
+        family.add([fam], value)
     return family
-
-
-def registry(status: Status) -> CollectorRegistry:
-    """kpng's own registry (not the library's global one): its metrics, and the process'
-    (CPU, memory, file descriptors), the platform's and the garbage collector's."""
-    reg = CollectorRegistry()
-    reg.register(_StatusCollector(status))
-    ProcessCollector(registry=reg)
-    PlatformCollector(registry=reg)
-    GCCollector(registry=reg)
-    return reg

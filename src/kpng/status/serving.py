@@ -22,7 +22,8 @@ from kpng.api.lines import node_state_line
 from kpng.errors import KpngError, UsageError
 from kpng.http1.server import Handler, Listener, Reply, Request
 from kpng.http1.server import serve as serve_http
-from kpng.status import ShowsRules, Status
+from kpng.status import ShowsRules, Status, metrics
+from kpng.status.exposition import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,8 @@ def _health_handler(status: Status, live_only: bool) -> Handler:
 
 
 def _metrics_handler(status: Status) -> Handler:
-    # prometheus_client costs some 50 ms to import: only when metrics are asked for.
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    from kpng.status.metrics import registry
-
-    reg = registry(status)
-
     async def handle(_: Request) -> Reply:
-        return Reply(body=generate_latest(reg), content_type=CONTENT_TYPE_LATEST)
+        return Reply(body=metrics.scrape(status), content_type=CONTENT_TYPE)
 
     return handle
 
