@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import functools
 import logging
 from collections.abc import Callable
@@ -36,9 +35,10 @@ _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's malloc.h
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+    # The process' own symbols, the C library's among them: ctypes.util.find_library("c") ran
+    # ldconfig in a subprocess at every start for the same answer.
     try:
-        return None if name is None else ctypes.CDLL(name)
+        return ctypes.CDLL(None)
     except OSError:
         return None
 
