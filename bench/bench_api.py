@@ -670,7 +670,10 @@ class Watcher:
     """One node's raw batched watch: notes when each change set's Sync arrives. Like
     kpng.client, it reconnects with backoff when the server cancels or drops the call."""
 
-    RETRIED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    RETRIED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    """INTERNAL too: grpc's asyncio client reports a write to a call the server has just ended
+    as INTERNAL ("Internal error from Core", grpc/grpc#36066), which ended a 2,500-watcher run
+    of bench_apiserver.py; kpng.client retries every code alike."""
 
     def __init__(self, node: str) -> None:
         self.node = node
