@@ -7,7 +7,8 @@ For each size S (services x 10 endpoints, ``synthetic.py``'s cluster):
   ``ipv4_addr . inet_proto . inet_service`` (batched as to-nft batches them), in a fresh
   namespace: what any program feeding nftables through its text parser pays at least;
 - **kpng**: ``kpng file --input F to-local --node-name node-000 to-nft --once`` from process
-  start to exit, wall time and peak RSS (``wait4``'s ``ru_maxrss``), the median of ``--runs``
+  start to exit, wall time and peak RSS (``ru_maxrss``, forked from a small launcher: see
+  ``bench_split.measured_usage``), the median of ``--runs``
   (``--large-runs`` above 10,000 services); and, to split that, the same with ``--dry-run``
   (everything but nftables: parse, resolve, contribute, render, write the text) and ``nft -f`` of
   the transaction that dry run printed (nft's text parser and the kernel's commit);
