@@ -77,9 +77,11 @@ LABELS = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headl
 """kube-proxy's label selector, for its Service and EndpointSlice informers alike."""
 SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 START_TIMEOUT_S = 600.0
-"""Every agent listed and watching, or every brain watcher synced."""
+"""Every agent listed and watching, or every brain watcher synced; and every agent listed
+again after a 410. Or ``PER_AGENT_S`` per agent, if longer: 4,500 agents' first lists alone
+took more than 600 s of these two cores."""
+PER_AGENT_S = 0.3
 CHANGE_TIMEOUT_S = 120.0
-RELIST_TIMEOUT_S = 600.0
 SETTLE_S = 1.0
 """Quiet time before and after a measured window, so that its figures hold only its own work."""
 WATCH_TIMEOUT_S = 3600
@@ -368,8 +370,12 @@ async def _measure_changes(
     )
 
 
+def _start_timeout(nodes: int) -> float:
+    return max(START_TIMEOUT_S, PER_AGENT_S * nodes)
+
+
 async def _measure_relist(
-    cluster: Cluster, arrived: Arrived, restart_alone: Usage
+    cluster: Cluster, arrived: Arrived, restart_alone: Usage, nodes: int
 ) -> tuple[Usage, float]:
     """A restarted with a change made meanwhile: A's usage until every node has the change,
     less a restart's own, and the seconds from A's return."""
@@ -380,7 +386,7 @@ async def _measure_relist(
     returned = time.perf_counter()
     name, version = moved[0]
     check = functools.partial(arrived, name, version, started)
-    await _until(check, RELIST_TIMEOUT_S, "a relist")
+    await _until(check, _start_timeout(nodes), "a relist")
     elapsed = time.perf_counter() - returned
     await asyncio.sleep(SETTLE_S)
     return cluster.usage() - restart_alone, elapsed
@@ -418,13 +424,13 @@ async def per_node_shape(
 
             await _until(
                 watching,
-                START_TIMEOUT_S,
+                _start_timeout(nodes),
                 f"{nodes} agents listing and watching",
             )
             start_s = time.perf_counter() - started
             change, change_s, own, _ = await _measure_changes(cluster, changes, arrived, None)
             gone_before = stats.relists_gone
-            relist, relist_s = await _measure_relist(cluster, arrived, restart_alone)
+            relist, relist_s = await _measure_relist(cluster, arrived, restart_alone, nodes)
             relists = stats.relists_gone - gone_before
         finally:
             for task in tasks:
@@ -460,7 +466,7 @@ async def brain_shape(
         started = time.perf_counter()
         tasks = [asyncio.create_task(w.run(brain.api)) for w in watchers]
         try:
-            async with asyncio.timeout(START_TIMEOUT_S):
+            async with asyncio.timeout(_start_timeout(nodes)):
                 await _all_synced(watchers, 1, tasks)
             start_s = time.perf_counter() - started
             reconnects = sum(w.reconnects for w in watchers)
@@ -479,7 +485,7 @@ async def brain_shape(
             )
             gone_before = _brain_relists(f"http://{metrics}/metrics")
             brain_before = brain.cpu_s()
-            relist, relist_s = await _measure_relist(cluster, arrived, restart_alone)
+            relist, relist_s = await _measure_relist(cluster, arrived, restart_alone, nodes)
             brain_relist = brain.cpu_s() - brain_before
             gone = _brain_relists(f"http://{metrics}/metrics")
         finally:
