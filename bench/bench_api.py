@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import ipaddress
@@ -680,6 +681,8 @@ class Watcher:
         self.syncs: list[float] = []
         self.bytes = 0
         self.reconnects = 0
+        self.ended_by: collections.Counter[str] = collections.Counter()
+        """The status codes that ended its calls, by name: why it reconnected."""
         self.synced = asyncio.Event()
         self.keep = False
         """Keep the raw batches of each change set (off for first states: they are big)."""
@@ -694,6 +697,9 @@ class Watcher:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in self.RETRIED:
                     raise
+                self.ended_by[exc.code().name] += 1
+            else:
+                self.ended_by["the stream ended"] += 1
             self.reconnects += 1
             await backoff.wait()
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import functools
 import ipaddress
 import math
@@ -469,10 +470,9 @@ async def brain_shape(
             async with asyncio.timeout(_start_timeout(nodes)):
                 await _all_synced(watchers, 1, tasks)
             start_s = time.perf_counter() - started
-            reconnects = sum(w.reconnects for w in watchers)
-            print(
-                f"  brain:    {nodes} watchers synced in {start_s:.0f} s, {reconnects} reconnected"
-            )
+            ended = sum((w.ended_by for w in watchers), collections.Counter[str]())
+            why = ", ".join(f"{n} {code}" for code, n in ended.most_common()) or "none"
+            print(f"  brain:    {nodes} watchers synced in {start_s:.0f} s; calls ended: {why}")
 
             def arrived(_name: str, _version: int, since: float) -> bool:
                 # Each change is one change set for every node (its slice's service is used by
