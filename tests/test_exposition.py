@@ -27,6 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from kpng.harness.cluster import free_port
 from kpng.status.exposition import (
     CONTENT_TYPE,
     Family,
@@ -189,11 +190,7 @@ async def main():
 
 asyncio.run(main())
 """
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     done = subprocess.run(
         [sys.executable, "-c", script, str(port)],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
