@@ -14,6 +14,7 @@ Prometheus client library exports (Linux only, as kpng).
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -134,7 +135,9 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+@functools.cache
 def _boot_time() -> float:
+    # The boot time does not move: read once, not at every scrape.
     with open("/proc/stat", "rb") as f:
         for line in f:
             if line.startswith(b"btime "):
