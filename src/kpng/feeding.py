@@ -60,6 +60,11 @@ class FeederStats:
     """Upper bounds of the apply-time histogram: 1 ms to 16 s, doubling, as kube-proxy's
     ``sync_proxy_rules_duration_seconds``."""
     failures: int = 0
+    diverged_since: float | None = None
+    """Monotonic time since when the backend has known that the kernel differs from what it
+    applied (another program changed its rules), until a sync repairs it; None otherwise."""
+    diverged_why: str = ""
+    """What it found, for ``/healthz``."""
 
 
 @dataclass
@@ -113,6 +118,15 @@ class SyncStats:
     """Service ports dropping traffic for want of a local endpoint, by (traffic policy:
     ``internal`` or ``external``, family: ``IPv4`` or ``IPv6``), in the state last given."""
     listeners: list[SyncListener] = field(default_factory=list)
+    refused_services: dict[ServiceKey, str] = field(default_factory=dict)
+    """The services the kernel does not hold as the last state asks, with why."""
+    diverged_since: float | None = None
+    """Monotonic time since when the kernel has been known to differ from what was applied."""
+    diverged_why: str = ""
+    drift_kinds: set[str] = field(default_factory=set)
+    """What the divergence under way found: counted as repaired when it ends."""
+    repairs: dict[str, int] = field(default_factory=dict)
+    """Divergences repaired by a sync, by what was found (``table``, ``chain``...)."""
 
     def attempted(self, *, seconds: float, full: bool) -> None:
         (self.full if full else self.partial).observe(seconds)
@@ -125,8 +139,22 @@ class SyncStats:
         wall = time.time() if wall is None else wall
         self.revision = revision
         self.last_synced = wall
+        for kind in self.drift_kinds:
+            self.repairs[kind] = self.repairs.get(kind, 0) + 1
+        self.drift_kinds.clear()
+        self.diverged_since = None
+        self.diverged_why = ""
         for listener in self.listeners:
             listener(revision, wall)
+
+    def refused(self, services: Mapping[ServiceKey, str]) -> None:
+        self.refused_services = dict(services)
+
+    def diverged(self, *, kind: str, detail: str) -> None:
+        if self.diverged_since is None:
+            self.diverged_since = time.monotonic()
+            self.diverged_why = detail
+        self.drift_kinds.add(kind)
 
 
 def no_local_endpoints(se: ServiceEndpoints) -> Mapping[tuple[str, str], int]:

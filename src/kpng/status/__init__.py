@@ -268,12 +268,15 @@ class Status:
 
 
 def _with_backend_stats(feeder: Feeder) -> FeederStats:
-    """The feeder's stats, completed by what a backend keeping its own ``SyncStats`` (to-nft)
-    says of when its rules were last in place."""
-    stats = feeder.stats
+    """The feeder's stats, completed by what the backend says of a divergence of the kernel,
+    and, for one keeping its own ``SyncStats`` (to-nft), of when its rules were last in place."""
+    stats, sync = feeder.stats, feeder.sync
+    if sync.diverged_since is not None:
+        stats = dataclasses.replace(
+            stats, diverged_since=sync.diverged_since, diverged_why=sync.diverged_why
+        )
     if not feeder.reports_syncs:
         return stats
-    sync = feeder.sync
     return dataclasses.replace(stats, last_applied=sync.last_synced, applied_revision=sync.revision)
 
 

@@ -5,7 +5,9 @@ The contract is kube-proxy's, which cloud load balancers and kubelet probes alre
 proxy is healthy unless a change has waited longer than a timeout without being programmed. A
 backend that keeps failing (a kernel refusing transactions, a plugin down) therefore turns the
 node unhealthy once its oldest unapplied state is older than the timeout, and healthy again as
-soon as it catches up.
+soon as it catches up. So does a kernel that another program changed behind a backend's back
+(a flushed ruleset), from when the backend found it until a sync repairs it, if that takes
+longer than the timeout.
 
 ``/healthz`` also answers 503 until every source has synced and every backend has applied a
 first state, so a load balancer sends nothing to a node whose rules were never programmed; and,
@@ -27,7 +29,8 @@ from kpng.feeding import FeederStats
 @dataclass(frozen=True)
 class Verdict:
     live: bool
-    """No backend has had a state waiting longer than the timeout (``/livez``)."""
+    """No backend has had a state waiting, or a kernel differing from what it applied, longer
+    than the timeout (``/livez``)."""
     healthy: bool
     """Live, sources synced, every backend has applied a state, and the node is not draining
     (``/healthz``)."""
@@ -52,8 +55,13 @@ def judge(
         for name, stats in backends.items()
         if stats.pending_since is not None and monotonic - stats.pending_since > timeout
     }
+    diverged = {
+        name: (monotonic - stats.diverged_since, stats.diverged_why)
+        for name, stats in backends.items()
+        if stats.diverged_since is not None and monotonic - stats.diverged_since > timeout
+    }
     never_applied = [name for name, stats in backends.items() if stats.last_applied is None]
-    live = not late
+    live = not late and not diverged
     healthy = live and sources_synced and not never_applied and node_eligible
     applied = [s.last_applied for s in backends.values() if s.last_applied is not None]
     body: dict[str, Any] = {
@@ -74,6 +82,14 @@ def judge(
                     else 0.0
                 ),
                 "failures": stats.failures,
+                **(
+                    {
+                        "divergedSeconds": round(monotonic - stats.diverged_since, 3),
+                        "diverged": stats.diverged_why,
+                    }
+                    if stats.diverged_since is not None
+                    else {}
+                ),
             }
             for name, stats in backends.items()
         },
@@ -81,7 +97,11 @@ def judge(
     if not healthy:
         body["reasons"] = _reasons(
             sources_synced, blocked, node_eligible, never_applied, late, timeout
-        )
+        ) + [
+            f"{name}: the kernel has differed from its applied rules for {seconds:.1f} s "
+            f"(timeout {timeout:g} s): {why}"
+            for name, (seconds, why) in diverged.items()
+        ]
     return Verdict(live=live, healthy=healthy, body=body)
 
 

@@ -222,6 +222,36 @@ class _StatusFamilies:
             duration.add_histogram([name], [*buckets, ("+Inf", stats.applies)], stats.apply_seconds)
             failures.add([name], stats.failures)
         yield from (revision, services, last, pending, duration, failures)
+        yield from self._kernel_truth()
+
+    def _kernel_truth(self) -> Iterator[Family]:
+        """What backends that program a kernel say of it: the services it refused, and the
+        changes other programs made to their rules that a sync repaired."""
+        label = ["backend"]
+        refused = gauge(
+            "kpng_backend_refused_services",
+            "services the backend left out of the kernel, or holds only in part, in the last "
+            "state (/debug/state lists them and why)",
+            labels=label,
+        )
+        repairs = counter(
+            "kpng_backend_drift_repairs",
+            "times another program had changed the backend's rules and a sync put them back, by "
+            "what was found",
+            labels=["backend", "kind"],
+        )
+        diverged = gauge(
+            "kpng_backend_diverged",
+            "1 while the backend knows the kernel differs from the rules it applied",
+            labels=label,
+        )
+        for feeder in self._status.feeders():
+            sync = feeder.sync
+            refused.add([feeder.name], len(sync.refused_services))
+            diverged.add([feeder.name], int(sync.diverged_since is not None))
+            for kind, n in sorted(sync.repairs.items()):
+                repairs.add([feeder.name, kind], n)
+        yield from (refused, repairs, diverged)
 
 
 def _merged(histograms: Iterable[Histogram]) -> Histogram:

@@ -19,7 +19,7 @@ import msgspec
 
 from kpng.addresses import host_port
 from kpng.api.lines import node_state_line
-from kpng.errors import KpngError, UsageError
+from kpng.errors import KpngError, UsageError, object_name
 from kpng.http1.server import Handler, Listener, Reply, Request
 from kpng.http1.server import serve as serve_http
 from kpng.status import ShowsRules, Status, metrics
@@ -89,6 +89,15 @@ def _debug_handlers(status: Status) -> dict[str, Handler]:
         # to-json's line (kpng.backends.json), encoded anew: a request, not every revision.
         services = (msgspec.json.encode(state.services[k]) for k in sorted(state.services))
         line = node_state_line(state.node, state.revision, state.facts, services)
+        # What the backends could not program, beside the state they were given: the line is
+        # to-json's, with one more key.
+        refused = {
+            feeder.name: {object_name(*key): why for key, why in sorted(refusals.items())}
+            for feeder in status.feeders()
+            if (refusals := feeder.sync.refused_services)
+        }
+        if refused:
+            line = b'%s,"refused":%s}\n' % (line[:-2], msgspec.json.encode(refused))
         return Reply(body=line, content_type=_JSON)
 
     async def explain(request: Request) -> Reply:
