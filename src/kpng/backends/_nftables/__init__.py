@@ -26,9 +26,17 @@ from typing import TextIO
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
+from kpng.backends._nftables.auditing import (
+    Drift,
+    Inspects,
+    compare_shapes,
+    expected_shape,
+    missing_elements,
+    probes,
+)
 from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
-from kpng.backends._nftables.layout import TABLE, FromNode, Options, contribute
+from kpng.backends._nftables.layout import TABLE, Contribution, FromNode, Options, contribute
 from kpng.backends._nftables.netlink import FreshTable, split_fresh
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
 from kpng.backends._node import node_options
@@ -47,6 +55,10 @@ log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
 
+FULL_SYNC_PERIOD_S = 3600.0
+"""kube-proxy's: a full sync every hour, for the changes to kpng's table no drift check sees
+(an element deleted alone, a rule changed in place)."""
+
 
 class NftBackend:
     """Programs each state it is given; see the module docstring.
@@ -57,11 +69,18 @@ class NftBackend:
     transaction to ``output`` instead; ``once`` makes ``apply`` return True once the first
     complete state is applied.
 
-    A refused transaction fails ``apply`` with an ``NftError`` saying what nft refused, the
-    previous rules left in place; kpng's Feeder then retries with backoff (or as soon as a newer
-    state comes), and the next attempt is a full resync. ``pending_since`` says since when
-    (``time.monotonic()``) the kernel has been behind (None when it is not): the health check
-    node ports answer by it.
+    A refused transaction is followed at once by a full sync without the services the kernel
+    refuses on their own (found by bisection, logged by name and reported as refused); if that
+    fails too, ``apply`` fails with an ``NftError`` saying what nft refused, the previous rules
+    left in place, and kpng's Feeder retries with backoff (or as soon as a newer state comes):
+    the next attempt is a full sync from the whole desired state, whatever failed (building the
+    transaction included).
+
+    Every ``sync_period`` (0: never) a drift check (``auditing.py``) finds what other programs
+    changed in kpng's table and repairs it with a full sync, reporting the divergence until
+    then; every ``full_sync_period`` the full sync runs anyway, for changes no check sees.
+    ``pending_since`` says since when (``time.monotonic()``) the kernel has been behind (None
+    when it is not): the health check node ports answer by it.
     """
 
     def __init__(
@@ -81,9 +100,23 @@ class NftBackend:
         syncs: SyncReporter | None = None,
         kube_proxy: KubeProxyLeftovers | None = None,
         netlink: NetlinkBatches | None = None,
+        sync_period: float = 0.0,
+        full_sync_period: float = FULL_SYNC_PERIOD_S,
+        inspect: Inspects | None = None,
     ) -> None:
         self._nft = nft
         self._netlink = netlink
+        self._inspect = inspect if inspect is not None else netlink
+        self._sync_period = sync_period
+        self._full_sync_period = full_sync_period
+        self._monitor: asyncio.Task[None] | None = None
+        self._generation: int | None = None
+        """The ruleset's generation after kpng's last commit or drift check (None: unknown)."""
+        self._last_full = -math.inf
+        self._refused: dict[ServiceKey, str] = {}
+        """Services the kernel refused (left out until they change), with its words."""
+        self._problems: dict[ServiceKey, str] = {}
+        """Services whose rules cannot be written whole, with why (skipped in part or all)."""
         self._elements_by_netlink = True
         self._kube_proxy = kube_proxy
         self._conntrack = conntrack
@@ -138,6 +171,8 @@ class NftBackend:
             leftovers, self._kube_proxy = self._kube_proxy, None
             await leftovers.warn()
         refused = await self._sync(touched)
+        if self._sync_period > 0 and self._inspect is not None and self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch_kernel(), name="nft-drift-check")
         if self._health is not None:
             await self._health.follow(self.store.options.nodeport_addresses)
             await self._health.update(state.services)
@@ -170,6 +205,8 @@ class NftBackend:
         touched = Touched(whole=self._needs_full)
         for key in state.deleted:
             self._recorded.pop(key, None)
+            self._refused.pop(key, None)
+            self._problems.pop(key, None)
             self.store.update(key, None, touched)
         updated = state.services.keys() if self._recontribute else state.updated
         self._recontribute = False
@@ -180,9 +217,20 @@ class NftBackend:
             if self._recorded.get(key) == se:
                 continue
             self._recorded[key] = se
-            contribution = contribute(se, self._node_ips)
+            self._refused.pop(key, None)
+            try:
+                contribution: Contribution | None = contribute(se, self._node_ips)
+            except Exception:
+                # A service kpng cannot render is one service lost, not the node's rules.
+                log.exception("service %s: cannot render its rules (skipped)", object_name(*key))
+                contribution = Contribution(problems=["kpng could not render its rules"])
+            assert contribution is not None
             for problem in contribution.problems:
                 log.warning("service %s: %s (skipped)", object_name(*key), problem)
+            if contribution.problems:
+                self._problems[key] = "; ".join(contribution.problems)
+            else:
+                self._problems.pop(key, None)
             self.store.update(key, contribution, touched)
         for (container, ek), owners in self.store.conflicts(touched):
             log.warning(
@@ -200,50 +248,45 @@ class NftBackend:
         return self.store.incremental(touched)
 
     async def _sync(self, touched: Touched) -> NftError | None:
-        """One attempt; what nft refused (a full resync comes next), or None."""
+        """Apply ``touched`` (the whole desired state if a full sync is due); what nft refused
+        (a full resync comes next), or None.
+
+        A failure, whether nft refused the transaction or kpng could not build it, is
+        followed at once by a full sync without the services the kernel refuses on their
+        own, if there are any: one bad service never holds back the others' changes."""
         async with self._lock:
             started = time.monotonic()
-            present: TableObjects | None = None
-            error: NftError | None = None
-            if self._needs_full:
-                # What the table holds, so that the full sync replaces it but the affinity
-                # memory.
-                try:
-                    present = await self._nft.list_objects(TABLE)
-                    if present is not None and await self._dormant():
-                        # Made by a first sync whose elements never came (``netlink.py``): no
-                        # packet has seen it, and a dormant table takes no new base chain in
-                        # the transaction that wakes it. It is made anew.
-                        present = None
-                except NftError as exc:
-                    error = exc
-            with collector_paused():
-                plan = self._plan(touched, present)
-            if error is None:
-                error = await self._run(plan, fresh=present is None)
+            plan, error = await self._attempt(touched)
             if error is not None:
                 self._syncs.failed()
-            if error is not None and plan.full and await self._leave_out_refused_services():
-                with collector_paused():
-                    plan = self._plan(touched, present)
-                error = await self._run(plan, fresh=present is None)
-            self._syncs.attempted(seconds=time.monotonic() - started, full=plan.full)
+                # Whatever failed, what follows starts from the whole desired state: the store
+                # holds every service's contribution, the kernel may hold none of the change.
+                self._needs_full = True
+                if await self._leave_out_refused_services():
+                    plan, error = await self._attempt(touched)
+            full = plan is None or plan.full
+            self._syncs.attempted(seconds=time.monotonic() - started, full=full)
             if error is not None:
                 # The UDP flows this change makes stale are cleaned by the full resync's
                 # reconciliation.
-                self._needs_full = True
                 if self.pending_since is None:
                     self.pending_since = self._clock()
-                kind = "full" if plan.full else "incremental"
+                kind = "full" if full else "incremental"
+                size = f" of {len(plan.tx)} operations" if plan is not None else ""
                 return NftError(
-                    f"{error.message} (the {kind} transaction of {len(plan.tx)} operations "
-                    "was refused; the previous rules stay, and a full resync follows)",
+                    f"{error.message} (the {kind} transaction{size} was refused; the previous "
+                    "rules stay, and a full resync follows)",
                     line_number=error.line_number,
                     line=error.line,
                 )
+            assert plan is not None
             self.store.commit(plan)
             self._needs_full = False
+            if plan.full:
+                self._last_full = self._clock()
             self.pending_since = None
+            await self._remember_generation()
+            self._syncs.refused({**self._problems, **self._refused})
             self._syncs.synced(revision=self._revision)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -256,6 +299,93 @@ class NftBackend:
         # kube-proxy does at start; after a change, those whose serving endpoints changed.
         await self._clean_conntrack(None if plan.full else touched.udp_frontends)
         return None
+
+    async def _attempt(self, touched: Touched) -> tuple[Plan | None, NftError | None]:
+        """Build and run one transaction: the plan (None if it could not be built) and what
+        failed (None: the kernel took it)."""
+        present: TableObjects | None = None
+        if self._needs_full:
+            # What the table holds, so that the full sync replaces it but the affinity memory.
+            try:
+                present = await self._nft.list_objects(TABLE)
+                if present is not None and await self._dormant():
+                    # Made by a first sync whose elements never came (``netlink.py``): no
+                    # packet has seen it, and a dormant table takes no new base chain in the
+                    # transaction that wakes it. It is made anew.
+                    present = None
+            except NftError as exc:
+                return None, exc
+        try:
+            with collector_paused():
+                plan = self._plan(touched, present)
+        except Exception as exc:
+            # A bug or a value no check foresaw: reported as a refusal, so that the services
+            # are checked one by one and the rest still goes in.
+            log.exception("cannot build the nftables transaction")
+            return None, NftError(f"kpng could not build the transaction: {exc}")
+        return plan, await self._run(plan, fresh=present is None)
+
+    async def _remember_generation(self) -> None:
+        """The ruleset's generation right after kpng's commit: a drift check that finds it
+        unchanged knows nobody else has touched nftables since. (Another program committing
+        between the two is seen by the hourly full sync.)"""
+        if self._sync_period <= 0 or self._inspect is None:
+            return
+        try:
+            self._generation = await self._inspect.generation()
+        except NftError as exc:
+            log.debug("cannot read the ruleset's generation: %s", exc)
+            self._generation = None
+
+    async def _watch_kernel(self) -> None:
+        """kube-proxy's sync period: a drift check, and its repair, every period. A state
+        that fails to apply is not this loop's to retry: the Feeder does, with the state."""
+        while True:
+            await self._sleep(self._sync_period)
+            try:
+                await self.check_kernel()
+            except NftError as exc:
+                log.error("the drift check failed: %s; again in %gs", exc, self._sync_period)
+
+    async def check_kernel(self) -> Drift | None:
+        """One drift check (``auditing.py``): what another program changed in kpng's table,
+        repaired with a full sync, or None. The hourly full sync runs here too, and the full
+        sync a failure left due."""
+        if self._inspect is None:
+            return None
+        async with self._lock:
+            # A failed sync (an apply, or this check's last repair) is due again in full.
+            drift = None if self._needs_full else await self._drift(self._inspect)
+            due = self._needs_full or self._clock() - self._last_full >= self._full_sync_period
+            if drift is None and not due:
+                return None
+            if drift is not None:
+                log.warning(
+                    "kpng's nftables rules were changed by another program: %s; rewriting them",
+                    drift.detail,
+                )
+                self._syncs.diverged(kind=drift.kind, detail=drift.detail)
+            self._needs_full = True
+        error = await self._sync(Touched(whole=True))
+        if error is not None:
+            log.error("the full sync failed: %s", error)
+        return drift
+
+    async def _drift(self, inspect: Inspects) -> Drift | None:
+        generation = await inspect.generation()
+        if generation == self._generation:
+            return None
+        with collector_paused():
+            expected = expected_shape(self.store)
+        drift = compare_shapes(expected, await inspect.shape(TABLE), TABLE)
+        if drift is None:
+            with collector_paused():
+                asked = probes(self.store)
+            drift = missing_elements(await inspect.has_elements(TABLE, asked))
+        if drift is None:
+            # Others' commits, which left kpng's table alone.
+            self._generation = generation
+        return drift
 
     async def applied_rules(self) -> str:
         """kpng's table as the kernel holds it: what the last applied transaction left."""
@@ -322,6 +452,7 @@ class NftBackend:
             )
             # Its ServiceEndpoints stays recorded: sent again unchanged, it stays out.
             self.store.update(key, None, Touched())
+            self._refused[key] = f"the kernel refuses its rules: {error.message}"
         return bool(refused)
 
     async def _refused_services(self) -> dict[ServiceKey, NftError]:
@@ -332,12 +463,14 @@ class NftBackend:
         options = self.store.options
 
         async def check(keys: list[ServiceKey]) -> NftError | None:
-            with collector_paused():
-                tx = check_transaction(options, ((key, contributions[key]) for key in keys))
             try:
+                with collector_paused():
+                    tx = check_transaction(options, ((key, contributions[key]) for key in keys))
                 await self._nft.run(tx)
             except NftError as exc:
                 return exc
+            except Exception as exc:
+                return NftError(f"kpng could not build its rules: {exc}")
             return None
 
         keys = sorted(contributions)
@@ -365,6 +498,9 @@ class NftBackend:
         await self._conntrack.clean_stale(self.store.udp_frontends(), only)
 
     async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
         if self._health is not None:
             await self._health.close()
 

@@ -104,7 +104,16 @@ from kpng.backends._endpoints import (
     local_endpoint_addresses,
     serving_endpoints,
 )
-from kpng.backends._nftables.nftables import Chain, Element, Map, Rule, Set, Table, comment_name
+from kpng.backends._nftables.nftables import (
+    Chain,
+    Element,
+    Map,
+    Rule,
+    Set,
+    Table,
+    comment_name,
+    valid_comment,
+)
 
 # The node's options are every node backend's; to-nft's callers find them here too.
 from kpng.backends._node import FAMILIES, Fam
@@ -319,6 +328,13 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
     ips = service.IPs
     if ips is None or ips.ClusterIPs is None:
         return out
+    for port in service.Ports:
+        name = comment_name(service.Namespace, service.Name, port.Name)
+        if not valid_comment(name):
+            # The API server admits no such name; a source that does (a hand-written manifest,
+            # another brain) gets the service refused, not every service's transaction.
+            out.problems.append(f"its name {name!r} is not a Kubernetes name; no rules written")
+            return out
     timeout = affinity_timeout(service)
     local = local_endpoint_addresses(se.endpoints)
     for fam in FAMILIES:

@@ -44,10 +44,14 @@ class NftError(KpngError):
     none); ``message`` is nft's own text.
     """
 
-    def __init__(self, message: str, *, line_number: int = 0, line: str = "") -> None:
+    def __init__(
+        self, message: str, *, line_number: int = 0, line: str = "", errno: int = 0
+    ) -> None:
         self.message = message
         self.line_number = line_number
         self.line = line
+        self.errno = errno
+        """The kernel's error number, where it gave one (netlink)."""
         where = f" at line {line_number}: {line[:300]}" if line_number else ""
         super().__init__(f"nft: {message}{where}")
 
@@ -209,6 +213,11 @@ def render_element(key: tuple[str, ...], value: tuple[str, ...], comment: str = 
     if comment:
         text += f'{_COMMENTED}{comment}"'
     return f"{text} : {' . '.join(value)}" if value else text
+
+
+def valid_comment(text: str) -> bool:
+    """Whether ``text`` may be an element's comment (what ``Element`` checks)."""
+    return _COMMENT.fullmatch(text) is not None
 
 
 def comment_name(namespace: str, name: str, port: str = "") -> str:
