@@ -96,6 +96,7 @@ KUBEADM_ARGV = [
     "to-local", "--hostname-override", "node-1",
     "to-nft", "--detect-local-mode", "ClusterCIDR", "--cluster-cidr", "10.244.0.0/16",
     "--masquerade-bit", "14", "--nodeport-addresses", "primary", "--min-sync-period", "1s",
+    "--sync-period", "30s",
 ]  # fmt: skip
 
 
@@ -130,6 +131,9 @@ def _edited(old: str, new: str) -> str:
         (_edited("  minSyncPeriod: 0s\n  syncPeriod: 0s\nnodePort",
                  "  minSyncPeriod: 5s\n  syncPeriod: 1m\nnodePort"),
          "--healthz-timeout", "120"),
+        (_edited("  minSyncPeriod: 0s\n  syncPeriod: 0s\nnodePort",
+                 "  minSyncPeriod: 5s\n  syncPeriod: 1m\nnodePort"),
+         "--sync-period", "1m0s"),
         (_edited("detectLocalMode: \"\"", "detectLocalMode: InterfaceNamePrefix")
          .replace('interfaceNamePrefix: ""', "interfaceNamePrefix: veth"),
          "--pod-interface-name-prefix", "veth"),
@@ -145,7 +149,8 @@ def _edited(old: str, new: str) -> str:
         (_edited("  verbosity: 0", "  verbosity: 4"), "--log-level", "debug"),
         (_edited("  verbosity: 0", "  verbosity: 2\n  format: json"), "--log-format", "json"),
     ],
-    ids=["cluster-cidr", "nftables-bit", "nftables-min-sync", "nftables-sync", "interface-prefix",
+    ids=["cluster-cidr", "nftables-bit", "nftables-min-sync", "nftables-sync",
+         "nftables-sync-period", "interface-prefix",
          "nodeport-addresses", "nodeport-address-keywords-1.37",
          "healthz-port-appended", "ipv6-bind-address", "bind-address", "verbosity", "json-logs"],
 )  # fmt: skip
@@ -181,11 +186,10 @@ def test_the_mode_picks_the_backend_and_the_section_its_settings_come_from(
     assert ("--masquerade-all" in argv) is from_iptables_section
     min_sync = argv[argv.index("--min-sync-period") + 1]
     assert min_sync == ("3s" if backend == "to-iptables" else "1s")
-    if backend == "to-iptables":
-        # kube-proxy's canary period: how often the rules are checked and repaired.
-        assert argv[argv.index("--sync-period") + 1] == "45s"
-    else:
-        assert "--sync-period" not in argv
+    # kube-proxy's sync period: how often the rules are checked and repaired, from the
+    # section of the mode (the nftables section's is 30s here).
+    sync = argv[argv.index("--sync-period") + 1]
+    assert sync == ("45s" if backend == "to-iptables" else "30s")
     assert [w.split(":")[0] for w in warnings] == (['field "mode" is "ipvs"'] if warned else [])
     if warned:
         assert "kpng cleanup kube-proxy" in warnings[0]

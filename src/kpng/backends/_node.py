@@ -123,6 +123,20 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(f"not an IP address: {value!r}") from exc
 
 
+def add_sync_period(parser: argparse.ArgumentParser, *, checks: str) -> None:
+    """``--sync-period``: kube-proxy's, how often a kernel backend checks that its rules are
+    still what it applied (``checks``: what it looks at) and rewrites them if not."""
+    parser.add_argument(
+        "--sync-period",
+        type=duration_argument,
+        default=30.0,
+        metavar="DURATION",
+        help=f"how often to check {checks}, and rewrite every rule if another program changed "
+        "them, as kube-proxy's syncPeriod (default 30s; 0: never; a full resync also runs "
+        "hourly)",
+    )
+
+
 def duration_argument(value: str) -> float:
     """An argparse type: a Go duration (``1s``, ``500ms``) in seconds."""
     try:

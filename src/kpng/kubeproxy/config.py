@@ -484,8 +484,7 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     if config.bind_address and not ipaddress.ip_address(config.bind_address).is_unspecified:
         argv += ["--bind-address", config.bind_address]
     argv += ["--min-sync-period", format_duration(config.min_sync_period_s)]
-    if config.backend == "to-iptables":
-        argv += ["--sync-period", format_duration(config.sync_period_s)]
+    argv += ["--sync-period", format_duration(config.sync_period_s)]
     return argv
 
 

@@ -18,16 +18,25 @@ import struct
 import subprocess
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, cast, overload
 
 from kpng.backends._commands import CommandError, run_command
+from kpng.backends._nftables.auditing import Probe
 from kpng.backends._nftables.netlink import (
     NETLINK_NETFILTER,
     NLM_F_ACK,
+    NLMSG_DONE,
     TABLE_F_DORMANT,
     TABLE_FLAGS_ATTR,
+    TableShape,
+    dump_objects,
+    generation,
+    get_element,
+    get_generation,
     get_table,
+    messages,
+    shape_of,
 )
 from kpng.backends._nftables.nftables import (
     Nft,
@@ -56,6 +65,7 @@ system: see ``LibNft``."""
 WRITE_BUFFER = 1 << 20
 CLONE_NEWNET = 0x40000000
 NLMSG_ERROR = 2
+NLM_F_MULTI = 0x2
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 
 
@@ -373,6 +383,71 @@ class NetlinkBatches:
         except OSError as exc:
             raise NftError(f"netlink: {exc}") from exc
         return flags is not None and bool(flags & TABLE_F_DORMANT)
+
+    async def generation(self) -> int:
+        """The ruleset's generation: it moves with every nf_tables commit, anyone's."""
+        (reply,) = await asyncio.to_thread(self._ask, get_generation())
+        return generation(reply)
+
+    async def shape(self, table: Table) -> TableShape | None:
+        """``table``'s chains with their rule counts, and its sets and maps (None: no such
+        table). Three dumps, none of them of elements."""
+        return await asyncio.to_thread(self._shape, table)
+
+    def _shape(self, table: Table) -> TableShape | None:
+        try:
+            with self._socket() as sock:
+                sock.bind((0, 0))
+                sock.send(get_table(table))
+                if _table_flags(sock.recv(1 << 16)) is None:
+                    return None
+        except OSError as exc:
+            raise NftError(f"netlink: {exc}") from exc
+        dumps = (self._ask(dump_objects(kind, table)) for kind in ("chain", "rule", "set"))
+        return shape_of(table, *dumps)
+
+    async def has_elements(self, table: Table, probes: Iterable[Probe]) -> list[str]:
+        """The containers of ``probes`` that do not hold their element: one request each."""
+        return await asyncio.to_thread(self._missing, table, list(probes))
+
+    def _missing(self, table: Table, probes: list[Probe]) -> list[str]:
+        missing = []
+        for probe in probes:
+            try:
+                self._ask(get_element(table, probe.container, probe.encoded))
+            except NftError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                missing.append(probe.container)
+        return missing
+
+    def _ask(self, request: bytes) -> list[bytes]:
+        """The answer to one request: its messages, up to the end of a dump or the kernel's
+        acknowledgement. ``NftError`` (with ``errno``) for an error."""
+        found: list[bytes] = []
+        try:
+            with self._socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
+                sock.bind((0, 0))
+                sock.send(request)
+                while True:
+                    for kind, message in messages(sock.recv(1 << 20)):
+                        if kind == NLMSG_DONE:
+                            return found
+                        if kind == NLMSG_ERROR:
+                            (error,) = struct.unpack_from("=i", message, 16)
+                            if error:
+                                raise NftError(f"netlink: {os.strerror(-error)}", errno=-error)
+                            return found
+                        found.append(message)
+                        # One answer, and no acknowledgement asked for: nothing else comes.
+                        (flags,), (asked,) = (
+                            struct.unpack_from("=H", m, 6) for m in (message, request)
+                        )
+                        if not flags & NLM_F_MULTI and not asked & NLM_F_ACK:
+                            return found
+        except OSError as exc:
+            raise NftError(f"netlink: {exc}") from exc
 
     def _socket(self) -> socket.socket:
         if self._netns is None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kpng.backends._nftables.netlink import TableShape
 from kpng.backends._nftables.nftables import (
     Chain,
     Element,
@@ -28,6 +31,9 @@ from kpng.backends._nftables.nftables import (
     Transaction,
     parse_tables,
 )
+
+if TYPE_CHECKING:
+    from kpng.backends._nftables.auditing import Probe
 
 _SET_REF = re.compile(r"@([A-Za-z][A-Za-z0-9_.-]*)")
 _CHAIN_REF = re.compile(r"\b(?:jump|goto) ([A-Za-z][A-Za-z0-9_.-]*)")
@@ -72,6 +78,7 @@ class FakeNft:
         self.tables: dict[tuple[str, str], _TableState] = {}
         self.transactions: list[Transaction] = []
         """Every transaction that was applied, in order (refused ones are not kept)."""
+        self._touches = 0
 
     async def run(self, tx: Transaction) -> None:
         tables = copy.deepcopy(self.tables)
@@ -101,6 +108,31 @@ class FakeNft:
         if (table.family, table.name) not in self.tables:
             return ""
         return self.dump(only=table)
+
+    # A drift check's questions (``auditing.Inspects``), as the kernel answers them.
+
+    async def generation(self) -> int:
+        """Moved by every transaction applied, as the kernel's by every commit (tests that
+        change the state behind kpng's back call ``touched``)."""
+        return len(self.transactions) + self._touches
+
+    def touched(self) -> None:
+        """Another program committed something."""
+        self._touches += 1
+
+    async def shape(self, table: Table) -> TableShape | None:
+        state = self.tables.get((table.family, table.name))
+        if state is None:
+            return None
+        return TableShape({name: len(state.rules[name]) for name in state.chains}, set(state.sets))
+
+    async def has_elements(self, table: Table, probes: Iterable[Probe]) -> list[str]:
+        state = self.tables.get((table.family, table.name))
+        return [
+            p.container
+            for p in probes
+            if state is None or p.key not in state.elements.get(p.container, {})
+        ]
 
     def elements(self, table: Table, container: str) -> dict[tuple[str, ...], tuple[str, ...]]:
         """The elements of a set or map, key -> value (empty tuple for a set)."""

@@ -435,3 +435,118 @@ def get_table(table: Table) -> bytes:
         _string(1, table.name),
         flags=NLM_F_ACK,
     )
+
+
+# What a drift check asks the kernel (``executing.NetlinkBatches``, ``auditing.py``): none of
+# it reads a set's elements, so its cost does not grow with the services.
+_NFT_MSG_GETCHAIN = 4
+_NFT_MSG_GETRULE = 7
+_NFT_MSG_GETSET = 10
+_NFT_MSG_GETSETELEM = 13
+_NFT_MSG_GETGEN = 16
+_NLM_F_DUMP = 0x300
+_NFT_SET_ANONYMOUS = 0x1
+_NFT_SET_MAP = 0x4
+NLMSG_DONE = 3
+
+
+def get_generation() -> bytes:
+    """The request for the ruleset's generation: the kernel counts every nf_tables commit."""
+    return _message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN, 1, 0, b"")
+
+
+def dump_objects(kind: str, table: Table) -> bytes:
+    """The request for every ``chain``, ``rule`` or ``set`` (maps included) of ``table``'s
+    family; the kernel filters rules and sets by the table, chains are filtered here."""
+    message = {"chain": _NFT_MSG_GETCHAIN, "rule": _NFT_MSG_GETRULE, "set": _NFT_MSG_GETSET}[kind]
+    return _message(
+        (_NFNL_SUBSYS_NFTABLES << 8) | message,
+        1,
+        _FAMILIES[table.family],
+        _string(1, table.name),  # NFTA_{CHAIN,RULE,SET}_TABLE
+        flags=_NLM_F_DUMP,
+    )
+
+
+def get_element(table: Table, container: str, element: bytes) -> bytes:
+    """The request for one element (``element``: its ``NFTA_LIST_ELEM`` with the key alone,
+    as ``ElementEncoder.element(key, ())`` writes it); the kernel answers ENOENT if it has none."""
+    body = (
+        _string(1, table.name)  # NFTA_SET_ELEM_LIST_TABLE
+        + _string(2, container)  # NFTA_SET_ELEM_LIST_SET
+        + _nested(3, element)  # NFTA_SET_ELEM_LIST_ELEMENTS
+    )
+    return _message(
+        (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM,
+        1,
+        _FAMILIES[table.family],
+        body,
+        flags=NLM_F_ACK,
+    )
+
+
+def attributes(message: bytes) -> dict[int, bytes]:
+    """The top-level attributes of one nf_tables message (header and nfgenmsg skipped), by
+    type without its flags."""
+    (length,) = struct.unpack_from("=I", message, 0)
+    found: dict[int, bytes] = {}
+    offset = 20
+    while offset + 4 <= length:
+        size, kind = struct.unpack_from("=HH", message, offset)
+        if size < 4:
+            break
+        found[kind & 0x7FFF] = message[offset + 4 : offset + size]
+        offset += (size + 3) & ~3
+    return found
+
+
+def messages(reply: bytes) -> Iterator[tuple[int, bytes]]:
+    """Each netlink message of ``reply``: its type (without the subsystem) and its bytes."""
+    offset = 0
+    while offset + 16 <= len(reply):
+        length, kind = struct.unpack_from("=IH", reply, offset)
+        if length < 16:
+            return
+        yield kind, reply[offset : offset + length]
+        offset += (length + 3) & ~3
+
+
+def generation(message: bytes) -> int:
+    """``NFTA_GEN_ID`` of a NEWGEN message."""
+    return int(struct.unpack(">I", attributes(message)[1][:4])[0])
+
+
+def _text(value: bytes) -> str:
+    return value.split(b"\0", 1)[0].decode()
+
+
+@dataclass
+class TableShape:
+    """What a table holds but its elements: the rules of each chain, its sets and maps."""
+
+    chains: dict[str, int]
+    """Each chain and how many rules it holds."""
+    containers: set[str]
+    """Its named sets and maps (anonymous ones, which rules own, are not counted)."""
+
+
+def shape_of(
+    table: Table, chains: Iterable[bytes], rules: Iterable[bytes], sets: Iterable[bytes]
+) -> TableShape:
+    """The shape of ``table`` from the messages of the three dumps (``dump_objects``)."""
+    shape = TableShape({}, set())
+    for message in chains:
+        attrs = attributes(message)
+        if _text(attrs.get(1, b"")) == table.name:
+            shape.chains.setdefault(_text(attrs.get(3, b"")), 0)  # NFTA_CHAIN_NAME
+    for message in rules:
+        attrs = attributes(message)
+        if _text(attrs.get(1, b"")) == table.name:
+            chain = _text(attrs.get(2, b""))  # NFTA_RULE_CHAIN
+            shape.chains[chain] = shape.chains.get(chain, 0) + 1
+    for message in sets:
+        attrs = attributes(message)
+        flags = struct.unpack(">I", attrs[3][:4])[0] if 3 in attrs else 0  # NFTA_SET_FLAGS
+        if _text(attrs.get(1, b"")) == table.name and not flags & _NFT_SET_ANONYMOUS:
+            shape.containers.add(_text(attrs.get(2, b"")))  # NFTA_SET_NAME
+    return shape

@@ -42,7 +42,14 @@ from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
 from kpng.backends._nftables.executing import LibNft, NetlinkBatches, default_nft
-from kpng.backends._node import FromNode, Options, add_arguments, node_options, options_from_args
+from kpng.backends._node import (
+    FromNode,
+    Options,
+    add_arguments,
+    add_sync_period,
+    node_options,
+    options_from_args,
+)
 from kpng.backends.ebpf import entries, libbpf, locality, namespaces, observing, system, toolchain
 from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
@@ -399,6 +406,9 @@ class EbpfBackend:
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
+    add_sync_period(
+        parser, checks="that kpng's nftables table, for traffic from outside, holds what it applied"
+    )
     parser.add_argument(
         "--cgroup",
         type=Path,
@@ -446,6 +456,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         once=args.once,
         kube_proxy=kube_proxy_leftovers(nft),
         netlink=NetlinkBatches(),
+        sync_period=0.0 if args.once else args.sync_period,
     )
     sockets = SocketBalancer(
         options=options,

@@ -31,7 +31,7 @@ from kpng.backends._node import (
     FromNode,
     Options,
     add_arguments,
-    duration_argument,
+    add_sync_period,
     node_options,
     options_from_args,
 )
@@ -368,15 +368,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="iptables-nft or iptables-legacy: the one the node's other rules are in "
         "(default: auto, what the iptables command is)",
     )
-    parser.add_argument(
-        "--sync-period",
-        type=duration_argument,
-        default=30.0,
-        metavar="DURATION",
-        help="how often to check that kpng's jumps are still in the built-in chains, and "
-        "rewrite every rule if another program removed them, as kube-proxy's iptables.syncPeriod "
-        "(default 30s; 0: never; a full resync also runs hourly)",
-    )
+    add_sync_period(parser, checks="that kpng's jumps are still in the built-in chains")
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:

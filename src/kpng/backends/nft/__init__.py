@@ -15,10 +15,15 @@ from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_leftovers
 from kpng.backends._nftables.executing import KernelNft, LibNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.nftables import Nft
-from kpng.backends._node import add_arguments, options_from_args
+from kpng.backends._node import add_arguments, add_sync_period, options_from_args
 from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
 
 log = logging.getLogger(__name__)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    add_sync_period(parser, checks="that kpng's table holds what kpng applied")
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -44,6 +49,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         syncs=syncs,
         kube_proxy=None if args.dry_run else kube_proxy_leftovers(nft),
         netlink=None if args.dry_run else NetlinkBatches(),
+        sync_period=0.0 if args.once or args.dry_run else args.sync_period,
     )
 
 
@@ -51,7 +57,7 @@ SPEC = register(
     BackendSpec(
         name="nft",
         help="program the node-local state as nftables rules in the inet kpng table",
-        add_arguments=add_arguments,
+        add_arguments=_add_arguments,
         create=_create,
         reports_syncs=True,
         cleanup=cleanup,
