@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -328,3 +330,73 @@ def test_other_files_beside_a_watched_file_are_ignored(
     # every batch of events that woke the source up was about the input, never the log
     assert batches
     assert all(paths == {path} for paths in batches)
+
+
+# --- inputs that are no regular file: refused or skipped, never opened (a FIFO blocks forever)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/null", "/dev/zero"])
+def test_an_input_that_is_no_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    if kind == "fifo":
+        path = tmp_path / "cluster.yaml"
+        os.mkfifo(path)
+        what = "a FIFO"
+    else:
+        path = Path(kind)
+        what = "a character device"
+    with pytest.raises(InputError) as raised:
+        _load(path)
+    assert str(raised.value) == (
+        f"--input {path}: not a regular file ({what}); give a manifest file or a directory of them"
+    )
+
+
+def test_the_command_refuses_a_fifo_in_one_line_and_does_not_hang(
+    tmp_path: Path, kpng_command: list[str]
+) -> None:
+    fifo = tmp_path / "cluster.yaml"
+    os.mkfifo(fifo)
+    done = subprocess.run(
+        [*kpng_command, "file", "--input", str(fifo), "to-file", "--output", "-", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.endswith(
+        f" ERROR kpng: --input {fifo}: not a regular file (a FIFO); give a manifest file or a "
+        "directory of them"
+    )
+    assert done.stdout == ""
+
+
+def test_a_fifo_in_a_directory_is_skipped_with_a_warning_never_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+    os.mkfifo(tmp_path / "b.yaml")
+    with caplog.at_level(logging.WARNING):
+        source, store = _load(tmp_path)  # would block reading b.yaml
+    assert set(store.services) == {("ns", "a")}
+    assert store.synced
+    (warning,) = [r for r in caplog.records if "b.yaml" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage() == (
+        f"{tmp_path / 'b.yaml'}: not a regular file (a FIFO); skipped, never opened"
+    )
+    caplog.clear()
+    source.reload(source.files(), store.source("again"))  # once only
+    assert not [r for r in caplog.records if "b.yaml" in r.getMessage()]
+
+
+def test_a_fifo_created_in_a_watched_directory_is_skipped(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+
+    def change() -> None:
+        os.mkfifo(tmp_path / "b.yaml")
+        _write(tmp_path / "c.yaml", _svc("c"))
+
+    store = _run(_follow(tmp_path, change, lambda s: ("ns", "c") in s.services))
+    assert set(store.services) == {("ns", "a"), ("ns", "c")}

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -47,6 +48,45 @@ class _Read(NamedTuple):
     """Its objects, or why it cannot be used."""
     seen: tuple[int, int, int]
     """Its inode, size and mtime when read."""
+    regular: bool = True
+    """False: not a regular file (a FIFO, a device...), so never opened."""
+
+
+class _NotRegular(Exception):
+    """A path that is no regular file: opening it could block forever (a FIFO waits for a
+    writer, in a thread SIGTERM cannot interrupt) or read without end (``/dev/zero``)."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__(_file_type(mode))
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "of an unknown type"
+
+
+def _read_regular(path: Path) -> tuple[bytes, os.stat_result]:
+    """A regular file's content, and its stat as read. Raises _NotRegular, without opening it,
+    for anything else."""
+    before = path.stat()
+    if not stat.S_ISREG(before.st_mode):
+        raise _NotRegular(before.st_mode)
+    # Non-blocking, should the path become a FIFO between the stat and the open: opening one
+    # for reading then returns at once instead of waiting for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise _NotRegular(opened.st_mode)
+        return file.read(), opened
 
 
 class FileSource:
@@ -67,11 +107,14 @@ class FileSource:
         armed is found by comparing them."""
         self._lock = asyncio.Lock()
         """One reload at a time: the parse memos are shared with the reading thread."""
+        self._not_regular: set[Path] = set()
+        """Entries of a directory skipped as no regular file, each reported once."""
 
     def files(self) -> list[Path]:
-        """The files PATH names now, in the order that decides duplicates."""
+        """The files PATH names now, in the order that decides duplicates. A FIFO or a device
+        among them is listed too, to be reported when read (and never opened)."""
         if self.path.is_dir():
-            return sorted(p for p in self.path.rglob("*") if self._wanted(p) and p.is_file())
+            return sorted(p for p in self.path.rglob("*") if self._wanted(p) and not p.is_dir())
         return [self.path]
 
     def _wanted(self, path: Path) -> bool:
@@ -97,13 +140,24 @@ class FileSource:
         self._sync_unless_blocked(out)
 
     def _check_input(self) -> None:
-        if not self.path.exists():
-            raise InputError(f"--input {self.given}: no such file or directory")
-        if self.path.is_file():
-            try:
-                self.path.read_bytes()
-            except OSError as exc:
-                raise InputError(f"--input {self.given}: {exc.strerror}") from None
+        try:
+            mode = self.path.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise InputError(f"--input {self.given}: no such file or directory") from None
+        except OSError as exc:
+            raise InputError(f"--input {self.given}: {exc.strerror}") from None
+        if stat.S_ISDIR(mode):
+            return
+        try:
+            _read_regular(self.path)
+        except _NotRegular as exc:
+            # Refused rather than skipped: nothing else would be read, and reading it hangs.
+            raise InputError(
+                f"--input {self.given}: not a regular file ({exc}); give a manifest file or a "
+                "directory of them"
+            ) from None
+        except OSError as exc:
+            raise InputError(f"--input {self.given}: {exc.strerror}") from None
 
     def _sync_unless_blocked(self, out: SourceHandle) -> None:
         if not self._never_parsed:
@@ -133,11 +187,13 @@ class FileSource:
         for path in paths:
             seen = (0, 0, 0)
             try:
-                stat = path.stat()
-                seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-                data = path.read_bytes()
+                data, read = _read_regular(path)
+                seen = (read.st_ino, read.st_size, read.st_mtime_ns)
             except FileNotFoundError:
                 results[path] = None
+                continue
+            except _NotRegular as exc:
+                results[path] = _Read(f"{path}: not a regular file ({exc})", seen, regular=False)
                 continue
             except OSError as exc:
                 results[path] = _Read(f"{path}: cannot read: {exc.strerror}", seen)
@@ -170,8 +226,13 @@ class FileSource:
                 self._memos.pop(path, None)
                 self._never_parsed.pop(path, None)
                 self._seen.pop(path, None)
+                self._not_regular.discard(path)
                 continue
-            result, self._seen[path] = read
+            result, self._seen[path], regular = read
+            if not regular and path not in self._parsed:
+                self._skip_not_regular(path, str(result))
+                continue
+            self._not_regular.discard(path)
             if isinstance(result, str):
                 self._failed(path, result, out)
                 continue  # unreadable now: keep its last good content
@@ -232,12 +293,18 @@ class FileSource:
         files: set[Path] = set()
         for path in paths:
             if path.is_dir():
-                files.update(p for p in path.rglob("*") if self._wanted(p) and p.is_file())
+                files.update(p for p in path.rglob("*") if self._wanted(p) and not p.is_dir())
             elif self._wanted(path):
                 files.add(path)
             if not path.exists():
                 files.update(p for p in self._parsed if p.is_relative_to(path))
         return files
+
+    def _skip_not_regular(self, path: Path, error: str) -> None:
+        """A FIFO or a device in a directory: skipped, not waited for (it never parses)."""
+        if path not in self._not_regular:
+            self._not_regular.add(path)
+            log.warning("%s; skipped, never opened", error)
 
     def _failed(self, path: Path, error: str, out: SourceHandle) -> None:
         if path in self._parsed:
