@@ -400,3 +400,37 @@ def test_a_fifo_created_in_a_watched_directory_is_skipped(tmp_path: Path) -> Non
 
     store = _run(_follow(tmp_path, change, lambda s: ("ns", "c") in s.services))
     assert set(store.services) == {("ns", "a"), ("ns", "c")}
+
+
+# --- an input that holds no Service at start
+
+
+@pytest.mark.parametrize("kind", ["empty-file", "empty-directory", "only-a-node"])
+def test_an_input_without_services_is_served_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    path = tmp_path / "in"
+    if kind == "empty-directory":
+        path.mkdir()
+    elif kind == "empty-file":
+        path.write_text("")
+    else:
+        _write(path, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
+    with caplog.at_level(logging.WARNING):
+        _, store = _load(path)
+    assert store.synced
+    assert not store.services
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"--input {path} holds no Service: kpng serves an empty state, with no rules for any "
+        "Service"
+    ]
+
+
+def test_an_input_with_services_gets_no_such_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "c.yaml", _svc("a"))
+    with caplog.at_level(logging.WARNING):
+        _load(tmp_path / "c.yaml")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -131,13 +131,38 @@ class FileSource:
         """Read every file and mark the source synced. Raises InputError if PATH is unusable."""
         self._check_input()
         self.reload(self.files(), out)
+        self._warn_if_no_service()
         self._sync_unless_blocked(out)
 
     async def load_off_loop(self, out: SourceHandle) -> None:
         """``load``, reading and parsing in a thread (see ``_reload_off_loop``)."""
         self._check_input()
         await self._reload_off_loop(self.files(), out)
+        self._warn_if_no_service()
         self._sync_unless_blocked(out)
+
+    def _warn_if_no_service(self) -> None:
+        """An empty state is legitimate (a new cluster), so it is served; but it is more often a
+        mistake (a file truncated by a failed ``kubectl get -o yaml >``, the wrong directory),
+        whose effect on a node is to remove every rule: said at once."""
+        if self._never_parsed:
+            return  # the file that does not parse yet may hold them
+        if self._served_services() == 0:
+            log.warning(
+                "--input %s holds no Service: kpng serves an empty state, with no rules for "
+                "any Service",
+                self.given,
+            )
+
+    def _served_services(self, path: Path | None = None) -> int:
+        """How many Services are served from the files (from ``path`` alone, if given)."""
+        return sum(
+            1
+            for key, owner in self._owner.items()
+            if key[0] == "Service"
+            and (path is None or owner == path)
+            and isinstance(self._parsed[owner].objects[key], Service)
+        )
 
     def _check_input(self) -> None:
         try:
