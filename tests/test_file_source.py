@@ -629,3 +629,18 @@ def test_the_removal_delay_flag_takes_durations(argument: str, seconds: float) -
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["--input", "x", "--removal-delay", "-1s"])
+
+
+def test_a_service_named_as_no_cluster_would_is_skipped_the_rest_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"), _svc("Bad_Name!", "10.96.0.2"), _svc("b", "10.96.0.3"))
+    with caplog.at_level(logging.ERROR):
+        _, store = _load(path)
+    assert set(store.services) == {("ns", "a"), ("ns", "b")}
+    (error,) = [r.getMessage() for r in caplog.records]
+    assert error.startswith(
+        f"{path}: document 1: Service ns/Bad_Name!: metadata.name: 'Bad_Name!' is not a "
+        "DNS-1035 label"
+    )
