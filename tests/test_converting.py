@@ -825,3 +825,110 @@ def test_bad_node_and_service_cidr_addresses_are_reported_by_name(
     with pytest.raises(InvalidObject) as raised:
         convert()
     assert message in str(raised.value)
+
+
+# --- names, as the API server's validation takes them
+
+LONGEST_LABEL = "a" * 63
+LONGEST_SUBDOMAIN = ".".join(["a" * 63] * 3 + ["a" * 61])  # 253 characters
+assert len(LONGEST_SUBDOMAIN) == 253
+
+# (name, valid as a Service's (DNS-1035 label), as a slice's / node's / ServiceCIDR's
+# (DNS-1123 subdomain))
+NAME_CASES = [
+    pytest.param("web", True, True, id="plain"),
+    pytest.param("web-2", True, True, id="with-dash-and-digit"),
+    pytest.param("a", True, True, id="one-letter"),
+    pytest.param(LONGEST_LABEL, True, True, id="63-characters"),
+    pytest.param("a" * 64, False, True, id="64-characters"),
+    pytest.param("2web", False, True, id="starts-with-a-digit"),
+    pytest.param("web.shop", False, True, id="dotted"),
+    pytest.param(LONGEST_SUBDOMAIN, False, True, id="253-characters-dotted"),
+    pytest.param(LONGEST_SUBDOMAIN + "a", False, False, id="254-characters-dotted"),
+    pytest.param("Bad_Name!", False, False, id="upper-case-underscore-bang"),
+    pytest.param("Web", False, False, id="upper-case"),
+    pytest.param("web-", False, False, id="ends-with-a-dash"),
+    pytest.param("-web", False, False, id="starts-with-a-dash"),
+    pytest.param("web..shop", False, False, id="empty-dotted-part"),
+    pytest.param("web.-shop", False, False, id="dotted-part-starts-with-a-dash"),
+    pytest.param(".web", False, False, id="starts-with-a-dot"),
+    pytest.param("web shop", False, False, id="space"),
+    pytest.param("web\n", False, False, id="trailing-newline"),
+    pytest.param("wéb", False, False, id="non-ascii"),
+]
+
+
+def _raised(convert: Callable[[], object]) -> InvalidObject | None:
+    try:
+        convert()
+    except InvalidObject as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize(("name", "service_ok", "subdomain_ok"), NAME_CASES)
+def test_object_names_are_checked_as_the_api_server_does(
+    name: str, service_ok: bool, subdomain_ok: bool
+) -> None:
+    def cidr() -> object:
+        raw = {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR"}
+        return service_cidr_from_k8s(
+            msgspec.convert({**raw, "metadata": {"name": name}}, k8s.ServiceCIDR)
+        )
+
+    cases: list[tuple[str, str, bool, Callable[[], object]]] = [
+        ("Service", "ns1", service_ok, lambda: service_from_k8s(service_obj(name=name))),
+        ("EndpointSlice", "ns1", subdomain_ok, lambda: slice_from_k8s(slice_obj(name=name))),
+        ("Node", "", subdomain_ok, lambda: node_from_k8s(node_obj(name))),
+        ("ServiceCIDR", "", subdomain_ok, cidr),
+    ]
+    for kind, namespace, ok, convert in cases:
+        error = _raised(convert)
+        if ok:
+            assert error is None, (kind, error)
+            continue
+        assert error is not None, kind
+        assert (error.kind, error.namespace, error.name) == (kind, namespace, name)
+        assert error.reason.startswith(f"metadata.name: {name!r} is not a DNS-"), error.reason
+
+
+NAMESPACE_CASES = [
+    pytest.param("ns1", True, id="plain"),
+    pytest.param("1ns", True, id="starts-with-a-digit"),
+    pytest.param(LONGEST_LABEL, True, id="63-characters"),
+    pytest.param("a" * 64, False, id="64-characters"),
+    pytest.param("kube.system", False, id="dotted"),
+    pytest.param("Shop", False, id="upper-case"),
+    pytest.param("shop_1", False, id="underscore"),
+    pytest.param("shop-", False, id="ends-with-a-dash"),
+]
+
+
+@pytest.mark.parametrize(("namespace", "ok"), NAMESPACE_CASES)
+def test_namespaces_are_checked_as_the_api_server_does(namespace: str, ok: bool) -> None:
+    for kind, convert in [
+        ("Service", lambda: service_from_k8s(service_obj(namespace=namespace))),
+        ("EndpointSlice", lambda: slice_from_k8s(slice_obj(namespace=namespace))),
+    ]:
+        error = _raised(convert)
+        if ok:
+            assert error is None, (kind, error)
+            continue
+        assert error is not None, kind
+        assert (error.kind, error.namespace) == (kind, namespace)
+        assert error.reason.startswith(f"metadata.namespace: {namespace!r} is not a DNS-1123 label")
+
+
+def test_a_name_too_long_says_how_long() -> None:
+    error = _raised(lambda: service_from_k8s(service_obj(name="a" * 64)))
+    assert error is not None
+    assert str(error) == (
+        f"Service ns1/{'a' * 64}: metadata.name: {'a' * 64!r} is not a DNS-1035 label: "
+        "64 characters, more than 63"
+    )
+
+
+def test_a_bad_name_is_refused_even_on_an_object_kpng_would_ignore() -> None:
+    """The API server refuses it whatever its labels: no cluster holds it."""
+    obj = service_obj(name="Bad_Name!", labels={PROXY_NAME_LABEL: "other"})
+    assert _raised(lambda: service_from_k8s(obj)) is not None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +18,11 @@ import pytest
 
 from kpng.errors import InputError
 from kpng.model.messages import Service
-from kpng.sources.file import FileSource
+from kpng.sources.file import REMOVAL_DELAY_S as REMOVAL_DELAY_DEFAULT_S
+from kpng.sources.file import SPEC, FileSource
 from kpng.status import Status
 from kpng.store import SourceHandle, Store
+from kpng.testing.waiting import eventually
 
 # Bounds for waiting on inotify; a change normally lands in tens of milliseconds.
 WAIT_S = 10.0
@@ -215,11 +221,15 @@ def test_slice_of_an_undefined_service_is_reported(
     assert ("ns", "lost-1") in store.slices  # kept: the Service may come later
 
 
+REMOVAL_DELAY_S = 0.3
+
+
 async def _follow(path: Path, change: Callable[[], None], until: Callable[[Store], bool]) -> Store:
     store = Store()
     deltas = store.subscribe()
     watching = asyncio.Event()
-    task = asyncio.create_task(FileSource(path).run(store.source("file"), watching=watching))
+    source = FileSource(path, removal_delay=REMOVAL_DELAY_S)
+    task = asyncio.create_task(source.run(store.source("file"), watching=watching))
     try:
         await asyncio.wait_for(watching.wait(), WAIT_S)
         change()
@@ -328,3 +338,309 @@ def test_other_files_beside_a_watched_file_are_ignored(
     # every batch of events that woke the source up was about the input, never the log
     assert batches
     assert all(paths == {path} for paths in batches)
+
+
+# --- inputs that are no regular file: refused or skipped, never opened (a FIFO blocks forever)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/null", "/dev/zero"])
+def test_an_input_that_is_no_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    if kind == "fifo":
+        path = tmp_path / "cluster.yaml"
+        os.mkfifo(path)
+        what = "a FIFO"
+    else:
+        path = Path(kind)
+        what = "a character device"
+    with pytest.raises(InputError) as raised:
+        _load(path)
+    assert str(raised.value) == (
+        f"--input {path}: not a regular file ({what}); give a manifest file or a directory of them"
+    )
+
+
+def test_the_command_refuses_a_fifo_in_one_line_and_does_not_hang(
+    tmp_path: Path, kpng_command: list[str]
+) -> None:
+    fifo = tmp_path / "cluster.yaml"
+    os.mkfifo(fifo)
+    done = subprocess.run(
+        [*kpng_command, "file", "--input", str(fifo), "to-file", "--output", "-", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.endswith(
+        f" ERROR kpng: --input {fifo}: not a regular file (a FIFO); give a manifest file or a "
+        "directory of them"
+    )
+    assert done.stdout == ""
+
+
+def test_a_fifo_in_a_directory_is_skipped_with_a_warning_never_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+    os.mkfifo(tmp_path / "b.yaml")
+    with caplog.at_level(logging.WARNING):
+        source, store = _load(tmp_path)  # would block reading b.yaml
+    assert set(store.services) == {("ns", "a")}
+    assert store.synced
+    (warning,) = [r for r in caplog.records if "b.yaml" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage() == (
+        f"{tmp_path / 'b.yaml'}: not a regular file (a FIFO); skipped, never opened"
+    )
+    caplog.clear()
+    source.reload(source.files(), store.source("again"))  # once only
+    assert not [r for r in caplog.records if "b.yaml" in r.getMessage()]
+
+
+def test_a_fifo_created_in_a_watched_directory_is_skipped(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+
+    def change() -> None:
+        os.mkfifo(tmp_path / "b.yaml")
+        _write(tmp_path / "c.yaml", _svc("c"))
+
+    store = _run(_follow(tmp_path, change, lambda s: ("ns", "c") in s.services))
+    assert set(store.services) == {("ns", "a"), ("ns", "c")}
+
+
+# --- an input that holds no Service at start
+
+
+@pytest.mark.parametrize("kind", ["empty-file", "empty-directory", "only-a-node"])
+def test_an_input_without_services_is_served_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    path = tmp_path / "in"
+    if kind == "empty-directory":
+        path.mkdir()
+    elif kind == "empty-file":
+        path.write_text("")
+    else:
+        _write(path, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
+    with caplog.at_level(logging.WARNING):
+        _, store = _load(path)
+    assert store.synced
+    assert not store.services
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"--input {path} holds no Service: kpng serves an empty state, with no rules for any "
+        "Service"
+    ]
+
+
+def test_an_input_with_services_gets_no_such_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "c.yaml", _svc("a"))
+    with caplog.at_level(logging.WARNING):
+        _load(tmp_path / "c.yaml")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# --- a file read empty or gone: its Services go only if it stays so for the removal delay
+
+Published = list[frozenset[tuple[str, str]]]
+
+
+@contextlib.asynccontextmanager
+async def _running(path: Path, removal_delay: float) -> AsyncIterator[tuple[FileSource, Published]]:
+    """A FileSource following ``path``, and the Services of every state the store published."""
+    store = Store()
+    published: Published = []
+    store.listeners.append(lambda _: published.append(frozenset(store.services)))
+    source = FileSource(path, removal_delay=removal_delay)
+    watching = asyncio.Event()
+    task = asyncio.create_task(source.run(store.source("file"), watching=watching))
+    try:
+        await asyncio.wait_for(watching.wait(), WAIT_S)
+        yield source, published
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+AB = frozenset({("ns", "a"), ("ns", "b")})
+ABC = AB | {("ns", "c")}
+# Long enough for the rewrite to land inside it on a loaded machine, short enough for a test.
+SETTLE_S = 1.0
+
+
+def _docs(*names: str) -> str:
+    return "\n---\n".join(json.dumps(_svc(n, f"10.96.0.{i + 1}")) for i, n in enumerate(names))
+
+
+def test_a_file_truncated_then_written_never_loses_its_services(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``cat new > cluster.yaml``, with the reader seeing the file empty in between."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(_docs("a", "b"))
+
+    async def scenario() -> Published:
+        async with _running(path, SETTLE_S) as (source, published):
+            with path.open("w") as writer:  # truncated: what the shell's > does first
+                writer.flush()
+                await eventually(lambda: path in source.held)  # kpng read it empty
+                writer.write(_docs("a", "b", "c"))
+            await eventually(lambda: bool(published) and published[-1] == ABC)
+            assert not source.held
+            await asyncio.sleep(SETTLE_S + 0.2)  # past the delay: nothing more happens
+        return published
+
+    with caplog.at_level(logging.INFO):
+        published = asyncio.run(scenario())
+    assert published == [AB, ABC]  # never a state without a or b
+    messages = [r.getMessage() for r in caplog.records]
+    assert (
+        f"{path} is empty: its 2 Service(s) are removed if it is still empty in 1s "
+        "(--removal-delay)" in messages
+    )
+    assert f"{path} is no longer empty or gone: its Services stay" in messages
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["rename-over", "delete-then-rename"])
+def test_a_file_replaced_by_rename_never_loses_its_services(tmp_path: Path, gap: bool) -> None:
+    """``mv new cluster.yaml``; and a writer that deletes the file before moving the new one in."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(_docs("a", "b"))
+
+    async def scenario() -> Published:
+        async with _running(path, SETTLE_S) as (source, published):
+            new = tmp_path / "cluster.yaml.new"
+            new.write_text(_docs("a", "b", "c"))
+            if gap:
+                path.unlink()
+                await eventually(lambda: path in source.held)  # kpng found it gone
+            new.rename(path)
+            await eventually(lambda: bool(published) and published[-1] == ABC)
+            await asyncio.sleep(SETTLE_S + 0.2)
+            assert not source.held
+        return published
+
+    assert asyncio.run(scenario()) == [AB, ABC]
+
+
+def _truncate(path: Path) -> None:
+    path.write_text("")
+
+
+def _comment_only(path: Path) -> None:
+    path.write_text("# nothing here yet\n")
+
+
+@pytest.mark.parametrize(
+    ("empty", "still"),
+    [
+        pytest.param(_truncate, "is still empty", id="truncated"),
+        pytest.param(_comment_only, "still holds no object", id="no-object"),
+        pytest.param(Path.unlink, "is still gone", id="deleted"),
+    ],
+)
+def test_a_file_that_stays_empty_loses_its_services_after_the_delay(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    empty: Callable[[Path], None],
+    still: str,
+) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(_docs("a", "b"))
+
+    async def scenario() -> tuple[Published, float]:
+        async with _running(path, REMOVAL_DELAY_S) as (source, published):
+            empty(path)
+            await eventually(lambda: path in source.held)
+            held = time.monotonic()
+            assert published == [AB]
+            await eventually(lambda: published[-1] == frozenset())
+            return published, time.monotonic() - held
+
+    with caplog.at_level(logging.WARNING):
+        published, waited = asyncio.run(scenario())
+    assert published == [AB, frozenset()]
+    assert waited >= REMOVAL_DELAY_S * 0.9, waited  # (the hold began just before it was seen)
+    assert f"{path} {still} after 0.3s: removing its 2 Service(s)" in [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+def test_an_emptied_directory_loses_its_services_after_the_delay(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", _svc("a"))
+    _write(tmp_path / "b.yaml", _svc("b", "10.96.0.2"))
+
+    async def scenario() -> Published:
+        async with _running(tmp_path, REMOVAL_DELAY_S) as (source, published):
+            (tmp_path / "a.yaml").unlink()
+            (tmp_path / "b.yaml").unlink()
+            await eventually(lambda: len(source.held) == 2)
+            await eventually(lambda: published[-1] == frozenset())
+            return published
+
+    published = asyncio.run(scenario())
+    assert published[0] == AB
+    assert published[-1] == frozenset()
+    # held, then removed: never a commit in between (both files went together, or one by one)
+    assert all(state in (AB, {("ns", "a")}, {("ns", "b")}, frozenset()) for state in published)
+
+
+def test_a_removal_delay_of_zero_applies_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(_docs("a", "b"))
+
+    async def scenario() -> tuple[Published, bool]:
+        async with _running(path, 0) as (source, published):
+            _truncate(path)
+            await eventually(lambda: published[-1] == frozenset())
+            return published, bool(source.held)
+
+    published, held = asyncio.run(scenario())
+    assert published == [AB, frozenset()]
+    assert not held
+
+
+def test_a_service_another_file_defines_too_is_not_held(tmp_path: Path) -> None:
+    """Handed over to the other file at once: nothing would be removed."""
+    _write(tmp_path / "1.yaml", _svc("a", "10.96.0.1"))
+    _write(tmp_path / "2.yaml", _svc("a", "10.96.0.2"))
+    source = FileSource(tmp_path)  # the default delay: seconds
+    store = Store()
+    source.load(store.source("file"))
+    (tmp_path / "1.yaml").write_text("")
+    source.reload([tmp_path / "1.yaml"], store.source("again"))
+    assert not source.held
+    assert _cluster_ip(store, "a") == "10.96.0.2"
+
+
+@pytest.mark.parametrize(
+    ("argument", "seconds"), [("5s", 5.0), ("1m30s", 90.0), ("0", 0.0), ("0.3", 0.3)]
+)
+def test_the_removal_delay_flag_takes_durations(argument: str, seconds: float) -> None:
+    parser = argparse.ArgumentParser()
+    SPEC.add_arguments(parser)
+    assert parser.parse_args(["--input", "x"]).removal_delay == REMOVAL_DELAY_DEFAULT_S == 5.0
+    assert parser.parse_args(["--input", "x", "--removal-delay", argument]).removal_delay == (
+        seconds
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--input", "x", "--removal-delay", "-1s"])
+
+
+def test_a_service_named_as_no_cluster_would_is_skipped_the_rest_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"), _svc("Bad_Name!", "10.96.0.2"), _svc("b", "10.96.0.3"))
+    with caplog.at_level(logging.ERROR):
+        _, store = _load(path)
+    assert set(store.services) == {("ns", "a"), ("ns", "b")}
+    (error,) = [r.getMessage() for r in caplog.records]
+    assert error.startswith(
+        f"{path}: document 1: Service ns/Bad_Name!: metadata.name: 'Bad_Name!' is not a "
+        "DNS-1035 label"
+    )

@@ -172,3 +172,30 @@ services:
     (unreadable,) = parsed.errors[2:]
     assert unreadable.startswith(f"{where}[3]: endpoint of Service shop/web: ")
     assert unreadable.endswith("; endpoint skipped")
+
+
+def test_a_service_named_as_no_cluster_would_is_skipped_with_its_endpoints() -> None:
+    state = b"""
+services:
+- service:
+    namespace: shop
+    name: Bad_Name!
+    ips: {clusterips: {v4: [10.96.0.10]}}
+    ports: [{name: http, protocol: 1, port: 80, targetport: 8080}]
+  endpoints:
+  - endpoint: {ips: {v4: [10.244.1.2]}}
+- service:
+    namespace: shop
+    name: web
+    ips: {clusterips: {v4: [10.96.0.11]}}
+    ports: [{name: http, protocol: 1, port: 80, targetport: 8080}]
+"""
+    parsed = parse(state, filename="state.yaml")
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+    assert len(parsed.errors) == 2, parsed.errors
+    assert parsed.errors[0].startswith(
+        "state.yaml: Service shop/Bad_Name!: metadata.name: 'Bad_Name!' is not a DNS-1035 label"
+    )
+    assert parsed.errors[1].startswith(
+        "state.yaml: EndpointSlice shop/Bad_Name!: metadata.name: 'Bad_Name!' is not a DNS-1123"
+    )

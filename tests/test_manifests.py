@@ -153,6 +153,24 @@ BAD_OBJECTS = [
         _bad_protocol(_svc()), "Service shop/web", "unknown protocol", id="unknown-protocol"
     ),
     pytest.param(_wrong_type(_svc()), "Service shop/web", "Expected `int", id="mistyped-field"),
+    pytest.param(
+        _svc(name="Bad_Name!"),
+        "Service shop/Bad_Name!",
+        "metadata.name: 'Bad_Name!' is not a DNS-1035 label",
+        id="service-name-the-api-server-refuses",
+    ),
+    pytest.param(
+        _svc(namespace="Shop"),
+        "Service Shop/web",
+        "metadata.namespace: 'Shop' is not a DNS-1123 label",
+        id="namespace-the-api-server-refuses",
+    ),
+    pytest.param(
+        _slice(name="web_1"),
+        "EndpointSlice shop/web_1",
+        "metadata.name: 'web_1' is not a DNS-1123 subdomain",
+        id="slice-name-the-api-server-refuses",
+    ),
 ]
 
 
@@ -303,3 +321,32 @@ def test_a_slice_of_exactly_1000_endpoints_is_served() -> None:
     model = parsed.objects["EndpointSlice", "shop", "web-1"]
     assert isinstance(model, Slice)
     assert len(model.endpoints) == MAX_SLICE_ENDPOINTS
+
+
+def test_a_dump_s_objects_are_held_to_the_api_server_s_names() -> None:
+    """A dump holds model objects, converted by no one: their names are checked as they are
+    read, so no source brings a name the backends cannot use."""
+    from kpng.model import dumping
+    from kpng.model.messages import ServiceIPs
+
+    def service(namespace: str, name: str) -> Service:
+        return Service(Namespace=namespace, Name=name, Type="ClusterIP", IPs=ServiceIPs())
+
+    good, bad = service("shop", "web"), service("shop", "Bad_Name!")
+    data = dumping.dump(
+        revision=1,
+        services={("shop", "web"): good, ("shop", "Bad_Name!"): bad},
+        slices={},
+        nodes={"n_1": Node(Name="n_1")},
+        service_cidrs={},
+    )
+    parsed = parse(data, filename="state.json")
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+    assert sorted(parsed.errors) == [
+        "state.json: Node n_1: metadata.name: 'n_1' is not a DNS-1123 subdomain: lowercase "
+        "letters, digits, '-' and '.', each '.'-separated part starting and ending with a "
+        "letter or digit; skipped",
+        "state.json: Service shop/Bad_Name!: metadata.name: 'Bad_Name!' is not a DNS-1035 "
+        "label: lowercase letters, digits and '-', starting with a letter, ending with a "
+        "letter or digit; skipped",
+    ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import sys
 from collections.abc import Callable
 
@@ -57,6 +58,66 @@ def is_proxied(labels: dict[str, str] | None, *, proxy_name: str | None) -> bool
 
 def _identity(meta: k8s.ObjectMeta) -> tuple[str, str]:
     return meta.namespace or "default", meta.name
+
+
+# The API server's name rules (apimachinery's validation). A name it would refuse reaches no
+# cluster, and is no name kpng's backends can put in a rule (nftables refused ``Bad_Name!``,
+# failing the whole transaction): such an object is refused here, for every source.
+_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_LABEL = re.compile(_LABEL)
+_DNS1035_LABEL = re.compile("[a-z]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+_NAME_RULES = {
+    "DNS-1123 label": (
+        _DNS1123_LABEL,
+        63,
+        "lowercase letters, digits and '-', starting and ending with a letter or digit",
+    ),
+    "DNS-1035 label": (
+        _DNS1035_LABEL,
+        63,
+        "lowercase letters, digits and '-', starting with a letter, ending with a letter or digit",
+    ),
+    "DNS-1123 subdomain": (
+        _DNS1123_SUBDOMAIN,
+        253,
+        "lowercase letters, digits, '-' and '.', each '.'-separated part starting and ending "
+        "with a letter or digit",
+    ),
+}
+
+
+def name_problem(value: str, rule: str) -> str | None:
+    """Why the API server would refuse ``value`` as a name of this ``rule`` ("DNS-1035 label",
+    "DNS-1123 label", "DNS-1123 subdomain"), or None if it would take it."""
+    pattern, longest, wording = _NAME_RULES[rule]
+    if len(value) > longest:
+        return f"{value!r} is not a {rule}: {len(value)} characters, more than {longest}"
+    if not pattern.fullmatch(value):
+        return f"{value!r} is not a {rule}: {wording}"
+    return None
+
+
+SERVICE_NAME_RULE = "DNS-1035 label"
+NAMESPACE_RULE = "DNS-1123 label"
+OBJECT_NAME_RULE = "DNS-1123 subdomain"
+"""The rule of EndpointSlice, Node and ServiceCIDR names."""
+
+
+def check_identity(kind: str, namespace: str, name: str) -> None:
+    """Raise InvalidObject if the API server would refuse this kind's ``name`` or ``namespace``
+    ("" for a cluster-scoped kind). For sources whose objects are no Kubernetes objects (kpng's
+    dumps, Go KPNG's state files) as for those that are."""
+    invalid = InvalidObjectFactory(kind, namespace, name)
+    if not name:
+        raise invalid("metadata.name is missing")
+    problem = name_problem(name, SERVICE_NAME_RULE if kind == "Service" else OBJECT_NAME_RULE)
+    if problem is not None:
+        raise invalid(f"metadata.name: {problem}")
+    if namespace:
+        problem = name_problem(namespace, NAMESPACE_RULE)
+        if problem is not None:
+            raise invalid(f"metadata.namespace: {problem}")
 
 
 def _annotations(meta: k8s.ObjectMeta) -> dict[str, str]:
@@ -160,8 +221,7 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
     """The localv1 Service for a v1 Service, or None if kube-proxy would ignore it."""
     namespace, name = _identity(obj.metadata)
     invalid = InvalidObjectFactory("Service", namespace, name)
-    if not name:
-        raise invalid("metadata.name is missing")
+    check_identity("Service", namespace, name)
     if obj.api_version != k8s.API_VERSIONS[k8s.Service]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
     if ignored_because(obj, proxy_name=proxy_name) is not None:
@@ -311,8 +371,7 @@ def slice_from_k8s(obj: k8s.EndpointSlice, *, proxy_name: str | None = None) -> 
     """The model of a discovery.k8s.io/v1 EndpointSlice, or None if kube-proxy would ignore it."""
     namespace, name = _identity(obj.metadata)
     invalid = InvalidObjectFactory("EndpointSlice", namespace, name)
-    if not name:
-        raise invalid("metadata.name is missing")
+    check_identity("EndpointSlice", namespace, name)
     if obj.api_version != k8s.API_VERSIONS[k8s.EndpointSlice]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
     labels = obj.metadata.labels or {}
@@ -378,8 +437,7 @@ def _cluster_scoped(obj: k8s.Node | k8s.ServiceCIDR, kind: str) -> tuple[str, In
     """The name of a cluster-scoped object, and what reports it invalid; checked."""
     name = obj.metadata.name
     invalid = InvalidObjectFactory(kind, "", name)
-    if not name:
-        raise invalid("metadata.name is missing")
+    check_identity(kind, "", name)
     if obj.api_version != k8s.API_VERSIONS[type(obj)]:
         raise invalid(f"unsupported apiVersion {obj.api_version!r}")
     return name, invalid

@@ -6,7 +6,10 @@ reach the store. An object defined in two files is reported, and the file that s
 A file that cannot be read or parsed any more is reported and keeps serving its last good content:
 an editor's half-written save never wipes services. A file that has never parsed has no content to
 keep: the source does not sync until it parses (or goes), ``/healthz`` names it, and a one-shot run
-(``--once``) fails.
+(``--once``) fails. A file that served Services and reads empty, empty of objects or gone keeps
+them for ``--removal-delay``, and loses them only if it is still so then: a writer that truncates
+(``kubectl get -o yaml > file``) or deletes the file before writing it anew causes no outage.
+FIFOs and devices are never opened: refused as ``--input``, skipped inside a directory.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kpng.collector import collector_paused
+from kpng.durations import format_duration, parse_duration
 from kpng.errors import InputError, object_name
 from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
@@ -38,6 +44,10 @@ SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 # Group a burst of writes (an editor's save, a `cp -r`) into one reload, yet answer promptly.
 _WATCH_STEP_MS = 30
 _WATCH_DEBOUNCE_MS = 400
+REMOVAL_DELAY_S = 5.0
+"""How long a file that served Services may read as empty, empty of objects or gone before its
+Services are removed: ``kubectl get -o yaml > file`` truncates the file first, and a writer
+that truncates then writes, or deletes then renames into place, leaves it so for an instant."""
 
 
 class _Read(NamedTuple):
@@ -47,16 +57,66 @@ class _Read(NamedTuple):
     """Its objects, or why it cannot be used."""
     seen: tuple[int, int, int]
     """Its inode, size and mtime when read."""
+    regular: bool = True
+    """False: not a regular file (a FIFO, a device...), so never opened."""
+
+
+class _NotRegular(Exception):
+    """A path that is no regular file: opening it could block forever (a FIFO waits for a
+    writer, in a thread SIGTERM cannot interrupt) or read without end (``/dev/zero``)."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__(_file_type(mode))
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "of an unknown type"
+
+
+def _read_regular(path: Path) -> tuple[bytes, os.stat_result]:
+    """A regular file's content, and its stat as read. Raises _NotRegular, without opening it,
+    for anything else."""
+    before = path.stat()
+    if not stat.S_ISREG(before.st_mode):
+        raise _NotRegular(before.st_mode)
+    # Non-blocking, should the path become a FIFO between the stat and the open: opening one
+    # for reading then returns at once instead of waiting for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise _NotRegular(opened.st_mode)
+        return file.read(), opened
 
 
 class FileSource:
-    def __init__(self, path: Path, *, proxy_name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        proxy_name: str | None = None,
+        removal_delay: float = REMOVAL_DELAY_S,
+    ) -> None:
         # Absolute and normalized (``./sub/../x``): inotify reports absolute paths, and a
         # relative PATH would never equal them, so no change would ever be followed.
         self.path = Path(os.path.abspath(path))
         self.given = path
         """PATH as the user wrote it, for messages."""
         self.proxy_name = proxy_name
+        self.removal_delay = removal_delay
+        self._held: dict[Path, float] = {}
+        """Files read empty or gone whose Services are still served, each with the (monotonic)
+        time from which a read that finds them so again removes them."""
+        self._expiring: asyncio.Task[None] | None = None
         self._parsed: dict[Path, Parsed] = {}
         self._memos: dict[Path, manifests.ItemMemo] = {}
         self._owner: dict[ObjectKey, Path] = {}
@@ -67,11 +127,14 @@ class FileSource:
         armed is found by comparing them."""
         self._lock = asyncio.Lock()
         """One reload at a time: the parse memos are shared with the reading thread."""
+        self._not_regular: set[Path] = set()
+        """Entries of a directory skipped as no regular file, each reported once."""
 
     def files(self) -> list[Path]:
-        """The files PATH names now, in the order that decides duplicates."""
+        """The files PATH names now, in the order that decides duplicates. A FIFO or a device
+        among them is listed too, to be reported when read (and never opened)."""
         if self.path.is_dir():
-            return sorted(p for p in self.path.rglob("*") if self._wanted(p) and p.is_file())
+            return sorted(p for p in self.path.rglob("*") if self._wanted(p) and not p.is_dir())
         return [self.path]
 
     def _wanted(self, path: Path) -> bool:
@@ -88,22 +151,63 @@ class FileSource:
         """Read every file and mark the source synced. Raises InputError if PATH is unusable."""
         self._check_input()
         self.reload(self.files(), out)
+        self._warn_if_no_service()
         self._sync_unless_blocked(out)
 
     async def load_off_loop(self, out: SourceHandle) -> None:
         """``load``, reading and parsing in a thread (see ``_reload_off_loop``)."""
         self._check_input()
         await self._reload_off_loop(self.files(), out)
+        self._warn_if_no_service()
         self._sync_unless_blocked(out)
 
+    def _warn_if_no_service(self) -> None:
+        """An empty state is legitimate (a new cluster), so it is served; but it is more often a
+        mistake (a file truncated by a failed ``kubectl get -o yaml >``, the wrong directory),
+        whose effect on a node is to remove every rule: said at once."""
+        if self._never_parsed:
+            return  # the file that does not parse yet may hold them
+        if self._served_services() == 0:
+            log.warning(
+                "--input %s holds no Service: kpng serves an empty state, with no rules for "
+                "any Service",
+                self.given,
+            )
+
+    def _served_services(self, path: Path | None = None) -> int:
+        """How many Services are served from the files; with ``path``, how many of those would
+        go with it (those another file defines too would be served from there instead)."""
+        served = [
+            key
+            for key, owner in self._owner.items()
+            if key[0] == "Service"
+            and (path is None or owner == path)
+            and isinstance(self._parsed[owner].objects[key], Service)
+        ]
+        if path is None:
+            return len(served)
+        others = [p.objects for p_path, p in self._parsed.items() if p_path != path]
+        return sum(1 for key in served if not any(key in objects for objects in others))
+
     def _check_input(self) -> None:
-        if not self.path.exists():
-            raise InputError(f"--input {self.given}: no such file or directory")
-        if self.path.is_file():
-            try:
-                self.path.read_bytes()
-            except OSError as exc:
-                raise InputError(f"--input {self.given}: {exc.strerror}") from None
+        try:
+            mode = self.path.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise InputError(f"--input {self.given}: no such file or directory") from None
+        except OSError as exc:
+            raise InputError(f"--input {self.given}: {exc.strerror}") from None
+        if stat.S_ISDIR(mode):
+            return
+        try:
+            _read_regular(self.path)
+        except _NotRegular as exc:
+            # Refused rather than skipped: nothing else would be read, and reading it hangs.
+            raise InputError(
+                f"--input {self.given}: not a regular file ({exc}); give a manifest file or a "
+                "directory of them"
+            ) from None
+        except OSError as exc:
+            raise InputError(f"--input {self.given}: {exc.strerror}") from None
 
     def _sync_unless_blocked(self, out: SourceHandle) -> None:
         if not self._never_parsed:
@@ -133,11 +237,13 @@ class FileSource:
         for path in paths:
             seen = (0, 0, 0)
             try:
-                stat = path.stat()
-                seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-                data = path.read_bytes()
+                data, read = _read_regular(path)
+                seen = (read.st_ino, read.st_size, read.st_mtime_ns)
             except FileNotFoundError:
                 results[path] = None
+                continue
+            except _NotRegular as exc:
+                results[path] = _Read(f"{path}: not a regular file ({exc})", seen, regular=False)
                 continue
             except OSError as exc:
                 results[path] = _Read(f"{path}: cannot read: {exc.strerror}", seen)
@@ -162,6 +268,8 @@ class FileSource:
     def _stage_all(self, results: dict[Path, _Read | None], out: SourceHandle) -> None:
         touched: set[ObjectKey] = set()
         for path, read in results.items():
+            if self._held_back(path, read):
+                continue
             old = self._parsed.get(path)
             if old is not None:
                 touched.update(old.objects)
@@ -170,8 +278,13 @@ class FileSource:
                 self._memos.pop(path, None)
                 self._never_parsed.pop(path, None)
                 self._seen.pop(path, None)
+                self._not_regular.discard(path)
                 continue
-            result, self._seen[path] = read
+            result, self._seen[path], regular = read
+            if not regular and path not in self._parsed:
+                self._skip_not_regular(path, str(result))
+                continue
+            self._not_regular.discard(path)
             if isinstance(result, str):
                 self._failed(path, result, out)
                 continue  # unreadable now: keep its last good content
@@ -232,12 +345,63 @@ class FileSource:
         files: set[Path] = set()
         for path in paths:
             if path.is_dir():
-                files.update(p for p in path.rglob("*") if self._wanted(p) and p.is_file())
+                files.update(p for p in path.rglob("*") if self._wanted(p) and not p.is_dir())
             elif self._wanted(path):
                 files.add(path)
             if not path.exists():
                 files.update(p for p in self._parsed if p.is_relative_to(path))
         return files
+
+    @property
+    def held(self) -> frozenset[Path]:
+        """The files whose removal of Services waits for the removal delay."""
+        return frozenset(self._held)
+
+    def _held_back(self, path: Path, read: _Read | None) -> bool:
+        """Whether to leave this read of ``path`` unapplied for now: it would remove every
+        Service the file serves, because the file is empty, holds no object or is gone, and it
+        has not been so for the removal delay yet (counted from the first read that found it
+        so). Such a file is most often being rewritten; if it is not, the next read after the
+        delay applies it (``run`` reads it again then)."""
+        if read is None:
+            state, still = "is gone", "is still gone"
+        elif read.regular and not isinstance(read.result, str) and not read.result.objects:
+            empty = read.seen[1] == 0
+            state = "is empty" if empty else "holds no object"
+            still = "is still empty" if empty else "still holds no object"
+        else:
+            state = still = ""
+        losing = self._served_services(path) if state and self.removal_delay > 0 else 0
+        if not losing:
+            if path in self._held and not state:
+                log.info("%s is no longer empty or gone: its Services stay", path)
+            self._held.pop(path, None)
+            return False
+        now = time.monotonic()
+        due = self._held.get(path)
+        delay = format_duration(self.removal_delay)
+        if due is None:
+            self._held[path] = now + self.removal_delay
+            log.warning(
+                "%s %s: its %d Service(s) are removed if it %s in %s (--removal-delay)",
+                path,
+                state,
+                losing,
+                still,
+                delay,
+            )
+            return True
+        if now < due:
+            return True
+        del self._held[path]
+        log.warning("%s %s after %s: removing its %d Service(s)", path, still, delay, losing)
+        return False
+
+    def _skip_not_regular(self, path: Path, error: str) -> None:
+        """A FIFO or a device in a directory: skipped, not waited for (it never parses)."""
+        if path not in self._not_regular:
+            self._not_regular.add(path)
+            log.warning("%s; skipped, never opened", error)
 
     def _failed(self, path: Path, error: str, out: SourceHandle) -> None:
         if path in self._parsed:
@@ -301,6 +465,16 @@ class FileSource:
             self._sync_unless_blocked(out)
         elif out.commit():
             log.info("reloaded %d file(s)", len(changed))
+        if self._held and (self._expiring is None or self._expiring.done()):
+            self._expiring = asyncio.ensure_future(self._expire_held(out))
+
+    async def _expire_held(self, out: SourceHandle) -> None:
+        """Read the held files again as their delays end: what is still empty or gone then is
+        applied (``_held_back``); what has content again was applied as it came."""
+        while self._held:
+            await asyncio.sleep(max(0.0, min(self._held.values()) - time.monotonic()))
+            now = time.monotonic()
+            await self._apply(sorted(p for p, due in self._held.items() if due <= now), out)
 
     async def run(self, out: SourceHandle, *, watching: asyncio.Event | None = None) -> None:
         """Load, then follow changes until cancelled. ``watching`` is set once changes are seen."""
@@ -330,6 +504,8 @@ class FileSource:
         finally:
             if catching_up is not None:
                 catching_up.cancel()
+            if self._expiring is not None:
+                self._expiring.cancel()
 
 
 def stage(out: SourceHandle, key: ObjectKey, model: Entry) -> None:
@@ -360,6 +536,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input", required=True, type=Path, metavar="PATH", help="a manifest file or directory"
     )
     parser.add_argument(
+        "--removal-delay",
+        type=_duration,
+        default=REMOVAL_DELAY_S,
+        metavar="DURATION",
+        help="how long a file that served Services must stay empty, empty of objects or gone "
+        "before its Services are removed: a writer that truncates or deletes the file before "
+        "writing it again causes no outage (e.g. 10s; 0: at once; default: "
+        f"{format_duration(REMOVAL_DELAY_S)})",
+    )
+    parser.add_argument(
         "--service-proxy-name",
         metavar="NAME",
         help="serve only objects labelled service.kubernetes.io/service-proxy-name=NAME "
@@ -367,8 +553,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _duration(value: str) -> float:
+    """An argparse type: a Go duration (``5s``, ``500ms``) or seconds. kpng.backends._node's
+    duration_argument, which the file source does not import: that would load the backends'
+    package for every command."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _create(args: argparse.Namespace, store: Store, _: str | None) -> Runner:
-    source = FileSource(args.input, proxy_name=args.service_proxy_name)
+    source = FileSource(
+        args.input, proxy_name=args.service_proxy_name, removal_delay=args.removal_delay
+    )
     handle = store.source("file")
     return lambda: source.run(handle)
 

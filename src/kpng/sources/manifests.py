@@ -283,7 +283,19 @@ def _add_dump(data: bytes, where: str, parsed: Parsed) -> None:
         parsed.errors.append(f"{where}: {exc}; skipped")
         return
     for model in objects:
-        _keep(parsed, model_key(model), model, where)
+        if _named_as_the_api_server_would(model, where, parsed):
+            _keep(parsed, model_key(model), model, where)
+
+
+def _named_as_the_api_server_would(model: Model, where: str, parsed: Parsed) -> bool:
+    """Whether a model read as such (a dump, Go KPNG's state) has names a cluster would hold;
+    reported if not. A Kubernetes object's names are checked as it is converted."""
+    try:
+        converting.check_identity(*model_key(model))
+    except InvalidObject as exc:
+        parsed.errors.append(f"{where}: {exc}; skipped")
+        return False
+    return True
 
 
 def _add_go_kpng_state(
@@ -295,6 +307,8 @@ def _add_go_kpng_state(
     parsed.errors += [f"{where}: {error}" for error in errors]
     ignored: set[tuple[str, str]] = set()
     for model in objects:
+        if not _named_as_the_api_server_would(model, where, parsed):
+            continue
         # The service-proxy-name rule, as for a Service manifest (Go KPNG's file has no headless
         # services: its store never held them).
         if isinstance(model, Service) and not converting.is_proxied(
