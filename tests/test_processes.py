@@ -6,6 +6,8 @@ end whatever happens, and every wait is bounded."""
 
 from __future__ import annotations
 
+import ctypes.util
+import os
 import shutil
 import signal
 import socket
@@ -182,3 +184,56 @@ def test_on_exit_a_brain_leaves_a_socket_that_replaced_its_own(
         assert not list(sock_dir.glob(".kpng-*"))  # nor a private name left behind
     finally:
         brain.kill()
+
+
+# --- a one-shot run without the privilege it needs
+
+_UNPRIVILEGED = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"]
+"""Root without a single capability: what a container without NET_ADMIN or BPF runs as. (Not
+another user: this interpreter may live where only root may read.)"""
+
+
+def _unprivileged() -> list[str]:
+    if os.geteuid() != 0:
+        return []  # already without the privilege
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop root's capabilities")
+    return _UNPRIVILEGED
+
+
+BACKENDS = ["to-nft", "to-iptables", "to-ebpf"]
+
+
+def _usable(backend: str) -> bool:
+    """Whether this machine has what ``backend`` runs (its privilege aside)."""
+    if backend == "to-nft":
+        return ctypes.util.find_library("nftables") is not None
+    if backend == "to-iptables":
+        return any(shutil.which(tool) for tool in ("iptables-nft-save", "iptables-save"))
+    return ctypes.util.find_library("bpf") is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_shot_run_without_privilege_fails_at_once_with_one_line(
+    env: dict[str, str], backend: str
+) -> None:
+    """Not a retry a minute for ever: nobody is there to fix the capabilities of a --once."""
+    if not _usable(backend):
+        pytest.skip(f"{backend} is not usable on this machine")
+    argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-1", backend, "--once"]
+    started = time.monotonic()
+    done = subprocess.run(
+        [*_unprivileged(), sys.executable, "-m", "kpng", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=RUN_S,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < RUN_S
+    [error] = _errors(done.stderr)
+    assert f"{backend} failed to apply revision 1: " in error
+    assert "not permitted" in error or "Permission denied" in error, error
+    assert "retrying" not in done.stderr
+    assert "Traceback" not in done.stderr

@@ -337,7 +337,10 @@ def _backends(
         for name, spec, args in parsed:
             sync = SyncStats()
             backend = spec.create(args, sync)
-            feeders.append(Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs))
+            # A one-shot run stops at any backend's first failure: nobody waits for the retry.
+            feeders.append(
+                Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs, once=once)
+            )
         return status.track(Fanout(feeders))
 
     return fanout, once
