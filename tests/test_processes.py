@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -49,11 +49,13 @@ def sock_dir() -> Iterator[Path]:
 class _Started:
     """A kpng process, its stderr in a file to read while it runs."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log: Path, *, prefix: Sequence[str] = ()
+    ) -> None:
         self.log = log
         with log.open("wb") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kpng", *argv],
+                [*prefix, sys.executable, "-m", "kpng", *argv],
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 env=env,
@@ -237,3 +239,128 @@ def test_a_one_shot_run_without_privilege_fails_at_once_with_one_line(
     assert "not permitted" in error or "Permission denied" in error, error
     assert "retrying" not in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- SIGTERM ends every command
+
+
+def test_sigterm_ends_a_node_agent_that_keeps_reconnecting(
+    env: dict[str, str], sock_dir: Path, tmp_path: Path
+) -> None:
+    api = f"unix://{sock_dir}/nobody-serves.sock"
+    agent = _Started(
+        ["local", "--api", api, "--node-name", "n", "to-json"], env, tmp_path / "l.log"
+    )
+    try:
+        agent.wait_for("retrying")
+        agent.terminated_within(STOP_S)
+        assert agent.proc.returncode == 0, agent.stderr()
+    finally:
+        agent.kill()
+
+
+def test_sigterm_ends_a_node_agent_whose_brain_is_gone(
+    env: dict[str, str], sock_dir: Path, tmp_path: Path
+) -> None:
+    sock = sock_dir / "api.sock"
+    out = tmp_path / "state.jsonl"
+    brain = _brain(sock, env, tmp_path / "brain.log")
+    argv = ["local", "--api", f"unix://{sock}", "--node-name", "n", "to-json", "--output", str(out)]
+    agent = _Started(argv, env, tmp_path / "agent.log")
+    try:
+        until(lambda: out.exists() and out.stat().st_size > 0, "the agent's first state")
+        brain.proc.kill()
+        brain.proc.wait(timeout=STOP_S)
+        agent.wait_for("the last state stays in force; retrying")
+        agent.terminated_within(STOP_S)
+        assert agent.proc.returncode == 0, agent.stderr()
+    finally:
+        agent.kill()
+        brain.kill()
+
+
+def test_sigterm_ends_a_backend_that_keeps_failing_without_privilege(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A daemon retries (the operator may grant the capability), says why each time, and
+    stops when told to, retrying or waiting to."""
+    if not _usable("to-nft"):
+        pytest.skip("to-nft is not usable on this machine")
+    argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-1", "to-nft"]
+    proxy = _Started(argv, env, tmp_path / "nft.log", prefix=_unprivileged())
+    try:
+        until(lambda: proxy.stderr().count("retrying") >= 2, "a retry", within=START_S)
+        failure = next(line for line in proxy.stderr().splitlines() if "retrying" in line)
+        assert "to-nft failed to apply revision 1: " in failure
+        assert "Operation not permitted" in failure
+        proxy.terminated_within(STOP_S)
+        assert proxy.proc.returncode == 0, proxy.stderr()
+    finally:
+        proxy.kill()
+
+
+def test_sigterm_ends_a_brain(env: dict[str, str], sock_dir: Path, tmp_path: Path) -> None:
+    sock = sock_dir / "api.sock"
+    brain = _brain(sock, env, tmp_path / "brain.log")
+    try:
+        brain.terminated_within(STOP_S)
+        assert brain.proc.returncode == 0, brain.stderr()
+        assert not sock.exists()
+    finally:
+        brain.kill()
+
+
+_STUBBORN = """
+import asyncio, sys
+from kpng.stopping import until_signalled
+
+async def stubborn() -> None:
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            print("cancelled, carrying on", flush=True)
+
+async def main() -> None:
+    print("ready", flush=True)
+    await stubborn()
+
+asyncio.run(until_signalled(main(), grace=float(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["after the grace", "at a second signal"])
+def test_a_task_that_ignores_its_cancellation_does_not_keep_the_process(
+    env: dict[str, str], tmp_path: Path, signals: int
+) -> None:
+    """The safety net under every command: whatever swallows its cancellation, the process
+    ends, naming it."""
+    grace = 1.0 if signals == 1 else 60.0
+    out = tmp_path / "out.txt"
+    with out.open("wb") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _STUBBORN, str(grace)],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+    try:
+        until(lambda: "ready" in out.read_text(), "the script to start", within=START_S)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        until(lambda: "carrying on" in out.read_text(), "the task to ignore it", within=STOP_S)
+        if signals == 2:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=grace + STOP_S if signals == 1 else STOP_S)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STOP_S)
+    assert proc.returncode == 1
+    assert grace <= took if signals == 1 else took < STOP_S, took
+    [line] = stderr.splitlines()
+    why = "did not stop within 1 s of SIGTERM" if signals == 1 else "SIGTERM after SIGTERM"
+    assert line.startswith(f"kpng: error: {why}"), line
+    assert " at stubborn (<string>:" in line, line
