@@ -426,9 +426,10 @@ async def serve(
     try:
         for unix in sockets:
             unix.check_free()  # before binding anything: a refused start changes nothing
-        bound = _bind(server, listen, tls, {unix.address: unix for unix in sockets})
-        previous_umask = os.umask(0o777 & ~socket_mode)  # sockets are born with the right mode
+        # Sockets are born with the right mode (gRPC makes the file when it binds).
+        previous_umask = os.umask(0o777 & ~socket_mode)
         try:
+            bound = _bind(server, listen, tls, {unix.address: unix for unix in sockets})
             await server.start()
         finally:
             os.umask(previous_umask)
