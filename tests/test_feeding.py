@@ -8,7 +8,7 @@ import pytest
 
 from kpng.client import Backoff, NodeState, SyncReporter
 from kpng.errors import KpngError
-from kpng.feeding import Fanout, Feeder, SyncStats
+from kpng.feeding import Fanout, Feeder, SyncStats, until_done
 from kpng.model.messages import Service, ServiceEndpoints
 from kpng.testing.waiting import eventually
 
@@ -84,6 +84,30 @@ def test_failing_backend_keeps_retrying_with_a_full_resync_and_others_go_on() ->
     assert bad.applied[0].updated == {("ns", "a"), ("ns", "b")}
     assert good.closed
     assert bad.closed
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["one backend", "two backends"])
+def test_a_one_shot_run_gives_up_at_a_backends_first_failure(alone: bool) -> None:
+    """``--once``: nobody waits for a retry (a backend without privilege would retry for ever):
+    the failure ends the run, naming the backend and with its message."""
+    good, bad = _Backend(), _Backend(fail_times=5)
+
+    async def scenario() -> None:
+        backends = [("to-bad", bad)] if alone else [("to-good", good), ("to-bad", bad)]
+        fanout = Fanout([Feeder(name, b, once=True) for name, b in backends])
+
+        async def source() -> None:
+            await fanout.apply(_state(1, ["a"], updated=["a"]))
+            await asyncio.Event().wait()  # a source waits for changes
+
+        try:
+            with pytest.raises(KpngError, match=r"^to-bad failed to apply revision 1: the kernel"):
+                await asyncio.wait_for(until_done(fanout, source()), WAIT_S)
+        finally:
+            await fanout.close()
+
+    asyncio.run(scenario())
+    assert bad.calls == 1
 
 
 def test_slow_backend_gets_the_latest_state_with_the_union_of_changes() -> None:

@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kpng.sinks import SinkSpec
 from kpng.sinks.explain import explain_json
 from kpng.sources import Runner, SourceSpec
 from kpng.status import Status
+from kpng.stopping import until_signalled
 from kpng.store import SourceHandle, Store
 from kpng.subcommands import CommandSpec
 
@@ -337,7 +337,10 @@ def _backends(
         for name, spec, args in parsed:
             sync = SyncStats()
             backend = spec.create(args, sync)
-            feeders.append(Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs))
+            # A one-shot run stops at any backend's first failure: nobody waits for the retry.
+            feeders.append(
+                Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs, once=once)
+            )
         return status.track(Fanout(feeders))
 
     return fanout, once
@@ -350,14 +353,7 @@ def _feeds_backends(name: str) -> bool:
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:
-    task = asyncio.ensure_future(
-        _concurrently({"pipeline": pipeline, "heap": heap.trim_periodically})()
-    )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await until_signalled(_concurrently({"pipeline": pipeline, "heap": heap.trim_periodically})())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -214,8 +214,13 @@ class Feeder:
         backoff: Backoff | None = None,
         sync: SyncStats | None = None,
         reports_syncs: bool = False,
+        once: bool = False,
     ) -> None:
         self.name = name
+        self.once = once
+        """A one-shot run (``--once``): the first failure is raised, as a ``KpngError`` naming
+        the backend; nobody waits for a retry, and one that cannot succeed (no privilege)
+        would retry forever."""
         self.backend = backend
         self.done = False
         self._backoff = backoff or Backoff.for_backends()
@@ -278,6 +283,8 @@ class Feeder:
                 if not self.reports_syncs:
                     self.sync.failed()
                     self.sync.attempted(seconds=time.monotonic() - started, full=full)
+                if self.once:
+                    raise self._given_up(state, exc) from exc
                 self._log_failure(state, exc)
                 if self._latest is None:
                     # A copy: the caller's mapping changes with its next state.
@@ -343,8 +350,13 @@ class Feeder:
                 for label, n in found.items():
                     counts[label] = counts.get(label, 0) + n
 
+    def _given_up(self, state: NodeState, exc: Exception) -> KpngError:
+        if not isinstance(exc, (KpngError, OSError)):
+            log.error("%s failed to apply revision %d", self.name, state.revision, exc_info=exc)
+        return KpngError(f"{self.name} failed to apply revision {state.revision}: {exc}")
+
     def _log_failure(self, state: NodeState, exc: Exception) -> None:
-        if isinstance(exc, KpngError):
+        if isinstance(exc, (KpngError, PermissionError)):
             log.warning(
                 "%s failed to apply revision %d: %s; retrying with the whole state",
                 self.name,
@@ -380,6 +392,8 @@ class Fanout:
         self.feeders = [b if isinstance(b, Feeder) else Feeder(*b) for b in backends]
         self._tasks: list[asyncio.Task[None]] = []
         self.all_done = asyncio.Event()
+        self.failure: KpngError | None = None
+        """Why a one-shot feeder fed in the background gave up (``until_done`` raises it)."""
         self.listeners: list[Callable[[NodeState], None]] = []
         """Told of each state before the backends get it (kpng's metrics time network
         programming from its triggers to the backends' syncs)."""
@@ -410,7 +424,12 @@ class Fanout:
         await self._run(feeder)
 
     async def _run(self, feeder: Feeder) -> None:
-        await feeder.run()
+        try:
+            await feeder.run()
+        except KpngError as exc:  # only a one-shot feeder's: the others retry
+            self.failure = exc
+            self.all_done.set()
+            return
         if all(f.done for f in self.feeders):
             self.all_done.set()
 
@@ -433,6 +452,8 @@ async def until_done(fanout: Fanout, work: Awaitable[None]) -> None:
         await asyncio.wait({task, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
+        if fanout.failure is not None:
+            raise fanout.failure
     finally:
         for pending in (task, done_waiter):
             pending.cancel()

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +23,7 @@ from kpng.model.messages import NodeFacts
 from kpng.remote import CONNECT_TIMEOUT, add_arguments, api_from_args
 from kpng.remote.address import Api
 from kpng.remote.sinks import NodeSink, Sink
+from kpng.stopping import until_signalled
 
 
 async def watch(
@@ -132,7 +131,7 @@ def run(
     else:
         coro = watch_state(backend, **options)
     try:
-        asyncio.run(_until_signalled(coro))
+        asyncio.run(until_signalled(coro))
     except KpngError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -140,12 +139,3 @@ def run(
         # The reader went away (`... | head`): not the program's failure. Point stdout at
         # /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-async def _until_signalled(coro: object) -> None:
-    task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

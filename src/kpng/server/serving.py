@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import socket
 import stat
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -417,19 +419,23 @@ async def serve(
     )
     server.add_generic_rpc_handlers(watch.handlers())
     hub_task: asyncio.Future[None] | None = None
+    sockets = [UnixSocket(address) for address in listen if address.unix_path is not None]
     # Everything from the first bound port on is undone on the way out, also when the pipeline
     # is cancelled mid-start (a source failing at once): no socket file left behind, no server
     # collected after the event loop closed.
     try:
-        bound = _bind(server, listen, tls)
-        previous_umask = os.umask(0o777 & ~socket_mode)  # sockets are born with the right mode
+        for unix in sockets:
+            unix.check_free()  # before binding anything: a refused start changes nothing
+        # Sockets are born with the right mode (gRPC makes the file when it binds).
+        previous_umask = os.umask(0o777 & ~socket_mode)
         try:
+            bound = _bind(server, listen, tls, {unix.address: unix for unix in sockets})
             await server.start()
         finally:
             os.umask(previous_umask)
-        for address in listen:
-            if address.unix_path is not None:
-                os.chmod(address.unix_path, socket_mode)
+        for unix in sockets:
+            os.chmod(unix.private, socket_mode)
+            unix.publish()
         for url in bound:
             log.info("serving the watch API on %s", url)
         if started is not None:
@@ -447,25 +453,110 @@ async def serve(
                 await asyncio.shield(stopping)
         if hub_task is not None:
             await asyncio.gather(hub_task, return_exceptions=True)
-        for address in listen:
-            path = address.unix_path
-            # Only a socket: a path that failed to bind may be someone's file.
-            with contextlib.suppress(FileNotFoundError):
-                if path is not None and stat.S_ISSOCK(path.lstat().st_mode):
-                    path.unlink()
+        for unix in sockets:
+            unix.remove()
 
 
-def _bind(server: grpc.aio.Server, listen: list[ListenAddress], tls: TlsFiles | None) -> list[str]:
-    """Add a port per address; the URLs bound, TCP ports resolved."""
+class UnixSocket:
+    """A ``unix://`` address this server owns while it runs, and only then.
+
+    gRPC binds a unix socket by unlinking whatever socket is at the path first, and unlinks the
+    path again when the server stops: a second server would take a live one's path, and either
+    one's exit would remove the other's socket. So gRPC binds a private name beside the path;
+    once listening, that socket is linked at the path, which fails rather than replace a file
+    (``link`` never overwrites); and the path is removed on exit only if it is still that socket
+    (same device and inode)."""
+
+    def __init__(self, address: ListenAddress) -> None:
+        path = address.unix_path
+        assert path is not None
+        self.address = address
+        self.path = path
+        # Short: a unix socket's path is limited to 107 bytes, and the path's own may be long.
+        self.private = path.with_name(f".kpng-{os.getpid()}-{secrets.token_hex(2)}")
+        self._owned: tuple[int, int] | None = None
+
+    def check_free(self) -> None:
+        """Refuse a path another process serves, or that is not a socket; a stale socket (a
+        run that was killed) is left for ``publish`` to replace."""
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise UsageError(
+                f"--listen {self.address.url}: {self.path} exists and is not a socket; "
+                "refusing to replace it"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(_PROBE_S)
+        try:
+            probe.connect(str(self.path))
+        except ConnectionRefusedError:
+            return  # nobody listens: stale
+        except OSError as exc:
+            # A timeout is a listener with a full backlog; a refusal to even try (EACCES) is
+            # someone else's socket: either way, not ours to take.
+            raise UsageError(
+                f"--listen {self.address.url}: {self.path} is a socket kpng cannot probe "
+                f"({exc}); refusing to replace it"
+            ) from None
+        finally:
+            probe.close()
+        raise UsageError(
+            f"--listen {self.address.url}: another process is serving on {self.path}; "
+            "stop it first, or listen elsewhere"
+        )
+
+    def publish(self) -> None:
+        """Link the listening socket at its path, replacing only a stale socket."""
+        for _ in range(3):
+            try:
+                os.link(self.private, self.path)
+                break
+            except FileExistsError:
+                self.check_free()  # raises unless stale; someone may have raced us since
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+        else:
+            raise UsageError(f"--listen {self.address.url}: {self.path} keeps being recreated")
+        self.private.unlink()
+        found = self.path.lstat()
+        self._owned = (found.st_dev, found.st_ino)
+
+    def remove(self) -> None:
+        """Remove what this server made: its private name, and its path if still its socket."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(self.private.lstat().st_mode):
+                self.private.unlink()
+        if self._owned is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            found = self.path.lstat()
+            if (found.st_dev, found.st_ino) == self._owned:
+                self.path.unlink()
+            else:
+                log.info("%s is another process's socket now: left in place", self.path)
+        self._owned = None
+
+
+_PROBE_S = 1.0
+"""How long a probe of an existing socket may take to connect: a live server accepts at once."""
+
+
+def _bind(
+    server: grpc.aio.Server,
+    listen: list[ListenAddress],
+    tls: TlsFiles | None,
+    sockets: dict[ListenAddress, UnixSocket],
+) -> list[str]:
+    """Add a port per address (a unix one at its private name); the URLs bound, TCP ports
+    resolved."""
     bound: list[str] = []
     credentials = tls.credentials() if tls is not None else None
     for address in listen:
-        path = address.unix_path
-        if path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(path.lstat().st_mode):
-                    path.unlink()  # a stale socket from a previous run
-        target = address.grpc_target
+        unix = sockets.get(address)
+        target = f"unix:{unix.private}" if unix is not None else address.grpc_target
         try:
             port = (
                 server.add_secure_port(target, credentials)
@@ -474,7 +565,7 @@ def _bind(server: grpc.aio.Server, listen: list[ListenAddress], tls: TlsFiles | 
             )
         except RuntimeError as exc:
             raise UsageError(f"--listen {address.url}: cannot listen: {exc}") from None
-        if path is not None:
+        if unix is not None:
             bound.append(address.url)
         else:
             host = target.rpartition(":")[0]

@@ -19,11 +19,13 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kpng.errors import KpngError
+
 _c_void_p = ctypes.c_void_p
 
 
-class BpfError(Exception):
-    pass
+class BpfError(KpngError):
+    """A failure the kernel or libbpf explains: one line, not a bug's traceback."""
 
 
 class _OpenOpts(ctypes.Structure):

@@ -31,8 +31,10 @@ STABLE_S = 10.0
 """A program that ran this long was working: the next restart starts from the shortest delay."""
 SLOW_S = 5.0
 """A state still being written after this long is logged: the program is not reading."""
-STOP_S = 3.0
-"""On close, how long the program gets to exit after EOF on stdin, then after SIGTERM."""
+STOP_S = 2.0
+"""On close, how long the program gets to exit after EOF on stdin, then after SIGTERM: both
+within kpng's own grace after a SIGTERM (``kpng.stopping.GRACE_S``), so a program that ignores
+both is still killed, not left behind by kpng's forced exit."""
 STDERR_DRAIN_S = 1.0
 """After the program exited, how long to wait for the rest of its stderr (a child it left
 behind may hold the pipe open)."""
