@@ -202,7 +202,8 @@ def test_drift_is_found_reported_and_repaired(
         fault(nft)
         nft.touched()
         drift = await backend.check_kernel()
-        assert drift is not None and drift.kind == kind
+        assert drift is not None
+        assert drift.kind == kind
         assert nft.dump(only=TABLE) == expected
         assert syncs.repairs == {kind: 1}
         assert syncs.diverged_since is None
@@ -247,7 +248,8 @@ def test_a_divergence_kpng_cannot_repair_turns_healthz_and_livez_false_after_the
         nft.touched()
         nft.refuse = True
         drift = await backend.check_kernel()
-        assert drift is not None and drift.kind == "table"
+        assert drift is not None
+        assert drift.kind == "table"
         assert syncs.diverged_since is not None  # not repaired: still diverged
         assert syncs.repairs == {}
         stats = FeederStats(
@@ -263,7 +265,8 @@ def test_a_divergence_kpng_cannot_repair_turns_healthz_and_livez_false_after_the
             monotonic=syncs.diverged_since + 10,
             wall=100.0,
         )
-        assert within.healthy and within.live
+        assert within.healthy
+        assert within.live
         late = judge(
             backends={"to-nft": stats},
             sources_synced=True,
@@ -272,12 +275,14 @@ def test_a_divergence_kpng_cannot_repair_turns_healthz_and_livez_false_after_the
             monotonic=syncs.diverged_since + 61,
             wall=100.0,
         )
-        assert not late.healthy and not late.live
+        assert not late.healthy
+        assert not late.live
         assert any("table inet kpng is gone" in r for r in late.body["reasons"])
         # The kernel takes transactions again: the next check repairs it.
         nft.refuse = False
         await backend.check_kernel()
-        assert syncs.diverged_since is None and syncs.repairs == {"table": 1}
+        assert syncs.diverged_since is None
+        assert syncs.repairs == {"table": 1}
         await backend.close()
 
     asyncio.run(scenario())
