@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kpng.errors import KpngError
+from kpng.client import KpngError
 
 _c_void_p = ctypes.c_void_p
 
