@@ -16,6 +16,7 @@ from kpng.backends._node import Options
 from kpng.backends.iptables import IptablesBackend, cleanup
 from kpng.backends.iptables.executing import Iptables, Tools
 from kpng.backends.iptables.rules import chain_name
+from kpng.feeding import SyncStats
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
 from kpng.testing.netns import available
@@ -163,12 +164,50 @@ def test_rules_another_program_flushes_are_rewritten_within_a_sync_period(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("edit", "kind"),
+    [(("-F", "KUBE-SERVICES"), "rules"), (("-I", "KUBE-SERVICES", "1", "-j", "RETURN"), "rules")],
+    ids=["chain-flushed", "foreign-rule"],
+)
+def test_a_chain_of_kpngs_flushed_or_given_a_foreign_rule_is_rewritten_within_a_sync_period(
+    netns: str, edit: tuple[str, ...], kind: str
+) -> None:
+    """The jumps stay, so kube-proxy's canary sees nothing: the rules each of kpng's chains
+    holds, counted from the same iptables-save, do."""
+
+    async def scenario() -> None:
+        syncs = SyncStats()
+        iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", netns))
+        backend = IptablesBackend(
+            iptables=iptables,
+            options=Options(cluster_cidrs=("10.244.0.0/16",)),
+            families=("v4",),
+            sync_period=0.1,
+            syncs=syncs,
+        )
+        try:
+            await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
+            written = _strip_counters(_save(netns, "nft"))
+            _nat(netns, "nft", *edit)
+            assert _strip_counters(_save(netns, "nft")) != written
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                if syncs.repairs:
+                    break
+            assert syncs.repairs == {kind: 1}
+            assert _strip_counters(_save(netns, "nft")) == written
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("full_sync_period", [0.5, 3600.0], ids=["periodic-full", "none-due"])
 def test_an_edit_no_check_sees_lasts_until_the_periodic_full_sync(
     netns: str, full_sync_period: float
 ) -> None:
-    """A flushed KUBE-SERVICES leaves the jumps: only kube-proxy's hourly full resync (here
-    made short) repairs it."""
+    """A rule replaced in place leaves the jumps and every chain's count: only kube-proxy's
+    hourly full resync (here made short) repairs it."""
 
     async def scenario() -> bool:
         iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", netns))
@@ -181,11 +220,11 @@ def test_an_edit_no_check_sees_lasts_until_the_periodic_full_sync(
         )
         try:
             await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
-            _nat(netns, "nft", "-F", "KUBE-SERVICES")
-            assert "-A KUBE-SERVICES" not in _save(netns, "nft", "nat")
+            _nat(netns, "nft", "-R", "KUBE-SERVICES", "1", "-j", "RETURN")
+            assert "-A KUBE-SERVICES -j RETURN" in _save(netns, "nft", "nat")
             for _ in range(30):
                 await asyncio.sleep(0.1)
-                if "-A KUBE-SERVICES" in _save(netns, "nft", "nat"):
+                if "-A KUBE-SERVICES -j RETURN" not in _save(netns, "nft", "nat"):
                     return True
             return False
         finally:

@@ -5,7 +5,9 @@ family that rewrites only the chains whose rules change (``restore.py``): the ch
 own, and a shared chain only when a line of it changes. The first sync, the one after a
 failure or a change of the node's options, and one an hour are full: every chain is rewritten,
 missing jumps are inserted, and the service chains the kernel holds but kpng no longer wants
-are deleted. Every sync period the jumps are checked, as kube-proxy's canary. A refused
+are deleted. Every sync period the jumps are checked, as kube-proxy's canary, and how many rules
+each of kpng's chains holds (from the same iptables-save): a flushed chain or a foreign rule is
+rewritten then, reported as a divergence until it is. A refused
 restore changes nothing (iptables-restore commits a table whole or not at all), fails
 ``apply``, and kpng's Feeder retries with a full sync.
 """
@@ -37,7 +39,14 @@ from kpng.backends._node import (
 )
 from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
 from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
-from kpng.backends.iptables.rules import LARGE_CLUSTER_ENDPOINTS, Contribution, contribute
+from kpng.backends.iptables.rules import (
+    JUMPS,
+    LARGE_CLUSTER_ENDPOINTS,
+    TABLES,
+    ChainKey,
+    Contribution,
+    contribute,
+)
 from kpng.client import (
     Backend,
     BackendSpec,
@@ -252,38 +261,75 @@ class IptablesBackend:
             self._last_full = self._clock()
 
     async def _watch_rules(self) -> None:
-        """kube-proxy's sync period: every period, check that kpng's jumps are still in place,
-        and rewrite every rule from the last state when another program removed them (or a
-        resync failed, or an hour has passed since the last full sync). A state that fails to
-        apply is not this loop's to retry: the Feeder does, with the state."""
+        """kube-proxy's sync period: every period, check that kpng's chains still hold what kpng
+        wrote (``_drift``), and rewrite every rule from the last state when another program
+        changed them (or a resync failed, or an hour has passed since the last full sync). A
+        state that fails to apply is not this loop's to retry: the Feeder does, with the
+        state."""
         assert self._iptables is not None
         while True:
             await asyncio.sleep(self._sync_period)
             try:
-                # Checked without the lock: a sync meanwhile removes no jump.
-                reason = await self._resync_reason(self._iptables)
-                if reason is None:
-                    continue
-                async with self._lock:
-                    if self.pending_since is None:
-                        log.warning("rewriting every rule: %s", reason)
-                        await self._sync_families({f: {} for f in self._families}, full=True)
-                        self._syncs.synced(revision=self._revision)
+                await self.check_kernel(self._iptables)
             except IptablesError as exc:
                 log.error("resync of the rules failed: %s; retrying in %gs", exc, self._sync_period)
 
-    async def _resync_reason(self, iptables: Iptables) -> str | None:
+    async def check_kernel(self, iptables: Iptables) -> tuple[str, str] | None:
+        """One period's check: what another program changed, as (kind, what was found), once
+        repaired (or None); the hourly and the failed full syncs run here too."""
         if self.pending_since is not None:
             return None
-        if self._needs_full:
-            return "the last resync failed"
-        if self._clock() - self._last_full >= self._full_sync_period:
-            return "the hourly full resync"
-        missing = [fam for fam in self._families if await iptables.missing_jumps(fam)]
-        if not missing:
-            return None
-        gone = "/".join(missing)
-        return f"another program removed kpng's jumps from the {gone} built-in chains"
+        # Checked without the lock: a sync meanwhile removes no chain and no jump.
+        drift = None if self._needs_full else await self._drift(iptables)
+        if drift is None:
+            if self._needs_full:
+                reason = "the last resync failed"
+            elif self._clock() - self._last_full >= self._full_sync_period:
+                reason = "the hourly full resync"
+            else:
+                return None
+        else:
+            reason = drift[1]
+        async with self._lock:
+            if self.pending_since is not None:
+                return None
+            log.warning("rewriting every rule: %s", reason)
+            if drift is not None:
+                self._syncs.diverged(kind=drift[0], detail=drift[1])
+            await self._sync_families({f: {} for f in self._families}, full=True)
+            self._syncs.synced(revision=self._revision)
+        return drift
+
+    async def _drift(self, iptables: Iptables) -> tuple[str, str] | None:
+        """What another program changed in kpng's rules, from one iptables-save per table (the
+        jumps check needs them anyway): a jump gone from a built-in chain, one of kpng's chains
+        gone, or one holding more or fewer rules than kpng wrote (flushed, or a foreign rule)."""
+        for fam in self._families:
+            expected = _expected_counts(self.tables[fam])
+            for table in TABLES:
+                saved = await iptables.save(fam, table)
+                gone_jumps = [j for j in JUMPS if j[0] == table and j[1:] not in saved.rules]
+                if gone_jumps:
+                    return (
+                        "jumps",
+                        f"another program removed kpng's jumps from the {fam} built-in chains",
+                    )
+                ours = {chain: n for (t, chain), n in expected.items() if t == table}
+                gone = sorted(chain for chain in ours if chain not in saved.chains)
+                if gone:
+                    return "chain", f"{fam} {table} chains {_names(gone)} are gone"
+                changed = sorted(c for c, n in ours.items() if saved.counts.get(c, 0) != n)
+                if changed:
+                    counts = ", ".join(
+                        f"{c} ({saved.counts.get(c, 0)} rules, not {ours[c]})"
+                        for c in changed[:_NAMED]
+                    )
+                    return (
+                        "rules",
+                        f"rules were added to or removed from {fam} {table} chains {counts}"
+                        + (f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""),
+                    )
+        return None
 
     async def _sync(
         self, fam: Fam, changes: Mapping[ServiceKey, Contribution | None], *, full: bool
@@ -344,6 +390,24 @@ class IptablesBackend:
                 await self._monitor
         if self._health is not None:
             await self._health.close()
+
+
+_NAMED = 5
+"""The most chains a drift's sentence names; more are counted."""
+
+
+def _expected_counts(tables: FamilyTables) -> dict[ChainKey, int]:
+    """How many rules kpng last wrote into each of its chains of one family (the shared
+    chains only once a sync has written them all: unknown before)."""
+    expected = {key: len(rules) for key, rules in tables.shared.items()}
+    for contribution in tables.contributions.values():
+        expected.update((key, len(rules)) for key, rules in contribution.chains.items())
+    return expected
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_NAMED])
+    return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
 
 
 async def cleanup(prefix: Sequence[str] = ()) -> bool:

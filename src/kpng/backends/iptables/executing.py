@@ -14,7 +14,7 @@ import re
 import shlex
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kpng.backends._commands import CommandError, run_command
 from kpng.backends._node import Fam
@@ -73,6 +73,8 @@ class Saved:
     chains: set[str]
     rules: set[tuple[str, str]]
     """The rules of the built-in chains only (where kpng's jumps are)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """How many rules each chain holds (a chain without rules is absent)."""
 
 
 _BUILT_IN_RULES = tuple(
@@ -105,13 +107,16 @@ class Iptables:
         out = await self.save_text(fam, table)
         chains: set[str] = set()
         rules: set[tuple[str, str]] = set()
+        counts: dict[str, int] = {}
         for line in out.splitlines():
             if line.startswith(":"):
                 chains.add(line[1:].split()[0])
-            elif line.startswith(_BUILT_IN_RULES):
+            elif line.startswith("-A "):
                 chain, _, rule = line[3:].partition(" ")
-                rules.add((chain, rule))
-        return Saved(table, chains, rules)
+                counts[chain] = counts.get(chain, 0) + 1
+                if line.startswith(_BUILT_IN_RULES):
+                    rules.add((chain, rule))
+        return Saved(table, chains, rules, counts)
 
     async def save_text(self, fam: Fam, table: str) -> str:
         """``iptables-save -t TABLE`` as it prints it."""
