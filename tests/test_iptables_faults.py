@@ -7,7 +7,7 @@ to kpng's chains. Each fault is repaired within the period to what the first ful
 
 from __future__ import annotations
 
-import subprocess
+import shutil
 import sys
 from collections.abc import Iterator
 
@@ -21,10 +21,7 @@ from tests.test_nft_kernel import _manifest
 
 pytestmark = [
     pytest.mark.skipif(available() is not None, reason=str(available())),
-    pytest.mark.skipif(
-        subprocess.run(["sh", "-c", "command -v iptables-nft"], capture_output=True).returncode,
-        reason="no iptables-nft",
-    ),
+    pytest.mark.skipif(shutil.which("iptables-nft") is None, reason="no iptables-nft"),
 ]
 
 

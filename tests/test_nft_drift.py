@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.auditing import probes
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import TABLE, Options
 from kpng.backends._nftables.nftables import NftError, Transaction
@@ -283,6 +284,57 @@ def test_a_divergence_kpng_cannot_repair_turns_healthz_and_livez_false_after_the
         await backend.check_kernel()
         assert syncs.diverged_since is None
         assert syncs.repairs == {"table": 1}
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def _delete_one_element(nft: FakeNft, backend: NftBackend) -> None:
+    """One element of a map, not the one the period's check asks for."""
+    asked = {(p.container, p.key) for p in probes(backend.store)}
+    elements = nft.tables[("inet", "kpng")].elements["cluster-eps-v4-1"]
+    (key,) = [k for k in elements if ("cluster-eps-v4-1", k) not in asked][:1]
+    del elements[key]
+
+
+def _edit_rule_in_place(nft: FakeNft, _: NftBackend) -> None:
+    rules = nft.tables[("inet", "kpng")].rules["services"]
+    rules[-1] = "ip daddr 10.9.9.9 accept"
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "slow"),
+    [(_delete_one_element, "elements", True), (_edit_rule_in_place, "rules", False)],
+    ids=["one-element-deleted", "rule-edited-in-place"],
+)
+def test_what_no_count_sees_is_found_by_comparing_exactly(
+    fault: Callable[[FakeNft, NftBackend], None], kind: str, slow: bool
+) -> None:
+    """An element deleted alone passes the period's checks (one element is asked for per
+    map): the hourly comparison of every element finds it. A rule edited in place keeps the
+    counts: its expressions, compared with what kpng's commit left, do not."""
+
+    async def scenario() -> None:
+        nft, syncs = FakeNft(), SyncStats()
+        backend = _backend(nft, syncs)
+        services = {
+            WEB: _service("web", "10.96.0.10", "10.244.1.2", "10.244.1.3"),
+            NEW: _service("new", "10.96.0.12", "10.244.1.5", "10.244.1.6"),
+        }
+        await backend.apply(_state(1, services))
+        expected = nft.dump(only=TABLE)
+        fault(nft, backend)
+        nft.touched()
+        if slow:
+            assert await backend.check_kernel() is None  # not due yet: the fault stays
+            assert nft.dump(only=TABLE) != expected
+            backend._full_check_period = 0.0  # the hour has passed
+        drift = await backend.check_kernel()
+        assert drift is not None
+        assert drift.kind == kind
+        assert nft.dump(only=TABLE) == expected
+        assert syncs.repairs == {kind: 1}
+        assert await backend.check_kernel() is None
         await backend.close()
 
     asyncio.run(scenario())

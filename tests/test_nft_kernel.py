@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 
 from kpng.backends import _nftables as nft_backend
 from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.auditing import probes
 from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
 from kpng.backends._nftables.layout import TABLE, Options, contribute
@@ -30,7 +32,7 @@ from kpng.backends._nftables.nftables import (
     Transaction,
     error_for_line,
 )
-from kpng.client import Backoff
+from kpng.client import Backoff, NodeState
 from kpng.feeding import Fanout, SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
@@ -630,3 +632,76 @@ def test_kernel_takes_overlapping_source_ranges(netns: str) -> None:
     allowed = _ruleset(netns).split("set firewall-allow-v4")[1].split("}")[0]
     assert "10.0.0.0/8" in allowed
     assert "192.168.0.0/23" in allowed
+
+
+def test_the_drift_checks_find_nothing_after_kpngs_own_changes_and_what_another_program_did(
+    netns: str,
+) -> None:
+    """Against the kernel's own answers: after a full sync and twenty incremental ones of
+    generated services of every shape (dual stack, SCTP, affinity, source ranges...), neither the
+    period's check nor the exact comparison of every element sees a difference; an element
+    deleted alone, then a rule replaced in place, are each found and repaired."""
+    states = churn(300, seed=5, revisions=21, per_revision=25)
+    options = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+
+    def nft(command: str) -> None:
+        subprocess.run(["ip", "netns", "exec", netns, "nft", command], check=True)
+
+    async def scenario() -> list[str | None]:
+        syncs = SyncStats()
+        backend = NftBackend(
+            nft=_nft(netns),
+            options=options,
+            netlink=NetlinkBatches(f"/run/netns/{netns}"),
+            sync_period=30,
+            full_check_period=0.0,  # every check compares every element
+            syncs=syncs,
+        )
+        found: list[str | None] = []
+        for state in states:
+            await backend.apply(state)
+            nft("add table ip other")  # another program's commit: every check runs in full
+            drift = await backend.check_kernel()
+            found.append(None if drift is None else drift.detail)
+        # Not the element the period's check asks for: only the exact comparison sees it.
+        asked = {(p.container, p.key) for p in probes(backend.store)}
+        element = next(
+            e
+            for e in backend.store.applied_elements
+            if e[0] == "cluster-eps-v4-1" and e not in asked
+        )
+        nft(f"delete element inet kpng {element[0]} {{ {' . '.join(element[1])} }}")
+        drift = await backend.check_kernel()
+        found.append(None if drift is None else drift.kind)
+        handle = _last_rule_handle(netns, "services")
+        nft(f"replace rule inet kpng services handle {handle} ip daddr 10.9.9.9 accept")
+        drift = await backend.check_kernel()
+        found.append(None if drift is None else drift.kind)
+        assert syncs.repairs == {"elements": 1, "rules": 1}
+        await backend.close()
+        return found
+
+    assert asyncio.run(scenario()) == [None] * 21 + ["elements", "rules"]
+    fresh = keyed_state(1, states[-1].services)
+    assert _table(netns) == _table_of(fresh, options)
+
+
+def _last_rule_handle(netns: str, chain: str) -> int:
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-j", "-a", "list", "chain", "inet", "kpng", chain],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(json.loads(out)["nftables"][-1]["rule"]["handle"])
+
+
+def _table_of(state: NodeState, options: Options) -> dict[str, object]:
+    """kpng's table as a fresh full sync of ``state`` writes it, in a namespace of its own."""
+    name = f"kpng-fresh-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        asyncio.run(NftBackend(nft=_nft(name), options=options).apply(state))
+        return _table(name)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)

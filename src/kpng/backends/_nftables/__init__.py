@@ -29,7 +29,10 @@ from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._nftables.auditing import (
     Drift,
     Inspects,
+    compare_elements,
+    compare_rules,
     compare_shapes,
+    expected_elements,
     expected_shape,
     missing_elements,
     probes,
@@ -55,9 +58,10 @@ log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
 
-FULL_SYNC_PERIOD_S = 3600.0
-"""kube-proxy's: a full sync every hour, for the changes to kpng's table no drift check sees
-(an element deleted alone, a rule changed in place)."""
+FULL_CHECK_PERIOD_S = 3600.0
+"""How often every element of kpng's table is compared with what kpng applied (kube-proxy
+rewrites its rules every hour), for the changes the period's checks do not see: an element
+deleted, added or changed alone."""
 
 
 class NftBackend:
@@ -78,7 +82,8 @@ class NftBackend:
 
     Every ``sync_period`` (0: never) a drift check (``auditing.py``) finds what other programs
     changed in kpng's table and repairs it with a full sync, reporting the divergence until
-    then; every ``full_sync_period`` the full sync runs anyway, for changes no check sees.
+    then; every ``full_check_period`` every element is compared too, for changes no cheaper
+    check sees.
     ``pending_since`` says since when (``time.monotonic()``) the kernel has been behind (None
     when it is not): the health check node ports answer by it.
     """
@@ -101,17 +106,20 @@ class NftBackend:
         kube_proxy: KubeProxyLeftovers | None = None,
         netlink: NetlinkBatches | None = None,
         sync_period: float = 0.0,
-        full_sync_period: float = FULL_SYNC_PERIOD_S,
+        full_check_period: float = FULL_CHECK_PERIOD_S,
         inspect: Inspects | None = None,
     ) -> None:
         self._nft = nft
         self._netlink = netlink
         self._inspect = inspect if inspect is not None else netlink
         self._sync_period = sync_period
-        self._full_sync_period = full_sync_period
+        self._full_check_period = full_check_period
         self._monitor: asyncio.Task[None] | None = None
         self._generation: int | None = None
         """The ruleset's generation after kpng's last commit or drift check (None: unknown)."""
+        self._applied_rules: dict[str, tuple[bytes, ...]] | None = None
+        """Every chain's rules as the kernel held them after kpng's last commit (None:
+        unknown)."""
         self._last_full = -math.inf
         self._refused: dict[ServiceKey, str] = {}
         """Services the kernel refused (left out until they change), with its words."""
@@ -285,7 +293,7 @@ class NftBackend:
             if plan.full:
                 self._last_full = self._clock()
             self.pending_since = None
-            await self._remember_generation()
+            await self._remember_kernel(plan)
             self._syncs.refused({**self._problems, **self._refused})
             self._syncs.synced(revision=self._revision)
             if log.isEnabledFor(logging.DEBUG):
@@ -325,17 +333,23 @@ class NftBackend:
             return None, NftError(f"kpng could not build the transaction: {exc}")
         return plan, await self._run(plan, fresh=present is None)
 
-    async def _remember_generation(self) -> None:
-        """The ruleset's generation right after kpng's commit: a drift check that finds it
-        unchanged knows nobody else has touched nftables since. (Another program committing
-        between the two is seen by the hourly full sync.)"""
+    async def _remember_kernel(self, plan: Plan) -> None:
+        """What the kernel holds right after kpng's commit, for the drift checks: the ruleset's
+        generation (a check that finds it unchanged knows nobody else has touched nftables
+        since), and, after a commit that changed a chain, every chain's rules as the kernel
+        encodes them. (Another program committing between the two is seen by the hourly full
+        comparison, or not at all if it only edits a rule in place: then by nothing but the
+        next change of that chain.)"""
         if self._sync_period <= 0 or self._inspect is None:
             return
         try:
+            if plan.full or plan.chains or self._applied_rules is None:
+                shape = await self._inspect.shape(TABLE)
+                self._applied_rules = shape.rules if shape is not None else None
             self._generation = await self._inspect.generation()
         except NftError as exc:
-            log.debug("cannot read the ruleset's generation: %s", exc)
-            self._generation = None
+            log.debug("cannot read what the kernel holds after a commit: %s", exc)
+            self._generation = self._applied_rules = None
 
     async def _watch_kernel(self) -> None:
         """kube-proxy's sync period: a drift check, and its repair, every period. A state
@@ -355,10 +369,14 @@ class NftBackend:
             return None
         async with self._lock:
             # A failed sync (an apply, or this check's last repair) is due again in full.
-            drift = None if self._needs_full else await self._drift(self._inspect)
-            due = self._needs_full or self._clock() - self._last_full >= self._full_sync_period
-            if drift is None and not due:
-                return None
+            drift = None
+            if not self._needs_full:
+                drift = await self._drift(self._inspect)
+                if drift is None and self._clock() - self._last_full >= self._full_check_period:
+                    drift = await self._compare_elements(self._inspect)
+                    self._last_full = self._clock()
+                if drift is None:
+                    return None
             if drift is not None:
                 log.warning(
                     "kpng's nftables rules were changed by another program: %s; rewriting them",
@@ -377,7 +395,10 @@ class NftBackend:
             return None
         with collector_paused():
             expected = expected_shape(self.store)
-        drift = compare_shapes(expected, await inspect.shape(TABLE), TABLE)
+        shape = await inspect.shape(TABLE)
+        drift = compare_shapes(expected, shape, TABLE)
+        if drift is None and shape is not None and self._applied_rules is not None:
+            drift = compare_rules(self._applied_rules, shape)
         if drift is None:
             with collector_paused():
                 asked = probes(self.store)
@@ -386,6 +407,19 @@ class NftBackend:
             # Others' commits, which left kpng's table alone.
             self._generation = generation
         return drift
+
+    async def _compare_elements(self, inspect: Inspects) -> Drift | None:
+        """The slow check: every element of every map and set kpng filled, compared exactly
+        (``auditing.expected_elements``), one container at a time."""
+        with collector_paused():
+            expected = list(expected_elements(self.store))
+        for container, elements in expected:
+            drift = compare_elements(
+                container.name, elements, await inspect.elements_of(TABLE, container)
+            )
+            if drift is not None:
+                return drift
+        return None
 
     async def applied_rules(self) -> str:
         """kpng's table as the kernel holds it: what the last applied transaction left."""

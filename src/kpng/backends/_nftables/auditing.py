@@ -12,20 +12,32 @@ services:
 3. and one element of every map and set kpng filled, asked for by its key (a flushed map has
    lost it).
 
+Step 2 also compares each chain's rules, as the kernel holds their expressions, with what
+they were right after kpng's last commit that changed a chain: a rule replaced in place shows
+there. Every hour (``full_check_period``) a full comparison reads every element of every map
+and set netlink can encode and compares them with what kpng applied, exactly
+(``expected_elements``, ``compare_elements``): an element deleted, added or changed alone shows
+there.
+
 What it finds is a ``Drift``: a short ``kind`` for metrics and a sentence for the log. The
-repair is a full sync. An element deleted alone, or a rule changed in place, passes steps 2
-and 3; kpng's hourly full resync puts those back (``NftBackend``).
+repair is a full sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from kpng.backends._nftables.diffing import TableState
 from kpng.backends._nftables.layout import ElementKey, skeleton
-from kpng.backends._nftables.netlink import TableShape, encoder
+from kpng.backends._nftables.netlink import (
+    Canonical,
+    TableShape,
+    canonical,
+    element_payload,
+    encoder,
+)
 from kpng.backends._nftables.nftables import Chain, Map, Set, Table
 
 _NAMED = 5
@@ -62,6 +74,10 @@ class Inspects(Protocol):
 
     async def has_elements(self, table: Table, probes: Iterable[Probe]) -> list[str]:
         """The containers of ``probes`` that lack their element."""
+        ...
+
+    async def elements_of(self, table: Table, container: Set | Map) -> set[Canonical]:
+        """Every element of ``container``, as ``netlink.canonical`` writes them."""
         ...
 
 
@@ -121,6 +137,48 @@ def probes(store: TableState) -> list[Probe]:
         Probe(name, key, encoders[name].element(key, ()))
         for name, (_, key) in sorted(picked.items())
     ]
+
+
+def compare_rules(applied: Mapping[str, tuple[bytes, ...]], found: TableShape) -> Drift | None:
+    """The chains whose rules differ from what kpng's own commit left (``applied``, read right
+    after it): a rule replaced in place, with the same count."""
+    changed = sorted(name for name, rules in applied.items() if found.rules.get(name, ()) != rules)
+    if not changed:
+        return None
+    return Drift("rules", f"rules of chains {_names(changed)} were changed in place")
+
+
+def expected_elements(store: TableState) -> Iterator[tuple[Set | Map, set[Canonical]]]:
+    """Every container whose elements netlink can encode, with the elements kpng applied to
+    it as ``netlink.canonical`` writes them (one container at a time: at 100,000 services a
+    table holds 1.8 million)."""
+    by_container: dict[str, list[tuple[str, ...]]] = {}
+    for name, key in store.applied_elements:
+        by_container.setdefault(name, []).append(key)
+    applied, comments = store.applied_elements, store.applied_comments
+    for name, container in sorted(_containers(store).items()):
+        found = encoder(container)
+        if found is None:
+            continue
+        expected = set()
+        for key in by_container.get(name, ()):
+            ek = (name, key)
+            encoded = found.element(key, applied[ek], comments.get(ek, ""))
+            expected.add(canonical(element_payload(encoded)))
+        yield container, expected
+
+
+def compare_elements(
+    container: str, expected: set[Canonical], found: set[Canonical]
+) -> Drift | None:
+    """A container whose elements differ from what kpng applied."""
+    if expected == found:
+        return None
+    gone, foreign = len(expected - found), len(found - expected)
+    return Drift(
+        "elements",
+        f"{container} lacks {gone} of kpng's elements and holds {foreign} that are not kpng's",
+    )
 
 
 def missing_elements(missing: list[str]) -> Drift | None:

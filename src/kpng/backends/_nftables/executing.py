@@ -29,8 +29,12 @@ from kpng.backends._nftables.netlink import (
     NLMSG_DONE,
     TABLE_F_DORMANT,
     TABLE_FLAGS_ATTR,
+    Canonical,
     TableShape,
+    canonical,
+    dump_elements,
     dump_objects,
+    elements_in,
     generation,
     get_element,
     get_generation,
@@ -39,8 +43,10 @@ from kpng.backends._nftables.netlink import (
     shape_of,
 )
 from kpng.backends._nftables.nftables import (
+    Map,
     Nft,
     NftError,
+    Set,
     Table,
     TableObjects,
     Transaction,
@@ -420,6 +426,14 @@ class NetlinkBatches:
                     raise
                 missing.append(probe.container)
         return missing
+
+    async def elements_of(self, table: Table, container: Set | Map) -> set[Canonical]:
+        """Every element of ``container`` as ``netlink.canonical`` writes it (one dump)."""
+        return await asyncio.to_thread(self._elements_of, table, container.name)
+
+    def _elements_of(self, table: Table, container: str) -> set[Canonical]:
+        messages = self._ask(dump_elements(table, container))
+        return {canonical(e) for message in messages for e in elements_in(message)}
 
     def _ask(self, request: bytes) -> list[bytes]:
         """The answer to one request: its messages, up to the end of a dump or the kernel's

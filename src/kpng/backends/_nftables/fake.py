@@ -15,7 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kpng.backends._nftables.netlink import TableShape
+from kpng.backends._nftables.netlink import (
+    Canonical,
+    TableShape,
+    canonical,
+    element_payload,
+    encoder,
+)
 from kpng.backends._nftables.nftables import (
     Chain,
     Element,
@@ -46,6 +52,8 @@ class _TableState:
     rules: dict[str, list[str]] = field(default_factory=dict)
     sets: dict[str, Set | Map] = field(default_factory=dict)
     elements: dict[str, dict[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    comments: dict[tuple[str, tuple[str, ...]], str] = field(default_factory=dict)
+    """The comment of each element added with one (read only while the element exists)."""
 
     def chain_references(self, name: str) -> list[str]:
         refs = [
@@ -124,7 +132,26 @@ class FakeNft:
         state = self.tables.get((table.family, table.name))
         if state is None:
             return None
-        return TableShape({name: len(state.rules[name]) for name in state.chains}, set(state.sets))
+        return TableShape(
+            {name: len(state.rules[name]) for name in state.chains},
+            set(state.sets),
+            {name: tuple(rule.encode() for rule in rules) for name, rules in state.rules.items()},
+        )
+
+    async def elements_of(self, table: Table, container: Set | Map) -> set[Canonical]:
+        """The elements of ``container`` as the kernel would answer them (encoded as to-nft
+        encodes them; empty for one it cannot encode)."""
+        state = self.tables.get((table.family, table.name))
+        found = encoder(container)
+        if state is None or found is None:
+            return set()
+        comments = state.comments
+        return {
+            canonical(
+                element_payload(found.element(key, value, comments.get((container.name, key), "")))
+            )
+            for key, value in state.elements.get(container.name, {}).items()
+        }
 
     async def has_elements(self, table: Table, probes: Iterable[Probe]) -> list[str]:
         state = self.tables.get((table.family, table.name))
@@ -287,3 +314,4 @@ def _apply_element(state: _TableState, verb: str, element: Element) -> None:
     if existing is not None and existing != element.value:
         raise NftError(f"File exists (element {element.render(with_value=False)})")
     elements[element.key] = element.value
+    state.comments[(element.container, element.key)] = element.comment

@@ -23,7 +23,7 @@ import functools
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kpng.backends._nftables.nftables import (
     ElementFields,
@@ -528,6 +528,9 @@ class TableShape:
     """Each chain and how many rules it holds."""
     containers: set[str]
     """Its named sets and maps (anonymous ones, which rules own, are not counted)."""
+    rules: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    """Each chain's rules, in order, as the kernel holds their expressions: what kpng's own
+    commit left is compared with what a check finds (a rule edited in place)."""
 
 
 def shape_of(
@@ -539,14 +542,101 @@ def shape_of(
         attrs = attributes(message)
         if _text(attrs.get(1, b"")) == table.name:
             shape.chains.setdefault(_text(attrs.get(3, b"")), 0)  # NFTA_CHAIN_NAME
+    listed: dict[str, list[bytes]] = {}
     for message in rules:
         attrs = attributes(message)
         if _text(attrs.get(1, b"")) == table.name:
             chain = _text(attrs.get(2, b""))  # NFTA_RULE_CHAIN
             shape.chains[chain] = shape.chains.get(chain, 0) + 1
+            listed.setdefault(chain, []).append(attrs.get(4, b""))  # NFTA_RULE_EXPRESSIONS
+    shape.rules = {chain: tuple(found) for chain, found in listed.items()}
     for message in sets:
         attrs = attributes(message)
         flags = struct.unpack(">I", attrs[3][:4])[0] if 3 in attrs else 0  # NFTA_SET_FLAGS
         if _text(attrs.get(1, b"")) == table.name and not flags & _NFT_SET_ANONYMOUS:
             shape.containers.add(_text(attrs.get(2, b"")))  # NFTA_SET_NAME
     return shape
+
+
+# The slow, exact comparison (``auditing.compare_elements``): every element of a container, as
+# the kernel holds it, against the same element as kpng encodes it.
+
+
+def dump_elements(table: Table, container: str) -> bytes:
+    """The request for every element of ``container``."""
+    body = _string(1, table.name) + _string(2, container)  # NFTA_SET_ELEM_LIST_{TABLE,SET}
+    return _message(
+        (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM,
+        1,
+        _FAMILIES[table.family],
+        body,
+        flags=_NLM_F_DUMP,
+    )
+
+
+Canonical = tuple[bytes, bytes, bytes]
+"""An element as both sides can write it: its key's bytes, its value's (or its verdict's code
+and chain), its comment's (nftnl's user data)."""
+
+
+def _nested_attributes(payload: bytes) -> Iterator[tuple[int, bytes]]:
+    offset = 0
+    while offset + 4 <= len(payload):
+        size, kind = struct.unpack_from("=HH", payload, offset)
+        if size < 4:
+            return
+        yield kind & 0x7FFF, payload[offset + 4 : offset + size]
+        offset += (size + 3) & ~3
+
+
+def canonical(element: bytes) -> Canonical:
+    """One ``NFTA_LIST_ELEM``'s payload as ``Canonical``: what kpng writes and what the kernel
+    answers differ in flags and padding, never in these. Unrolled: it runs for every element
+    of the table."""
+    key = value = note = b""
+    offset, end = 0, len(element)
+    while offset + 4 <= end:
+        size, kind = _HEADER(element, offset)
+        kind &= 0x7FFF
+        if kind == 1:  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
+            inner, _ = _HEADER(element, offset + 4)
+            key = element[offset + 8 : offset + 4 + inner]
+        elif kind == 2:  # NFTA_SET_ELEM_DATA { NFTA_DATA_VALUE | NFTA_DATA_VERDICT {...} }
+            inner, data = _HEADER(element, offset + 4)
+            payload = element[offset + 8 : offset + 4 + inner]
+            verdict = data & 0x7FFF != 1
+            value = (_verdicts.get(payload) or _verdict_of(payload)) if verdict else payload
+        elif kind == 6:  # NFTA_SET_ELEM_USERDATA
+            note = element[offset + 4 : offset + size]
+        if size < 4:
+            break
+        offset += (size + 3) & ~3
+    return key, value, note
+
+
+_HEADER = struct.Struct("=HH").unpack_from
+_verdicts: dict[bytes, bytes] = {}
+"""Verdicts as ``canonical`` writes them, by their attributes: a table has a few hundred."""
+
+
+def _verdict_of(payload: bytes) -> bytes:
+    value = b"".join(
+        p.split(b"\0", 1)[0] if k == 2 else p for k, p in sorted(_nested_attributes(payload))
+    )
+    if len(_verdicts) < 65536:
+        _verdicts[payload] = value
+    return value
+
+
+def elements_in(message: bytes) -> Iterator[bytes]:
+    """The ``NFTA_LIST_ELEM`` payloads of one NEWSETELEM message of a dump."""
+    listed = attributes(message).get(3, b"")  # NFTA_SET_ELEM_LIST_ELEMENTS
+    for kind, payload in _nested_attributes(listed):
+        if kind == 1:
+            yield payload
+
+
+def element_payload(encoded: bytes) -> bytes:
+    """The payload of an ``NFTA_LIST_ELEM`` attribute ``ElementEncoder`` wrote."""
+    (size,) = struct.unpack_from("=H", encoded, 0)
+    return encoded[4:size]
