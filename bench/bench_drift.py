@@ -8,6 +8,8 @@ programs the services (a full sync, the baseline), then the bench times, each as
   alone), the cost of nearly every period;
 - ``others``: the check after another program committed to a table of its own (the table's
   shape and one element per map, over netlink, nothing repaired);
+- ``hourly``: the exact comparison of every element with what kpng applied, nothing to
+  repair (what replaced kube-proxy's hourly full sync);
 - ``repair``: from ``nft flush ruleset`` to kpng's rules back in the kernel (the check that
   finds it and the full sync that repairs it; traffic flows once that transaction commits),
   against the first full sync.
@@ -82,12 +84,19 @@ async def measure(netns: str, count: int, repeat: int) -> dict[str, tuple[float,
         node="n1", revision=1, services=found, updated=frozenset(found), deleted=frozenset()
     )
     first = await _timed(lambda: backend.apply(state))
-    runs: dict[str, list[tuple[float, float]]] = {"idle": [], "others": [], "repair": []}
+    runs: dict[str, list[tuple[float, float]]] = {
+        "idle": [],
+        "others": [],
+        "hourly": [],
+        "repair": [],
+    }
     _nft(netns, "add table ip other")
     for i in range(repeat):
         runs["idle"].append(await _timed(backend.check_kernel))
         _nft(netns, f"add chain ip other c{i}")
         runs["others"].append(await _timed(backend.check_kernel))
+    for _ in range(max(1, repeat // 5)):
+        runs["hourly"].append(await _timed(lambda: backend.check_kernel(full=True)))
     for _ in range(max(1, repeat // 5)):
         _nft(netns, "flush ruleset")
         runs["repair"].append(await _timed(backend.check_kernel))

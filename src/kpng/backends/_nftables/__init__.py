@@ -361,10 +361,10 @@ class NftBackend:
             except NftError as exc:
                 log.error("the drift check failed: %s; again in %gs", exc, self._sync_period)
 
-    async def check_kernel(self) -> Drift | None:
+    async def check_kernel(self, *, full: bool = False) -> Drift | None:
         """One drift check (``auditing.py``): what another program changed in kpng's table,
-        repaired with a full sync, or None. The hourly full sync runs here too, and the full
-        sync a failure left due."""
+        repaired with a full sync, or None. The hourly comparison of every element runs here
+        too (at once if ``full``), and the full sync a failure left due."""
         if self._inspect is None:
             return None
         async with self._lock:
@@ -372,7 +372,8 @@ class NftBackend:
             drift = None
             if not self._needs_full:
                 drift = await self._drift(self._inspect)
-                if drift is None and self._clock() - self._last_full >= self._full_check_period:
+                due = self._clock() - self._last_full >= self._full_check_period
+                if drift is None and (full or due):
                     drift = await self._compare_elements(self._inspect)
                     self._last_full = self._clock()
                 if drift is None:
