@@ -281,9 +281,10 @@ class NftBackend:
                     self.pending_since = self._clock()
                 kind = "full" if full else "incremental"
                 size = f" of {len(plan.tx)} operations" if plan is not None else ""
+                then = "" if self._once else ", and a full resync follows"
                 return NftError(
                     f"{error.message} (the {kind} transaction{size} was refused; the previous "
-                    "rules stay, and a full resync follows)",
+                    f"rules stay{then})",
                     line_number=error.line_number,
                     line=error.line,
                 )
