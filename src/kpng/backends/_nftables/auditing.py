@@ -31,13 +31,7 @@ from typing import Protocol
 
 from kpng.backends._nftables.diffing import TableState
 from kpng.backends._nftables.layout import ElementKey, skeleton
-from kpng.backends._nftables.netlink import (
-    Canonical,
-    TableShape,
-    canonical,
-    element_payload,
-    encoder,
-)
+from kpng.backends._nftables.netlink import Canonical, TableShape, encoder
 from kpng.backends._nftables.nftables import Chain, Map, Set, Table
 
 _NAMED = 5
@@ -160,11 +154,11 @@ def expected_elements(store: TableState) -> Iterator[tuple[Set | Map, set[Canoni
         found = encoder(container)
         if found is None:
             continue
-        expected = set()
-        for key in by_container.get(name, ()):
-            ek = (name, key)
-            encoded = found.element(key, applied[ek], comments.get(ek, ""))
-            expected.add(canonical(element_payload(encoded)))
+        write = found.canonical
+        expected = {
+            write(key, applied[name, key], comments.get((name, key), ""))
+            for key in by_container.get(name, ())
+        }
         yield container, expected
 
 

@@ -218,6 +218,7 @@ class ElementEncoder:
         self._value = value
         self._verdict = verdict
         self._verdicts: dict[str, bytes] = {}
+        self._canonical_verdicts: dict[str, bytes] = {}
         self._comments: dict[str, bytes] = {}
         self._headers: dict[tuple[int, int], bytes] = {}
 
@@ -281,6 +282,32 @@ class ElementEncoder:
                 yield _ELEMENT_HEADER(4 + len(body), 1 | _NLA_F_NESTED) + body
         except (OSError, struct.error, KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"element {' . '.join(key)!r}: {exc}") from exc
+
+    def canonical(
+        self, key: tuple[str, ...], value: tuple[str, ...], comment: str = ""
+    ) -> tuple[bytes, bytes, bytes]:
+        """The element as ``canonical`` reads it back from the kernel, written directly: the
+        exact comparison encodes every element kpng applied."""
+        raw = self._key(key)
+        if not value:
+            data = b""
+        elif self._verdict:
+            (verdict,) = value
+            data = self._canonical_verdicts.get(verdict) or b""
+            if not data:
+                word, _, chain = verdict.partition(" ")
+                code = _CHAIN_VERDICTS[word] if chain else _VERDICTS[word]
+                data = struct.pack(">I", code & 0xFFFFFFFF) + chain.encode()
+                self._canonical_verdicts[verdict] = data
+        elif self._value is not None:
+            data = self._value(value)
+        else:
+            raise ValueError("a value for a set")
+        note = b""
+        if comment:
+            text = comment.encode() + b"\0"
+            note = bytes((0, len(text))) + text
+        return raw, data, note
 
     def _header(self, kind: int, length: int) -> bytes:
         found = self._headers.get((kind, length))
