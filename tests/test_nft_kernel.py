@@ -539,11 +539,16 @@ def test_refused_transaction_keeps_the_rules_is_logged_and_followed_by_a_full_re
             _service(cluster_ip="10.96.0.20", name="db"), (_ep("10.244.1.3"),)
         )
         assert await fanout.apply(keyed_state(2, services, updated={db})) is False
-        assert nft.runs[-1][1] is not None  # refused...
+        assert nft.runs[1][1] is not None  # refused...
         assert _table(netns) == before  # ...and nothing of it applied
+        # The services are checked alone, in a table no packet sees: the kernel takes them,
+        # so the refusal was not theirs, and the Feeder retries.
+        checked, error = nft.runs[2]
+        assert error is None
+        assert checked.render().startswith("add table inet kpng-check")
         gate.set()
-        assert await _eventually(lambda: len(nft.runs) == 3)
-        retried, error = nft.runs[2]
+        assert await _eventually(lambda: len(nft.runs) == 4)
+        retried, error = nft.runs[3]
         assert error is None
         assert retried.render().startswith("add table inet kpng")  # a full resync
         assert "10.96.0.20" in _ruleset(netns)

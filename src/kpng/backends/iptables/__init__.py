@@ -277,21 +277,18 @@ class IptablesBackend:
     async def check_kernel(self, iptables: Iptables) -> tuple[str, str] | None:
         """One period's check: what another program changed, as (kind, what was found), once
         repaired (or None); the hourly and the failed full syncs run here too."""
-        if self.pending_since is not None:
-            return None
-        # Checked without the lock: a sync meanwhile removes no chain and no jump.
-        drift = None if self._needs_full else await self._drift(iptables)
-        if drift is None:
-            if self._needs_full:
+        # Under the lock: a sync meanwhile changes how many rules its services' chains hold.
+        async with self._lock:
+            if self.pending_since is not None:
+                return None
+            drift = None if self._needs_full else await self._drift(iptables)
+            if drift is not None:
+                reason = drift[1]
+            elif self._needs_full:
                 reason = "the last resync failed"
             elif self._clock() - self._last_full >= self._full_sync_period:
                 reason = "the hourly full resync"
             else:
-                return None
-        else:
-            reason = drift[1]
-        async with self._lock:
-            if self.pending_since is not None:
                 return None
             log.warning("rewriting every rule: %s", reason)
             if drift is not None:
