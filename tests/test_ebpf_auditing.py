@@ -1,16 +1,21 @@
 """to-ebpf's drift check without a kernel: the comparisons (``ebpf/auditing.py``) as tables, the
 counts and samples it reads back against maps that took every change kpng wrote (so that no
-change of endpoints is ever taken for drift)."""
+change of endpoints is ever taken for drift), and how ``EbpfBackend`` reports a drift, its
+repair and a repair that fails. tests/test_ebpf_faults.py makes the faults in the kernel."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from kpng.backends._nftables import NftBackend
 from kpng.backends._node import Options
+from kpng.backends.ebpf import EbpfBackend, SocketBalancer
 from kpng.backends.ebpf.auditing import (
     Drift,
     Link,
@@ -27,7 +32,9 @@ from kpng.backends.ebpf.entries import (
     SocketState,
     contribute,
 )
-from kpng.client import ServiceKey
+from kpng.backends.ebpf.libbpf import BpfError
+from kpng.client import NodeState, ServiceKey
+from kpng.feeding import SyncStats
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
 
@@ -196,3 +203,110 @@ def test_a_sample_sees_an_entry_another_program_changed() -> None:
             assert drift.detail == "1 entries of kpng_frontends hold other values"
             return
     pytest.fail("the changed entry was never sampled")
+
+
+# --- reporting
+
+
+class Sockets:
+    """What EbpfBackend asks of its sockets part: a drift to find, a repair that may fail."""
+
+    def __init__(self) -> None:
+        self.found: Drift | None = None
+        self.failing = False
+        self.full = False
+        """Whether the next apply is a full sync."""
+        self.repairs = 0
+
+    async def apply(self, state: NodeState) -> MapChanges:
+        return MapChanges(full=self.full)
+
+    async def drift(self) -> Drift | None:
+        found, self.found = self.found, None
+        return found
+
+    async def repair(self) -> None:
+        self.repairs += 1
+        if self.failing:
+            raise BpfError("cannot pin at /sys/fs/bpf/kpng: Not a directory")
+
+
+class Packets:
+    async def apply(self, state: NodeState) -> bool:
+        return False
+
+
+def _backend() -> tuple[EbpfBackend, Sockets, SyncStats]:
+    sockets, stats = Sockets(), SyncStats()
+    backend = EbpfBackend(
+        sockets=cast(SocketBalancer, sockets), packets=cast(NftBackend, Packets()), syncs=stats
+    )
+    return backend, sockets, stats
+
+
+STATE = states.keyed_state(3, {("ns", "web"): states.entry("web", ["10.244.1.2"])})
+
+
+def test_a_drift_is_reported_then_repaired_and_counted() -> None:
+    backend, sockets, stats = _backend()
+    drift = Drift("programs", "the links of kpng_connect4 in /x are gone")
+
+    async def scenario() -> None:
+        await backend.apply(STATE)
+        assert await backend.check_sockets() is None
+        assert sockets.repairs == 0
+        sockets.found = drift
+        assert await backend.check_sockets() == drift
+
+    asyncio.run(scenario())
+    assert sockets.repairs == 1
+    assert stats.repairs == {"programs": 1}
+    assert stats.diverged_since is None
+    assert stats.revision == 3
+
+
+def test_a_repair_that_fails_stays_reported_and_is_tried_again_each_period() -> None:
+    backend, sockets, stats = _backend()
+
+    async def scenario() -> None:
+        await backend.apply(STATE)
+        sockets.found, sockets.failing = Drift("pins", "the pins ... are gone"), True
+        for _ in range(2):
+            with pytest.raises(BpfError):
+                await backend.check_sockets()
+            assert stats.diverged_since is not None
+        sockets.failing = False
+        # Found no more (the maps are no longer pinned where the check looks): repaired anyway.
+        assert await backend.check_sockets() is None
+
+    asyncio.run(scenario())
+    assert sockets.repairs == 3
+    assert stats.repairs == {"pins": 1}
+    assert stats.diverged_since is None
+
+
+def test_a_full_sync_after_a_failed_repair_ends_the_divergence() -> None:
+    """The Feeder's next state, applied in full (a failed repair leaves a full sync due), is
+    the repair."""
+    backend, sockets, stats = _backend()
+
+    async def scenario() -> None:
+        await backend.apply(STATE)
+        sockets.found, sockets.failing = Drift("entries", "kpng_slots holds 0 entries, not 1"), True
+        with pytest.raises(BpfError):
+            await backend.check_sockets()
+        sockets.full = True
+        await backend.apply(STATE)
+        assert await backend.check_sockets() is None
+
+    asyncio.run(scenario())
+    assert sockets.repairs == 1
+    assert stats.repairs == {"entries": 1}
+    assert stats.diverged_since is None
+
+
+def test_nothing_is_checked_before_a_state_is_applied() -> None:
+    backend, sockets, _ = _backend()
+    sockets.found = Drift("entries", "kpng_frontends holds 0 entries, not 1")
+    assert asyncio.run(backend.check_sockets()) is None
+    assert sockets.found is not None
