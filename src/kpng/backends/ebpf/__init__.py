@@ -25,6 +25,10 @@ reuses the pinned maps (ClientIP affinity memory included), writes every entry, 
 stale ones and only then switches the links to the new programs (BPF_LINK_UPDATE, atomic):
 connections never find a half-written state, and established ones are never touched. Later
 states change only the entries of the services that changed.
+
+Every ``--sync-period`` kpng checks that the pins still hold its maps, the links still run its
+programs on the cgroup, and the maps hold what it wrote (``auditing.py``); what another program
+changed is logged, reported as a divergence, and repaired as a start would.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import random
 import shutil
 import struct
 import time
@@ -50,7 +55,17 @@ from kpng.backends._node import (
     node_options,
     options_from_args,
 )
-from kpng.backends.ebpf import entries, libbpf, locality, namespaces, observing, system, toolchain
+from kpng.backends.ebpf import (
+    auditing,
+    entries,
+    libbpf,
+    locality,
+    namespaces,
+    observing,
+    system,
+    toolchain,
+)
+from kpng.backends.ebpf.auditing import Drift
 from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
@@ -84,6 +99,8 @@ PROGRAMS = (  # in the order of observing.HOOKS, kpng_counters' keys
     "kpng_peername4",
     "kpng_peername6",
 )
+SAMPLED_PER_MAP = 8
+"""Entries of each map read back at every drift check (a syscall each)."""
 
 
 class SocketBalancer:
@@ -117,6 +134,13 @@ class SocketBalancer:
         self._node: tuple[Options, tuple[str, ...]] | None = None
         self._needs_full = True
         self._attached = False
+        self._attached_to: Path | None = None
+        self._lock = asyncio.Lock()
+        """Held by an apply and by a drift check or repair: each sees the other's whole."""
+        self._map_ids: dict[str, int] = {}
+        """Each pinned map's id, as loaded: what its pin is to hold."""
+        self._program_ids: dict[str, int] = {}
+        self._rng = random.Random()
 
     @property
     def maps_dir(self) -> Path:
@@ -124,6 +148,10 @@ class SocketBalancer:
 
     async def apply(self, state: NodeState) -> MapChanges:
         """Program ``state``; the changes made."""
+        async with self._lock:
+            return await self._apply(state)
+
+    async def _apply(self, state: NodeState) -> MapChanges:
         options = node_options(self._options, self._from_node, state)
         self._resolved = options
         node = (options, state.node_ips)
@@ -188,9 +216,13 @@ class SocketBalancer:
         cgroup = self._cgroup or system.cgroup2_root()
         if not cgroup.is_dir():
             raise BpfError(f"no cgroup directory {cgroup}")
-        if self._object is None:
-            system.ensure_bpffs(self._pin_dir)
-            self.maps_dir.mkdir(parents=True, exist_ok=True)
+        system.ensure_bpffs(self._pin_dir)
+        self.maps_dir.mkdir(parents=True, exist_ok=True)
+        if self._object is not None:
+            # A full sync after a failure or a drift: pins removed since are made again, so
+            # that the next start finds these maps (affinity memory and counters included).
+            self._pin_maps(self._object)
+        else:
             # Both the destroy and local traffic detection enter the pods' namespaces.
             entering = namespaces.unavailable(cgroup)
             self._destroyer = self._load_destroyer(cgroup, entering)
@@ -214,7 +246,75 @@ class SocketBalancer:
             )
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
+            self._map_ids = {
+                name: libbpf.object_id(fd) for name, (fd, _) in self._object.pinned_maps().items()
+            }
+            self._program_ids = {name: self._object.program_id(name) for name in PROGRAMS}
         return cgroup
+
+    def _pin_maps(self, loaded: BpfObject) -> None:
+        pinned = []
+        for name, (fd, path) in loaded.pinned_maps().items():
+            if libbpf.pinned_id(path) != self._map_ids[name]:
+                path.unlink(missing_ok=True)
+                libbpf.pin(fd, path)
+                pinned.append(name)
+        if pinned:
+            log.info("to-ebpf: maps %s pinned again in %s", ", ".join(pinned), self.maps_dir)
+
+    async def drift(self) -> Drift | None:
+        """What another program changed of the pins, links and entries since the last sync
+        (``auditing.py``), or None; nothing is checked before the programs are attached, nor
+        while a full sync is due (the Feeder's retry, or a repair's)."""
+        async with self._lock:
+            if not self._attached or self._needs_full:
+                return None
+            return await asyncio.to_thread(self._drift)
+
+    def _drift(self) -> Drift | None:
+        assert self._object is not None
+        pins = self._object.pinned_maps()
+        found_pins = {name: libbpf.pinned_id(path) for name, (_, path) in pins.items()}
+        drift = auditing.compare_pins(self._map_ids, found_pins, self.maps_dir)
+        if drift is None:
+            cgroup = self._attached_to
+            assert cgroup is not None
+            links = self._links(cgroup)
+            found_links = {}
+            for name in PROGRAMS:
+                link = libbpf.pinned_link(links / name)
+                found_links[name] = None if link is None else auditing.Link(*link)
+            drift = auditing.compare_links(
+                self._program_ids, found_links, cgroup.stat().st_ino, links
+            )
+        if drift is None:
+            counts: dict[str, int] = {
+                name: libbpf.count(fd, entries.KEY_SIZES[name], entries.VALUE_SIZES[name])
+                for name, fd in self._fds.items()
+            }
+            with collector_paused():
+                drift = auditing.compare_counts(self.state.entries(), counts)
+        if drift is None:
+            with collector_paused():
+                sampled = self.state.sample(SAMPLED_PER_MAP, self._rng)
+            found = [
+                libbpf.lookup(self._fds[name], key, entries.VALUE_SIZES[name])
+                for name, key, _ in sampled
+            ]
+            drift = auditing.compare_entries(sampled, found)
+        return drift
+
+    async def repair(self) -> None:
+        """What a start does, over the maps kpng holds: the maps pinned again, the programs
+        attached again (the links switched, or made anew), every entry rewritten. A failure
+        leaves a full sync due, for the next repair or the next state."""
+        async with self._lock:
+            self._needs_full, self._attached = True, False
+            await asyncio.to_thread(self._reload)
+
+    def _reload(self) -> None:
+        cgroup = self._load()
+        self._full({}, self._present(), cgroup, self._resolved)
 
     def _load_destroyer(self, cgroup: Path, entering: str | None) -> UdpDestroyer | None:
         """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
@@ -322,16 +422,14 @@ class SocketBalancer:
 
     def _attach(self, cgroup: Path) -> None:
         assert self._object is not None
-        # Links are pinned by cgroup (a cgroup2 directory's inode number is its id): those of
-        # another cgroup, from an earlier --cgroup, are detached once these are attached.
-        links = self._pin_dir / "links" / str(cgroup.stat().st_ino)
+        links = self._links(cgroup)
         for name in PROGRAMS:
             libbpf.attach(self._object.program(name), name, cgroup, links / name)
         for other in links.parent.iterdir():
             if other != links:
                 log.info("to-ebpf: detaching the programs of an earlier cgroup (%s)", other.name)
                 shutil.rmtree(other, ignore_errors=True)
-        self._attached = True
+        self._attached, self._attached_to = True, cgroup
         for old in self._pin_dir.glob("maps-v*"):
             if old != self.maps_dir:
                 # Another layout's maps: no program uses them since the switch above.
@@ -339,6 +437,11 @@ class SocketBalancer:
         log.info(
             "to-ebpf: programs attached to cgroup %s, maps pinned in %s", cgroup, self.maps_dir
         )
+
+    def _links(self, cgroup: Path) -> Path:
+        # Links are pinned by cgroup (a cgroup2 directory's inode number is its id): those of
+        # another cgroup, from an earlier --cgroup, are detached once these are attached.
+        return self._pin_dir / "links" / str(cgroup.stat().st_ino)
 
     def _write(self, changes: MapChanges) -> None:
         for name, pairs in changes.updates:
@@ -371,13 +474,28 @@ def _may_take_endpoints(changes: MapChanges) -> bool:
 
 
 class EbpfBackend:
-    """The sockets part and the packets part, applied in that order for each state."""
+    """The sockets part and the packets part, applied in that order for each state.
+
+    Every ``sync_period`` (0: never) the sockets part is checked for drift (``auditing.py``)
+    and repaired, the divergence reported until then; the packets part checks its own table
+    (``NftBackend``)."""
 
     def __init__(
-        self, *, sockets: SocketBalancer, packets: NftBackend, syncs: SyncReporter | None = None
+        self,
+        *,
+        sockets: SocketBalancer,
+        packets: NftBackend,
+        syncs: SyncReporter | None = None,
+        sync_period: float = 0.0,
     ) -> None:
         self.sockets, self.packets = sockets, packets
         self._syncs = syncs or NoReporting()
+        self._sync_period = sync_period
+        self._revision: int | None = None
+        """The revision last applied whole (None: none yet)."""
+        self._unrepaired = False
+        """A divergence is reported that no sync has repaired yet."""
+        self._watching: asyncio.Task[None] | None = None
 
     async def apply(self, state: NodeState) -> bool:
         started = time.monotonic()
@@ -392,14 +510,59 @@ class EbpfBackend:
         elapsed = time.monotonic() - started
         self._syncs.attempted(seconds=elapsed, full=changes.full)
         self._syncs.synced(revision=state.revision)
+        self._revision = state.revision
+        if changes.full:
+            # What a repair would have done: the divergence ends with this sync.
+            self._unrepaired = False
+        if self._sync_period > 0 and self._watching is None:
+            self._watching = asyncio.create_task(self._watch(), name="ebpf-drift-check")
         log.debug("to-ebpf: %d map operations; state applied in %.3f s", len(changes), elapsed)
         return once
+
+    async def _watch(self) -> None:
+        """kube-proxy's sync period: a drift check of the sockets part, and its repair. A state
+        that fails to apply is not this loop's to retry: the Feeder does, with the state."""
+        while True:
+            await asyncio.sleep(self._sync_period)
+            try:
+                await self.check_sockets()
+            except (BpfError, OSError) as exc:
+                log.error(
+                    "to-ebpf: the drift check or repair of the maps and programs failed: %s; "
+                    "again in %gs",
+                    exc,
+                    self._sync_period,
+                )
+
+    async def check_sockets(self) -> Drift | None:
+        """One drift check of the sockets part: what another program changed, repaired as a
+        start would, or None. A repair that failed is tried again, found anew or not."""
+        if self._revision is None:
+            return None
+        drift = await self.sockets.drift()
+        if drift is not None:
+            log.warning(
+                "to-ebpf: kpng's BPF %s were changed by another program: %s; reloading them",
+                drift.kind,
+                drift.detail,
+            )
+            self._syncs.diverged(kind=drift.kind, detail=drift.detail)
+            self._unrepaired = True
+        if self._unrepaired:
+            await self.sockets.repair()
+            self._unrepaired = False
+            self._syncs.synced(revision=self._revision)
+            log.info("to-ebpf: the maps and programs hold revision %d again", self._revision)
+        return drift
 
     def metric_samples(self) -> list[Sample]:
         """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``)."""
         return self.sockets.metric_samples()
 
     async def close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
         self.sockets.close()
         await self.packets.close()
 
@@ -407,7 +570,9 @@ class EbpfBackend:
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     add_sync_period(
-        parser, checks="that kpng's nftables table, for traffic from outside, holds what it applied"
+        parser,
+        checks="that kpng's pinned maps and links, the maps' entries and kpng's nftables table "
+        "(for traffic from outside) hold what it applied",
     )
     parser.add_argument(
         "--cgroup",
@@ -465,7 +630,12 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         pin_dir=args.pin_dir,
         bpf_object=args.bpf_object,
     )
-    return EbpfBackend(sockets=sockets, packets=packets, syncs=syncs)
+    return EbpfBackend(
+        sockets=sockets,
+        packets=packets,
+        syncs=syncs,
+        sync_period=0.0 if args.once else args.sync_period,
+    )
 
 
 def remove_pins(pin_dir: Path = DEFAULT_PIN_DIR) -> bool:

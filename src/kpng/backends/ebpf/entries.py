@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
+import random
 import socket
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -298,6 +299,26 @@ class SocketState:
             "kpng_slots": sum(len(slots) for slots in sets.values()),
             "kpng_members": sum(len(sets.get(s, ())) for s in self.checked),
         }
+
+    def sample(self, per_map: int, rng: random.Random) -> list[tuple[MapName, bytes, bytes]]:
+        """Up to ``per_map`` entries of each map as written (map, key, value), picked at random:
+        read back every sync period, they find a value another program changed wherever it is,
+        in time, at a cost that does not grow with the services."""
+        out: list[tuple[MapName, bytes, bytes]] = []
+        frontends = self.frontends
+        for key in rng.sample(list(frontends), min(per_map, len(frontends))):
+            out.append(("kpng_frontends", key, frontends[key]))
+        sets = self.sets
+        for set_id in rng.sample(list(sets), min(per_map, len(sets))):
+            slots = sets[set_id]
+            index = rng.randrange(len(slots))
+            out.append(("kpng_sets", _SET_KEY.pack(set_id), _SET_INFO.pack(len(slots))))
+            out.append(("kpng_slots", _SLOT_KEY.pack(set_id, index), slots[index]))
+        checked = [s for s in self.checked if sets.get(s)]
+        for set_id in rng.sample(checked, min(per_map, len(checked))):
+            member = _MEMBER_KEY.pack(set_id, rng.choice(sets[set_id]))
+            out.append(("kpng_members", member, MEMBER_PRESENT))
+        return out
 
     def changes(self, updated: Mapping[ServiceKey, Contribution | None]) -> MapChanges:
         """The operations that replace these services' entries (None: the service is gone)."""

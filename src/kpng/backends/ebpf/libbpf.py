@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -82,6 +83,16 @@ def library() -> ctypes.CDLL:
             ("bpf_link__update_program", [_c_void_p, _c_void_p], ctypes.c_int),
             ("bpf_link__destroy", [_c_void_p], ctypes.c_int),
             ("bpf_obj_get", [ctypes.c_char_p], ctypes.c_int),
+            ("bpf_obj_pin", [ctypes.c_int, ctypes.c_char_p], ctypes.c_int),
+            (
+                "bpf_obj_get_info_by_fd",
+                [ctypes.c_int, _c_void_p, ctypes.POINTER(ctypes.c_uint32)],
+                ctypes.c_int,
+            ),
+            ("bpf_object__next_map", [_c_void_p, _c_void_p], _c_void_p),
+            ("bpf_map__name", [_c_void_p], ctypes.c_char_p),
+            ("bpf_map__pin_path", [_c_void_p], ctypes.c_char_p),
+            ("bpf_program__fd", [_c_void_p], ctypes.c_int),
             ("bpf_map__initial_value", [_c_void_p, ctypes.POINTER(ctypes.c_size_t)], _c_void_p),
             ("bpf_program__attach_iter", [_c_void_p, _c_void_p], _c_void_p),
             ("bpf_link__fd", [_c_void_p], ctypes.c_int),
@@ -196,6 +207,22 @@ class BpfObject:
         """The map's ``max_entries``, as loaded."""
         return int(self._lib.bpf_map__max_entries(self._map(name)))
 
+    def pinned_maps(self) -> dict[str, tuple[int, Path]]:
+        """Every map pinned by name: its file descriptor and its pin's path."""
+        found = {}
+        ptr = self._lib.bpf_object__next_map(self._ptr, None)
+        while ptr:
+            path = self._lib.bpf_map__pin_path(ptr)
+            if path:
+                name = self._lib.bpf_map__name(ptr).decode()
+                found[name] = (int(self._lib.bpf_map__fd(ptr)), Path(path.decode()))
+            ptr = self._lib.bpf_object__next_map(self._ptr, ptr)
+        return found
+
+    def program_id(self, name: str) -> int:
+        """The kernel's id of the loaded program: what a link running it names."""
+        return object_id(int(self._lib.bpf_program__fd(self.program(name))))
+
     def close(self) -> None:
         if self._ptr:
             self._lib.bpf_object__close(self._ptr)
@@ -260,6 +287,68 @@ class BpfIterator:
         if self._link:
             self._lib.bpf_link__destroy(self._link)
             self._link = 0
+
+
+_INFO = struct.Struct("=III4xQ")
+"""The head of struct bpf_map_info, bpf_prog_info and bpf_link_info: type and id, and for a link
+its program's id and, for a cgroup link, the cgroup's id (0 once detached)."""
+
+
+def _info(fd: int) -> tuple[int, int, int]:
+    """The id of the object behind ``fd``; for a link, its program's id and cgroup's id."""
+    buf = ctypes.create_string_buffer(_INFO.size)
+    size = ctypes.c_uint32(_INFO.size)
+    code = library().bpf_obj_get_info_by_fd(fd, buf, ctypes.byref(size))
+    if code < 0:
+        raise _failure("cannot read the information of BPF object fd", fd, code)
+    _, number, program, cgroup = _INFO.unpack(buf.raw)
+    return number, program, cgroup
+
+
+def object_id(fd: int) -> int:
+    """The kernel's id of the map, program or link behind ``fd``."""
+    return _info(fd)[0]
+
+
+def _open_pin(path: Path) -> int | None:
+    fd = library().bpf_obj_get(str(path).encode())
+    if fd >= 0:
+        return int(fd)
+    if abs(fd) in (errno.ENOENT, errno.ENOTDIR):
+        return None
+    raise _failure("cannot open the pin", path, fd)
+
+
+def pinned_id(path: Path) -> int | None:
+    """The id of the object pinned at ``path``; None if nothing is pinned there (nor can be:
+    a part of the path is no directory)."""
+    fd = _open_pin(path)
+    if fd is None:
+        return None
+    try:
+        return object_id(fd)
+    finally:
+        os.close(fd)
+
+
+def pinned_link(path: Path) -> tuple[int, int] | None:
+    """The program's id and the cgroup's id (0: detached) of the cgroup link pinned at
+    ``path``; None if nothing is pinned there."""
+    fd = _open_pin(path)
+    if fd is None:
+        return None
+    try:
+        _, program, cgroup = _info(fd)
+    finally:
+        os.close(fd)
+    return program, cgroup
+
+
+def pin(fd: int, path: Path) -> None:
+    """Pin the object behind ``fd`` at ``path`` (nothing may be there)."""
+    code = library().bpf_obj_pin(fd, str(path).encode())
+    if code < 0:
+        raise _failure("cannot pin at", path, code)
 
 
 def pinned_map(path: Path) -> int:
@@ -331,6 +420,48 @@ def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator
             return
         ctypes.memmove(token_in, token_out, 8)
         first = False
+
+
+def count(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> int:
+    """How many entries a hash map holds: read in batches, as ``keys``, but never split into
+    keys (the kernel's copy is most of the cost)."""
+    lib = library()
+    keys_buf = ctypes.create_string_buffer(key_size * chunk)
+    values_buf = ctypes.create_string_buffer(value_size * chunk)
+    token_in = ctypes.create_string_buffer(8)
+    token_out = ctypes.create_string_buffer(8)
+    opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+    total = 0
+    first = True
+    while True:
+        n = ctypes.c_uint32(chunk)
+        code = lib.bpf_map_lookup_batch(
+            fd,
+            None if first else token_in,
+            token_out,
+            keys_buf,
+            values_buf,
+            ctypes.byref(n),
+            ctypes.byref(opts),
+        )
+        if code < 0 and abs(code) != errno.ENOENT:
+            raise _failure("cannot count the entries of map fd", fd, code)
+        total += n.value
+        if code < 0:  # ENOENT: that was the last batch
+            return total
+        ctypes.memmove(token_in, token_out, 8)
+        first = False
+
+
+def lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
+    """The value of ``key`` in a (not per-CPU) map; None if it has none."""
+    buf = ctypes.create_string_buffer(value_size)
+    code = library().bpf_map_lookup_elem(fd, key, buf)
+    if code < 0 and abs(code) == errno.ENOENT:
+        return None
+    if code < 0:
+        raise _failure("cannot read an entry of map fd", fd, code)
+    return buf.raw
 
 
 def per_cpu(fd: int, key: bytes, value_size: int) -> list[bytes]:
