@@ -159,6 +159,22 @@ def test_a_fault_is_found_within_the_sync_period_and_repaired(live: Live, fault:
     assert status == 200, body
 
 
+def test_a_flushed_ruleset_is_the_packets_parts_to_repair_and_is_counted_as_to_ebpfs(
+    live: Live,
+) -> None:
+    """The nftables part (to-nft's table) checks its own table in the same period; its repair
+    is to-ebpf's on /metrics, and the programs, untouched, keep translating."""
+    before = live.repairs("table")
+    live.cluster.bed.exec(live.node.netns, ["nft", "flush", "ruleset"])
+    assert poll(lambda: live.repairs("table") == before + 1, within=15), live.log()[-3000:]
+    assert "kpng's nftables rules were changed by another program" in live.log()
+    tables = live.cluster.bed.exec(live.node.netns, ["nft", "list", "tables"])
+    assert "table inet kpng" in tables
+    assert poll(live.translated, within=5, interval=0.5)
+    status, body = live.get(HEALTHZ, "/healthz")
+    assert status == 200, body
+
+
 def test_a_repair_that_fails_keeps_the_divergence_until_it_can_be_made(live: Live) -> None:
     """The pin directory removed and a map pinned in its place: kpng cannot make the directory
     again, so /healthz fails once the divergence outlasts its timeout (5 s); once the map is

@@ -40,6 +40,7 @@ import random
 import shutil
 import struct
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kpng.backends._conntrack import Conntrack
@@ -555,6 +556,10 @@ class EbpfBackend:
             log.info("to-ebpf: the maps and programs hold revision %d again", self._revision)
         return drift
 
+    def sockets_diverged(self) -> bool:
+        """Whether a divergence of the sockets part is reported and not repaired yet."""
+        return self._unrepaired
+
     def metric_samples(self) -> list[Sample]:
         """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``)."""
         return self.sockets.metric_samples()
@@ -565,6 +570,36 @@ class EbpfBackend:
             await asyncio.gather(self._watching, return_exceptions=True)
         self.sockets.close()
         await self.packets.close()
+
+
+class PacketsReporter:
+    """What the packets part (an ``NftBackend``) reports, as to-ebpf's: the services it
+    refused and the drift it found in its table go through; its syncs are to-ebpf's to time
+    (``EbpfBackend.apply``), but a repair of its table ends the divergence it reported, unless
+    the sockets part still has one of its own (its own repair ends both)."""
+
+    def __init__(self, syncs: SyncReporter) -> None:
+        self._syncs = syncs
+        self._diverged = False
+        self.sockets_diverged: Callable[[], bool] = lambda: False
+
+    def attempted(self, *, seconds: float, full: bool) -> None:
+        pass
+
+    def failed(self) -> None:
+        pass
+
+    def synced(self, *, revision: int) -> None:
+        if self._diverged and not self.sockets_diverged():
+            self._syncs.synced(revision=revision)
+        self._diverged = False
+
+    def refused(self, services: Mapping[ServiceKey, str]) -> None:
+        self._syncs.refused(services)
+
+    def diverged(self, *, kind: str, detail: str) -> None:
+        self._diverged = True
+        self._syncs.diverged(kind=kind, detail=detail)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -611,8 +646,10 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     nft = default_nft()
     if not isinstance(nft, LibNft) and shutil.which("nft") is None:
         raise UsageError("to-ebpf needs libnftables or the nft command for traffic from outside")
+    reporter = PacketsReporter(syncs)
     packets = NftBackend(
         nft=nft,
+        syncs=reporter,
         options=options,
         from_node=from_node,
         min_sync_period=args.min_sync_period,
@@ -630,12 +667,14 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         pin_dir=args.pin_dir,
         bpf_object=args.bpf_object,
     )
-    return EbpfBackend(
+    backend = EbpfBackend(
         sockets=sockets,
         packets=packets,
         syncs=syncs,
         sync_period=0.0 if args.once else args.sync_period,
     )
+    reporter.sockets_diverged = backend.sockets_diverged
+    return backend
 
 
 def remove_pins(pin_dir: Path = DEFAULT_PIN_DIR) -> bool:
