@@ -29,6 +29,8 @@ from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._nftables.auditing import (
     Drift,
     Inspects,
+    applied_by_container,
+    comparable,
     compare_elements,
     compare_rules,
     compare_shapes,
@@ -412,13 +414,23 @@ class NftBackend:
 
     async def _compare_elements(self, inspect: Inspects) -> Drift | None:
         """The slow check: every element of every map and set kpng filled, compared exactly
-        (``auditing.expected_elements``), one container at a time."""
-        with collector_paused():
-            expected = list(expected_elements(self.store))
-        for container, elements in expected:
-            drift = compare_elements(
-                container.name, elements, await inspect.elements_of(TABLE, container)
+        (``auditing.expected_elements``), one container at a time; the encoding in a thread,
+        so that the health port keeps answering. (Under the lock: the applied elements do not
+        change meanwhile.)"""
+        store = self.store
+        keys = await asyncio.to_thread(applied_by_container, store)
+        memos: dict[str, dict[tuple[str, ...], bytes]] = {}
+        for container, encodes in comparable(store):
+            expected = await asyncio.to_thread(
+                expected_elements,
+                store,
+                container.name,
+                encodes,
+                keys.get(container.name, ()),
+                memos.setdefault(encodes.key_type, {}),
             )
+            found = await inspect.elements_of(TABLE, container)
+            drift = compare_elements(container.name, expected, found)
             if drift is not None:
                 return drift
         return None

@@ -284,11 +284,20 @@ class ElementEncoder:
             raise ValueError(f"element {' . '.join(key)!r}: {exc}") from exc
 
     def canonical(
-        self, key: tuple[str, ...], value: tuple[str, ...], comment: str = ""
+        self,
+        key: tuple[str, ...],
+        value: tuple[str, ...],
+        comment: str = "",
+        keys: dict[tuple[str, ...], bytes] | None = None,
     ) -> tuple[bytes, bytes, bytes]:
         """The element as ``canonical`` reads it back from the kernel, written directly: the
-        exact comparison encodes every element kpng applied."""
-        raw = self._key(key)
+        exact comparison encodes every element kpng applied. ``keys``: encoded keys by their
+        fields, shared by the containers of one ``key_type`` (as in ``elements``)."""
+        raw = keys.get(key) if keys is not None else None
+        if raw is None:
+            raw = self._key(key)
+            if keys is not None:
+                keys[key] = raw
         if not value:
             data = b""
         elif self._verdict:
