@@ -161,3 +161,20 @@ def test_a_socks_proxy_is_a_clear_error(tmp_path: Path) -> None:
     path = _kubeconfig(tmp_path / "config", cluster, {"token": "t"})
     with pytest.raises(KubeConfigError, match=r"proxy-url 'socks5://127\.0\.0\.1:1080': only http"):
         asyncio.run(load_connection(Path(path)))
+
+
+@pytest.mark.parametrize("insecure", [True, False])
+def test_an_insecure_kubeconfig_is_warned_about_once_naming_it(
+    tmp_path: Path, insecure: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kpng.kubeclient.config import load_connection
+
+    cluster = {**SERVER, "insecure-skip-tls-verify": insecure}
+    path = _kubeconfig(tmp_path / "config", cluster, {"token": "t"})
+    asyncio.run(load_connection(Path(path)))
+    warned = [
+        r.getMessage() for r in caplog.records if "insecure-skip-tls-verify" in r.getMessage()
+    ]
+    assert len(warned) == int(insecure)
+    if insecure:
+        assert str(path) in warned[0]

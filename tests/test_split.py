@@ -423,3 +423,29 @@ def test_a_relays_nodes_get_the_node_state_a_brains_nodes_get(tmp_path: Path) ->
         assert _differing(local, relayed) == [], f"state {i + 1}"
     assert behind[0].service_cidrs == ("10.96.0.0/16", "fd00:96::/112")
     assert behind[1].triggers == ChangeTriggers(V4=(_epoch(TRIGGERED),))
+
+
+@pytest.mark.parametrize(
+    ("urls", "tls", "refused"),
+    [
+        ("tcp://10.0.0.1:8443", False, True),
+        ("unix:///run/kpng.sock,tcp://10.0.0.2:8443", False, True),  # a fallback too
+        ("tcp://10.0.0.1:8443", True, False),
+        ("unix:///run/kpng.sock", False, False),
+    ],
+    ids=["tcp", "tcp-fallback", "tcp-with-tls", "unix"],
+)
+def test_a_token_is_never_sent_in_the_clear_over_tcp(
+    urls: str, tls: bool, refused: bool, tmp_path: Path
+) -> None:
+    from kpng.errors import UsageError
+    from kpng.remote.address import ClientTls
+
+    api = Api.parse(
+        urls, tls=ClientTls(ca=tmp_path / "ca.crt") if tls else None, token_file=tmp_path / "t"
+    )
+    if refused:
+        with pytest.raises(UsageError, match="in the clear"):
+            api.check()
+    else:
+        assert api.check() is api

@@ -228,6 +228,14 @@ def _connection(
     host = str(configuration.host or "").rstrip("/")
     if not host.startswith(("https://", "http://")):
         raise KubeConfigError(f"{source}: no API server address (cluster.server)")
+    if host.startswith("https://") and not configuration.verify_ssl:
+        # Once, at start: the setting is the operator's to keep, but never silently.
+        log.warning(
+            "%s: insecure-skip-tls-verify is set: the API server's certificate is not "
+            "verified, so anyone between kpng and %s can pose as it",
+            source,
+            host,
+        )
     proxy = configuration.proxy or None
     if proxy is not None and not proxy.startswith(("http://", "https://")):
         # kubectl takes socks5:// proxies too; kpng's client does not speak SOCKS.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpng.addresses import check_grpc_url
+from kpng.errors import UsageError
 
 if TYPE_CHECKING:
     import grpc
@@ -88,9 +89,15 @@ class Api:
         return self.url.removeprefix("tcp://")
 
     def check(self) -> Api:
-        """This address, if it names a kpng server; else a UsageError saying what would."""
+        """This address, if it names a kpng server; else a UsageError saying what would. A
+        token is never sent in the clear over a network: over ``tcp://`` it needs TLS."""
         for url in (self.url, *self.fallbacks):
             check_grpc_url(url, flag="--api")
+            if self.token_file is not None and self.tls is None and not url.startswith("unix://"):
+                raise UsageError(
+                    f"--token-file would send its token in the clear to {url}: give the "
+                    "server's CA (--tls-ca) so that it goes over TLS, or use a unix:// socket"
+                )
         return self
 
     def channel(self) -> grpc.aio.Channel:
