@@ -112,10 +112,11 @@ def test_full_format_is_the_to_json_line() -> None:
         pytest.param([b"x" * 10 + b"\nok\n"], ["xxxx [cut]", "ok"], id="long-line-cut"),
         pytest.param([b"x" * 6, b"x" * 6, b"\nok\n"], ["xxxx [cut]", "ok"], id="long-unfinished"),
         pytest.param([b"a\xffb\r\n"], ["a\ufffdb"], id="undecodable-and-crlf"),
+        pytest.param([b"\x1b[2J\rok\n"], ["\\x1b[2J\\x0dok"], id="control-escaped"),
     ],
 )
 def test_stderr_is_cut_into_bounded_lines(chunks: list[bytes], lines: list[str]) -> None:
-    splitter = BoundedLineSplitter(max_bytes=4)
+    splitter = BoundedLineSplitter(max_bytes=max(4, len(lines[-1])))
     out: list[str] = []
     for chunk in chunks:
         out += splitter.feed(chunk)
@@ -306,6 +307,72 @@ def test_close_ends_the_program_with_eof_first(tmp_path: Path) -> None:
 
     _run(scenario())
     assert marker.exists()
+
+
+def test_a_program_that_closes_its_stdin_is_stopped_and_started_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It lives on, but takes no state: kpng says so, ends it and starts it again, and the
+    backend's applies do not wait on it for ever."""
+    out = tmp_path / "read"
+    # The first run reads one line, closes its stdin and sleeps; later runs copy.
+    program = (
+        "import os, sys, time\n"
+        f"first = not os.path.exists({str(out)!r})\n"
+        f"out = open({str(out)!r}, 'ab', buffering=0)\n"
+        "if first:\n"
+        "    out.write(sys.stdin.buffer.readline()); sys.stdin.close(); os.close(0)\n"
+        "    time.sleep(600)\n"
+        "for line in sys.stdin.buffer:\n    out.write(line)\n"
+    )
+    backend = ExecBackend([sys.executable, "-c", program], make_format=FullFormat, backoff=_fast())
+
+    async def scenario() -> None:
+        await backend.apply(states.state(1, {"a": states.entry("a")}))
+        await eventually(lambda: out.exists() and out.read_bytes().count(b"\n") == 1, within=WAIT_S)
+        # A state too big for the pipe's buffer: written to a closed pipe, it breaks.
+        big = {f"s{i}": states.entry(f"s{i}") for i in range(2000)}
+        await asyncio.wait_for(backend.apply(states.state(2, big)), WAIT_S)
+        await eventually(lambda: backend.starts == 2, within=WAIT_S)
+        await eventually(lambda: b'"revision":2' in out.read_bytes(), within=WAIT_S)
+        await backend.close()
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _run(scenario())
+    assert any("closed its stdin" in m for m in _messages(caplog))
+
+
+def test_close_ends_the_programs_children_too(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    program = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "for line in sys.stdin.buffer: pass\n"
+        "import time; time.sleep(600)\n"  # ignores EOF: SIGTERM ends it, and its child
+    )
+    backend = ExecBackend([sys.executable, "-c", program], make_format=FullFormat)
+
+    async def scenario() -> int:
+        await backend.apply(states.state(1, {"a": states.entry("a")}))
+        await eventually(lambda: pid_file.exists() and pid_file.read_text() != "", within=WAIT_S)
+        child = int(pid_file.read_text())
+        await backend.close()
+        return child
+
+    child = _run(scenario())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return status != "Z"
 
 
 # --- in kpng, beside other backends

@@ -38,7 +38,13 @@ class BoundedLineSplitter:
 
     @staticmethod
     def _decode(data: bytes | bytearray) -> str:
-        return bytes(data).decode(errors="replace").rstrip("\r")
+        # Escaped: a program's control characters (a terminal's escape sequences, a CR that
+        # rewrites the line) must not reach the operator's terminal or forge log lines.
+        return bytes(data).decode(errors="replace").rstrip("\r").translate(_ESCAPED)
+
+
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09}
+"""Control characters but the tab, as ``\\xNN``."""
 
 
 class LineLimiter:

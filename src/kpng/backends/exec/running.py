@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
 import signal
 import time
@@ -134,8 +135,17 @@ class ExecBackend:
             log.info("to-exec: started %s (pid %d)", shlex.join(self.argv), proc.pid)
             relay = asyncio.create_task(self._relay_stderr(proc), name=f"{self.name} stderr")
             try:
-                await self._serve(proc)
+                if not await self._serve(proc) and proc.returncode is None:
+                    # Alive, but it closed its input: it will never take another state.
+                    log.warning(
+                        "to-exec: %s closed its stdin and takes no more states; stopping it",
+                        self.name,
+                    )
+                    await self._stop(proc)
                 code = await proc.wait()
+                if _group_alive(proc.pid):
+                    # What it started and left behind goes with it, before the next start.
+                    await self._stop(proc)
             except asyncio.CancelledError:
                 await self._stop(proc)
                 raise
@@ -156,8 +166,8 @@ class ExecBackend:
             )
             await self._sleep(delay)
 
-    async def _serve(self, proc: asyncio.subprocess.Process) -> None:
-        """Write states to ``proc`` until it exits (or its stdin breaks)."""
+    async def _serve(self, proc: asyncio.subprocess.Process) -> bool:
+        """Write states to ``proc`` until it exits (True) or its stdin breaks (False)."""
         stdin = proc.stdin
         assert stdin is not None
         form = self._make_format()
@@ -170,7 +180,7 @@ class ExecBackend:
                     fresh = False
                     data = await form.encode(state)
                     if not await self._write(stdin, data, state.revision):
-                        return
+                        return False
                     async with self._progress:
                         self._written = count
                         self._progress.notify_all()
@@ -181,7 +191,7 @@ class ExecBackend:
                 finally:
                     woken.cancel()
                 if exited.done():
-                    return
+                    return True
                 self._wake.clear()
         finally:
             exited.cancel()
@@ -264,19 +274,30 @@ class ExecBackend:
             log.warning("%s: %d lines suppressed (stderr is rate-limited)", self.name, count)
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
-        """End ``proc``: EOF on stdin first (a well-behaved program exits), then SIGTERM, then
-        SIGKILL, each after ``STOP_S``."""
-        if proc.returncode is not None:
-            return
+        """End ``proc`` and what it started: EOF on stdin first (a well-behaved program exits),
+        then SIGTERM, then SIGKILL, each after ``STOP_S``, to its whole process group (it leads
+        one, started in a session of its own), so that its children do not outlive it."""
         if proc.stdin is not None:
             proc.stdin.close()
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(sig)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+            if proc.returncode is not None and not _group_alive(proc.pid):
+                return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), STOP_S)
-                return
+                if not _group_alive(proc.pid):
+                    return
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _exit_reason(code: int) -> str:
