@@ -437,6 +437,33 @@ def test_a_plugin_directory_is_followed_as_plugins_come_and_go(
     assert f"to-plugin: plugin two left {directory}" in messages
 
 
+def test_a_plugin_directorys_entry_that_is_no_socket_is_no_plugin(
+    plugins: Plugins, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "plugins"
+    directory.mkdir()
+    (directory / "file.sock").write_text("")
+    (directory / "dir.sock").mkdir()
+    plugins.start("one", socket=directory / "one.sock")
+    backend = _backend(directory=directory)
+
+    async def scenario() -> None:
+        try:
+            await backend.apply(states.state(1, {"a": A1}))
+            await eventually(lambda: bool(json_lines(plugins.record("one"))), "one fed")
+            await asyncio.sleep(0.3)  # rescans
+            assert set(backend.members) == {"one"}
+        finally:
+            await backend.close()
+
+    _run(scenario())
+    warned = [m for m in _messages(caplog) if "is not a socket" in m]
+    assert sorted(warned) == [
+        f"to-plugin: {directory / 'dir.sock'} is not a socket: not a plugin",
+        f"to-plugin: {directory / 'file.sock'} is not a socket: not a plugin",
+    ]
+
+
 def test_an_unhealthy_plugin_is_logged_once(
     plugins: Plugins, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from kpng.backends.plugin.config import PluginSpec, plugins_in_directory
+from kpng.backends.plugin.config import SOCKET_SUFFIX, PluginSpec, plugins_in_directory
 from kpng.backends.plugin.connection import PluginBackend
 from kpng.client import Backoff, NodeState
 from kpng.feeding import Feeder
@@ -65,6 +66,8 @@ class PluginsBackend:
         self._latest: NodeState | None = None
         self._scanner: asyncio.Task[None] | None = None
         self._directory_missing = False
+        self._not_sockets: set[str] = set()
+        """``NAME.sock`` entries found that are no socket, warned about once each."""
         self._stopping: set[asyncio.Task[None]] = set()
 
     @property
@@ -143,7 +146,7 @@ class PluginsBackend:
                 log.info("to-plugin: the plugin directory %s is readable again", directory)
             self._directory_missing = False
         named = {spec.name for spec in self._named}
-        found = plugins_in_directory(directory, entries)
+        found = plugins_in_directory(directory, [e for e in entries if self._usable(directory, e)])
         for name, spec in sorted(found.items()):
             if name in named:
                 continue  # --plugin names it: that one is fed
@@ -157,6 +160,21 @@ class PluginsBackend:
                 task = asyncio.create_task(self._stop(member), name=f"to-plugin {name} stop")
                 self._stopping.add(task)
                 task.add_done_callback(self._stopping.discard)
+
+    def _usable(self, directory: Path, entry: str) -> bool:
+        """Whether ``entry`` may name a plugin: a ``NAME.sock`` must be a socket (a plain file
+        or a directory of that name is nobody's plugin, and kpng would connect to it for
+        ever)."""
+        if not entry.endswith(SOCKET_SUFFIX):
+            return True
+        try:
+            is_socket = stat.S_ISSOCK(os.stat(directory / entry).st_mode)
+        except OSError:
+            return False  # gone since it was listed
+        if not is_socket and entry not in self._not_sockets:
+            log.warning("to-plugin: %s is not a socket: not a plugin", directory / entry)
+        (self._not_sockets.discard if is_socket else self._not_sockets.add)(entry)
+        return is_socket
 
     async def _stop(self, member: _Member) -> None:
         for task in member.tasks:
