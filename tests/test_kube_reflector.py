@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import logging
 import ssl
 from collections.abc import AsyncIterator, Mapping
@@ -18,7 +19,7 @@ import pytest
 from kubernetes_asyncio.client import Configuration
 
 from kpng.harness.cluster import free_port
-from kpng.kubeclient.client import ApiClient, StreamIdle, WatchLineSplitter
+from kpng.kubeclient.client import ApiClient, StreamIdle, TransportError, WatchLineSplitter
 from kpng.kubeclient.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.model import k8s
 from kpng.model.cluster import Slice
@@ -490,3 +491,85 @@ def test_orphans_are_reported_once_and_only_when_they_last() -> None:
     ]
     for orphans, reported in steps:
         assert reports.check(orphans) == reported, orphans
+
+
+# --- answers a broken or hostile API server can send
+
+
+def _deep(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
+
+
+def test_an_object_nested_too_deeply_is_reported_and_skipped_and_the_rest_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not even its metadata decodes (msgspec skips the rest recursively too): it is absent."""
+    reflector, sink = _reflector()
+    deep = msgspec.json.encode(_svc("a", "10")).replace(
+        b'"spec":{', b'"spec":{"x":' + _deep(5000) + b","
+    )
+    listed: dict[Key, str] = {}
+    reflector._apply_listed(msgspec.Raw(deep), listed)
+    reflector._apply_listed(msgspec.Raw(msgspec.json.encode(_svc("b", "11"))), listed)
+    assert listed == {("ns", "b"): "11"}
+    assert sink.applied == [(("ns", "b"), "10.0.0.1")]
+    assert "an object that does not decode (maximum recursion depth exceeded" in caplog.text
+    assert reflector.stats.undecodable == 1
+
+
+def test_a_watch_event_that_does_not_decode_fails_the_watch_and_lists_again() -> None:
+    reflector, _ = _reflector()
+    reflector._event(_event("ADDED", _svc("a", "10")))
+    with pytest.raises(WatchFailed, match="does not decode"):
+        reflector._event(b'{"type":"ADDED","object":' + _deep(5000) + b"}")
+    assert reflector.resource_version == ""  # the next round lists
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "error"),
+    [
+        (b"Content-Length: \xc2\xb2\r\n", b"", "a malformed Content-Length"),
+        (
+            b"Content-Encoding: gzip\r\nContent-Length: %d\r\n",
+            gzip.compress(b"\0" * (300 << 20)),
+            "a body larger than",
+        ),
+    ],
+    ids=["non-ascii-length", "gzip-bomb"],
+)
+def test_a_list_answer_past_the_bounds_is_a_reported_failure_not_a_crash(
+    head: bytes, body: bytes, error: str
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        fields = head % len(body) if b"%d" in head else head
+        writer.write(b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> str:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with ApiClient(_connection(f"http://127.0.0.1:{port}")) as client:
+                with pytest.raises(TransportError) as failed:
+                    await client.get("/api/v1/services", {})
+                return str(failed.value)
+        finally:
+            server.close()
+
+    assert error in asyncio.run(scenario())
+
+
+def test_a_watch_line_past_the_bound_ends_the_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kpng.kubeclient.client.MAX_LINE", 1 << 16)
+    server = ScriptedServer({}, [[b"x" * (1 << 17)]])
+
+    async def scenario() -> None:
+        async with server.client() as client:
+            params = {"watch": "1", "resourceVersion": "1"}
+            async with client.stream_lines("/w", params, idle_timeout=5) as batches:
+                with pytest.raises(TransportError, match="a watch event longer than 65536"):
+                    await asyncio.wait_for(anext(batches), 10)
+
+    asyncio.run(scenario())

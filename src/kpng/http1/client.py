@@ -88,9 +88,17 @@ class Response:
     def reusable(self) -> bool:
         return self.complete and self._keep
 
-    async def read(self) -> bytes:
-        """The whole body, decoded."""
-        return b"".join([piece async for piece in self.chunks()])
+    async def read(self, *, limit: int | None = None) -> bytes:
+        """The whole body, decoded; HttpError once it passes ``limit`` bytes (decoded: a small
+        gzip body can inflate to gigabytes), before the rest is read."""
+        pieces, size = [], 0
+        async for piece in self.chunks():
+            size += len(piece)
+            if limit is not None and size > limit:
+                self._keep = False
+                raise HttpError(f"a body larger than {limit} bytes")
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, decoded (gzip); ends at the body's end. Raises HttpError or
@@ -103,9 +111,16 @@ class Response:
         inflate = zlib.decompressobj(wbits=31) if encoding == "gzip" else None
         try:
             async for raw in self._framed():
-                piece = inflate.decompress(raw) if inflate is not None else raw
-                if piece:
-                    yield piece
+                if inflate is None:
+                    yield raw
+                    continue
+                # At most a read's worth inflated at a time: the caller stops a bomb between.
+                data = raw
+                while data:
+                    piece = inflate.decompress(data, _READ_SIZE)
+                    data = inflate.unconsumed_tail
+                    if piece:
+                        yield piece
             if inflate is not None:
                 rest = inflate.flush()
                 if not inflate.eof:
@@ -135,7 +150,8 @@ class Response:
                     raise HttpError("a chunk longer than its size")
         elif "content-length" in self.headers:
             text = self.headers["content-length"]
-            if not text.isdigit():
+            # ASCII digits only: str.isdigit() takes "²", which int() then refuses.
+            if not (text.isascii() and text.isdigit()):
                 raise HttpError(f"a malformed Content-Length {text[:40]!r}")
             length = int(text)
             async for piece in _exactly(reader, length):

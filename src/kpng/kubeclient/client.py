@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
 _REQUEST_TIMEOUT_S = 60.0
+MAX_BODY = 256 << 20
+"""The largest answer kpng reads whole (a page of a list, 500 objects): an API server's pages
+are a few MB; past this, the answer is refused (decoded, so a gzip bomb stops here too)."""
+MAX_LINE = 16 << 20
+"""The longest watch event: one object (etcd stores at most 1.5 MiB of one)."""
 
 
 class ApiStatus(msgspec.Struct, tag_field="kind", tag="Status"):
@@ -203,7 +208,7 @@ class ApiClient:
                 asyncio.timeout(_REQUEST_TIMEOUT_S),
                 self._request(method, path, params, body) as response,
             ):
-                answer = await response.read()
+                answer = await response.read(limit=MAX_BODY)
         except (HttpError, OSError, ValueError) as exc:  # OSError: TimeoutError too
             raise TransportError(self._describe(exc)) from exc
         if response.status not in success:
@@ -232,7 +237,7 @@ class ApiClient:
                 self._note_status(response.status)
                 try:
                     async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                        body = await response.read()
+                        body = await response.read(limit=MAX_BODY)
                 except (HttpError, OSError) as exc:
                     raise TransportError(self._describe(exc)) from exc
                 raise _status_error(response.status, body)
@@ -254,6 +259,10 @@ class ApiClient:
             if not chunk:
                 break
             lines = splitter.feed(chunk)
+            if splitter.pending > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
+                raise TransportError(
+                    f"{self.connection.server}: a watch event longer than {MAX_LINE} bytes"
+                )
             if lines:
                 yield lines
         if splitter.pending:

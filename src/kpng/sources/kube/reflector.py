@@ -150,6 +150,17 @@ class _MetaOnly(msgspec.Struct):
 
 
 _list_decoder = msgspec.json.Decoder(ListPage)
+
+
+def _decoded(decoder: msgspec.json.Decoder[ListPage], data: bytes, what: str) -> ListPage:
+    """``data`` decoded; a ``msgspec.DecodeError`` for JSON nested deeper than msgspec goes
+    (a RecursionError, which the reflector's loop would not expect)."""
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError(f"{what} nested too deeply") from None
+
+
 _event_decoder = msgspec.json.Decoder(WatchEvent)
 _meta_decoder = msgspec.json.Decoder(_MetaOnly)
 _status_decoder = msgspec.json.Decoder(ApiStatus)
@@ -316,6 +327,12 @@ class Reflector(Generic[T]):
                 failure = str(exc)
             except (TransportError, ApiStatusError, WatchFailed, msgspec.DecodeError) as exc:
                 failure = str(exc)
+            except Exception as exc:
+                # A bug, or an answer no check foresaw: reported with its traceback, and the
+                # reflector lists again after its backoff; it never ends silently.
+                log.exception("%s: an unexpected failure", self.name)
+                self.resource_version = ""
+                failure = f"an unexpected {type(exc).__name__}: {exc}"
             self.stats.failures += 1
             self.last_error = failure
             delay = backoff.delay()
@@ -350,7 +367,7 @@ class Reflector(Generic[T]):
                     continue
                 raise
             with collector_paused():
-                page = _list_decoder.decode(body)
+                page = _decoded(_list_decoder, body, "a page of the list")
                 for raw in page.items or ():
                     self._apply_listed(raw, listed)
             resource_version = page.metadata.resource_version
@@ -397,11 +414,12 @@ class Reflector(Generic[T]):
         treated as absent); None if not even that decodes."""
         try:
             return self._decoder.decode(raw)
-        except msgspec.ValidationError as exc:
+        except (msgspec.ValidationError, RecursionError) as exc:
+            # RecursionError: nested deeper than msgspec decodes (thousands of levels).
             self.stats.undecodable += 1
             try:
                 meta = _meta_decoder.decode(raw).metadata
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 log.error("%s: an object that does not decode (%s); skipped", self.name, exc)
                 return None
             where = f"{meta.namespace}/{meta.name}" if meta.namespace else meta.name
@@ -437,7 +455,15 @@ class Reflector(Generic[T]):
             raise
 
     def _event(self, line: bytes) -> None:
-        event = _event_decoder.decode(line)
+        try:
+            event = _event_decoder.decode(line)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # Which object it was is unknown: a relist gets them all again, each decoded on
+            # its own (a bad one is then skipped by name).
+            self.resource_version = ""
+            raise WatchFailed(
+                f"a watch event that does not decode ({exc}); listing again"
+            ) from None
         kind = event.type
         if kind == "ERROR":
             status = _status_decoder.decode(event.object)
