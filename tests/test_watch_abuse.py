@@ -13,12 +13,15 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
+import pytest
 
 from kpng.api import batchv1_pb2
+from kpng.kubeclient.client import ApiClient
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
+from kpng.server.auth import Identity, Refused, TokenReviews, WatchAuth
 from kpng.server.serving import ListenAddress, Serving, serve
 from kpng.store import SourceHandle, Store
 from kpng.testing import states
@@ -137,3 +140,121 @@ def test_watchers_that_never_read_cannot_grow_the_servers_memory(tmp_path: Path)
     # it grew by some 5 MiB per 100 rounds when each unread global watch kept every key churned.
     warm = samples[len(samples) // 4][1]
     assert max(traced for _, traced in samples[len(samples) // 4 :]) - warm < 8 << 20, samples
+
+
+# --- streams that never ask, or ask without a valid token
+
+
+class _Reviewer:
+    """The one valid token is "good" (node agent agent, on node-1)."""
+
+    def __init__(self) -> None:
+        self.reviews = 0
+
+    async def review(self, token: str) -> Identity | None:
+        self.reviews += 1
+        return Identity(user="agent", node="node-1") if token == "good" else None
+
+
+@contextlib.asynccontextmanager
+async def _guarded(store: Store, url: str, reviewer: _Reviewer) -> AsyncIterator[Serving]:
+    ready: asyncio.Future[Serving] = asyncio.get_running_loop().create_future()
+    auth = WatchAuth(reviewer=reviewer, node_users=frozenset({"agent"}))
+    task = asyncio.create_task(
+        serve(store, listen=[ListenAddress.parse(url)], auth=auth, started=ready.set_result)
+    )
+    try:
+        yield await asyncio.wait_for(ready, 20)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_stream_without_a_token_is_refused_before_it_asks_anything(tmp_path: Path) -> None:
+    store = Store()
+    store.source("s").mark_synced()
+    reviewer = _Reviewer()
+
+    async def scenario() -> tuple[grpc.StatusCode, grpc.StatusCode, int]:
+        sock = tmp_path / "kpng.sock"
+        async with (
+            _guarded(store, f"unix://{sock}", reviewer) as serving,
+            grpc.aio.insecure_channel(f"unix:{sock}") as channel,
+        ):
+            anonymous = _raw(channel, "Watch")  # sends nothing
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(anonymous.read(), 5)
+            forged = channel.stream_stream(
+                "/kpng.batchv1.Sets/Watch",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )(metadata=(("authorization", "Bearer bad"),))  # type: ignore[call-arg]
+            with pytest.raises(grpc.aio.AioRpcError) as forged_refused:
+                await asyncio.wait_for(forged.read(), 5)
+            return (
+                refused.value.code(),
+                forged_refused.value.code(),
+                serving.watch.stats.refused,
+            )
+
+    assert _run(scenario()) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        2,
+    )
+
+
+def test_a_stream_that_never_sends_its_request_is_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kpng.server.serving.FIRST_REQUEST_S", 0.5)
+    store = Store()
+    store.source("s").mark_synced()
+
+    async def scenario() -> grpc.StatusCode:
+        sock = tmp_path / "kpng.sock"
+        async with (
+            _serving(store, f"unix://{sock}") as serving,
+            grpc.aio.insecure_channel(f"unix:{sock}") as channel,
+        ):
+            silent = _raw(channel, "Watch")
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(silent.read(), 5)
+            assert serving.watch.stats.local_watches == 0
+            code: grpc.StatusCode = ended.value.code()
+            return code
+
+    assert _run(scenario()) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _Posts:
+    """An API client whose TokenReviews say every token is unknown, counted."""
+
+    def __init__(self) -> None:
+        self.posts = 0
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        self.posts += 1
+        return b'{"status": {"authenticated": false}}'
+
+
+def test_new_tokens_are_reviewed_at_a_bounded_rate_and_known_ones_from_the_cache() -> None:
+    now = [0.0]
+    client = _Posts()
+    reviews = TokenReviews(cast(ApiClient, client), rate=10.0, burst=20, clock=lambda: now[0])
+
+    async def scenario() -> tuple[int, int]:
+        refused = 0
+        for i in range(100):  # random tokens, at once
+            try:
+                await reviews.review(f"random-{i}")
+            except Refused:
+                refused += 1
+        await reviews.review("random-0")  # cached (refused for 60 s): no review
+        now[0] = 1.0  # a second later: ten more
+        for i in range(100, 120):
+            with contextlib.suppress(Refused):
+                await reviews.review(f"random-{i}")
+        return refused, client.posts
+
+    assert _run(scenario()) == (80, 30)

@@ -30,6 +30,12 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 """The TokenReview's ``user.extra`` key naming the node of the pod a token is bound to."""
 DEFAULT_AUDIENCE = "kpng"
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+REVIEWS_PER_S = 100.0
+"""TokenReviews of new tokens a brain asks for, at most, each second once ``REVIEW_BURST`` is
+spent: random tokens cost the API server nothing past it, and 5,000 node agents reconnecting at
+once (their tokens new to this replica) are all reviewed within 40 s, the refused ones
+retrying."""
+REVIEW_BURST = 1000
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,8 @@ class TokenReviews:
         audience: str = DEFAULT_AUDIENCE,
         ttl: float = 60.0,
         size: int = 16_384,
+        rate: float = REVIEWS_PER_S,
+        burst: int = REVIEW_BURST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
@@ -117,6 +125,8 @@ class TokenReviews:
         self._size = size
         self._clock = clock
         self._cache: OrderedDict[bytes, tuple[float, Identity | None]] = OrderedDict()
+        self._rate, self._burst = rate, burst
+        self._allowance, self._filled = float(burst), clock()
 
     async def review(self, token: str) -> Identity | None:
         key = hashlib.sha256(token.encode()).digest()
@@ -124,6 +134,15 @@ class TokenReviews:
         cached = self._cache.get(key)
         if cached is not None and cached[0] > now:
             return cached[1]
+        # Tokens not seen for a while are reviewed at a bounded rate: random tokens cost the
+        # API server nothing past it (kpng's agents' tokens are cached once reviewed).
+        self._allowance = min(self._burst, self._allowance + (now - self._filled) * self._rate)
+        self._filled = now
+        if self._allowance < 1:
+            raise Refused(
+                "too many new tokens to review at once; try again shortly", unauthenticated=True
+            )
+        self._allowance -= 1
         body = msgspec.json.encode(
             {
                 "apiVersion": "authentication.k8s.io/v1",
@@ -164,9 +183,16 @@ class WatchAuth:
     async def check(self, metadata: Sequence[tuple[str, str | bytes]], *, node: str | None) -> None:
         """Raise Refused unless the stream whose ``metadata`` this is may watch ``node``'s state
         (None: the global state)."""
+        identity = await self.identify(metadata)
+        decide(identity, node=node, node_users=self.node_users, global_users=self.global_users)
+
+    async def identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> Identity:
+        """Whose the stream's token is; Refused (unauthenticated) if it has no valid one."""
         token = bearer_token(metadata)
         identity = None if token is None else await self.reviewer.review(token)
-        decide(identity, node=node, node_users=self.node_users, global_users=self.global_users)
+        if identity is None:
+            raise Refused("no valid token with kpng's audience", unauthenticated=True)
+        return identity
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:

@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import stat
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,12 @@ log = logging.getLogger(__name__)
 # watcher at 256 KiB, 1.27 MB at 1 MiB (and 1.48 MB at 64 KiB, where messages are many).
 BATCH_BYTES = 1 << 18
 _JSON = msgspec.json.Encoder()
+FIRST_REQUEST_S = 10.0
+"""How long a new stream may take to send its first request (kpng's watchers send it at once)."""
+STREAMS_PER_CONNECTION = 100
+"""Streams one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)."""
+WARNED_NODES = 4096
+"""Unknown node names remembered, to warn of each once."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +152,27 @@ def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
 
 async def _parsed(requests: AsyncIterator[bytes], message: Any, context: Any) -> AsyncIterator[Any]:
     """Requests parsed here rather than by gRPC, so a malformed one is answered with
-    INVALID_ARGUMENT and a clear message instead of a server-side traceback."""
-    async for data in requests:
+    INVALID_ARGUMENT and a clear message instead of a server-side traceback. The first must come
+    within ``FIRST_REQUEST_S``: a stream that never asks holds memory and is never checked."""
+    incoming = aiter(requests)
+    try:
+        async with asyncio.timeout(FIRST_REQUEST_S):
+            first: bytes | None = await anext(incoming)
+    except StopAsyncIteration:
+        return
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {FIRST_REQUEST_S:g} s"
+        )
+        return
+    while True:
+        if first is not None:
+            data, first = first, None
+        else:
+            try:
+                data = await anext(incoming)
+            except StopAsyncIteration:
+                return
         try:
             yield message.FromString(data)
         except DecodeError as exc:
@@ -180,7 +206,8 @@ class WatchServer:
         self.hub = Hub(store)
         self.first_states = Turns()
         self.stats = WatchStats()
-        self._warned: set[str] = set()
+        self._warned: OrderedDict[str, None] = OrderedDict()
+        """Unknown node names warned about, the newest ``WARNED_NODES``."""
         self._encoders: dict[int, Encoders] = {
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
@@ -193,6 +220,9 @@ class WatchServer:
     async def _local_changesets(
         self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders], context: Any
     ) -> AsyncIterator[ChangeSet]:
+        # Who it is, from the stream's metadata, before anything else: whether it may watch
+        # the node it names is checked at each request (the review is cached).
+        await self._authorize(context, node=None, identity_only=True)
         view: NodeView | None = None
         answered = False
         sent: NodeFacts | None = None
@@ -254,12 +284,19 @@ class WatchServer:
             if view is not None:
                 view.close()
 
-    async def _authorize(self, context: Any, *, node: str | None) -> None:
-        """Abort the stream unless its token may watch ``node`` (None: the global state)."""
+    async def _authorize(
+        self, context: Any, *, node: str | None, identity_only: bool = False
+    ) -> None:
+        """Abort the stream unless its token may watch ``node`` (None: the global state), or,
+        ``identity_only``, unless it carries a valid token at all."""
         if self.auth is None:
             return
         try:
-            await self.auth.check(context.invocation_metadata() or (), node=node)
+            metadata = context.invocation_metadata() or ()
+            if identity_only:
+                await self.auth.identify(metadata)
+            else:
+                await self.auth.check(metadata, node=node)
         except Refused as exc:
             self.stats.refused += 1
             log.warning("refused a watch from %s: %s", context.peer(), exc)
@@ -274,7 +311,10 @@ class WatchServer:
         (the warning channel of Kubernetes' API, as HTTP headers are there): only possible
         before the stream's first response."""
         if node_name not in self._warned:
-            self._warned.add(node_name)
+            # Bounded: an unauthenticated watcher chooses the names.
+            self._warned[node_name] = None
+            if len(self._warned) > WARNED_NODES:
+                self._warned.popitem(last=False)
             log.warning("a watcher at %s: %s", context.peer(), warning)
         if tell:
             ascii_only = warning.encode("ascii", "backslashreplace").decode()
@@ -415,6 +455,9 @@ async def serve(
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
+            # A watcher needs one stream (two while it switches nodes), a relay two: a
+            # connection may not open thousands, each holding memory until it is checked.
+            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
         ]
     )
     server.add_generic_rpc_handlers(watch.handlers())
