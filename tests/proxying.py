@@ -13,8 +13,11 @@ class ConnectProxy:
     a new connection each), each only with the right Basic credentials when ``credentials`` is
     set. Notes what it was asked."""
 
-    def __init__(self, credentials: str | None = None) -> None:
+    def __init__(self, credentials: str | None = None, hosts: dict[str, str] | None = None) -> None:
         self.credentials = credentials
+        self.hosts = hosts or {}
+        """Names the proxy resolves itself (to loopback), as a proxy resolves what its clients
+        cannot."""
         self.asked: list[str] = []
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -29,6 +32,7 @@ class ConnectProxy:
             method, target, _ = start.split(" ")
             if method == "CONNECT":
                 host, port = target.rsplit(":", 1)
+                host = self.hosts.get(host, host)
                 up_reader, up_writer = await asyncio.open_connection(host, int(port))
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:

@@ -486,6 +486,39 @@ def test_env_kubeconfig_is_used(
     assert b'"Name":"kubernetes"' in done.stdout
 
 
+def test_lists_and_watches_go_through_the_environments_proxy_as_client_go_s_do(
+    control_plane: ControlPlane,
+    kube_api: KubeApi,
+    kube_namespace: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No proxy-url: ``HTTPS_PROXY`` is used, unless ``NO_PROXY`` names the server. The server
+    is named (a loopback address is never proxied), and only the proxy resolves the name."""
+    proxy = ConnectProxy(hosts={"api.proxied.test": "127.0.0.1"})
+    ns = kube_namespace
+
+    async def scenario() -> None:
+        async with proxy.running() as port:
+            config = yaml.safe_load(control_plane.kubeconfig.read_text())
+            for cluster in config["clusters"]:
+                server = cluster["cluster"]["server"]
+                cluster["cluster"]["server"] = server.replace("127.0.0.1", "api.proxied.test")
+                cluster["cluster"]["tls-server-name"] = "127.0.0.1"
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump(config))
+            monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{port}")
+            monkeypatch.setenv("NO_PROXY", "localhost,.svc,10.0.0.0/8")
+            async with KpngUnderTest.start(kubeconfig, namespace=ns) as kpng:
+                await kpng.wait_for(lambda v: v == {})
+                await call(kube_api.create, k.service("web", ns))
+                await kpng.wait_for(lambda v: v == {f"{ns}/web": ()})
+
+    run(scenario)
+    assert proxy.asked
+    assert all(a.startswith("CONNECT api.proxied.test:") for a in proxy.asked), proxy.asked
+
+
 def test_lists_and_watches_go_through_the_kubeconfigs_proxy(
     control_plane: ControlPlane, kube_api: KubeApi, kube_namespace: str, tmp_path: Path
 ) -> None:

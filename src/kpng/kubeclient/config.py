@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import yaml
 
 from kpng.errors import KpngError
+from kpng.kubeclient.proxies import proxy_from_environment
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.config.kube_config import KubeConfigLoader
@@ -223,7 +224,10 @@ def _ssl_context(
 
 
 def _connection(
-    configuration: Settings, loader: KubeConfigLoader | None, source: str
+    configuration: Settings,
+    loader: KubeConfigLoader | None,
+    source: str,
+    environ: Mapping[str, str],
 ) -> Connection:
     host = str(configuration.host or "").rstrip("/")
     if not host.startswith(("https://", "http://")):
@@ -237,11 +241,14 @@ def _connection(
             host,
         )
     proxy = configuration.proxy or None
+    where = f"{source}: proxy-url"
+    if proxy is None and (found := proxy_from_environment(host, environ)) is not None:
+        # As client-go: a kubeconfig's proxy-url wins, else the environment's.
+        proxy, where = found[0], f"${found[1]}"
+        log.info("reaching the API server %s through %s (%s)", host, proxy, where)
     if proxy is not None and not proxy.startswith(("http://", "https://")):
         # kubectl takes socks5:// proxies too; kpng's client does not speak SOCKS.
-        raise KubeConfigError(
-            f"{source}: proxy-url {proxy!r}: only http:// and https:// proxies are supported"
-        )
+        raise KubeConfigError(f"{where} {proxy!r}: only http:// and https:// proxies are supported")
     connection = Connection(
         server=host,
         ssl_context=None,
@@ -258,11 +265,13 @@ def _connection(
     return connection
 
 
-async def _from_kubeconfig(paths: str, context: str | None) -> Connection:
+async def _from_kubeconfig(
+    paths: str, context: str | None, environ: Mapping[str, str]
+) -> Connection:
     source = f"kubeconfig {paths}"
     plain = plain_kubeconfig(paths, context)
     if plain is not None:
-        return _connection(plain, None, source)
+        return _connection(plain, None, source, environ)
     from kubernetes_asyncio.client import Configuration
     from kubernetes_asyncio.config import ConfigException, load_kube_config
 
@@ -289,7 +298,7 @@ async def _from_kubeconfig(paths: str, context: str | None) -> Connection:
         raise KubeConfigError(f"{source}: {exc.strerror or exc}") from None
     except Exception as exc:  # YAML errors and the like: the library wraps nothing
         raise KubeConfigError(f"{source}: cannot be read: {exc}") from None
-    return _connection(configuration, loader, source)
+    return _connection(configuration, loader, source, environ)
 
 
 IN_CLUSTER = "in-cluster"
@@ -336,7 +345,7 @@ def _in_cluster(environ: Mapping[str, str]) -> Connection:
             raise KubeConfigError(f"in-cluster configuration: {path} is missing or empty")
     server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
     settings = PlainSettings(host=server, ssl_ca_cert=str(ca), token_file=str(token))
-    return _connection(settings, None, "the in-cluster service account")
+    return _connection(settings, None, "the in-cluster service account", environ)
 
 
 _PLAIN_CLUSTER = {
@@ -450,6 +459,6 @@ async def load_connection(
             raise KubeConfigError("--context names a kubeconfig context, but none is in use")
         connection = _in_cluster(environ)
     else:
-        connection = await _from_kubeconfig(chosen, context)
+        connection = await _from_kubeconfig(chosen, context, environ)
     log.info("API server %s (from %s)", connection.server, connection.source)
     return connection
