@@ -178,20 +178,6 @@ def _with_api(manifest: str, pod: str | None) -> str:
     return json.dumps(objects)
 
 
-@pytest.fixture(scope="module")
-def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
-    with _split(tmp_path_factory.mktemp("split-faults"), ["p1"], _web) as split:
-        yield split
-
-
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_a_fault_is_repaired_by_the_agent_within_the_sync_period(split: Split, fault: str) -> None:
-    assert_found_and_repaired(split.live, fault)
-    # The agent repaired it alone: the brain is not asked again for a state it already sent.
-    assert split.brain is not None
-    assert split.brain.poll() is None
-
-
 def _probing(bed: TestBed, node: str, seconds: float) -> subprocess.Popen[bytes]:
     """Connections to ``ns/web``'s ClusterIP one after the other for ``seconds``."""
     argv = [sys.executable, "-m", "kpng.testing.probe", "tcp", CLUSTER_IP, "80"]
@@ -212,14 +198,29 @@ CHANGES = {
 }
 
 
-MOMENTS = ["at-write", "at-read"]
-"""When the brain is killed: right after the manifest's write (the brain reads a file once it
-has been quiet for 50 ms: the change is only in the file), or as soon as the brain logs the
-revision the change made (read, and being sent to the agent or applied by it: whichever the
-race gives)."""
+MOMENTS = {
+    "written": "the change only in the file: the brain killed right after the write (it reads a "
+    "file once the file has been quiet for 50 ms)",
+    "sent": "the change in the agent's socket, unapplied: the agent stopped (SIGSTOP, a node too "
+    "busy to run it) before the write, the brain killed once it has read the change and sent it, "
+    "then the agent continued",
+    "applied": "the change applied by the agent: the brain killed once the agent logged it",
+}
+"""When the brain is killed, with the change where."""
+
+AGENT_EXITS = pytest.mark.xfail(
+    strict=True,
+    reason="kpng bug: kpng local exits 1 (asyncio.InvalidStateError: RPC already finished) "
+    "when its brain is gone by the time it has applied a change set: _follow_once "
+    "(kpng/remote/watching.py) asks for the next one with call.write on a finished call, and "
+    "_reconnecting catches only AioRpcError, OSError and WireError; the rules stay, but "
+    "/healthz, /metrics and every later change are gone until the agent is restarted",
+)
 
 
-@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize(
+    "moment", [pytest.param(m, marks=AGENT_EXITS) if m == "sent" else m for m in MOMENTS]
+)
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_brain_killed_with_a_change_in_flight_leaves_the_node_as_a_fresh_sync(
     tmp_path: Path, change: str, moment: str
@@ -245,12 +246,22 @@ def test_a_brain_killed_with_a_change_in_flight_leaves_the_node_as_a_fresh_sync(
         client = _probing(bed, node, 15)
         time.sleep(0.5)
         assert split.brain is not None
+        brain, agent = split.brain, split.agent
+        assert agent is not None
         brain_log = split.logs / "brain-1.log"
-        live.manifests.write_text(final.read_text())
-        if moment == "at-read":
-            assert poll(lambda: "revision 2:" in brain_log.read_text(), within=10, interval=0.01)
-        split.brain.send_signal(signal.SIGKILL)
-        assert split.brain.wait(timeout=10) == -signal.SIGKILL
+        try:
+            if moment == "sent":
+                agent.send_signal(signal.SIGSTOP)
+            live.manifests.write_text(final.read_text())
+            if moment == "sent":
+                assert poll(lambda: "revision 2:" in brain_log.read_text(), within=10)
+                time.sleep(0.5)  # the brain writes the change set into the socket
+            elif moment == "applied":
+                assert poll(lambda: "incremental" in live.log.read_text(), within=10)
+            brain.send_signal(signal.SIGKILL)
+            assert brain.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            agent.send_signal(signal.SIGCONT)
         split.start_brain()
         converged = poll(lambda: _table(node) == fresh, within=12)
         running = client.poll() is None
@@ -262,6 +273,9 @@ def test_a_brain_killed_with_a_change_in_flight_leaves_the_node_as_a_fresh_sync(
         if after is not None:
             assert [a.split()[0] for a in bed.probe(node, "tcp", OTHER_IP, 80)] == [after]
         assert live.answers() == ["p1", "p1"]
+        # The rules outlive the agent: that it still runs is not implied by the above.
+        assert split.agent is not None
+        assert split.agent.poll() is None, split.agent_log()
         assert poll(split.healthy, within=5), live.get(HEALTHZ, "/healthz")
 
 
@@ -287,3 +301,19 @@ def test_an_agent_restarted_while_the_brain_runs_takes_over_without_a_failed_con
         assert _table(live.node) == live.fresh
         assert live.answers() == ["p1", "p1"]
         assert poll(split.healthy, within=5), live.get(HEALTHZ, "/healthz")
+
+
+# Last in the file: the module's node is made once its tests start, and is not left running
+# beside the other tests' nodes.
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
+    with _split(tmp_path_factory.mktemp("split-faults"), ["p1"], _web) as split:
+        yield split
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_is_repaired_by_the_agent_within_the_sync_period(split: Split, fault: str) -> None:
+    assert_found_and_repaired(split.live, fault)
+    # The agent repaired it alone: the brain is not asked again for a state it already sent.
+    assert split.brain is not None
+    assert split.brain.poll() is None
