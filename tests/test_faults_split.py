@@ -208,19 +208,8 @@ MOMENTS = {
 }
 """When the brain is killed, with the change where."""
 
-AGENT_EXITS = pytest.mark.xfail(
-    strict=True,
-    reason="kpng bug: kpng local exits 1 (asyncio.InvalidStateError: RPC already finished) "
-    "when its brain is gone by the time it has applied a change set: _follow_once "
-    "(kpng/remote/watching.py) asks for the next one with call.write on a finished call, and "
-    "_reconnecting catches only AioRpcError, OSError and WireError; the rules stay, but "
-    "/healthz, /metrics and every later change are gone until the agent is restarted",
-)
 
-
-@pytest.mark.parametrize(
-    "moment", [pytest.param(m, marks=AGENT_EXITS) if m == "sent" else m for m in MOMENTS]
-)
+@pytest.mark.parametrize("moment", sorted(MOMENTS))
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_brain_killed_with_a_change_in_flight_leaves_the_node_as_a_fresh_sync(
     tmp_path: Path, change: str, moment: str

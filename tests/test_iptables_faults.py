@@ -16,7 +16,7 @@ import pytest
 from kpng.testing import netns
 from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.waiting import poll
-from tests.test_nft_faults import CLUSTER_IP, HEALTHZ, METRICS, Live, _with_node_port
+from tests.nft_faults import CLUSTER_IP, HEALTHZ, METRICS, Live, with_node_port
 from tests.test_nft_kernel import _manifest
 
 pytestmark = [
@@ -61,7 +61,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Live, list[
     with TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed:
         node = bed.nodes["node-1"].netns
         manifests = tmp / "cluster.json"
-        manifests.write_text(_with_node_port(_manifest(bed, CLUSTER_IP)))
+        manifests.write_text(with_node_port(_manifest(bed, CLUSTER_IP)))
         log = tmp / "kpng.log"
         argv = [sys.executable, "-m", "kpng", "--log-level", "debug"]
         argv += ["--healthz-address", HEALTHZ, "--metrics-address", METRICS]

@@ -152,6 +152,11 @@ async def _reconnecting(
             outage.failed(f"token file {server.token_file}: {exc.strerror or exc}")
         except WireError as exc:
             outage.failed(f"{server.url}: {exc}")
+        except asyncio.InvalidStateError:
+            # grpc's asyncio call, asked for the next change set after the server ended it
+            # (a brain killed between its change set and the agent's next request), says
+            # so with this rather than an AioRpcError: the brain is gone, like any other.
+            outage.failed(f"{server.url}: the server ended the call")
         # The next replica, if any: a state it serves is the same, so nothing changes on the
         # node but what changed meanwhile (the full-state client compares; Sinks see no reset).
         turn += 1
