@@ -1,5 +1,6 @@
 """The fault table for to-iptables against the kernel, as tests/test_nft_faults.py has it for
-to-nft: a live ``kpng file ... to-iptables --sync-period 1s`` in a node's network namespace,
+to-nft: a live ``kpng file ... to-iptables --sync-period 1s`` in a node's network namespace
+(in one process, and behind ``kpng local``),
 traffic through a ClusterIP and a NodePort, and another program flushing, deleting or adding
 to kpng's chains. Each fault is repaired within the period to what the first full sync wrote
 (iptables-save's own listing), logged, counted by kind, with traffic flowing and ``/healthz``
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -55,26 +57,43 @@ def _healthy(live: Live) -> bool:
         return False  # not listening yet
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Live, list[str]]]:
+@pytest.fixture(scope="module", params=["in-process", "behind-kpng-local"])
+def live(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Live, list[str]]]:
+    """to-iptables on a node, in kpng's one process or in a ``kpng local`` agent fed by a brain
+    (``to-api``) on a unix socket: the repair is the backend's either way."""
     tmp = tmp_path_factory.mktemp("iptables-faults")
-    with TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed:
+    with (
+        tempfile.TemporaryDirectory(prefix="kpng-ipt-") as sockets,
+        TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed,
+    ):
         node = bed.nodes["node-1"].netns
         manifests = tmp / "cluster.json"
         manifests.write_text(with_node_port(_manifest(bed, CLUSTER_IP)))
         log = tmp / "kpng.log"
-        argv = [sys.executable, "-m", "kpng", "--log-level", "debug"]
-        argv += ["--healthz-address", HEALTHZ, "--metrics-address", METRICS]
-        argv += ["--healthz-timeout", "5", "file", "--input", str(manifests), "to-local"]
-        argv += ["--node-name", "node-1", "to-iptables", "--iptables-mode", "nft"]
+        kpng = [sys.executable, "-m", "kpng", "--log-level", "debug"]
+        source = ["file", "--input", str(manifests)]
+        processes = []
+        if request.param == "in-process":
+            source += ["to-local", "--node-name", "node-1"]
+        else:
+            socket = f"unix://{sockets}/kpng.sock"
+            with (tmp / "brain.log").open("wb") as stderr:
+                processes.append(
+                    bed.spawn(node, [*kpng, *source, "to-api", "--listen", socket], stderr=stderr)
+                )
+            source = ["local", "--api", socket, "--node-name", "node-1"]
+        argv = [*kpng, "--healthz-address", HEALTHZ, "--metrics-address", METRICS]
+        argv += ["--healthz-timeout", "5", *source, "to-iptables", "--iptables-mode", "nft"]
         argv += ["--sync-period", "1s", "--cluster-cidr", "10.244.0.0/16"]
         with log.open("wb") as stderr:
-            kpng = bed.spawn(node, argv, stderr=stderr)
+            processes.append(bed.spawn(node, argv, stderr=stderr))
         live = Live(bed, node, log, manifests, {})
         assert poll(lambda: _healthy(live), within=30), log.read_text()
         assert live.answers() == ["p1", "p1"]
         yield live, _saved(live)
-        assert kpng.poll() is None, log.read_text()[-3000:]
+        assert all(p.poll() is None for p in processes), log.read_text()[-3000:]
 
 
 FAULTS = {
