@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,16 +93,27 @@ def _bpftool(*argv: str) -> Any:
     return json.loads(done.stdout) if done.stdout.strip() else None
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+@pytest.fixture(scope="module", params=["in-process", "behind-kpng-local"])
+def live(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Live]:
+    """to-ebpf on a node, in kpng's one process or in a ``kpng local`` agent fed by a brain on
+    a unix socket: the repair is the backend's either way."""
     tmp = tmp_path_factory.mktemp("ebpf-faults")
     (tmp / "manifests").mkdir()
     flags = ("--healthz-address", HEALTHZ, "--metrics-address", METRICS, "--healthz-timeout", "5")
-    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed:
+    with (
+        tempfile.TemporaryDirectory(prefix="kpng-ebpf-") as sockets,
+        TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed,
+    ):
         c = Cluster(bed, tmp / "manifests", tmp, BACKEND, flags=flags)
         c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
         c.write("web", service("web", IP, [port("http", 80)]), endpoint_slice(c, "web", ["a2"]))
-        c.start_backend("node-1", "--sync-period", "1s")
+        api = None
+        if request.param == "behind-kpng-local":
+            api = f"unix://{sockets}/kpng.sock"
+            c.start_brain("node-1", api)
+        c.start_backend("node-1", "--sync-period", "1s", api=api)
         live = Live(c, bed.nodes["node-1"], c._backends["node-1"])
         assert poll(live.translated, within=30, interval=0.5), live.log()[-3000:]
         assert poll(lambda: live.get(HEALTHZ, "/healthz")[0] == 200, within=10)

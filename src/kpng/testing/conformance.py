@@ -73,22 +73,36 @@ class Cluster:
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _backends: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start_backend(self, node: str, *extra: str, prefix: Sequence[str] = ()) -> None:
+    def start_backend(
+        self, node: str, *extra: str, prefix: Sequence[str] = (), api: str | None = None
+    ) -> None:
         """(Re)start kpng on ``node``, with ``extra`` arguments after the backend's: the new
         process takes over the rules the old one left. ``prefix`` runs it, e.g. ``setpriv ...``
-        to give it only some capabilities."""
+        to give it only some capabilities; with ``api``, it is a ``kpng local`` agent of the
+        brain there (``start_brain``) instead of reading the manifests itself."""
         old = self._backends.pop(node, None)
         if old is not None:
             old.terminate()
             old.wait(timeout=10)
         argv = [*prefix, sys.executable, "-m", "kpng", *self.flags]
-        argv += ["file", "--input", str(self.manifests)]
+        if api is None:
+            argv += ["file", "--input", str(self.manifests), "to-local"]
+        else:
+            argv += ["local", "--api", api]
         n = self.bed.nodes[node]
         backend = self.backend.format(cgroup=n.cgroup, pin_dir=n.pin_dir)
-        argv += ["to-local", "--node-name", node, *shlex.split(backend), *extra]
+        argv += ["--node-name", node, *shlex.split(backend), *extra]
         with (self.logs / f"{node}.log").open("ab") as log:
             # The child keeps its own copy of the log file.
             self._backends[node] = self.bed.spawn(self.bed.nodes[node].netns, argv, stderr=log)
+
+    def start_brain(self, node: str, api: str) -> subprocess.Popen[bytes]:
+        """A brain serving the manifests on ``api`` (a ``unix://`` path), in ``node``'s
+        namespace, for agents that ``start_backend(..., api=api)``; stopped with the bed."""
+        argv = [sys.executable, "-m", "kpng", "file", "--input", str(self.manifests)]
+        argv += ["to-api", "--listen", api]
+        with (self.logs / "brain.log").open("ab") as log:
+            return self.bed.spawn(self.bed.nodes[node].netns, argv, stderr=log)
 
     def cluster_ip(self) -> str:
         return f"10.96.0.{next(self._ips)}"
