@@ -332,3 +332,45 @@ def test_no_local_endpoints_follow_the_services_changed_and_deleted() -> None:
         assert _scrape(status)[key] == 0
 
     asyncio.run(scenario())
+
+
+def test_refused_services_and_drift_repairs_are_on_metrics_and_in_the_state_view() -> None:
+    """A service to-nft cannot write is counted and named; another program's change to its
+    table is reported while it lasts, and counted by kind once repaired."""
+    from kpng.backends._nftables.fake import FakeNft
+    from kpng.status.serving import _debug_handlers
+
+    async def scenario() -> tuple[Samples, Samples, Samples, dict[str, object]]:
+        nft = FakeNft()
+        syncs = SyncStats()
+        backend = NftBackend(nft=nft, options=Options(), syncs=syncs, inspect=nft, sync_period=30)
+        status = Status(timeout=60.0)
+        status.track(Fanout([Feeder("to-nft", backend, sync=syncs, reports_syncs=True)]))
+        bad: ServiceKey = ("ns", "Bad_Name!")
+        services = {
+            WEB: ServiceEndpoints(_service(), (_ep("10.244.1.2"),)),
+            bad: ServiceEndpoints(_service(name="Bad_Name!", cluster_ip="10.96.0.20"), ()),
+        }
+        await status.fanouts[0].apply(keyed_state(1, services))
+        applied = _scrape(status)
+        del nft.tables[("inet", "kpng")]
+        nft.touched()
+        syncs.diverged(kind="table", detail="found by hand")  # as a check finds it, before
+        diverged = _scrape(status)
+        await backend.check_kernel()
+        repaired = _scrape(status)
+        reply = await _debug_handlers(status)["/debug/state"](None)  # type: ignore[arg-type]
+        await backend.close()
+        return applied, diverged, repaired, msgspec.json.decode(reply.body)
+
+    applied, diverged, repaired, state = asyncio.run(scenario())
+    assert applied[("kpng_backend_refused_services", TO_NFT)] == 1
+    assert applied[("kpng_backend_diverged", TO_NFT)] == 0
+    assert diverged[("kpng_backend_diverged", TO_NFT)] == 1
+    assert repaired[("kpng_backend_diverged", TO_NFT)] == 0
+    table = (("backend", "to-nft"), ("kind", "table"))
+    assert repaired[("kpng_backend_drift_repairs_total", table)] == 1
+    refused = state["refused"]
+    assert isinstance(refused, dict)
+    assert list(refused["to-nft"]) == ["ns/Bad_Name!"]
+    assert "not a Kubernetes name" in refused["to-nft"]["ns/Bad_Name!"]
