@@ -45,26 +45,10 @@ class Live:
     """kpng's table as a full sync of the manifests programs it."""
 
     def get(self, address: str, path: str) -> tuple[int, str]:
-        script = (
-            "import sys, urllib.request, urllib.error\n"
-            "try:\n"
-            f"    r = urllib.request.urlopen('http://{address}{path}', timeout=5)\n"
-            "    print(r.status); print(r.read().decode())\n"
-            "except urllib.error.HTTPError as e:\n"
-            "    print(e.code); print(e.read().decode())\n"
-        )
-        out = self.bed.exec(self.node, [sys.executable, "-c", script])
-        status, _, body = out.partition("\n")
-        return int(status), body
+        return http_get(self.bed, self.node, address, path)
 
-    def repairs(self, kind: str) -> float:
-        _, text = self.get(METRICS, "/metrics")
-        for line in text.splitlines():
-            if line.startswith(
-                f'kpng_backend_drift_repairs_total{{backend="to-nft",kind="{kind}"}}'
-            ):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+    def repairs(self, kind: str, backend: str = "to-nft") -> float:
+        return drift_repairs(self.bed, self.node, backend, kind)
 
     def answers(self) -> list[str]:
         """Which pod answered a connection to the ClusterIP, and one to the NodePort."""
@@ -74,6 +58,33 @@ class Live:
             *self.bed.probe(self.node, "tcp", node_ip, NODE_PORT, timeout=1),
         ]
         return [answer.split()[0] for answer in answers]
+
+
+def http_get(bed: TestBed, netns: str, address: str, path: str) -> tuple[int, str]:
+    """The status and body of a GET of ``http://ADDRESS/PATH`` from ``netns`` (where kpng's
+    status addresses listen, on the node's loopback)."""
+    script = (
+        "import sys, urllib.request, urllib.error\n"
+        "try:\n"
+        f"    r = urllib.request.urlopen('http://{address}{path}', timeout=5)\n"
+        "    print(r.status); print(r.read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.code); print(e.read().decode())\n"
+    )
+    out = bed.exec(netns, [sys.executable, "-c", script])
+    status, _, body = out.partition("\n")
+    return int(status), body
+
+
+def drift_repairs(bed: TestBed, netns: str, backend: str, kind: str) -> float:
+    """``kpng_backend_drift_repairs_total`` of ``backend`` and ``kind`` on the node's
+    ``/metrics`` (0 before the first)."""
+    _, text = http_get(bed, netns, METRICS, "/metrics")
+    wanted = f'kpng_backend_drift_repairs_total{{backend="{backend}",kind="{kind}"}}'
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def with_node_port(manifest: str) -> str:

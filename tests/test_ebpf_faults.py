@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from kpng.backends.ebpf.toolchain import unavailable
 from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port, service
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, Node, TestBed, available
 from kpng.testing.waiting import poll
+from tests.nft_faults import HEALTHZ, METRICS, drift_repairs, http_get
 
 pytestmark = pytest.mark.skipif(
     available() is not None or unavailable() is not None,
@@ -35,8 +35,6 @@ pytestmark = pytest.mark.skipif(
 
 IP = "10.96.0.10"
 ANSWER = ["a2 10.244.1.2"]
-METRICS = "127.0.0.1:10249"
-HEALTHZ = "127.0.0.1:10256"
 FOUND = "changed by another program"
 BACKEND = (
     f"to-ebpf --cluster-cidr {','.join(CLUSTER_CIDRS)} --cgroup {{cgroup}} --pin-dir {{pin_dir}}"
@@ -58,25 +56,10 @@ class Live:
         return (self.cluster.logs / "node-1.log").read_text()
 
     def get(self, address: str, path: str) -> tuple[int, str]:
-        script = (
-            "import sys, urllib.request, urllib.error\n"
-            "try:\n"
-            f"    r = urllib.request.urlopen('http://{address}{path}', timeout=5)\n"
-            "    print(r.status); print(r.read().decode())\n"
-            "except urllib.error.HTTPError as e:\n"
-            "    print(e.code); print(e.read().decode())\n"
-        )
-        out = self.cluster.bed.exec(self.node.netns, [sys.executable, "-c", script])
-        status, _, body = out.partition("\n")
-        return int(status), body
+        return http_get(self.cluster.bed, self.node.netns, address, path)
 
     def repairs(self, kind: str) -> float:
-        _, text = self.get(METRICS, "/metrics")
-        wanted = f'kpng_backend_drift_repairs_total{{backend="to-ebpf",kind="{kind}"}}'
-        for line in text.splitlines():
-            if line.startswith(wanted):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return drift_repairs(self.cluster.bed, self.node.netns, "to-ebpf", kind)
 
     def translated(self) -> bool:
         """A connection from a1 to the ClusterIP reaches a2, translated by the programs."""

@@ -41,15 +41,6 @@ def _saved(live: Live) -> list[str]:
     return lines
 
 
-def _repairs(live: Live, kind: str) -> float:
-    _, text = live.get(METRICS, "/metrics")
-    label = f'kpng_backend_drift_repairs_total{{backend="to-iptables",kind="{kind}"}}'
-    for line in text.splitlines():
-        if line.startswith(label):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def _healthy(live: Live) -> bool:
     try:
         return live.get(HEALTHZ, "/healthz")[0] == 200
@@ -114,10 +105,12 @@ def test_a_fault_is_found_within_the_sync_period_and_repaired(
 ) -> None:
     bed, written = live
     kind, commands = FAULTS[fault]
-    before = _repairs(bed, kind)
+    before = bed.repairs(kind, "to-iptables")
     for command in commands:
         bed.bed.exec(bed.node, ["iptables-nft", *command])
-    assert poll(lambda: _repairs(bed, kind) == before + 1, within=15), bed.log.read_text()[-2000:]
+    assert poll(lambda: bed.repairs(kind, "to-iptables") == before + 1, within=15), (
+        bed.log.read_text()[-2000:]
+    )
     assert poll(lambda: _saved(bed) == written, within=5)
     assert bed.answers() == ["p1", "p1"]
     status, body = bed.get(HEALTHZ, "/healthz")

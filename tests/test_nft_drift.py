@@ -15,12 +15,12 @@ from kpng.backends._nftables.auditing import probes
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import TABLE, Options
 from kpng.backends._nftables.nftables import NftError, Transaction
-from kpng.backends.registry import NodeState
 from kpng.feeding import FeederStats, SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import EndpointScopes, ServiceEndpoints
 from kpng.status.health import judge
 from kpng.testing import states
+from kpng.testing.states import keyed_state
 
 ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
 _ep = functools.partial(states.endpoint, port_name="p", scopes=ALL)
@@ -37,22 +37,6 @@ WEB: ServiceKey = ("ns", "web")
 EXTRA: ServiceKey = ("ns", "extra")
 NEW: ServiceKey = ("ns", "new")
 BAD: ServiceKey = ("ns", "Bad_Name!")
-
-
-def _state(
-    revision: int,
-    services: dict[ServiceKey, ServiceEndpoints],
-    *,
-    updated: set[ServiceKey] | None = None,
-    deleted: set[ServiceKey] = frozenset(),  # type: ignore[assignment]
-) -> NodeState:
-    return NodeState(
-        node="n1",
-        revision=revision,
-        services=dict(services),
-        updated=frozenset(services if updated is None else updated),
-        deleted=frozenset(deleted),
-    )
 
 
 async def _no_sleep(_: float) -> None:
@@ -76,7 +60,7 @@ async def _fresh_dump(services: dict[ServiceKey, ServiceEndpoints]) -> str:
     """kpng's table as a fresh full sync of ``services`` programs it."""
     nft = FakeNft()
     backend = NftBackend(nft=nft, options=Options(), sleep=_no_sleep)
-    await backend.apply(_state(1, services))
+    await backend.apply(keyed_state(1, services))
     await backend.close()
     return nft.dump(only=TABLE)
 
@@ -89,11 +73,11 @@ def test_a_service_with_a_bad_name_is_refused_and_every_other_change_goes_in() -
         nft, syncs = FakeNft(), SyncStats()
         backend = _backend(nft, syncs)
         services = _services()
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         del services[EXTRA]
         services[NEW] = _service("new", "10.96.0.12", "10.244.1.5")
         services[BAD] = _service("Bad_Name!", "10.96.0.13", "10.244.1.6")
-        await backend.apply(_state(2, services, updated={NEW, BAD}, deleted={EXTRA}))
+        await backend.apply(keyed_state(2, services, {NEW, BAD}, {EXTRA}))
         cluster = set(nft.elements(TABLE, "cluster-v4"))
         assert ("10.96.0.12", "tcp", "80") in cluster  # the new service
         assert ("10.96.0.11", "tcp", "80") not in cluster  # the deleted one
@@ -103,7 +87,7 @@ def test_a_service_with_a_bad_name_is_refused_and_every_other_change_goes_in() -
         assert "not a Kubernetes name" in syncs.refused_services[BAD]
         # Deleted, it is no longer refused.
         del services[BAD]
-        await backend.apply(_state(3, services, updated=set(), deleted={BAD}))
+        await backend.apply(keyed_state(3, services, (), {BAD}))
         assert syncs.refused_services == {}
         await backend.close()
 
@@ -131,16 +115,16 @@ def test_the_retry_after_any_failure_is_a_full_sync_of_the_whole_state() -> None
         nft, syncs = BrokenOnce(), SyncStats()
         backend = _backend(nft, syncs)
         services = _services()
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         del services[EXTRA]
         services[NEW] = _service("new", "10.96.0.12", "10.244.1.5")
         nft.broken = True
-        state = _state(2, services, updated={NEW}, deleted={EXTRA})
+        state = keyed_state(2, services, {NEW}, {EXTRA})
         with pytest.raises(NftError):
             await backend.apply(state)
         assert syncs.revision == 1  # never claimed
         # kpng's Feeder retries with the whole state (every service in ``updated``).
-        await backend.apply(_state(2, services))
+        await backend.apply(keyed_state(2, services))
         assert nft.dump(only=TABLE) == await _fresh_dump(services)
         assert syncs.revision == 2
         await backend.close()
@@ -196,7 +180,7 @@ def test_drift_is_found_reported_and_repaired(
         nft, syncs = FakeNft(), SyncStats()
         backend = _backend(nft, syncs)
         services = _services()
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         expected = nft.dump(only=TABLE)
         assert expected == await _fresh_dump(services)
         assert await backend.check_kernel() is None  # nobody else committed
@@ -220,7 +204,7 @@ def test_others_commits_that_leave_kpngs_table_alone_are_not_drift() -> None:
     async def scenario() -> None:
         nft, syncs = FakeNft(), SyncStats()
         backend = _backend(nft, syncs)
-        await backend.apply(_state(1, _services()))
+        await backend.apply(keyed_state(1, _services()))
         applied = len(nft.transactions)
         nft.touched()  # another program's table changed
         assert await backend.check_kernel() is None
@@ -244,7 +228,7 @@ def test_a_divergence_kpng_cannot_repair_turns_healthz_and_livez_false_after_the
     async def scenario() -> None:
         nft, syncs = Refusing(), SyncStats()
         backend = _backend(nft, syncs)
-        await backend.apply(_state(1, _services()))
+        await backend.apply(keyed_state(1, _services()))
         _delete_table(nft)
         nft.touched()
         nft.refuse = True
@@ -321,7 +305,7 @@ def test_what_no_count_sees_is_found_by_comparing_exactly(
             WEB: _service("web", "10.96.0.10", "10.244.1.2", "10.244.1.3"),
             NEW: _service("new", "10.96.0.12", "10.244.1.5", "10.244.1.6"),
         }
-        await backend.apply(_state(1, services))
+        await backend.apply(keyed_state(1, services))
         expected = nft.dump(only=TABLE)
         fault(nft, backend)
         nft.touched()
