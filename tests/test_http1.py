@@ -445,12 +445,22 @@ def test_the_server_answers_once_and_closes_what_it_will_not_keep(
     assert b"\r\nConnection: close\r\n" in got
 
 
-def test_an_idle_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_server, "IDLE_S", 0.2)
+@pytest.mark.parametrize(
+    ("sent", "bound"),
+    [(b"", "IDLE_S"), (b"GET /hello HTTP/1.1\r\n", "REQUEST_S")],
+    ids=["idle", "a-head-never-finished"],
+)
+def test_a_connection_past_its_bound_is_closed(
+    monkeypatch: pytest.MonkeyPatch, sent: bytes, bound: str
+) -> None:
+    """Waiting for a request is bounded, and so, from its first byte, is reading it: each bound
+    alone ends the connection."""
+    monkeypatch.setattr(http_server, "IDLE_S", 0.2 if bound == "IDLE_S" else 60)
+    monkeypatch.setattr(http_server, "REQUEST_S", 0.2 if bound == "REQUEST_S" else 60)
 
     async def scenario() -> bytes:
         async with _serving() as port:
-            return await _raw(port, b"GET /hello HTTP/1.1\r\n")  # a head never finished
+            return await _raw(port, sent)
 
     assert asyncio.run(scenario()) == b""
 

@@ -1,6 +1,7 @@
-"""An HTTP/1.1 server of GET routes, for kpng's status addresses: exact paths, kept-alive
-connections, bounded heads and waits, so that a scraper or a stray client can neither hold it up
-nor make it read without end.
+"""An HTTP/1.1 server of GET routes, for kpng's status addresses and health check node ports:
+exact paths, kept-alive connections, bounded heads, waits and connections, so that a scraper or a
+stray client can neither hold it up nor make it read without end, and a crowd of idle clients
+cannot take the process's file descriptors.
 
 h11 parses the requests and frames the answers (it is strict where a hand parser drifts: the
 version, the field syntax, Content-Length's digits); the connections, their bounds and the
@@ -13,24 +14,32 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import parse_qsl
 
 import h11
 
-__all__ = ["Handler", "Listener", "Reply", "Request", "serve"]
+__all__ = ["Handler", "Listener", "Reply", "Request", "serve", "serve_address"]
 
 log = logging.getLogger(__name__)
 
 IDLE_S = 30.0
-"""How long a connection may take to send the next request (a scraper keeps its connection
+"""How long a connection may take to start the next request (a scraper keeps its connection
 open between scrapes; Prometheus' shortest default interval is 15 s), and to take its answer."""
+REQUEST_S = 10.0
+"""How long a request may take from its first byte to its last: a client that trickles its
+head (slowloris) holds a connection that is not idle, and so cannot be made room for."""
 REQUEST_HEAD_LIMIT = 64 * 1024
 """The longest request head read: a scraper's or a load balancer's is a few hundred bytes."""
 BODY_LIMIT = 64 * 1024
 """The largest request body read (and ignored): every route is a GET."""
+MAX_CONNECTIONS = 512
+"""Connections a listener keeps open at most. Each is a file descriptor; a scraper or a load
+balancer holds one or a few, so 512 leaves room for many while a crowd of idle clients cannot
+take the process's descriptors (1,024 in many container runtimes)."""
 LINGER_S = 2.0
 """How long a closing connection's unread input is read, for its last answer to arrive."""
 _READ_SIZE = 64 * 1024
@@ -61,13 +70,28 @@ Handler = Callable[[Request], Awaitable[Reply]]
 
 
 class Listener:
-    """A serving socket and its open connections."""
+    """Serving sockets and their open connections.
 
-    def __init__(self, routes: Mapping[str, Handler]) -> None:
+    ``routes`` answer their exact paths (GET and HEAD); ``default``, if given, answers every
+    other request, whatever its method and path. At most ``max_connections`` are open: a new
+    one past them closes the one idle longest (open, between requests), or is itself closed
+    when every one is busy."""
+
+    def __init__(
+        self,
+        routes: Mapping[str, Handler],
+        *,
+        default: Handler | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self._routes = dict(routes)
+        self._default = default
+        self._max = max_connections
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Insertion-ordered: the first is the one idle longest.
+        self._idle: dict[asyncio.StreamWriter, None] = {}
 
     def close(self) -> None:
         """Stops listening and ends every connection, mid-request or idle."""
@@ -84,8 +108,38 @@ class Listener:
         if self._tasks:
             await asyncio.wait(self._tasks)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _name(self) -> str:
+        sockets = self._server.sockets if self._server is not None else ()
+        return ", ".join(str(s.getsockname()[:2]) for s in sockets) or "?"
+
+    def _admit(self, writer: asyncio.StreamWriter) -> bool:
+        if len(self._connections) >= self._max:
+            if not self._idle:
+                log.warning(
+                    "HTTP on %s: %d connections, all busy: refusing a new one",
+                    self._name(),
+                    self._max,
+                )
+                return False
+            oldest = next(iter(self._idle))
+            log.warning(
+                "HTTP on %s: %d connections: closing the one idle longest for a new one",
+                self._name(),
+                self._max,
+            )
+            self._forget(oldest)
+            oldest.transport.abort()
         self._connections.add(writer)
+        return True
+
+    def _forget(self, writer: asyncio.StreamWriter) -> None:
+        self._connections.discard(writer)
+        self._idle.pop(writer, None)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._admit(writer):
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None  # asyncio's streams run each connection in a task
         self._tasks.add(task)
@@ -96,32 +150,31 @@ class Listener:
         except (OSError, TimeoutError):
             pass  # the client went away or stalled: its connection ends
         finally:
+            # Still a descriptor, so still counted while it lingers; but idle: nothing of its
+            # would be lost if a newcomer needs its place.
+            self._idle[writer] = None
             await _linger(reader, writer)
-            self._connections.discard(writer)
+            self._forget(writer)
             self._tasks.discard(task)
 
     async def _exchange(
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """Answers one request; whether the connection carries another."""
-        try:
-            got = await self._read(conn, reader)
-        except h11.RemoteProtocolError as exc:
-            # The peer's bytes, not kpng's fault: a line at DEBUG, an answer if one can go.
-            log.debug("HTTP from %s: %s", _peer(writer), exc)
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                await _send(conn, writer, _plain(exc.error_status_hint), head_only=False)
-            return False
+        got = await self._read(conn, reader, writer)
         if got is None:
             return False
         request, refusal = got
-        if refusal is not None:
-            await _send(conn, writer, refusal, head_only=False)
+        # A HEAD's answer has no body, whatever its status (h11 holds kpng to that).
+        head_only = request is not None and request.method == b"HEAD"
+        if refusal is not None or request is None:
+            if refusal is not None and conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                await _send(conn, writer, refusal, head_only=head_only)
             return False
         method = request.method.decode("ascii")
         reply = await self._answer(method, request)
         try:
-            await _send(conn, writer, reply, head_only=method == "HEAD")
+            await _send(conn, writer, reply, head_only=head_only)
         except h11.LocalProtocolError:
             # A handler's header h11 will not write (a line break in a value): kpng's bug.
             log.exception("answering %s %s", method, request.target[:80])
@@ -129,17 +182,30 @@ class Listener:
         return conn.our_state is h11.DONE and conn.their_state is h11.DONE
 
     async def _read(
-        self, conn: h11.Connection, reader: asyncio.StreamReader
-    ) -> tuple[h11.Request, Reply | None] | None:
-        """The next request, its body read and dropped, and the answer refusing it if it is
-        refused; None at a clean end of the connection. Refused requests are returned as soon
-        as their head is read: their connection ends after the answer."""
+        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[h11.Request | None, Reply | None] | None:
+        """The next request (None if its head was not read whole), its body read and dropped,
+        and the answer refusing it if it is refused; None at a clean end of the connection.
+        Refused requests are returned as soon as seen: their connection ends after the answer."""
+        started = bool(conn.trailing_data[0])  # a pipelined request already read
+        if not started:
+            self._idle[writer] = None
         request: h11.Request | None = None
-        async with asyncio.timeout(IDLE_S):
+        async with asyncio.timeout(REQUEST_S if started else IDLE_S) as deadline:
             while True:
-                event = conn.next_event()
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    # The peer's bytes, not kpng's fault: a line at DEBUG, and h11's status.
+                    log.debug("HTTP from %s: %s", _peer(writer), exc)
+                    return request, _plain(exc.error_status_hint)
                 if event is h11.NEED_DATA:
-                    conn.receive_data(await reader.read(_READ_SIZE))
+                    data = await reader.read(_READ_SIZE)
+                    if data and not started:
+                        started = True
+                        self._idle.pop(writer, None)
+                        deadline.reschedule(asyncio.get_running_loop().time() + REQUEST_S)
+                    conn.receive_data(data)
                 elif isinstance(event, h11.Request):
                     request = event
                     refusal = _refusal(event)
@@ -155,8 +221,10 @@ class Listener:
         path, _, query_text = target.partition("?")
         handler = self._routes.get(path)
         if handler is None:
-            return _plain(404)
-        if method not in ("GET", "HEAD"):
+            if self._default is None:
+                return _plain(404)
+            handler = self._default
+        elif method not in ("GET", "HEAD"):
             return _plain(405, Allow="GET, HEAD")
         query: dict[str, str] = {}
         for name, value in parse_qsl(query_text, keep_blank_values=True):
@@ -240,8 +308,33 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         writer.transport.abort()
 
 
-async def serve(sock: socket.socket, routes: Mapping[str, Handler]) -> Listener:
+async def serve(
+    sock: socket.socket,
+    routes: Mapping[str, Handler],
+    *,
+    default: Handler | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> Listener:
     """Answers on ``sock``, a bound socket, until the listener is closed."""
-    listener = Listener(routes)
-    listener._server = await asyncio.start_server(listener._connection, sock=sock, limit=_READ_SIZE)
+    return await _start(
+        Listener(routes, default=default, max_connections=max_connections), sock=sock
+    )
+
+
+async def serve_address(
+    host: str | Sequence[str],
+    port: int,
+    routes: Mapping[str, Handler],
+    *,
+    default: Handler | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> Listener:
+    """Answers on ``port`` of ``host`` (one address or several, one connection cap for all)
+    until the listener is closed."""
+    listener = Listener(routes, default=default, max_connections=max_connections)
+    return await _start(listener, host=host, port=port, reuse_address=True)
+
+
+async def _start(listener: Listener, **where: Any) -> Listener:
+    listener._server = await asyncio.start_server(listener._connection, limit=_READ_SIZE, **where)
     return listener
