@@ -1,6 +1,7 @@
 """kpng.http1's server against hostile peers, over loopback: malformed requests are answered 400
 (or closed) without a traceback, a crowd of idle connections cannot keep ``/healthz`` from
-answering, and no mutated request makes the server raise.
+answering, and no mutated request makes the server raise. Also repeated warnings, logged once
+a window.
 
 Bounded: every wait has a timeout; the fuzz test runs ``KPNG_FUZZ_EXAMPLES`` examples if set
 (tests/fuzzing.py), a few dozen otherwise."""
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from kpng.http1 import Reply, Request, serve
 from kpng.http1 import server as http_server
 from kpng.http1.server import Listener
+from kpng.logs import RepeatFilter
 from tests.fuzzing import fuzz_settings
 
 WAIT_S = 10.0
@@ -329,3 +331,26 @@ def test_fuzz_the_server_answers_or_closes_and_never_raises(request_bytes: bytes
             assert len(rest) >= length
             rest = rest[length:]
         answer = rest
+
+
+# --- the process-wide guard that goes with it
+
+
+def test_identical_warnings_are_logged_once_a_window_with_a_count_of_the_rest() -> None:
+    now = [0.0]
+    repeats = RepeatFilter(window_s=10.0, clock=lambda: now[0])
+
+    def passes(message: str, *args: object, level: int = logging.WARNING) -> str | None:
+        record = logging.LogRecord("kpng.x", level, __file__, 1, message, args, None)
+        return record.getMessage() if repeats.filter(record) else None
+
+    assert passes("cap reached on %s", "a") == "cap reached on a"
+    for _ in range(100):
+        assert passes("cap reached on %s", "a") is None
+    assert passes("cap reached on %s", "b") == "cap reached on b"  # another text
+    assert passes("accept failed\nsocket: 7") == "accept failed\nsocket: 7"
+    assert passes("accept failed\nsocket: 8") is None  # the same first line
+    assert passes("cap reached on %s", "a", level=logging.DEBUG) == "cap reached on a"
+    now[0] = 10.0
+    assert passes("cap reached on %s", "a") == "cap reached on a (100 more like it not logged)"
+    assert passes("cap reached on %s", "a") is None
