@@ -1,7 +1,7 @@
 """kpng.http1's server against hostile peers, over loopback: malformed requests are answered 400
 (or closed) without a traceback, a crowd of idle connections cannot keep ``/healthz`` from
-answering, and no mutated request makes the server raise. Also repeated warnings, logged once
-a window.
+answering, and no mutated request makes the server raise. Also the two process-wide guards that
+go with it: the open files limit raised at start, and repeated warnings logged once a window.
 
 Bounded: every wait has a timeout; the fuzz test runs ``KPNG_FUZZ_EXAMPLES`` examples if set
 (tests/fuzzing.py), a few dozen otherwise."""
@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kpng import cli
 from kpng.http1 import Reply, Request, serve
 from kpng.http1 import server as http_server
 from kpng.http1.server import Listener
@@ -333,7 +334,27 @@ def test_fuzz_the_server_answers_or_closes_and_never_raises(request_bytes: bytes
         answer = rest
 
 
-# --- the process-wide guard that goes with it
+# --- the process-wide guards that go with it
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one_at_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="kpng")
+    limits = [(1024, 1_048_576)]
+    monkeypatch.setattr(resource, "getrlimit", lambda _: limits[-1])
+    monkeypatch.setattr(resource, "setrlimit", lambda _, new: limits.append(new))
+    cli._raise_open_files_limit()
+    assert limits[-1] == (1_048_576, 1_048_576)
+    assert "open files limit: 1024, raised to 1048576" in caplog.messages
+
+    def refuse(_: int, __: tuple[int, int]) -> None:
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    cli._raise_open_files_limit()  # a failure is a line at DEBUG, not kpng's end
+    assert "open files limit: 1024, not raised to 4096: not allowed" in caplog.messages
 
 
 def test_identical_warnings_are_logged_once_a_window_with_a_count_of_the_rest() -> None:
