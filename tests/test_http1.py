@@ -362,7 +362,8 @@ async def _serving() -> AsyncIterator[int]:
     try:
         yield sock.getsockname()[1]
     finally:
-        await listener.close()
+        listener.close()
+        await listener.wait_closed()
 
 
 async def _raw(port: int, *requests: bytes) -> bytes:
@@ -383,12 +384,12 @@ def test_the_server_answers_routes_and_keeps_the_connection() -> None:
             return await _raw(
                 port,
                 b"GET /hello?who=you&who=them HTTP/1.1\r\nHost: x\r\n\r\n",
-                b"HEAD /hello HTTP/1.1\r\n\r\n",
-                b"GET /nowhere HTTP/1.1\r\n\r\n",
-                b"POST /hello HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}",
-                b"GET /broken HTTP/1.1\r\n\r\n",
-                b"GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n",
-                b"GET /hello HTTP/1.1\r\n\r\n",  # after the close: never answered
+                b"HEAD /hello HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"POST /hello HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+                b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n",  # after the close: never answered
             )
 
     answer = asyncio.run(scenario())
@@ -422,12 +423,14 @@ def test_the_server_answers_routes_and_keeps_the_connection() -> None:
     [
         (b"GET /hello HTTP/1.0\r\n\r\n", b"HTTP/1.1 200 OK"),
         (b"GET hello\r\n\r\n", b"HTTP/1.1 400 Bad Request"),
-        (b"GET /hello HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"HTTP/1.1 411 Length"),
-        (b"GET /hello HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"HTTP/1.1 413 "),
-        (b"GET /hello HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"HTTP/1.1 413 "),
-        (b"GET /hello HTTP/1.1\r\nX: " + b"y" * 300_000, b""),
+        # Go's servers, kube-proxy's, refuse an HTTP/1.1 request without a Host (RFC 9112).
+        (b"GET /hello HTTP/1.1\r\n\r\n", b"HTTP/1.1 400 Bad Request"),
+        (b"GET /hello HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"HTTP/1.1 411 "),
+        (b"GET /hello HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n", b"HTTP/1.1 413 "),
+        (b"GET /hello HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", b"HTTP/1.1 400 "),
+        (b"GET /hello HTTP/1.1\r\nX: " + b"y" * 300_000, b"HTTP/1.1 431 "),
     ],
-    ids=["http-1.0", "no-version", "chunked", "too-large", "bad-length", "endless-head"],
+    ids=["http-1.0", "no-version", "no-host", "chunked", "too-large", "bad-length", "endless-head"],
 )
 def test_the_server_answers_once_and_closes_what_it_will_not_keep(
     request_bytes: bytes, answer: bytes
@@ -438,15 +441,26 @@ def test_the_server_answers_once_and_closes_what_it_will_not_keep(
 
     got = asyncio.run(scenario())
     assert got.startswith(answer)
-    assert got.count(b"HTTP/1.1") == (1 if answer else 0)
+    assert got.count(b"HTTP/1.1") == 1
+    assert b"\r\nConnection: close\r\n" in got
 
 
-def test_an_idle_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_server, "IDLE_S", 0.2)
+@pytest.mark.parametrize(
+    ("sent", "bound"),
+    [(b"", "IDLE_S"), (b"GET /hello HTTP/1.1\r\n", "REQUEST_S")],
+    ids=["idle", "a-head-never-finished"],
+)
+def test_a_connection_past_its_bound_is_closed(
+    monkeypatch: pytest.MonkeyPatch, sent: bytes, bound: str
+) -> None:
+    """Waiting for a request is bounded, and so, from its first byte, is reading it: each bound
+    alone ends the connection."""
+    monkeypatch.setattr(http_server, "IDLE_S", 0.2 if bound == "IDLE_S" else 60)
+    monkeypatch.setattr(http_server, "REQUEST_S", 0.2 if bound == "REQUEST_S" else 60)
 
     async def scenario() -> bytes:
         async with _serving() as port:
-            return await _raw(port, b"GET /hello HTTP/1.1\r\n")  # a head never finished
+            return await _raw(port, sent)
 
     assert asyncio.run(scenario()) == b""
 
@@ -500,7 +514,7 @@ def test_a_client_that_does_not_read_its_answer_is_let_go(monkeypatch: pytest.Mo
         listener = await serve(sock, {"/large": large})
         try:
             _reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
-            writer.write(b"GET /large HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.sleep(0.2)
             held = len(listener._connections)
             await asyncio.sleep(LINGER_AND_IDLE_S)
@@ -508,7 +522,8 @@ def test_a_client_that_does_not_read_its_answer_is_let_go(monkeypatch: pytest.Mo
             writer.close()
             return held, after
         finally:
-            await listener.close()
+            listener.close()
+            await listener.wait_closed()
 
     assert asyncio.run(scenario()) == (1, 0)
 

@@ -83,23 +83,18 @@ def test_local_ready_endpoints_are_counted(endpoints: list[Endpoint], expected: 
 
 
 @pytest.mark.parametrize(
-    ("count", "healthy", "status"),
-    [
-        (3, True, b"HTTP/1.1 200 OK"),
-        (0, True, b"HTTP/1.1 503 Service Unavailable"),
-        (3, False, b"HTTP/1.1 503 Service Unavailable"),
-    ],
+    ("count", "healthy", "status"), [(3, True, 200), (0, True, 503), (3, False, 503)]
 )
-def test_response_is_kube_proxys(count: int, healthy: bool, status: bytes) -> None:
-    raw = response(Answer("ns", "lb", count), proxy_healthy=healthy)
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    assert lines[0] == status
-    assert b"Content-Type: application/json" in lines
-    assert b"X-Content-Type-Options: nosniff" in lines
-    assert f"X-Load-Balancing-Endpoint-Weight: {count}".encode() in lines
-    assert f"Content-Length: {len(body)}".encode() in lines
-    assert json.loads(body) == _body(count, healthy=healthy)
+def test_response_is_kube_proxys(count: int, healthy: bool, status: int) -> None:
+    reply = response(Answer("ns", "lb", count), proxy_healthy=healthy)
+    assert reply.status == status
+    assert reply.content_type == "application/json"
+    assert reply.headers == {
+        "X-Content-Type-Options": "nosniff",
+        "X-Load-Balancing-Endpoint-Weight": str(count),
+        "Connection": "close",
+    }
+    assert json.loads(reply.body) == _body(count, healthy=healthy)
 
 
 def _body(count: int, *, healthy: bool = True) -> dict[str, object]:

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import re
+import resource
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -370,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kpng: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(pipeline.options.log_level, pipeline.options.log_format)
+    _raise_open_files_limit()
     heap.configure()
     try:
         asyncio.run(_run_until_signalled(pipeline.run))
@@ -383,6 +385,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if pipeline.once:
         _exit_without_teardown(0)
     return 0
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files raised to the hard one, as Go programs (kube-proxy) start:
+    1,024 in many container runtimes, which a node's watches, health check node ports and their
+    clients can reach. The hard limit is the operator's bound; a failure leaves the soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        log.debug("open files limit: %d, the hard limit already", soft)
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError) as exc:
+        log.debug("open files limit: %d, not raised to %d: %s", soft, hard, exc)
+        return
+    log.debug("open files limit: %d, raised to %d", soft, hard)
 
 
 def _exit_without_teardown(code: int) -> NoReturn:

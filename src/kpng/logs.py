@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,8 +26,49 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+@dataclass
+class _Window:
+    until: float
+    dropped: int = 0
+
+
+class RepeatFilter(logging.Filter):
+    """Lets the first of identical warnings (and errors) through, and drops the ones repeating
+    it within ``window_s``; the next one let through says how many were dropped. A peer can make
+    a warning repeat as fast as it connects (asyncio failing to accept for want of descriptors,
+    a connection cap reached): 37 MB of the same traceback in 30 s, unfiltered."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._window_s = window_s
+        self._clock = clock
+        self._windows: dict[tuple[str, int, str], _Window] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        try:
+            text = record.getMessage()
+        except Exception:
+            return True  # a malformed call: the handler reports it, as for any record
+        # The first line: asyncio's reports name the connection on the lines after it.
+        key = (record.name, record.levelno, text.partition("\n")[0])
+        now = self._clock()
+        window = self._windows.get(key)
+        if window is not None and now < window.until:
+            window.dropped += 1
+            return False
+        if window is not None and window.dropped:
+            record.msg, record.args = f"{text} ({window.dropped} more like it not logged)", None
+        if len(self._windows) >= 1024:  # a burst of distinct warnings: forget the windows past
+            self._windows = {k: w for k, w in self._windows.items() if now < w.until}
+        self._windows[key] = _Window(now + self._window_s)
+        return True
+
+
 def configure_logging(level: str, style: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RepeatFilter())
     handler.setFormatter(
         JsonFormatter()
         if style == "json"

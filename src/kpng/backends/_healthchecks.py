@@ -6,6 +6,8 @@ request as kube-proxy does, since load balancers are configured for that contrac
 service has local ready endpoints and the proxy is healthy, else 503; the JSON body
 ``{"service": {"namespace", "name"}, "localEndpoints": N, "serviceProxyHealthy": bool}``; and
 the headers ``X-Content-Type-Options: nosniff`` and ``X-Load-Balancing-Endpoint-Weight: N``.
+kpng.http1's server answers, with its bounds (connections, request deadlines), as it answers
+``/healthz``: a load balancer's port faces the same strangers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kpng.client import ServiceEndpoints, ServiceKey
+from kpng.http1.server import Listener, Reply, Request, serve_address
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +82,24 @@ class Answer:
     local_endpoints: int
 
 
-def response(answer: Answer, *, proxy_healthy: bool) -> bytes:
-    """The whole HTTP response for ``answer``."""
+def response(answer: Answer, *, proxy_healthy: bool) -> Reply:
+    """The answer for ``answer``."""
     body = json.dumps(
         {
             "service": {"namespace": answer.namespace, "name": answer.name},
             "localEndpoints": answer.local_endpoints,
             "serviceProxyHealthy": proxy_healthy,
         }
-    ).encode()
+    )
     ok = answer.local_endpoints > 0 and proxy_healthy
-    status = b"200 OK" if ok else b"503 Service Unavailable"
-    return (
-        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
-        b"X-Content-Type-Options: nosniff\r\n"
-        b"X-Load-Balancing-Endpoint-Weight: %d\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (answer.local_endpoints, len(body))
-    ) + body
+    headers = {
+        "X-Content-Type-Options": "nosniff",
+        "X-Load-Balancing-Endpoint-Weight": str(answer.local_endpoints),
+        # Load balancers check on a new connection each time: one kept open would only hold a
+        # descriptor (and probes that read to the end of the stream would wait on it).
+        "Connection": "close",
+    }
+    return Reply(200 if ok else 503, body, "application/json", headers)
 
 
 class HealthServers:
@@ -113,7 +117,7 @@ class HealthServers:
         self._hosts: list[str] | None = None
         self._cidrs: tuple[str, ...] | None = None
         self.proxy_healthy = proxy_healthy
-        self._servers: dict[int, asyncio.Server] = {}
+        self._servers: dict[int, Listener] = {}
         self._answers: dict[int, Answer] = {}
 
     async def follow(self, cidrs: tuple[str, ...]) -> None:
@@ -138,8 +142,8 @@ class HealthServers:
         """Listen on these addresses (None: every address) from the next ``update``."""
         if self._host is None and hosts != self._hosts:
             self._hosts = hosts
-            for server in self._servers.values():
-                server.close()
+            for listener in self._servers.values():
+                listener.close()
             self._servers.clear()
 
     async def update(self, services: Mapping[ServiceKey, ServiceEndpoints]) -> None:
@@ -159,39 +163,31 @@ class HealthServers:
             except OSError as exc:
                 log.warning("health check node port %d: cannot listen: %s", port, exc)
 
-    async def _listen(self, port: int) -> asyncio.Server:
-        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                # The request line and headers are read to be polite; every path answers alike.
-                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-                answer = self._answers.get(port)
-                if answer is not None:
-                    writer.write(response(answer, proxy_healthy=self.proxy_healthy()))
-                await writer.drain()
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-                pass
-            finally:
-                writer.close()
+    async def _listen(self, port: int) -> Listener:
+        async def answer(_: Request) -> Reply:
+            # Every method and path answers alike, as kube-proxy's.
+            answer = self._answers.get(port)
+            if answer is None:  # the service went while this request was read
+                return Reply(503, "this port serves no service now\n")
+            return response(answer, proxy_healthy=self.proxy_healthy())
 
-        if self._host is not None or self._hosts is not None:
-            host = self._host if self._host is not None else self._hosts
-            return await asyncio.start_server(answer, host=host, port=port, reuse_address=True)
+        host = self._host if self._host is not None else self._hosts
+        if host is not None:
+            return await serve_address(host, port, {}, default=answer)
         # A socket per family (asyncio makes IPv6 sockets V6ONLY, so "::" alone would refuse
         # IPv4), named by address: host=None asked getaddrinfo in a thread for each port, 0.4 s
         # of a start with 250 of them. A node without IPv6 cannot bind "::", and gets IPv4 only.
         try:
-            return await asyncio.start_server(
-                answer, host=["0.0.0.0", "::"], port=port, reuse_address=True
-            )
+            return await serve_address(["0.0.0.0", "::"], port, {}, default=answer)
         except OSError:
-            return await asyncio.start_server(answer, host="0.0.0.0", port=port, reuse_address=True)
+            return await serve_address("0.0.0.0", port, {}, default=answer)
 
     def ports(self) -> list[int]:
         return sorted(self._servers)
 
     async def close(self) -> None:
-        for server in self._servers.values():
-            server.close()
-        for server in self._servers.values():
-            await server.wait_closed()
+        for listener in self._servers.values():
+            listener.close()
+        for listener in self._servers.values():
+            await listener.wait_closed()
         self._servers.clear()

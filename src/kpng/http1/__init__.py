@@ -1,5 +1,6 @@
 """HTTP/1.1 on asyncio streams: the client kpng lists and watches the API server with, and the
-server of its status addresses (``/healthz``, ``/metrics``, ``/debug/*``).
+server of its status addresses (``/healthz``, ``/metrics``, ``/debug/*``) and health check node
+ports, whose requests h11 parses: a strict parser, for bytes that come from anyone.
 
 Both are small on purpose. kpng asks for a handful of things over HTTP: GETs with a body read
 whole or streamed line by line, a POST, and answers to GETs. aiohttp did this before, for most

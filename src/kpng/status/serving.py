@@ -171,7 +171,9 @@ async def serve(
         await asyncio.Event().wait()
     finally:
         for listener in listeners:
-            await listener.close()
+            listener.close()
+        for listener in listeners:
+            await listener.wait_closed()
 
 
 def _bind(address: HttpAddress) -> socket.socket:
