@@ -644,3 +644,66 @@ def test_a_service_named_as_no_cluster_would_is_skipped_the_rest_served(
         f"{path}: document 1: Service ns/Bad_Name!: metadata.name: 'Bad_Name!' is not a "
         "DNS-1035 label"
     )
+
+
+def _with_bad_service(tail: str) -> str:
+    """Services a and b as a JSON List, then c whose port is ``tail``."""
+    items = [json.dumps(_svc("a")), json.dumps(_svc("b", "10.96.0.2"))]
+    items.append(json.dumps(_svc("c", "10.96.0.3")).replace('"port": 80', f'"port": {tail}'))
+    return '{"kind": "List", "items": [' + ", ".join(items) + "]}"
+
+
+def _alias_bomb(levels: int) -> str:
+    """Anchors naming the one below ten times each: 10**levels nodes once expanded."""
+    lines = ["kind: Service", "metadata: {name: a, namespace: ns}", 'x0: &x0 "lol"']
+    lines += [f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        pytest.param(_with_bad_service("1e400"), "Service ns/c: Number out of range", id="1e400"),
+        pytest.param(
+            _with_bad_service("1" + "0" * 5000),
+            "Service ns/c: Integer value out of range",
+            id="5000-digit-integer-json",
+        ),
+        pytest.param(
+            "\n---\n".join(json.dumps(d) for d in (_svc("a"), _svc("b", "10.96.0.2")))
+            + "\n---\nkind: Service\nmetadata: {name: c, namespace: ns}\n"
+            + "spec: {clusterIP: 10.96.0.3, ports: [{port: 1"
+            + "0" * 5000
+            + "}]}\n",
+            "Service ns/c: Expected `int | null`, got an integer of more than 100 characters",
+            id="5000-digit-integer-yaml",
+        ),
+        pytest.param("[" * 5000 + "]" * 5000, "invalid JSON", id="5000-deep-json"),
+        pytest.param(
+            '{"kind": "List", "items": [' + "[" * 5000 + "]" * 5000 + "]}",
+            "nested too deeply",
+            id="5000-deep-json-list",
+        ),
+        pytest.param("x: " + "[" * 5000 + "]" * 5000, "invalid YAML", id="5000-deep-yaml"),
+        # A million nodes expanded: refused by the bound, and still small enough for the old
+        # code to expand in this process.
+        pytest.param(_alias_bomb(6), "alias bomb", id="alias-bomb"),
+    ],
+)
+def test_a_reload_with_bad_numbers_or_nesting_keeps_the_good_content_and_logs_one_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: str, error: str
+) -> None:
+    """What cannot be tied to one object costs the file, which keeps its last good content;
+    what can costs that object. Either way the source goes on, and says it once."""
+    path = tmp_path / "c.yaml"
+    _write(path, _svc("a"), _svc("b", "10.96.0.2"))
+    source, store = _load(path)
+    path.write_text(bad)
+    with caplog.at_level(logging.ERROR):
+        source.reload([path], store.source("reload"))
+    (logged,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged.startswith(f"{path}: ")
+    assert error in logged
+    assert "\n" not in logged or "invalid YAML" in logged  # (PyYAML's own errors span lines)
+    assert set(store.services) == {("ns", "a"), ("ns", "b")}
+    assert _cluster_ip(store, "b") == "10.96.0.2"

@@ -115,6 +115,8 @@ _yaml_fragments = st.lists(
             "apiVersion: v1\n", "---\n", "&a [*a]\n", "!!python/object:os.system\n", "{", "}",
             "[", "]", ": ", "nodes:\n", "services:\n", "service: {name: s}\n", "endpoints:\n",
             "? [a]\n", "- *a\n", "&b {x: *b}\n", "1e999\n", "~\n", "\t", "\xff", "kind: KpngDump\n",
+            "port: 1" + "0" * 5000 + "\n", "0x" + "f" * 300 + "\n", "1.0e+400\n", "[" * 1200,
+            "&c [*a, *a, *a, *a, *a, *a, *a, *a]\n", "<<: *a\n", "&d [*c, *c, *c, *c, *c]\n",
         ]
     ),
     max_size=12,
@@ -168,6 +170,52 @@ def test_each_object_is_read_as_it_would_be_alone(objects: list[Any], form: str)
         for key, model in one.objects.items():
             alone.setdefault(key, model)
     assert parsed.objects == alone
+
+
+_HOSTILE_JSON = [
+    "1e400", "-1e400", "1" + "0" * 5000, "-9223372036854775809", "18446744073709551616",
+    "[" * 5000 + "]" * 5000, "{\"a\": " * 3000 + "1" + "}" * 3000,
+]  # fmt: skip
+_HOSTILE_YAML = [
+    *_HOSTILE_JSON, "0x" + "f" * 5000, "1.0e+400", ".inf", "&a [*a]",
+    "&a [&b [&c [x, x, x], *c, *c, *c], *b, *b, *b]",
+]  # fmt: skip
+
+
+def _hostile(value: str, size: int) -> str:
+    """``value``, or for a nesting, ``size`` levels of it (the limits lie near 1000)."""
+    if value.startswith("[" * 10):
+        return "[" * size + "]" * size
+    return value
+
+
+@fuzz_settings(100)
+@given(
+    st.lists(k8s_objects(), min_size=1, max_size=3),
+    st.sampled_from(["json-list", "yaml-documents"]),
+    st.data(),
+)
+def test_hostile_numbers_nesting_and_aliases_cost_at_most_their_object_or_file(
+    objects: list[Any], form: str, data: st.DataObject
+) -> None:
+    """An out-of-range number, a nesting past the parsers' limits or a YAML alias (of itself, or
+    expanding) put in any object: the file is refused as a whole, or what parsed is servable;
+    nothing else is raised."""
+    values = _HOSTILE_JSON if form == "json-list" else _HOSTILE_YAML
+    hostile = _hostile(data.draw(st.sampled_from(values)), data.draw(st.integers(900, 5000)))
+    i = data.draw(st.integers(0, len(objects) - 1))
+    if isinstance(objects[i], dict):
+        key = data.draw(st.sampled_from(["spec", "metadata", "x", "ports", "kind"]))
+        objects[i][key] = "@hostile@"
+    else:
+        objects[i] = "@hostile@"
+    if form == "json-list":
+        text = json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+    else:
+        text = "\n---\n".join(json.dumps(o) for o in objects)
+    parsed = _parse(text.replace('"@hostile@"', hostile).encode())
+    if parsed is not None:
+        _assert_servable(parsed)
 
 
 # --- Go KPNG's state files

@@ -350,3 +350,191 @@ def test_a_dump_s_objects_are_held_to_the_api_server_s_names() -> None:
         "label: lowercase letters, digits and '-', starting with a letter, ending with a "
         "letter or digit; skipped",
     ]
+
+
+# --- bounds: numbers, nesting and YAML aliases cost their object or their file, never kpng
+
+
+def _port_text(doc: dict[str, Any], text: str) -> str:
+    """``doc`` as JSON with its first port written as ``text`` (a number json.dumps won't write)."""
+    return json.dumps(doc).replace('"port": 80', f'"port": {text}', 1)
+
+
+_LONG = "Expected `int | null`, got an integer of more than 100 characters"
+_INT32 = "Expected `int` <= 2147483647"
+
+
+@pytest.mark.parametrize(
+    ("shape", "number", "reason"),
+    [
+        ("json list", "1e400", "Number out of range"),
+        ("json list", "-1e400", "Number out of range"),
+        ("yaml", "1.0e+400", "Expected `int | null`, got `float`"),
+        ("yaml", ".inf", "Expected `int | null`, got `float`"),
+        ("yaml", "1e400", "Expected `int | null`, got `str`"),  # (YAML 1.1: no float)
+        ("json list", "1" + "0" * 5000, "Integer value out of range"),
+        ("yaml", "1" + "0" * 5000, _LONG),
+        ("yaml", "0x" + "f" * 5000, _LONG),
+        ("json list", "1" + "0" * 30, _INT32),
+        ("yaml", "1" + "0" * 30, _INT32),
+        ("json list", "2147483648", _INT32),
+        ("yaml", "2147483648", _INT32),
+    ],
+    ids=[
+        "json-1e400",
+        "json-minus-1e400",
+        "yaml-1e400-float",
+        "yaml-infinity",
+        "yaml-1e400-string",
+        "json-5000-digits",
+        "yaml-5000-digits",
+        "yaml-5000-hex-digits",
+        "json-beyond-int64",
+        "yaml-beyond-int64",
+        "json-beyond-int32",
+        "yaml-beyond-int32",
+    ],
+)
+def test_a_number_out_of_range_costs_its_object_named_with_its_path(
+    shape: str, number: str, reason: str
+) -> None:
+    """Kubernetes' numbers kpng reads are int32: a wider one, an infinite one, or one that no
+    integer type holds is reported with the object and the field, and the rest is served."""
+    bad = _port_text(_svc("bad"), number)
+    if shape == "json list":
+        items = ", ".join([json.dumps(_svc()), bad, json.dumps(NODE)])
+        data = ('{"kind": "List", "items": [' + items + "]}").encode()
+        where = "c: items[1]"
+    else:
+        data = "\n---\n".join([json.dumps(_svc()), bad, json.dumps(NODE)]).encode()
+        where = "c: document 1"
+    parsed = parse(data, filename="c")
+    assert parsed.errors == [
+        f"{where}: Service shop/bad: {reason} - at `$.spec.ports[0].port`; skipped"
+    ]
+    assert set(parsed.objects) == {("Service", "shop", "web"), ("Node", "", "n1")}
+
+
+@pytest.mark.parametrize("shape", ["json", "yaml"])
+def test_a_huge_number_in_a_field_kpng_does_not_read_costs_nothing(shape: str) -> None:
+    doc = _svc()
+    doc["spec"]["replicas"] = 80  # a field of no Service: skipped unread
+    text = _port_text(doc, "80").replace('"replicas": 80', '"replicas": 1' + "0" * 5000)
+    if shape == "json":
+        text = text.replace('"replicas": 1', '"replicas": 1e400, "other": 1')
+    parsed = parse(text.encode(), filename="c")
+    assert parsed.errors == []
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+
+
+def _nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(_port_text(_svc(), _nested(5000)), "nested too deeply", id="json-object"),
+        pytest.param(
+            '{"kind": "List", "items": [' + _nested(5000) + "]}",
+            "nested too deeply",
+            id="json-list",
+        ),
+        pytest.param(
+            '{"kind": "GlobalState", "x": ' + _nested(5000) + "}",
+            "nested too deeply",
+            id="json-dump",
+        ),
+        pytest.param("kind: Service\nx: " + _nested(5000), "invalid YAML", id="yaml-flow"),
+        pytest.param(
+            "".join("  " * i + "-\n" for i in range(5000)), "invalid YAML", id="yaml-block"
+        ),
+        # Within libyaml's 1000 levels, past what msgspec encodes.
+        pytest.param("kind: GlobalState\nx: " + _nested(998), "nested too deeply", id="yaml-dump"),
+    ],
+)
+def test_nesting_past_the_parsers_limits_costs_the_file(data: str, message: str) -> None:
+    with pytest.raises(InputError, match=f"^c: .*{message}"):
+        parse(data.encode(), filename="c")
+
+
+def test_nesting_that_only_one_yaml_object_holds_costs_that_object() -> None:
+    deep = "kind: Service\nmetadata: {name: deep, namespace: shop}\nx: " + _nested(998)
+    parsed = parse(_yaml(_svc()) + b"\n---\n" + deep.encode(), filename="c")
+    assert parsed.errors == ["c: document 1: Service shop/deep: nested too deeply; skipped"]
+    assert list(parsed.objects) == [("Service", "shop", "web")]
+
+
+def test_yaml_aliases_that_share_a_few_nodes_are_read() -> None:
+    data = b"""apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop, labels: &labels {app: web}, annotations: *labels}
+spec:
+  clusterIP: 10.96.0.1
+  ports: [&http {name: http, port: 80}, {<<: *http, name: alt, port: 8080}]
+"""
+    parsed = parse(data, filename="c.yaml")
+    assert parsed.errors == []
+    service = parsed.objects["Service", "shop", "web"]
+    assert isinstance(service, Service)
+    assert [p.Port for p in service.Ports] == [80, 8080]
+    assert service.Labels == {"app": "web"}
+
+
+@pytest.mark.parametrize(
+    "doc", ["x: &a [*a]", "x: &a {y: *a}", "x: &a [[[*a]]]"], ids=["list", "map", "deeper"]
+)
+def test_a_yaml_alias_that_holds_itself_costs_the_file(doc: str) -> None:
+    data = f"kind: Service\nmetadata: {{name: web}}\n{doc}\n".encode()
+    with pytest.raises(InputError, match=r"^c.yaml: invalid YAML: an alias holds itself, line 3$"):
+        parse(data, filename="c.yaml")
+
+
+_ALIAS_BOMB = """\
+import resource
+import sys
+
+from kpng.errors import InputError
+from kpng.sources.manifests import parse
+
+lines = ["apiVersion: v1", "kind: Service", "metadata: {name: web, namespace: shop}", "spec:",
+         "  clusterIP: 10.96.0.1", '  lol0: &l0 "lol"']
+for i in range(1, 10):
+    lines.append(f"  lol{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
+data = ("\\n".join(lines) + "\\n").encode()
+try:
+    parse(data, filename="bomb.yaml")
+except InputError as exc:
+    print(exc)
+print(len(data), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line_within_little_memory() -> None:
+    """A billion laughs: 9 levels of anchors, each naming the one below 10 times, 10^9 nodes
+    expanded (6 GiB as JSON) from 700 bytes. Run under a 1 GiB address-space limit, so that a
+    regression fails this test rather than the machine."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _ALIAS_BOMB],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    error, figures = done.stdout.splitlines()
+    assert error == (
+        "bomb.yaml: invalid YAML: its aliases expand it from 35 to 1234567925 nodes, more than "
+        "100000 added (a YAML alias bomb?)"
+    )
+    size, max_rss_mib = map(int, figures.split())
+    assert size < 1000
+    assert max_rss_mib < 200

@@ -6,7 +6,14 @@ Fields that some clients write as ``null`` are optional here and normalised by t
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+"""Every number kpng reads from an object is an int32 in the API: a wider one (a manifest's
+``port: 1`` and 30 zeros) is refused as it is decoded, naming its path, before a check that
+prints the number (a port's range) sees its digits."""
 
 
 class _Raw(msgspec.Struct, rename="camel", omit_defaults=True, gc=False):
@@ -29,13 +36,13 @@ class ObjectMeta(_Raw):
 class ServicePort(_Raw):
     name: str = ""
     protocol: str = "TCP"
-    port: int | None = None
-    node_port: int = 0
-    target_port: int | str | None = None
+    port: Int32 | None = None
+    node_port: Int32 = 0
+    target_port: Int32 | str | None = None
 
 
 class ClientIPConfig(_Raw):
-    timeout_seconds: int | None = None
+    timeout_seconds: Int32 | None = None
 
 
 class SessionAffinityConfig(_Raw):
@@ -53,7 +60,7 @@ class ServiceSpec(_Raw):
     load_balancer_source_ranges: list[str] | None = None
     external_traffic_policy: str = ""
     internal_traffic_policy: str = ""
-    health_check_node_port: int = 0
+    health_check_node_port: Int32 = 0
     traffic_distribution: str = ""
 
 
@@ -118,7 +125,7 @@ class Endpoint(_Raw):
 class EndpointPort(_Raw):
     name: str | None = None
     protocol: str | None = None
-    port: int | None = None
+    port: Int32 | None = None
 
 
 class EndpointSlice(_Raw, tag_field="kind", tag="EndpointSlice"):

@@ -256,6 +256,11 @@ class FileSource:
                     )
             except InputError as exc:
                 parsed = str(exc)
+            except Exception as exc:
+                # A case the parser's bounds missed is kpng's bug, not the file's; yet it costs
+                # the file, as any parse error does (kept as last read), never the source.
+                log.exception("%s: parsing failed in kpng itself; please report it", path)
+                parsed = f"{path}: cannot be parsed: {type(exc).__name__}: {exc}"
             results[path] = _Read(parsed, seen)
         return results
 

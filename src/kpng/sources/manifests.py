@@ -4,6 +4,11 @@ files) to model objects.
 Pure: bytes in, model objects and error messages out. A malformed object is reported with its
 file, kind, namespace and name, and skipped; the rest of the document is still used. A document
 that cannot be parsed at all raises ``InputError``, so the caller can keep what it had.
+
+Bounded: whatever a file holds, reading it raises nothing but ``InputError``, and takes memory
+in proportion to its size. A number that does not fit the field kpng reads it into (``1e400``, an
+integer of a thousand digits) costs its object; nesting past the parsers' depth limits, or YAML
+aliases that would expand a document past ``MAX_ALIAS_NODES`` (a "billion laughs"), cost the file.
 """
 
 from __future__ import annotations
@@ -40,6 +45,20 @@ Entry = Model | Ignored | None
 """What a file holds under a key: the object, or an ignored Service (why), or None (ignored)."""
 _KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
 
+MAX_ALIAS_NODES = 100_000
+"""How many nodes YAML aliases may add to a document once expanded, or as many as the document
+holds if it holds more: anchors that share a few ports or labels add hundreds; nine levels of
+anchors, each naming the one below ten times, add 10^9 from 700 bytes, which every reader of
+the document (the JSON encoding of an object, its conversion) would expand."""
+MAX_YAML_DEPTH = 1000
+"""The deepest a YAML document may nest, aliases expanded: libyaml's own limit for a document as
+written, which aliases (each level an alias of the one below) would otherwise get around."""
+MAX_INT_CHARS = 100
+"""The longest YAML integer kpng converts (its digits, sign and base prefix): every integer kpng
+reads fits in 11, and converting one costs time quadratic in its length (Python refuses
+past 4300 digits). A longer one is kept as its text, and refused by any field that wants a
+number."""
+
 MAX_OBJECT_BYTES = 3 << 19
 """The largest object kpng reads from a manifest, as JSON: 1.5 MiB, etcd's default request limit
 (``--max-request-bytes``), so no larger object exists in a Kubernetes cluster. A larger one is
@@ -58,8 +77,22 @@ class _Envelope(msgspec.Struct):
     items: list[msgspec.Raw] | None = None
 
 
+class _IdentityMeta(msgspec.Struct):
+    name: Any = None
+    namespace: Any = None
+
+
+class _Identity(msgspec.Struct):
+    """What names a JSON object that does not decode, read alone: the field that spoils the
+    object (a number out of range) is skipped unread here."""
+
+    kind: Any = None
+    metadata: _IdentityMeta | None = None
+
+
 _object_decoder = msgspec.json.Decoder(k8s.Object)
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
+_identity_decoder = msgspec.json.Decoder(_Identity)
 
 
 class ItemMemo:
@@ -95,6 +128,17 @@ def parse(
 ) -> Parsed:
     """The objects of one file. Raises InputError if the file is not YAML or JSON at all.
     ``memo``, kept from one parse of a file to the next, spares decoding unchanged items."""
+    try:
+        return _parse(data, filename, proxy_name, memo)
+    except RecursionError:
+        # msgspec's depth limit (Python's recursion limit, some 1000 levels less the caller's
+        # stack): raised wherever a document nests that deep, before anything is kept.
+        raise InputError(
+            f"{filename}: nested too deeply (some 1000 levels; a Kubernetes object nests 10)"
+        ) from None
+
+
+def _parse(data: bytes, filename: str, proxy_name: str | None, memo: ItemMemo | None) -> Parsed:
     parsed = Parsed(objects={}, errors=[])
     if data.lstrip()[:1] not in (b"{", b"["):
         _parse_yaml(data, filename, proxy_name, parsed)
@@ -145,14 +189,25 @@ def _add_json_object(
     raw: msgspec.Raw | bytes, where: str, proxy_name: str | None, parsed: Parsed
 ) -> tuple[ObjectKey, Entry] | None:
     if len(raw) > MAX_OBJECT_BYTES:
-        _report_too_large(msgspec.json.decode(raw), len(raw), where, parsed)
+        _report_too_large(_identity_of_json(raw), len(raw), where, parsed)
         return None
     try:
         obj = _object_decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        _report_undecodable(msgspec.json.decode(raw), exc, where, parsed)
+        _report_undecodable(_identity_of_json(raw), str(exc), where, parsed)
         return None
     return _add(obj, where, proxy_name, parsed)
+
+
+def _identity_of_json(raw: msgspec.Raw | bytes) -> tuple[str, str, str]:
+    try:
+        found = _identity_decoder.decode(raw)
+    except msgspec.DecodeError:
+        return "", "", ""  # (metadata that is no object, a kind of 1e400)
+    meta = found.metadata or _IdentityMeta()
+    return _identity_of(
+        {"kind": found.kind, "metadata": {"name": meta.name, "namespace": meta.namespace}}
+    )
 
 
 def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Parsed) -> None:
@@ -164,14 +219,14 @@ def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Pars
 
     try:
         documents = list(yaml.load_all(data, Loader=_loader()))
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, _TooManyAliases) as exc:
         raise InputError(f"{filename}: invalid YAML: {exc}") from None
     for d, doc in enumerate(documents):
         where = f"{filename}: document {d}" if len(documents) > 1 else filename
         if doc is None:
             continue
         if isinstance(doc, dict) and doc.get("kind") == dumping.KIND:
-            _add_dump(msgspec.json.encode(doc), where, parsed)
+            _add_dump(_to_json(doc), where, parsed)
         elif gokpng.is_state(doc):
             _add_go_kpng_state(doc, where, proxy_name, parsed)
         elif isinstance(doc, dict) and doc.get("kind") == "List":
@@ -182,43 +237,52 @@ def _parse_yaml(data: bytes, filename: str, proxy_name: str | None, parsed: Pars
 
 
 def _add_python_object(item: Any, where: str, proxy_name: str | None, parsed: Parsed) -> None:
-    size = _json_size(item)
+    try:
+        size = _json_size(item)
+    except RecursionError:
+        # Within libyaml's 1000 levels, yet deeper than msgspec encodes from this call's stack:
+        # this object only.
+        _report_undecodable(_identity_of(item), "nested too deeply", where, parsed)
+        return
     if size > MAX_OBJECT_BYTES:
-        _report_too_large(item, size, where, parsed)
+        _report_too_large(_identity_of(item), size, where, parsed)
         return
     try:
         obj = msgspec.convert(item, type=k8s.Object, str_keys=True)
     except msgspec.ValidationError as exc:
-        _report_undecodable(item, exc, where, parsed)
+        _report_undecodable(_identity_of(item), _readable(str(exc)), where, parsed)
         return
     _add(obj, where, proxy_name, parsed)
 
 
 def _report_undecodable(
-    item: Any, exc: msgspec.ValidationError, where: str, parsed: Parsed
+    identity: tuple[str, str, str], error: str, where: str, parsed: Parsed
 ) -> None:
-    kind, namespace, name = _identity_of(item)
+    kind, namespace, name = identity
     if kind not in _KINDS:
         reason = f"unsupported kind {kind!r}" if kind else "object without a kind"
     else:
-        reason = str(exc)
+        reason = error
     parsed.errors.append(
         f"{where}: {kind or 'object'} {object_name(namespace, name)}: {reason}; skipped"
     )
 
 
 def _json_size(item: Any) -> int:
-    """The size of a YAML document's object as JSON (0 if it has none: converting reports it)."""
+    """The size of a YAML document's object as JSON (0 if it has none: converting reports it).
+    Raises RecursionError if it nests too deeply to encode."""
     if not isinstance(item, dict):
         return 0
     try:
-        return len(msgspec.json.encode(item))
-    except (TypeError, ValueError, OverflowError, RecursionError):
-        return 0  # (a YAML alias of itself: converting says what is wrong with it)
+        return len(_to_json(item))
+    except (TypeError, ValueError, OverflowError):
+        return 0  # (keys JSON has no form for: converting says what is wrong with them)
 
 
-def _report_too_large(item: Any, size: int, where: str, parsed: Parsed) -> None:
-    kind, namespace, name = _identity_of(item)
+def _report_too_large(
+    identity: tuple[str, str, str], size: int, where: str, parsed: Parsed
+) -> None:
+    kind, namespace, name = identity
     reason = (
         f"{size} bytes as JSON, larger than any object Kubernetes stores "
         f"({MAX_OBJECT_BYTES} bytes, etcd's request limit)"
@@ -304,7 +368,7 @@ def _add_go_kpng_state(
     from kpng.model import gokpng
 
     objects, errors = gokpng.load(doc)
-    parsed.errors += [f"{where}: {error}" for error in errors]
+    parsed.errors += [f"{where}: {_readable(error)}" for error in errors]
     ignored: set[tuple[str, str]] = set()
     for model in objects:
         if not _named_as_the_api_server_would(model, where, parsed):
@@ -333,13 +397,118 @@ def model_key(model: Model) -> ObjectKey:
     return ("Node", "", model.Name)
 
 
+class _LongInteger:
+    """A YAML integer longer than ``MAX_INT_CHARS``, as written: no number kpng reads is one, so
+    the field that holds it refuses it (naming its path), and a field kpng skips costs nothing."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.text)} characters>"
+
+
+def _readable(error: str) -> str:
+    """msgspec's error, ``_LongInteger`` said as what it is."""
+    return error.replace(
+        f"got `{_LongInteger.__name__}`", f"got an integer of more than {MAX_INT_CHARS} characters"
+    )
+
+
+def _to_json(item: Any) -> bytes:
+    # A long integer as its text: the object's size stays what it is, and a dump's field that
+    # wants a number refuses it.
+    return msgspec.json.encode(item, enc_hook=_long_integer_text)
+
+
+def _long_integer_text(value: Any) -> str:
+    if isinstance(value, _LongInteger):
+        return value.text
+    raise TypeError(f"{type(value).__name__} has no JSON form")
+
+
+class _TooManyAliases(Exception):
+    """A YAML document whose aliases expand past the bounds: the file is refused."""
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """Raise _TooManyAliases if ``root``'s document, its aliases expanded, would hold more than
+    ``MAX_ALIAS_NODES`` nodes beyond its own (or as many as it holds, if more), nest deeper than
+    ``MAX_YAML_DEPTH``, or hold itself. Counted on the composed nodes, where an alias is one
+    node reachable twice: the count costs one visit per node written, whatever the expansion."""
+    import yaml
+
+    expanded: dict[int, tuple[int, int]] = {}
+    """For each node visited (by id): its node count and depth, aliases expanded."""
+    open_: set[int] = set()
+    """The nodes being counted: one reached again before it is counted holds itself."""
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted_children = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        if counted_children:
+            open_.discard(id(node))
+            below = [expanded[id(child)] for child in children]
+            expanded[id(node)] = (
+                1 + sum(count for count, _ in below),
+                1 + max((depth for _, depth in below), default=0),
+            )
+            continue
+        if id(node) in expanded:
+            continue
+        if id(node) in open_:
+            raise _TooManyAliases(f"an alias holds itself, line {node.start_mark.line + 1}")
+        open_.add(id(node))
+        stack.append((node, True))
+        stack += ((child, False) for child in children if id(child) not in expanded)
+    written = len(expanded)
+    count, depth = expanded[id(root)]
+    if count - written > max(MAX_ALIAS_NODES, written):
+        raise _TooManyAliases(
+            f"its aliases expand it from {written} to {count} nodes, more than "
+            f"{max(MAX_ALIAS_NODES, written)} added (a YAML alias bomb?)"
+        )
+    if depth > MAX_YAML_DEPTH:
+        raise _TooManyAliases(
+            f"its aliases nest it {depth} levels deep, more than {MAX_YAML_DEPTH}"
+        )
+
+
 @functools.cache
 def _loader() -> type[yaml.SafeLoader]:
-    """Safe YAML with timestamps left as strings (kpng reads none, and msgspec wants str keys)."""
+    """Safe YAML with timestamps left as strings (kpng reads none, and msgspec wants str keys),
+    long integers left as text (``_LongInteger``), and aliases bounded (``_check_aliases``)."""
     import yaml
 
     base = yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader
-    loader: type[yaml.SafeLoader] = type("_Loader", (base,), {})
+
+    def __init__(self: Any, stream: bytes) -> None:
+        base.__init__(self, stream)
+        # Without an anchor and an alias, nothing expands: kubectl writes neither, and a 10k
+        # services file is spared a walk of its million nodes.
+        self.may_alias = b"&" in stream and b"*" in stream
+
+    def construct_document(self: Any, node: yaml.Node) -> Any:
+        if self.may_alias:
+            _check_aliases(node)
+        return base.construct_document(self, node)
+
+    def construct_int(self: Any, node: yaml.ScalarNode) -> int | _LongInteger:
+        if len(node.value) > MAX_INT_CHARS:
+            return _LongInteger(node.value)
+        return base.construct_yaml_int(self, node)
+
+    loader: type[yaml.SafeLoader] = type(
+        "_Loader", (base,), {"__init__": __init__, "construct_document": construct_document}
+    )
+    loader.add_constructor("tag:yaml.org,2002:int", construct_int)
     loader.yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
