@@ -104,7 +104,11 @@ def assert_found_and_repaired(live: Live, fault: str) -> None:
     logged = live.log.read_text().count("changed by another program")
     live.bed.exec(live.node, ["nft", command])
     assert poll(lambda: live.repairs(kind) == before + 1, within=15), live.log.read_text()[-2000:]
-    assert live.log.read_text().count("changed by another program") == logged + 1
+    # Logged once, unless the same finding was logged less than 10 s ago: kpng's log lets one
+    # of identical warnings through per 10 s (kpng.logs.RepeatFilter); the metric counts all.
+    after = live.log.read_text().count("changed by another program")
+    assert after in (logged, logged + 1)
+    assert after >= 1
     assert poll(lambda: _table(live.node) == live.fresh, within=5)
     assert live.answers() == ["p1", "p1"]
     status, body = live.get(HEALTHZ, "/healthz")

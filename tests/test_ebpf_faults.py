@@ -147,7 +147,9 @@ def test_a_fault_is_found_within_the_sync_period_and_repaired(live: Live, fault:
     logged = live.log().count(FOUND)
     make(live)
     assert poll(lambda: live.repairs(kind) == before + 1, within=15), live.log()[-3000:]
-    assert live.log().count(FOUND) == logged + 1
+    # Logged once, unless the same finding was logged less than 10 s ago: kpng's log lets one
+    # of identical warnings through per 10 s (kpng.logs.RepeatFilter); the metric counts all.
+    assert live.log().count(FOUND) in (logged, logged + 1)
     assert f"kpng's BPF {kind} were {FOUND}" in live.log()
     assert poll(live.translated, within=5, interval=0.5)
     status, body = live.get(HEALTHZ, "/healthz")
