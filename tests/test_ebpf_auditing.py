@@ -13,11 +13,11 @@ from typing import cast
 
 import pytest
 
+from kpng.backends._drift import Drift
 from kpng.backends._nftables import NftBackend
 from kpng.backends._node import Options
 from kpng.backends.ebpf import EbpfBackend, SocketBalancer
 from kpng.backends.ebpf.auditing import (
-    Drift,
     Link,
     compare_counts,
     compare_entries,

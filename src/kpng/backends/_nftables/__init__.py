@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack
+from kpng.backends._drift import Drift
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._nftables.auditing import (
-    Drift,
     Inspects,
     applied_by_container,
     comparable,

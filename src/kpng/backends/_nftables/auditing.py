@@ -29,20 +29,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from kpng.backends._drift import Drift, named
 from kpng.backends._nftables.diffing import TableState
 from kpng.backends._nftables.layout import ElementKey, skeleton
 from kpng.backends._nftables.netlink import Canonical, ElementEncoder, TableShape, encoder
 from kpng.backends._nftables.nftables import Chain, Map, Set, Table
-
-_NAMED = 5
-"""The most objects a drift's sentence names; more are counted."""
-
-
-@dataclass(frozen=True)
-class Drift:
-    kind: str
-    """What was found: ``table``, ``chain``, ``rules``, ``map`` or ``elements``."""
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -98,12 +89,13 @@ def compare_shapes(expected: TableShape, found: TableShape | None, table: Table)
         return Drift("chain", _listed("chains", gone, foreign))
     changed = sorted(name for name, n in expected.chains.items() if found.chains[name] != n)
     if changed:
-        counts = ", ".join(
-            f"{name} ({found.chains[name]} rules, not {expected.chains[name]})"
-            for name in changed[:_NAMED]
+        counts = named(
+            [
+                f"{name} ({found.chains[name]} rules, not {expected.chains[name]})"
+                for name in changed
+            ]
         )
-        more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
-        return Drift("rules", f"rules were added to or removed from chains {counts}{more}")
+        return Drift("rules", f"rules were added to or removed from chains {counts}")
     gone = sorted(expected.containers - found.containers)
     foreign = sorted(found.containers - expected.containers)
     if gone or foreign:
@@ -139,7 +131,7 @@ def compare_rules(applied: Mapping[str, tuple[bytes, ...]], found: TableShape) -
     changed = sorted(name for name, rules in applied.items() if found.rules.get(name, ()) != rules)
     if not changed:
         return None
-    return Drift("rules", f"rules of chains {_names(changed)} were changed in place")
+    return Drift("rules", f"rules of chains {named(changed)} were changed in place")
 
 
 def comparable(store: TableState) -> list[tuple[Set | Map, ElementEncoder]]:
@@ -209,12 +201,7 @@ def _containers(store: TableState) -> Mapping[str, Set | Map]:
 def _listed(what: str, gone: list[str], foreign: list[str], *, verb: str = " are gone") -> str:
     parts = []
     if gone:
-        parts.append(f"{what} {_names(gone)}{verb}")
+        parts.append(f"{what} {named(gone)}{verb}")
     if foreign:
-        parts.append(f"{what} {_names(foreign)} are not kpng's")
+        parts.append(f"{what} {named(foreign)} are not kpng's")
     return "; ".join(parts)
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMED])
-    return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")

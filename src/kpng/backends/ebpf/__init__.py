@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kpng.backends._conntrack import Conntrack
+from kpng.backends._drift import Drift
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
@@ -66,7 +67,6 @@ from kpng.backends.ebpf import (
     system,
     toolchain,
 )
-from kpng.backends.ebpf.auditing import Drift
 from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject

@@ -23,17 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kpng.backends._drift import Drift, named
 from kpng.backends.ebpf.entries import MapName
-
-_NAMED = 5
-"""The most objects a drift's sentence names; more are counted."""
-
-
-@dataclass(frozen=True)
-class Drift:
-    kind: str
-    """What was found: ``pins``, ``programs`` or ``entries``."""
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -55,9 +46,9 @@ def compare_pins(
     other = sorted(name for name, id_ in expected.items() if found.get(name) not in (None, id_))
     parts = []
     if gone:
-        parts.append(f"the pins of maps {_names(gone)} in {where} are gone")
+        parts.append(f"the pins of maps {named(gone)} in {where} are gone")
     if other:
-        parts.append(f"the pins of maps {_names(other)} in {where} hold other maps")
+        parts.append(f"the pins of maps {named(other)} in {where} hold other maps")
     return Drift("pins", "; ".join(parts)) if parts else None
 
 
@@ -77,11 +68,11 @@ def compare_links(
             other.append(name)
     parts = []
     if gone:
-        parts.append(f"the links of {_names(gone)} in {where} are gone")
+        parts.append(f"the links of {named(gone)} in {where} are gone")
     if detached:
-        parts.append(f"the programs {_names(detached)} are detached from the cgroup")
+        parts.append(f"the programs {named(detached)} are detached from the cgroup")
     if other:
-        parts.append(f"the links of {_names(other)} run other programs")
+        parts.append(f"the links of {named(other)} run other programs")
     return Drift("programs", "; ".join(parts)) if parts else None
 
 
@@ -94,8 +85,7 @@ def compare_counts(expected: Mapping[str, int], found: Mapping[str, int]) -> Dri
     ]
     if not changed:
         return None
-    more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
-    return Drift("entries", ", ".join(changed[:_NAMED]) + more)
+    return Drift("entries", named(changed))
 
 
 def compare_entries(
@@ -113,8 +103,3 @@ def compare_entries(
     parts = [f"{n} entries of {name} are gone" for name, n in gone.items()]
     parts += [f"{n} entries of {name} hold other values" for name, n in changed.items()]
     return Drift("entries", "; ".join(parts)) if parts else None
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMED])
-    return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")

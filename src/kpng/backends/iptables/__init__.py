@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack
+from kpng.backends._drift import Drift, named
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
 from kpng.backends._node import (
@@ -274,7 +275,7 @@ class IptablesBackend:
             except IptablesError as exc:
                 log.error("resync of the rules failed: %s; retrying in %gs", exc, self._sync_period)
 
-    async def check_kernel(self, iptables: Iptables) -> tuple[str, str] | None:
+    async def check_kernel(self, iptables: Iptables) -> Drift | None:
         """One period's check: what another program changed, as (kind, what was found), once
         repaired (or None); the hourly and the failed full syncs run here too."""
         # Under the lock: a sync meanwhile changes how many rules its services' chains hold.
@@ -283,7 +284,7 @@ class IptablesBackend:
                 return None
             drift = None if self._needs_full else await self._drift(iptables)
             if drift is not None:
-                reason = drift[1]
+                reason = drift.detail
             elif self._needs_full:
                 reason = "the last resync failed"
             elif self._clock() - self._last_full >= self._full_sync_period:
@@ -292,12 +293,12 @@ class IptablesBackend:
                 return None
             log.warning("rewriting every rule: %s", reason)
             if drift is not None:
-                self._syncs.diverged(kind=drift[0], detail=drift[1])
+                self._syncs.diverged(kind=drift.kind, detail=drift.detail)
             await self._sync_families({f: {} for f in self._families}, full=True)
             self._syncs.synced(revision=self._revision)
         return drift
 
-    async def _drift(self, iptables: Iptables) -> tuple[str, str] | None:
+    async def _drift(self, iptables: Iptables) -> Drift | None:
         """What another program changed in kpng's rules, from one iptables-save per table (the
         jumps check needs them anyway): a jump gone from a built-in chain, one of kpng's chains
         gone, or one holding more or fewer rules than kpng wrote (flushed, or a foreign rule)."""
@@ -305,26 +306,23 @@ class IptablesBackend:
             expected = _expected_counts(self.tables[fam])
             for table in TABLES:
                 saved = await iptables.save(fam, table)
-                gone_jumps = [j for j in JUMPS if j[0] == table and j[1:] not in saved.rules]
-                if gone_jumps:
-                    return (
+                if any(j[0] == table and j[1:] not in saved.rules for j in JUMPS):
+                    return Drift(
                         "jumps",
                         f"another program removed kpng's jumps from the {fam} built-in chains",
                     )
                 ours = {chain: n for (t, chain), n in expected.items() if t == table}
                 gone = sorted(chain for chain in ours if chain not in saved.chains)
                 if gone:
-                    return "chain", f"{fam} {table} chains {_names(gone)} are gone"
+                    return Drift("chain", f"{fam} {table} chains {named(gone)} are gone")
                 changed = sorted(c for c, n in ours.items() if saved.counts.get(c, 0) != n)
                 if changed:
-                    counts = ", ".join(
-                        f"{c} ({saved.counts.get(c, 0)} rules, not {ours[c]})"
-                        for c in changed[:_NAMED]
+                    counts = named(
+                        [f"{c} ({saved.counts.get(c, 0)} rules, not {ours[c]})" for c in changed]
                     )
-                    return (
+                    return Drift(
                         "rules",
-                        f"rules were added to or removed from {fam} {table} chains {counts}"
-                        + (f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""),
+                        f"rules were added to or removed from {fam} {table} chains {counts}",
                     )
         return None
 
@@ -389,10 +387,6 @@ class IptablesBackend:
             await self._health.close()
 
 
-_NAMED = 5
-"""The most chains a drift's sentence names; more are counted."""
-
-
 def _expected_counts(tables: FamilyTables) -> dict[ChainKey, int]:
     """How many rules kpng last wrote into each of its chains of one family (the shared
     chains only once a sync has written them all: unknown before)."""
@@ -400,11 +394,6 @@ def _expected_counts(tables: FamilyTables) -> dict[ChainKey, int]:
     for contribution in tables.contributions.values():
         expected.update((key, len(rules)) for key, rules in contribution.chains.items())
     return expected
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMED])
-    return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
 
 
 async def cleanup(prefix: Sequence[str] = ()) -> bool:
