@@ -394,44 +394,29 @@ def delete_batch(fd: int, name: str, keys: Sequence[bytes], chunk: int = 65536) 
 
 def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator[bytes]:
     """Every key of a hash map, read in batches."""
-    lib = library()
-    keys_buf = ctypes.create_string_buffer(key_size * chunk)
-    values_buf = ctypes.create_string_buffer(value_size * chunk)
-    token_in = ctypes.create_string_buffer(8)
-    token_out = ctypes.create_string_buffer(8)
-    opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
-    first = True
-    while True:
-        count = ctypes.c_uint32(chunk)
-        code = lib.bpf_map_lookup_batch(
-            fd,
-            None if first else token_in,
-            token_out,
-            keys_buf,
-            values_buf,
-            ctypes.byref(count),
-            ctypes.byref(opts),
-        )
-        if code < 0 and abs(code) != errno.ENOENT:
-            raise _failure("cannot read the keys of map fd", fd, code)
-        raw = keys_buf.raw
-        yield from [raw[i : i + key_size] for i in range(0, count.value * key_size, key_size)]
-        if code < 0:  # ENOENT: that was the last batch
-            return
-        ctypes.memmove(token_in, token_out, 8)
-        first = False
+    for buffer, n in _batches(fd, key_size, value_size, chunk, "cannot read the keys of map fd"):
+        raw = buffer.raw
+        yield from [raw[i : i + key_size] for i in range(0, n * key_size, key_size)]
 
 
 def count(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> int:
     """How many entries a hash map holds: read in batches, as ``keys``, but never split into
     keys (the kernel's copy is most of the cost)."""
+    failure = "cannot count the entries of map fd"
+    return sum(n for _, n in _batches(fd, key_size, value_size, chunk, failure))
+
+
+def _batches(
+    fd: int, key_size: int, value_size: int, chunk: int, failure: str
+) -> Iterator[tuple[ctypes.Array[ctypes.c_char], int]]:
+    """A hash map's entries, a batch at a time as the kernel copies them: the buffer of the
+    batch's keys (reused by the next batch) and how many it holds."""
     lib = library()
     keys_buf = ctypes.create_string_buffer(key_size * chunk)
     values_buf = ctypes.create_string_buffer(value_size * chunk)
     token_in = ctypes.create_string_buffer(8)
     token_out = ctypes.create_string_buffer(8)
     opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
-    total = 0
     first = True
     while True:
         n = ctypes.c_uint32(chunk)
@@ -445,10 +430,10 @@ def count(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> int:
             ctypes.byref(opts),
         )
         if code < 0 and abs(code) != errno.ENOENT:
-            raise _failure("cannot count the entries of map fd", fd, code)
-        total += n.value
+            raise _failure(failure, fd, code)
+        yield keys_buf, n.value
         if code < 0:  # ENOENT: that was the last batch
-            return total
+            return
         ctypes.memmove(token_in, token_out, 8)
         first = False
 
