@@ -606,3 +606,18 @@ def test_a_slow_plugin_stalls_neither_the_fast_one_nor_the_other_backends(
         kpng.wait(timeout=WAIT_S)
     assert all(json_lag < bound_s and fast_lag < bound_s for json_lag, fast_lag in lags), lags
     assert len(slow_revisions) < len(fast_revisions) - 3, (slow_revisions, fast_revisions)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "shown"),
+    [
+        ("ok", 10, "ok"),
+        ("\x1b[31mred\rover\nline\ttab", 100, "\\x1b[31mred\\x0dover\\x0aline\ttab"),
+        ("x" * 20, 8, "xxxxxxxx [cut]"),
+    ],
+    ids=["plain", "controls-escaped", "cut"],
+)
+def test_a_peers_text_is_logged_escaped_and_bounded(text: str, limit: int, shown: str) -> None:
+    from kpng.logs import printable
+
+    assert printable(text, limit) == shown

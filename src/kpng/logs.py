@@ -77,3 +77,15 @@ def configure_logging(level: str, style: str = "text") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
     # watchfiles reports every batch of file events at INFO; kpng says what it reloads itself.
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09}
+"""Control characters but the tab, as ``\\xNN``."""
+
+
+def printable(text: str, limit: int = 1024) -> str:
+    """Text a peer wrote (a plugin, a program's stderr, an API server's message), fit for the
+    log: its control characters escaped, so that it cannot drive the operator's terminal or
+    forge a line, and cut to ``limit`` characters."""
+    cut = text[:limit].translate(_ESCAPED)
+    return cut + " [cut]" if len(text) > limit else cut

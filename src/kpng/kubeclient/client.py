@@ -17,6 +17,7 @@ import msgspec
 
 from kpng.http1 import HttpClient, HttpError, Response
 from kpng.kubeclient.config import Connection
+from kpng.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class ApiStatusError(Exception):
 def _status_error(status: int, body: bytes) -> ApiStatusError:
     try:
         decoded = _status_decoder.decode(body)
-        return ApiStatusError(status, decoded.reason, decoded.message)
+        return ApiStatusError(status, printable(decoded.reason, 200), printable(decoded.message))
     except msgspec.DecodeError:
-        return ApiStatusError(status, "", body[:200].decode(errors="replace").strip())
+        return ApiStatusError(status, "", printable(body[:200].decode(errors="replace").strip()))
 
 
 class WatchLineSplitter:

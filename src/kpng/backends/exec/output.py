@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kpng.logs import printable
+
 
 class BoundedLineSplitter:
     """Cuts a byte stream into lines; a line longer than ``max_bytes`` is cut there, the rest of
@@ -39,12 +41,9 @@ class BoundedLineSplitter:
     @staticmethod
     def _decode(data: bytes | bytearray) -> str:
         # Escaped: a program's control characters (a terminal's escape sequences, a CR that
-        # rewrites the line) must not reach the operator's terminal or forge log lines.
-        return bytes(data).decode(errors="replace").rstrip("\r").translate(_ESCAPED)
-
-
-_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09}
-"""Control characters but the tab, as ``\\xNN``."""
+        # rewrites the line) must not reach the operator's terminal or forge log lines. The
+        # line is already cut to its bound (in bytes, so never shorter in characters).
+        return printable(bytes(data).decode(errors="replace").rstrip("\r"), limit=len(data))
 
 
 class LineLimiter:

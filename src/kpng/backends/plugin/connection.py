@@ -23,6 +23,7 @@ from kpng.api import pluginv1_pb2
 from kpng.backends.plugin.changes import ChangeSets
 from kpng.backends.plugin.config import PluginSpec
 from kpng.client import KpngError, NodeState, ServiceEndpoints, ServiceKey
+from kpng.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,8 @@ class PluginBackend:
         log.info(
             "plugin %s: connected to %s %s at %s; it wants %s in %s",
             spec.name,
-            described.Name or "(no name)",
-            described.Version or "(no version)",
+            printable(described.Name, 128) or "(no name)",
+            printable(described.Version, 128) or "(no version)",
             spec.url,
             WANTS[described.Wants],
             ENCODINGS[described.Encoding],
@@ -180,7 +181,8 @@ class PluginBackend:
             answer = await method(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             await self._drop(session)
-            why = explain(exc.code(), exc.details() or "", call=name, timeout=self.timeout)
+            details = printable(exc.details() or "")
+            why = explain(exc.code(), details, call=name, timeout=self.timeout)
             raise PluginError(why) from exc
         if isinstance(answer, _Undecodable):
             await self._drop(session)
@@ -219,7 +221,9 @@ class PluginBackend:
         except PluginError as exc:
             return f"Health failed: {exc}"
         if not health.Ok and session.unhealthy != health.Message:
-            log.warning("plugin %s reports it is unhealthy: %s", self.spec.name, health.Message)
+            log.warning(
+                "plugin %s reports it is unhealthy: %s", self.spec.name, printable(health.Message)
+            )
             session.unhealthy = health.Message
         elif health.Ok and session.unhealthy is not None:
             log.info("plugin %s reports it is healthy again", self.spec.name)
