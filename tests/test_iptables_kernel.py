@@ -9,6 +9,7 @@ import asyncio
 import re
 import shutil
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -51,9 +52,11 @@ def _chains(netns: str, variant: str) -> set[str]:
     return set(re.findall(r"^:(\S+)", _save(netns, variant), re.MULTILINE))
 
 
-def _backend(netns: str, variant: str) -> IptablesBackend:
+def _backend(netns: str, variant: str, **kwargs: Any) -> IptablesBackend:
+    """to-iptables in ``netns``, with ``kwargs`` for its constructor (the families, periods...)."""
     iptables = Iptables(Tools(variant), prefix=("ip", "netns", "exec", netns))
-    return IptablesBackend(iptables=iptables, options=Options(cluster_cidrs=("10.244.0.0/16",)))
+    options = Options(cluster_cidrs=("10.244.0.0/16",))
+    return IptablesBackend(iptables=iptables, options=options, **kwargs)
 
 
 def _web(*addresses: str) -> ServiceEndpoints:
@@ -140,13 +143,7 @@ def test_rules_another_program_flushes_are_rewritten_within_a_sync_period(
     chains; the next check finds a jump gone and rewrites every rule from the last state."""
 
     async def scenario() -> None:
-        iptables = Iptables(Tools(variant), prefix=("ip", "netns", "exec", netns))
-        backend = IptablesBackend(
-            iptables=iptables,
-            options=Options(cluster_cidrs=("10.244.0.0/16",)),
-            families=("v4",),
-            sync_period=0.2,
-        )
+        backend = _backend(netns, variant, families=("v4",), sync_period=0.2)
         try:
             await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
             written = _strip_counters(_save(netns, variant))
@@ -177,14 +174,7 @@ def test_a_chain_of_kpngs_flushed_or_given_a_foreign_rule_is_rewritten_within_a_
 
     async def scenario() -> None:
         syncs = SyncStats()
-        iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", netns))
-        backend = IptablesBackend(
-            iptables=iptables,
-            options=Options(cluster_cidrs=("10.244.0.0/16",)),
-            families=("v4",),
-            sync_period=0.1,
-            syncs=syncs,
-        )
+        backend = _backend(netns, "nft", families=("v4",), sync_period=0.1, syncs=syncs)
         try:
             await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
             written = _strip_counters(_save(netns, "nft"))
@@ -210,13 +200,8 @@ def test_an_edit_no_check_sees_lasts_until_the_periodic_full_sync(
     hourly full resync (here made short) repairs it."""
 
     async def scenario() -> bool:
-        iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", netns))
-        backend = IptablesBackend(
-            iptables=iptables,
-            options=Options(cluster_cidrs=("10.244.0.0/16",)),
-            families=("v4",),
-            sync_period=0.1,
-            full_sync_period=full_sync_period,
+        backend = _backend(
+            netns, "nft", families=("v4",), sync_period=0.1, full_sync_period=full_sync_period
         )
         try:
             await backend.apply(states.state(1, {"web": _web("10.244.1.2")}))
