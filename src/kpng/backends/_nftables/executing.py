@@ -31,6 +31,7 @@ from kpng.backends._nftables.netlink import (
     TABLE_FLAGS_ATTR,
     Canonical,
     TableShape,
+    attributes,
     canonical,
     dump_elements,
     dump_objects,
@@ -523,16 +524,11 @@ def _acknowledged(sock: socket.socket, acks: int) -> None:
 
 def _table_flags(reply: bytes) -> int | None:
     """A table's flags from the kernel's answer to ``get_table`` (None: no such table)."""
-    length, kind = struct.unpack_from("=IH", reply, 0)
+    (kind,) = struct.unpack_from("=H", reply, 4)
     if kind == NLMSG_ERROR:
         (error,) = struct.unpack_from("=i", reply, 16)
         if error == -errno.ENOENT:
             return None
         raise NftError(f"netlink: {os.strerror(-error)}")
-    offset = 20  # the message's header and nfgenmsg, then its attributes
-    while offset + 4 <= length:
-        size, attr = struct.unpack_from("=HH", reply, offset)
-        if attr & 0x7FFF == TABLE_FLAGS_ATTR:
-            return int(struct.unpack_from(">I", reply, offset + 4)[0])
-        offset += (size + 3) & ~3
-    return 0
+    flags = attributes(reply).get(TABLE_FLAGS_ATTR)
+    return 0 if flags is None else int(struct.unpack_from(">I", flags)[0])

@@ -525,15 +525,7 @@ def attributes(message: bytes) -> dict[int, bytes]:
     """The top-level attributes of one nf_tables message (header and nfgenmsg skipped), by
     type without its flags."""
     (length,) = struct.unpack_from("=I", message, 0)
-    found: dict[int, bytes] = {}
-    offset = 20
-    while offset + 4 <= length:
-        size, kind = struct.unpack_from("=HH", message, offset)
-        if size < 4:
-            break
-        found[kind & 0x7FFF] = message[offset + 4 : offset + size]
-        offset += (size + 3) & ~3
-    return found
+    return dict(_nested_attributes(message[20:length]))
 
 
 def messages(reply: bytes) -> Iterator[tuple[int, bytes]]:
