@@ -31,7 +31,7 @@ of up to this."""
 IDLE_KEEP_S = 15.0
 """How long a connection waits unused for its next request before it is closed."""
 
-_PORTS = {"http": 80, "https": 443}
+DEFAULT_PORTS = {"http": 80, "https": 443}
 """Each scheme's port when a URL names none."""
 
 
@@ -44,7 +44,7 @@ class _Origin:
 
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == _PORTS[self.scheme] else f"{host}:{self.port}"
+        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
 
 
 @dataclass(eq=False)
@@ -227,7 +227,7 @@ class HttpClient:
         origin = _Origin(
             parts.scheme,
             parts.hostname,
-            parts.port or _PORTS[parts.scheme],
+            parts.port or DEFAULT_PORTS[parts.scheme],
             server_hostname,
         )
         target = parts.path or "/"
@@ -378,7 +378,7 @@ class _Proxy:
             user_password = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             credentials = base64.b64encode(user_password.encode()).decode()
         tls = parts.scheme == "https"
-        return cls(parts.hostname, parts.port or _PORTS[parts.scheme], tls, credentials)
+        return cls(parts.hostname, parts.port or DEFAULT_PORTS[parts.scheme], tls, credentials)
 
     def authorization(self) -> dict[str, str]:
         if self.credentials is None:

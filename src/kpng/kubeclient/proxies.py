@@ -17,14 +17,14 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 
-_DEFAULT_PORTS = {"http": "80", "https": "443"}
+from kpng.http1.client import DEFAULT_PORTS
 
 
 def proxy_from_environment(server: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
     """The proxy for ``server`` (``scheme://host[:port]``) and the variable that named it, or
     None."""
     scheme, _, rest = server.partition("://")
-    host, port = _host_port(rest.split("/", 1)[0], _DEFAULT_PORTS.get(scheme, ""))
+    host, port = _host_port(rest.split("/", 1)[0], str(DEFAULT_PORTS.get(scheme, "")))
     if host == "localhost" or _loopback(host):
         return None
     names = ("HTTPS_PROXY", "https_proxy") if scheme == "https" else ("HTTP_PROXY", "http_proxy")
