@@ -117,6 +117,8 @@ class Cluster:
         tmp.rename(self.manifests / f"{name}.json")
 
     def remove(self, name: str) -> None:
+        """Remove the manifest ``name``. Its Services stay for the file source's removal delay
+        (5 s), into the next test: each test has node ports of its own."""
         (self.manifests / f"{name}.json").unlink(missing_ok=True)
 
     def ns(self, who: str) -> str:
@@ -344,7 +346,7 @@ def test_nodeport_addresses_serve_only_local_addresses_inside_them(cluster: Clus
         service(
             "npa",
             ip,
-            [port("http", 80, nodePort=30087)],
+            [port("http", 80, nodePort=30090)],
             type="NodePort",
             clusterIPs=[ip, "fd00:96::30"],
             ipFamilies=["IPv4", "IPv6"],
@@ -357,21 +359,21 @@ def test_nodeport_addresses_serve_only_local_addresses_inside_them(cluster: Clus
     outside = "192.0.2.3"  # a node-3 address outside the CIDRs below
     cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{outside}/32", "dev", "eth0"])
     try:
-        cluster.eventually("node-3", "tcp", outside, 30087, answered)  # default: every address
+        cluster.eventually("node-3", "tcp", outside, 30090, answered)  # default: every address
         cluster.start_backend("node-3", "--nodeport-addresses", "10.0.0.0/8,127.0.0.0/8")
         # Refused once the restarted backend's rules are in: nothing listens there.
-        cluster.eventually("node-3", "tcp", outside, 30087, lambda r: r == ["refused"])
-        assert names(cluster.eventually("external", "tcp", node3.ip4, 30087, answered)) == {"a1"}
+        cluster.eventually("node-3", "tcp", outside, 30090, lambda r: r == ["refused"])
+        assert names(cluster.eventually("external", "tcp", node3.ip4, 30090, answered)) == {"a1"}
         # IPv6 was given no CIDR: every local address of it.
-        assert names(cluster.eventually("external", "tcp", node3.ip6, 30087, answered)) == {"a1"}
+        assert names(cluster.eventually("external", "tcp", node3.ip6, 30090, answered)) == {"a1"}
         # c1 reaches pod b1 on that port number through node-3, not the service, though
         # 10.0.0.0/8 holds b1's address (b1 does not listen there).
-        assert cluster.probe("c1", "tcp", cluster.bed.pods["b1"].ip4, 30087) == ["refused"]
+        assert cluster.probe("c1", "tcp", cluster.bed.pods["b1"].ip4, 30090) == ["refused"]
         # No localhost node ports, though 127.0.0.0/8 is given.
-        assert cluster.probe("node-3", "tcp", "127.0.0.1", 30087) == ["refused"]
+        assert cluster.probe("node-3", "tcp", "127.0.0.1", 30090) == ["refused"]
     finally:
         cluster.start_backend("node-3")
-        cluster.eventually("node-3", "tcp", outside, 30087, answered)
+        cluster.eventually("node-3", "tcp", outside, 30090, answered)
         cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
         cluster.remove("nodeport-addresses")
 
@@ -382,17 +384,17 @@ def test_nodeport_addresses_primary_serves_only_the_nodes_primary_ips(cluster: C
     ip = cluster.cluster_ip()
     cluster.write(
         "nodeport-primary",
-        service("npp", ip, [port("http", 80, nodePort=30088)], type="NodePort"),
+        service("npp", ip, [port("http", 80, nodePort=30091)], type="NodePort"),
         endpoint_slice(cluster, "npp", ["a1"]),
     )
     node3 = cluster.bed.nodes["node-3"]
     outside = "192.0.2.4"
     cluster.bed.exec(node3.netns, ["ip", "addr", "add", f"{outside}/32", "dev", "eth0"])
     try:
-        cluster.eventually("node-3", "tcp", outside, 30088, answered)
+        cluster.eventually("node-3", "tcp", outside, 30091, answered)
         cluster.start_backend("node-3", "--nodeport-addresses", "primary")
-        cluster.eventually("node-3", "tcp", outside, 30088, lambda r: r == ["refused"])
-        assert names(cluster.eventually("external", "tcp", node3.ip4, 30088, answered)) == {"a1"}
+        cluster.eventually("node-3", "tcp", outside, 30091, lambda r: r == ["refused"])
+        assert names(cluster.eventually("external", "tcp", node3.ip4, 30091, answered)) == {"a1"}
     finally:
         cluster.start_backend("node-3")
         cluster.bed.exec(node3.netns, ["ip", "addr", "del", f"{outside}/32", "dev", "eth0"])
@@ -558,7 +560,7 @@ def test_load_balancer_source_ranges_of_one_family_leave_the_other_open(
     svc = service(
         "lb-ds",
         ip,
-        [port("http", 80, nodePort=30088)],
+        [port("http", 80, nodePort=30092)],
         type="LoadBalancer",
         clusterIPs=[ip, "fd00:96::31"],
         ipFamilies=["IPv4", "IPv6"],
