@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +23,7 @@ from kpng.harness import kubeapi as k
 from kpng.harness.cluster import ControlPlane, free_port
 from kpng.harness.kubeapi import KubeApi
 from kpng.status import Status
-from kpng.status.health import Verdict, judge
+from kpng.status.health import Busy, Verdict, judge
 from kpng.status.metrics import scrape
 from kpng.testing import states
 from kpng.testing.recording import KpngUnderTest
@@ -140,12 +141,54 @@ def test_a_blocked_source_says_why_after_not_synced() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("seconds", "live", "shown"), [(4.0, True, True), (10.5, False, True), (0.0, True, False)]
+)
+def test_a_busy_loop_shows_and_past_the_timeout_is_not_live(
+    seconds: float, live: bool, shown: bool
+) -> None:
+    busy = Busy(seconds, "contribute (backends/_nftables/layout.py:358)") if seconds else None
+    verdict = _judge({"to-nft": _stats(None)}, busy=busy)
+    assert (verdict.live, verdict.healthy) == (live, live)
+    assert ("busy" in verdict.body) == shown
+    if not live:
+        assert verdict.body["reasons"] == [
+            "kpng's loop has not run for 10.5 s (timeout 10 s), busy in contribute "
+            "(backends/_nftables/layout.py:358)"
+        ]
+
+
+def test_the_verdict_read_on_another_thread_names_where_the_loop_is_stuck() -> None:
+    status = Status(timeout=60.0)
+    started, release = threading.Event(), threading.Event()
+
+    def stuck_loop() -> None:
+        status.watch_loop(threading.get_ident())
+        started.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=stuck_loop)
+    thread.start()
+    try:
+        assert started.wait(5)
+        assert "busy" not in status.verdict().body
+        assert status.loop_beat is not None
+        status.loop_beat -= 61.0  # the beat a loop stuck for 61 s left
+        verdict = status.verdict()
+        assert not verdict.live
+        assert verdict.body["busy"]["in"].startswith("stuck_loop (")
+    finally:
+        release.set()
+        thread.join()
+
+
 def _judge(
     backends: dict[str, FeederStats],
     *,
     synced: bool = True,
     eligible: bool = True,
     blocked: tuple[str, ...] | list[str] = (),
+    busy: Busy | None = None,
 ) -> Verdict:
     return judge(
         backends=backends,
@@ -155,6 +198,7 @@ def _judge(
         timeout=10.0,
         monotonic=T0,
         wall=WALL,
+        busy=busy,
     )
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -19,7 +23,7 @@ from kpng.client import NodeState
 from kpng.feeding import Fanout, Feeder, FeederStats, Histogram, SyncStats
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ChangeTriggers
-from kpng.status.health import Verdict, judge
+from kpng.status.health import BUSY_SHOWN_S, Busy, Verdict, judge
 from kpng.store import Published, Store
 
 FAMILIES = ("IPv4", "IPv6")
@@ -137,6 +141,9 @@ class Status:
     by the CLI when this kpng holds the global state (not behind a remote brain)."""
     started: float = field(default_factory=time.time)
     """Wall time kpng started: older trigger times are not this kpng's to time (as kube-proxy)."""
+    loop_beat: float | None = None
+    """When the pipeline's event loop last ran (monotonic), as the HTTP server's beat says."""
+    _loop_thread: int | None = None
     _ledger: collections.deque[Published] = field(default_factory=collections.deque)
     """The store's revisions not yet applied by every backend, oldest first."""
     _triggered: collections.deque[tuple[int, ChangeTriggers]] = field(
@@ -249,15 +256,27 @@ class Status:
     def verdict(self, backends: Mapping[str, FeederStats] | None = None) -> Verdict:
         """The verdict now; ``backends``, when the caller has just read them, spares a second
         walk over the feeders."""
+        now = time.monotonic()
         return judge(
             backends=self.backends if backends is None else backends,
             sources_synced=self.sources_synced,
             node_eligible=self.node_eligible,
             timeout=self.timeout,
-            monotonic=time.monotonic(),
+            monotonic=now,
             wall=time.time(),
             blocked=self.blocked,
+            busy=self._busy(now),
         )
+
+    def watch_loop(self, thread: int) -> None:
+        """The pipeline's loop runs on ``thread`` and beats (``loop_beat``) from now on: the
+        verdict, read on another thread, tells how long it has not run, and where it is."""
+        self._loop_thread, self.loop_beat = thread, time.monotonic()
+
+    def _busy(self, now: float) -> Busy | None:
+        if self.loop_beat is None or now - self.loop_beat < BUSY_SHOWN_S:
+            return None
+        return Busy(now - self.loop_beat, _where(self._loop_thread))
 
     @property
     def blocked(self) -> list[str]:
@@ -291,3 +310,22 @@ __all__ = [
     "Status",
     "Verdict",
 ]
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
+"""kpng's own directory."""
+
+
+def _where(thread: int | None) -> str:
+    """The innermost of kpng's own frames ``thread`` is running (else the innermost outside
+    Python's standard library): what keeps a loop busy."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    if frame is None:
+        return "unknown"
+    stack = traceback.extract_stack(frame)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for entry in reversed(stack):
+        if entry.filename.startswith(_PACKAGE):
+            return f"{entry.name} ({entry.filename.removeprefix(_PACKAGE)}:{entry.lineno})"
+    outside = [e for e in stack if not e.filename.startswith(stdlib)] or stack
+    return f"{outside[-1].name} ({outside[-1].filename}:{outside[-1].lineno})"

@@ -25,6 +25,18 @@ from typing import Any
 
 from kpng.feeding import FeederStats
 
+BUSY_SHOWN_S = 3.0
+"""A pipeline loop busy this long shows in the verdict's body (a first sync at 100k services
+takes some 20 s; past the timeout, kpng is not live)."""
+
+
+@dataclass(frozen=True)
+class Busy:
+    """kpng's pipeline loop has not run for ``seconds``, running ``where``."""
+
+    seconds: float
+    where: str
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -47,9 +59,12 @@ def judge(
     monotonic: float,
     wall: float,
     blocked: Sequence[str] = (),
+    busy: Busy | None = None,
 ) -> Verdict:
     """The verdict at monotonic time ``monotonic`` (wall time ``wall``). ``blocked`` says why
-    sources cannot sync, when they know (a file that never parsed)."""
+    sources cannot sync, when they know (a file that never parsed); ``busy``, that the
+    pipeline's loop has not run for a while. Past the timeout that is a stuck loop, which no
+    backend's figures can show: they are updated on that loop."""
     late = {
         name: monotonic - stats.pending_since
         for name, stats in backends.items()
@@ -61,7 +76,8 @@ def judge(
         if stats.diverged_since is not None and monotonic - stats.diverged_since > timeout
     }
     never_applied = [name for name, stats in backends.items() if stats.last_applied is None]
-    live = not late and not diverged
+    stuck = busy is not None and busy.seconds > timeout
+    live = not late and not diverged and not stuck
     healthy = live and sources_synced and not never_applied and node_eligible
     applied = [s.last_applied for s in backends.values() if s.last_applied is not None]
     body: dict[str, Any] = {
@@ -94,6 +110,8 @@ def judge(
             for name, stats in backends.items()
         },
     }
+    if busy is not None:
+        body["busy"] = {"seconds": round(busy.seconds, 3), "in": busy.where}
     if not healthy:
         body["reasons"] = _reasons(
             sources_synced, blocked, node_eligible, never_applied, late, timeout
@@ -102,6 +120,11 @@ def judge(
             f"(timeout {timeout:g} s): {why}"
             for name, (seconds, why) in diverged.items()
         ]
+        if busy is not None and stuck:
+            body["reasons"].append(
+                f"kpng's loop has not run for {busy.seconds:.1f} s (timeout {timeout:g} s), "
+                f"busy in {busy.where}"
+            )
     return Verdict(live=live, healthy=healthy, body=body)
 
 

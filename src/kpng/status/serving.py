@@ -5,14 +5,24 @@ address, metrics are scraped on an address operators choose.
 The metrics address also answers ``/livez`` and the state view, ``/debug/state``,
 ``/debug/explain`` and ``/debug/rules``: they show every Service and endpoint of the node, which
 is why they are there (loopback by default) and never on the health address, which load
-balancers reach."""
+balancers reach.
+
+The addresses are served by a thread of their own, with its own event loop: the health verdict
+is read there, so that ``/healthz`` answers while the pipeline's loop is busy (a 100k-service
+first sync, one very wide Service) and says so when that loop has not run for longer than the
+timeout, naming where it is. What reads the node's state (``/metrics``, the state view) is
+handed to the pipeline's loop, where that state changes."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -134,11 +144,16 @@ def _debug_handlers(status: Status) -> dict[str, Handler]:
     return {"/debug/state": state, "/debug/explain": explain, "/debug/rules": rules}
 
 
+BEAT_S = 1.0
+"""How often the pipeline's loop says it runs: the resolution of a stall it is found in."""
+
+
 async def serve(
     status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
 ) -> None:
     """Answer until cancelled. A port already taken is an error at start, not a silent gap."""
     routes: dict[HttpAddress, dict[str, Handler]] = {}
+    loop = asyncio.get_running_loop()
     if healthz is not None:
         routes.setdefault(healthz, {}).update(
             {
@@ -147,33 +162,97 @@ async def serve(
             }
         )
     if metrics is not None:
+        on_loop = {
+            "/metrics": _metrics_handler(status),
+            # Where kube-proxy tells its mode; scripts and upstream's e2e tests read it.
+            "/proxyMode": _proxy_mode_handler(status),
+            **_debug_handlers(status),
+        }
         routes.setdefault(metrics, {}).update(
-            {
-                "/metrics": _metrics_handler(status),
-                # Where kube-proxy tells its mode; scripts and upstream's e2e tests read it.
-                "/proxyMode": _proxy_mode_handler(status),
-                **_debug_handlers(status),
-            }
+            {path: _on(loop, handler) for path, handler in on_loop.items()}
         )
         if metrics != healthz:
             routes[metrics]["/healthz"] = _ping
             routes[metrics]["/livez"] = _health_handler(status, live_only=True)
-    listeners: list[Listener] = []
+    bound: list[tuple[socket.socket, dict[str, Handler]]] = []
     try:
         for address, handlers in routes.items():
             try:
-                sock = _bind(address)
+                bound.append((_bind(address), handlers))
             except OSError as exc:
                 raise KpngError(f"cannot serve HTTP on {address}: {exc.strerror}") from exc
-            listeners.append(await serve_http(sock, handlers))
+    except BaseException:
+        for sock, _ in bound:
+            sock.close()
+        raise
+    status.watch_loop(threading.get_ident())
+    server = _ServerThread(bound)
+    try:
+        await asyncio.wrap_future(server.started)
+        for sock, handlers in bound:
             host, port = sock.getsockname()[:2]
             log.info("serving %s on http://%s", ", ".join(handlers), HttpAddress(host, port))
-        await asyncio.Event().wait()
+        while True:
+            status.loop_beat = time.monotonic()
+            await asyncio.sleep(BEAT_S)
     finally:
-        for listener in listeners:
-            listener.close()
-        for listener in listeners:
-            await listener.wait_closed()
+        server.stop()
+
+
+def _on(loop: asyncio.AbstractEventLoop, handler: Handler) -> Handler:
+    """``handler``, run on ``loop`` (the pipeline's) for the server's thread."""
+
+    async def run(request: Request) -> Reply:
+        return await handler(request)
+
+    async def forward(request: Request) -> Reply:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(request), loop))
+
+    return forward
+
+
+class _ServerThread:
+    """The HTTP listeners, served on a thread and event loop of their own."""
+
+    def __init__(self, bound: list[tuple[socket.socket, dict[str, Handler]]]) -> None:
+        self.started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._bound = bound
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kpng-http", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        listeners: list[Listener] = []
+        try:
+            for sock, handlers in self._bound:
+                listeners.append(await serve_http(sock, handlers))
+        except BaseException as exc:
+            self.started.set_exception(exc)
+            for sock, _ in self._bound:
+                sock.close()
+            return
+        self.started.set_result(None)
+        try:
+            await self._stopping.wait()
+        finally:
+            for listener in listeners:
+                listener.close()
+            for listener in listeners:
+                await listener.wait_closed()
+
+    def stop(self) -> None:
+        """Close the listeners and wait, briefly, for the thread to end (it is a daemon: a
+        stop that does not finish cannot keep kpng from exiting)."""
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(stopping.set)
+        self._thread.join(timeout=2.0)
 
 
 def _bind(address: HttpAddress) -> socket.socket:
