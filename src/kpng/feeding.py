@@ -172,11 +172,12 @@ def no_local_endpoints(se: ServiceEndpoints) -> Mapping[tuple[str, str], int]:
             (ips.ExternalIPs and ips.ExternalIPs.family(v6))
             or (ips.LoadBalancerIPs and ips.LoadBalancerIPs.family(v6))
         )
+        by_port = _scopes_by_port(se, v6)
         for port in service.Ports:
             usable = port.UsableEndpoints
             if usable is None or not (usable.V6 if v6 else usable.V4):
                 continue  # no endpoint anywhere: rejected, not dropped
-            scopes = _scopes_served(se, port.Name, port.Protocol, v6)
+            scopes = by_port.get((port.Name, port.Protocol), set())
             if internal and "internal" not in scopes:
                 found[("internal", family)] = found.get(("internal", family), 0) + 1
             if external and (reachable or port.NodePort) and "external" not in scopes:
@@ -184,17 +185,18 @@ def no_local_endpoints(se: ServiceEndpoints) -> Mapping[tuple[str, str], int]:
     return found
 
 
-def _scopes_served(se: ServiceEndpoints, name: str, protocol: str, v6: bool) -> set[str]:
-    served: set[str] = set()
+def _scopes_by_port(se: ServiceEndpoints, v6: bool) -> dict[tuple[str, str], set[str]]:
+    """The scopes of the endpoints serving each port (name, protocol) in one family: one pass
+    over the endpoints for every port, as a Service may have 20,000 ports."""
+    served: dict[tuple[str, str], set[str]] = {}
     for ep in se.endpoints:
         if ep.Scopes is None or ep.IPs is None or not (ep.IPs.V6 if v6 else ep.IPs.V4):
             continue
-        if not any(po.Name == name and po.Protocol == protocol for po in ep.PortOverrides):
-            continue
-        if ep.Scopes.Internal:
-            served.add("internal")
+        scopes = {"internal"} if ep.Scopes.Internal else set()
         if ep.Scopes.External:
-            served.add("external")
+            scopes.add("external")
+        for po in ep.PortOverrides:
+            served.setdefault((po.Name, po.Protocol), set()).update(scopes)
     return served
 
 
