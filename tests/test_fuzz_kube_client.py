@@ -5,7 +5,9 @@ bodies cut short) or no HTTP at all — and watch streams carry generated lines 
 shape, nested deep, or not JSON).
 
 The property: nothing escapes but the client's own errors (``TransportError``,
-``ApiStatusError``) and the reflector's (``WatchFailed``, ``Gone``), within a bounded time.
+``ApiStatusError``) and the reflector's (``WatchFailed``, ``Gone``), within a bounded time; under
+them, kpng.http1's client lets nothing escape but HttpError and OSError, also on a kept-alive
+connection's second request.
 
 Bounded: see tests/fuzzing.py (``KPNG_FUZZ_EXAMPLES`` runs a longer campaign).
 """
@@ -16,13 +18,14 @@ import asyncio
 import contextlib
 import gzip
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar, cast
 
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kpng.http1 import HttpClient, HttpError
 from kpng.kubeclient.client import ApiClient, ApiStatusError, TransportError
 from kpng.kubeclient.config import Connection
 from kpng.model import k8s
@@ -36,13 +39,36 @@ CLIENT_ERRORS = (TransportError, ApiStatusError)
 _BODY = b'{"kind":"ServiceList","metadata":{"resourceVersion":"1"},"items":[]}'
 
 
+_odd_fields = st.sampled_from(
+    [
+        b"X: a\rb",  # a bare CR inside a value
+        b"X: a\x00b",
+        b"X: a\r\n b",  # obs-fold
+        b" X: a",
+        b"X : a",
+        b"X: \x7f\xff",
+        b":",
+        b"X: a\nY: b",  # a bare LF: a second field, to h11
+    ]
+)
+"""Header fields a hand parser takes and h11 (mostly) refuses."""
+
+
 @st.composite
 def _responses(draw: st.DrawFn) -> bytes:
     """A response an API server might send, mutated; or bytes that are none."""
     if draw(st.integers(0, 9)) == 0:
         return draw(st.binary(max_size=300))
-    status = draw(st.sampled_from([b"200 OK", b"404 Not Found", b"500 Oops", b"999 X", b"2OO OK"]))
-    version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/1.9", b"HTTQ/1.1"]))
+    status = draw(
+        st.sampled_from(
+            [b"200 OK", b"404 Not Found", b"500 Oops", b"999 X", b"2OO OK", b"200", b"204 No"]
+        )
+    )
+    version = draw(
+        st.sampled_from(
+            [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/1.9", b"HTTP/2.0", b"HTTQ/1.1", b"http/1.1"]
+        )
+    )
     body = draw(
         st.one_of(
             st.just(_BODY),
@@ -56,7 +82,9 @@ def _responses(draw: st.DrawFn) -> bytes:
     if gzipped:
         body = gzip.compress(body) if draw(st.booleans()) else body  # gzip that may not be
         headers.append(b"Content-Encoding: gzip")
-    framing = draw(st.sampled_from(["length", "lying-length", "odd-length", "chunked", "close"]))
+    framing = draw(
+        st.sampled_from(["length", "lying-length", "odd-length", "chunked", "close", "two-lengths"])
+    )
     if framing == "length":
         headers.append(b"Content-Length: %d" % len(body))
     elif framing == "lying-length":
@@ -66,12 +94,28 @@ def _responses(draw: st.DrawFn) -> bytes:
             b"Content-Length: " + draw(st.sampled_from([b"\xc2\xb2", b"-1", b"1e3", b"", b"0x10"]))
         )
     elif framing == "chunked":
-        headers.append(b"Transfer-Encoding: chunked")
-        size = draw(st.sampled_from([b"%x" % len(body), b"zz", b"-5", b"%x" % (len(body) + 9)]))
-        body = size + b"\r\n" + body + b"\r\n" + draw(st.sampled_from([b"0\r\n\r\n", b"", b"1"]))
-    extra = draw(st.lists(st.binary(max_size=30), max_size=3))
+        coding = draw(st.sampled_from([b"chunked", b"Chunked", b"gzip, chunked", b"chunked, gzip"]))
+        headers.append(b"Transfer-Encoding: " + coding)
+        size = draw(
+            st.sampled_from(
+                [
+                    *(b"%x" % len(body), b"%x;ext=1" % len(body), b"%X" % len(body), b"zz", b"-5"),
+                    *(b"0x%x" % len(body), b"%x" % (len(body) + 9), b"%x %x" % (len(body), 1)),
+                ]
+            )
+        )
+        end = draw(
+            st.sampled_from([b"0\r\n\r\n", b"0\r\nX: y\r\n\r\n", b"0\r\nX\r\n\r\n", b"", b"1"])
+        )
+        body = size + b"\r\n" + body + b"\r\n" + end
+    elif framing == "two-lengths":
+        headers += [b"Content-Length: %d" % len(body), b"Content-Length: %d" % (len(body) + 1)]
+    if draw(st.booleans()):
+        headers.append(draw(st.sampled_from([b"Connection: close", b"Connection: keep-alive"])))
+    extra = draw(st.lists(st.one_of(st.binary(max_size=30), _odd_fields), max_size=3))
     head = b"\r\n".join([version + b" " + status, *headers, *extra])
-    return head + b"\r\n\r\n" + body
+    interim = draw(st.sampled_from([b"", b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 X\r\n"]))
+    return interim + head + b"\r\n\r\n" + body
 
 
 def _run(coro: Awaitable[T]) -> T:
@@ -81,25 +125,36 @@ def _run(coro: Awaitable[T]) -> T:
     return asyncio.run(bounded())
 
 
-async def _answering(response: bytes, work: Any) -> Any:
+@contextlib.asynccontextmanager
+async def _server(response: bytes, *, keep: bool = False) -> AsyncIterator[str]:
+    """A server that answers each request with ``response``; with ``keep``, it reads the next
+    request on the same connection instead of closing it."""
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(response)
-            await writer.drain()
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(response)
+                await writer.drain()
+                if not keep:
+                    break
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     try:
-        connection: Connection = _connection(f"http://127.0.0.1:{port}")
-        async with ApiClient(connection) as client:
-            return await work(client)
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+async def _answering(response: bytes, work: Any) -> Any:
+    async with _server(response) as url:
+        connection: Connection = _connection(url)
+        async with ApiClient(connection) as client:
+            return await work(client)
 
 
 @fuzz_settings(150, deadline_ms=5000)
@@ -124,6 +179,36 @@ def test_a_watch_answer_of_any_shape_streams_lines_or_is_a_client_error(response
             pass
 
     _run(_answering(response, watch))
+
+
+@fuzz_settings(150, deadline_ms=5000)
+@given(response=_responses(), stream=st.booleans())
+def test_an_answer_of_any_shape_on_a_kept_connection_is_a_body_or_an_http_error(
+    response: bytes, stream: bool
+) -> None:
+    """Under the API client's error mapping: kpng.http1's client raises nothing but HttpError
+    and OSError, and a connection kept after a mutated answer serves the next request or fails
+    it the same way. The server keeps its connection open, so an answer that promises more than
+    it sends waits: each request is bounded (TimeoutError is an OSError)."""
+
+    async def twice() -> None:
+        async with _server(response, keep=True) as url:
+            client = HttpClient(ssl_context=None)
+            try:
+                for _ in range(2):
+                    try:
+                        async with asyncio.timeout(0.5), client.request("GET", url + "/") as answer:
+                            if stream:
+                                async for _chunk in answer.chunks():
+                                    pass
+                            else:
+                                await answer.read(limit=1 << 20)
+                    except (HttpError, OSError):
+                        pass
+            finally:
+                await client.close()
+
+    _run(twice())
 
 
 _lines = st.one_of(

@@ -18,6 +18,7 @@ import pytest
 from kpng.harness.cluster import Pki, make_pki
 from kpng.http1 import HttpClient, HttpError, Reply, Request, serve
 from kpng.http1 import server as http_server
+from kpng.http1.client import HEAD_LIMIT
 from tests.proxying import ConnectProxy
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -183,12 +184,12 @@ def test_a_kept_alive_connection_the_server_dropped_is_retried_only_for_a_get(
 @pytest.mark.parametrize(
     ("answer", "error"),
     [
-        (b"SPDY/3 200 OK\r\n\r\n", "not an HTTP/1 status line"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", "6 bytes before the body's end"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
-        (b"HTTP/1.1 200 OK\r\nBad Header\r\n\r\n", "malformed header field"),
+        (b"SPDY/3 200 OK\r\n\r\n", "illegal status line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", r"received 4 bytes, expected 10"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "illegal chunk header"),
+        (b"HTTP/1.1 200 OK\r\nBad Header\r\n\r\n", "illegal header line"),
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\n\r\n", "unasked encoding"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\nbody", "malformed Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\nbody", "bad Content-Length"),
         (
             b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nnope",
             "corrupt gzip body",
@@ -216,6 +217,156 @@ def test_a_broken_answer_is_an_http_error(answer: bytes, error: str) -> None:
 
     with pytest.raises(HttpError, match=error):
         asyncio.run(scenario())
+
+
+_LENGTH_2 = b"Content-Length: 2\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/1.9 200 OK\r\n" + _LENGTH_2 + b"\r\nok", r"in HTTP/1\.9, not HTTP/1\.1"),
+        (b"HTTP/2.0 200 OK\r\n" + _LENGTH_2 + b"\r\nok", r"in HTTP/2\.0, not HTTP/1\.1"),
+        (b"HTTP/1.1 200 OK\r\nX: a\rb\r\n" + _LENGTH_2 + b"\r\nok", "illegal header line"),
+        (b"HTTP/1.1 200 OK\r\nX: a\x00b\r\n" + _LENGTH_2 + b"\r\nok", "illegal header line"),
+        (b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n" + _LENGTH_2 + b"\r\nok", r"folded.*obs-fold"),
+        (b"HTTP/1.1 200 OK\r\n\tX: a\r\n" + _LENGTH_2 + b"\r\nok", r"folded.*obs-fold"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok", "conflicting"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2\r\n\r\nok", "bad Content-Length"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            "Only Transfer-Encoding: chunked",
+        ),
+    ],
+    ids=[
+        "http-1.9",
+        "http-2.0",
+        "cr-in-value",
+        "nul-in-value",
+        "obs-fold",
+        "fold-at-start",
+        "two-lengths",
+        "unicode-digit-length",
+        "unknown-coding",
+    ],
+)
+def test_a_malformed_head_is_refused_at_once_on_a_connection_left_open(
+    answer: bytes, error: str
+) -> None:
+    """What the hand parser took (issue 40) is an HttpError as soon as the head is read: the
+    server keeps the connection open, so a client waiting for more would hang."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.head(reader)
+        writer.write(answer)
+        await writer.drain()
+        await reader.read()
+
+    server = Scripted(script)
+
+    async def scenario() -> None:
+        async with server.running() as url:
+            client = HttpClient(ssl_context=None)
+            try:
+                async with asyncio.timeout(10), client.request("GET", url + "/") as response:
+                    await response.read()
+            finally:
+                await client.close()
+
+    with pytest.raises(HttpError, match=error):
+        asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("chunks", "error"),
+    [
+        (b"-5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),
+        (b"0x5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),
+        (b"5 5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),
+        (b"3\r\nhello\r\n0\r\n\r\n", "malformed chunk footer"),
+        (b"%x\r\n" % (HEAD_LIMIT + 1) + b"x" * 10, "incomplete chunked read"),
+        (b"1" * (HEAD_LIMIT + 10), "Receive buffer too long"),
+    ],
+    ids=["negative", "hex-prefix", "two-numbers", "longer-than-its-size", "cut-short", "endless"],
+)
+def test_a_bad_chunk_size_is_an_http_error_on_a_connection_left_open(
+    chunks: bytes, error: str
+) -> None:
+    """The chunk's size line is bounded (HEAD_LIMIT) as the head is; a chunk larger than the
+    connection brings ends with the connection."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks)
+        await writer.drain()
+        if b"x" * 10 in chunks:
+            writer.close()  # the huge chunk: its size is legal, its bytes never come
+        await reader.read()
+
+    server = Scripted(script)
+
+    async def scenario() -> None:
+        async with server.running() as url:
+            client = HttpClient(ssl_context=None)
+            try:
+                async with asyncio.timeout(10), client.request("GET", url + "/") as response:
+                    await response.read()
+            finally:
+                await client.close()
+
+    with pytest.raises(HttpError, match=error):
+        asyncio.run(scenario())
+
+
+def test_bytes_past_the_end_of_an_answer_are_not_taken_for_the_next_one() -> None:
+    """A server that sends more than its answer has lost track of its framing: the next
+    request goes over a new connection, not after bytes that would pass for its answer."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await server.head(reader)
+            writer.write(_ok(b"one") + _ok(b"smuggled"))
+
+    server = Scripted(script)
+
+    async def scenario() -> list[bytes]:
+        async with server.running() as url:
+            client = HttpClient(ssl_context=None)
+            bodies = []
+            for _ in range(2):
+                async with client.request("GET", url + "/") as response:
+                    bodies.append(await response.read())
+                await asyncio.sleep(0.05)  # the extra bytes arrive with or after the answer
+            await client.close()
+            return bodies
+
+    assert asyncio.run(scenario()) == [b"one", b"one"]
+
+
+def test_interim_answers_and_an_http_1_0_answer_are_read() -> None:
+    """1xx answers before the final one are skipped; an HTTP/1.0 body ends with the connection,
+    which is then not reused."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nX-Twice: a\r\nX-Twice: b\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+
+    server = Scripted(script)
+
+    async def scenario() -> tuple[dict[str, str], bytes, bool]:
+        async with server.running() as url:
+            client = HttpClient(ssl_context=None)
+            async with client.request("GET", url + "/") as response:
+                body = await response.read()
+                reusable = response.reusable
+            await client.close()
+            return response.headers, body, reusable
+
+    headers, body, reusable = asyncio.run(scenario())
+    assert (headers["x-twice"], body, reusable) == ("a, b", b"all of it", False)
 
 
 def test_a_header_value_with_a_line_break_is_refused() -> None:
@@ -337,6 +488,48 @@ def test_a_proxy_that_refuses_the_tunnel_is_an_http_error(pki: Pki) -> None:
 
     with pytest.raises(HttpError, match=r"refused the tunnel: 'HTTP/1\.1 407"):
         asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/1.9 200 OK\r\n\r\n", r"in HTTP/1\.9, not HTTP/1\.1"),
+        (b"HTTP/1.1 200 OK\r\nX: a\x00\r\n\r\n", "illegal header line"),
+        (b"HTTP/1.1 200 OK\n\n\x16\x03\x01\r\n\r\n", "bytes ahead of the tunnel"),
+        (b"", "closed the connection before answering"),
+    ],
+    ids=["http-1.9", "nul-in-value", "bytes-ahead", "no-answer"],
+)
+def test_a_malformed_answer_to_connect_is_an_http_error(
+    pki: Pki, answer: bytes, error: str
+) -> None:
+    """A tunnel is only taken after a well-formed 2xx with nothing after it that h11 has read:
+    such bytes would be lost to the TLS handshake, which reads from the socket. (Bytes after a
+    CRLF head stay in the stream's buffer, unseen, and the handshake waits for the connect
+    timeout, as it did before h11.)"""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await proxy.head(reader)
+        writer.write(answer)
+        await writer.drain()
+        if answer:
+            await reader.read()
+
+    proxy = Scripted(script)
+    _, trusting = _contexts(pki)
+
+    async def scenario() -> None:
+        async with proxy.running() as proxy_url:
+            client = HttpClient(ssl_context=trusting, proxy=proxy_url)
+            try:
+                async with asyncio.timeout(10), client.request("GET", "https://127.0.0.1:1/"):
+                    pass
+            finally:
+                await client.close()
+
+    with pytest.raises(HttpError, match=error):
+        asyncio.run(scenario())
+    assert proxy.heads[0].startswith(b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: 127.0.0.1:1\r\n")
 
 
 def test_only_http_proxies_are_taken() -> None:

@@ -528,7 +528,7 @@ def test_a_watch_event_that_does_not_decode_fails_the_watch_and_lists_again() ->
 @pytest.mark.parametrize(
     ("head", "body", "error"),
     [
-        (b"Content-Length: \xc2\xb2\r\n", b"", "a malformed Content-Length"),
+        (b"Content-Length: \xc2\xb2\r\n", b"", "a malformed answer: bad Content-Length"),
         (
             b"Content-Encoding: gzip\r\nContent-Length: %d\r\n",
             gzip.compress(b"\0" * (300 << 20)),

@@ -1,6 +1,7 @@
 """HTTP/1.1 on asyncio streams: the client kpng lists and watches the API server with, and the
 server of its status addresses (``/healthz``, ``/metrics``, ``/debug/*``) and health check node
-ports, whose requests h11 parses: a strict parser, for bytes that come from anyone.
+ports. h11 parses what both read, the answers and the requests: a strict parser, for bytes that
+come from anyone (an API server's answers pass through proxies and load balancers).
 
 Both are small on purpose. kpng asks for a handful of things over HTTP: GETs with a body read
 whole or streamed line by line, a POST, and answers to GETs. aiohttp did this before, for most

@@ -1,5 +1,10 @@
 """An HTTP/1.1 client with kept-alive connections, TLS, an HTTP(S) proxy and gzip.
 
+h11 parses the answers and frames the requests, as it does for kpng's server: a hand parser took
+``HTTP/1.9``, a CR or a NUL in a header value and other answers no server should send (issue
+40); h11 refuses them, and each refusal is an HttpError. The connections, their reuse, the
+tunnel and the bounds are kpng's own.
+
 What it does not do, because kpng never asks: redirects, cookies, HTTP/2, request bodies of
 unknown length, SOCKS proxies.
 """
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import re
 import ssl
 import time
 import zlib
@@ -16,13 +22,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlencode, urlsplit
 
-from kpng.http1._head import HttpError, encode_fields, keeps_alive, parse_head, read_head
+import h11
 
 __all__ = ["HttpClient", "HttpError", "Response"]
 
 HEAD_LIMIT = 256 * 1024
-"""The longest response head read, in bytes (the streams' buffer limit): the API server's have a
-few hundred bytes."""
+"""The longest response head read, in bytes (the streams' buffer limit, and h11's bound on a
+chunk's size line and the trailer fields): the API server's have a few hundred bytes."""
 
 _READ_SIZE = 256 * 1024
 """The most one read of a body takes at once: a watch's events come as they arrive, in pieces
@@ -33,6 +39,79 @@ IDLE_KEEP_S = 15.0
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 """Each scheme's port when a URL names none."""
+
+_VERSIONS = (b"1.0", b"1.1")
+"""The versions an answer may have: h11 takes any digit.digit, ``HTTP/1.9`` and ``HTTP/2.0``
+too, whose framing kpng cannot know."""
+_HEAD_END = re.compile(rb"\n\r?\n")
+"""Where h11 ends a head: at the first blank line, CRLF or bare LF."""
+_FOLD = re.compile(rb"\n[ \t]")
+
+
+class HttpError(Exception):
+    """A peer broke the protocol: a malformed head, a body cut short, a refused tunnel."""
+
+
+_Event = h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]
+"""What h11's next_event gives."""
+
+
+def _parser() -> h11.Connection:
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
+
+
+def _next_event(parser: h11.Connection) -> _Event:
+    try:
+        return parser.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise HttpError(f"a malformed answer: {exc}") from None
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """The next head, up to and including its blank line, read exactly: the bytes after it are
+    the body's, or, after a CONNECT, the tunnel's."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            raise HttpError("the server closed the connection before answering") from None
+        raise HttpError("the connection closed inside a response head") from None
+    except asyncio.LimitOverrunError:
+        raise HttpError(f"a response head longer than {HEAD_LIMIT} bytes") from None
+    # h11 joins a folded field's lines (RFC 9112 lets a user agent); kpng refuses the fold, as
+    # it always did: no API server or proxy folds, and a value read as one field here may be
+    # read as two by a proxy in between.
+    end = _HEAD_END.search(head)
+    if _FOLD.search(head, 0, end.start() if end else len(head)):
+        raise HttpError("a header field folded over lines (obs-fold)")
+    return head
+
+
+async def _read_answer(parser: h11.Connection, reader: asyncio.StreamReader) -> h11.Response:
+    """The head of the final answer; interim ones (100 Continue, 103 Early Hints) are skipped."""
+    while True:
+        event = _next_event(parser)
+        if event is h11.NEED_DATA:
+            parser.receive_data(await _read_head(reader))
+        elif isinstance(event, h11.InformationalResponse | h11.Response):
+            if event.http_version not in _VERSIONS:
+                version = event.http_version.decode("ascii")  # h11 took [0-9].[0-9] only
+                raise HttpError(f"an answer in HTTP/{version}, not HTTP/1.1")
+            if isinstance(event, h11.Response):
+                return event
+        else:  # ConnectionClosed cannot come: _read_head raises at the end of the stream
+            raise HttpError(f"an unexpected {type(event).__name__} instead of an answer")
+
+
+def _encoded_fields(fields: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """Header fields as h11 takes them. A value with a line break would start a header of its
+    own (request smuggling): refused here, by name, before h11 refuses it less clearly."""
+    out = []
+    for name, value in fields.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"a line break in the header field {name!r}")
+        out.append((name.encode("latin-1"), value.encode("latin-1")))
+    return out
 
 
 @dataclass(frozen=True)
@@ -52,6 +131,7 @@ class _Connection:
     origin: _Origin
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    parser: h11.Connection = field(default_factory=_parser)
     reused: bool = False
     idle_since: float = field(default_factory=time.monotonic)
 
@@ -67,26 +147,30 @@ class _Connection:
 class Response:
     """A response whose head has been read; its body is read with ``read`` or ``chunks``, once."""
 
-    def __init__(
-        self,
-        connection: _Connection,
-        version: str,
-        status: int,
-        headers: dict[str, str],
-        *,
-        bodiless: bool,
-    ) -> None:
-        self.status = status
-        self.headers = headers
+    def __init__(self, connection: _Connection, head: h11.Response, first: _Event) -> None:
+        self.status = head.status_code
+        self.headers: dict[str, str] = {}
+        """The header fields by lower-case name; a field given more than once is one value,
+        joined by ", " as RFC 9110 allows."""
+        for name, value in head.headers:
+            key, text = name.decode("latin-1"), value.decode("latin-1")
+            self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text
         self._connection = connection
-        self._keep = keeps_alive(version, headers)
-        self._bodiless = bodiless
-        self.complete = bodiless
+        self._first: _Event | None = first
+        """The body's first event, taken to know a bodiless answer complete at once."""
+        self.complete = isinstance(first, h11.EndOfMessage)
         """The whole body has been read: the connection may carry another request."""
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self._keep
+        parser = self._connection.parser
+        # Bytes past the answer's end would be taken for the next request's answer.
+        return (
+            self.complete
+            and parser.our_state is h11.DONE
+            and parser.their_state is h11.DONE
+            and not parser.trailing_data[0]
+        )
 
     async def read(self, *, limit: int | None = None) -> bytes:
         """The whole body, decoded; HttpError once it passes ``limit`` bytes (decoded: a small
@@ -95,7 +179,6 @@ class Response:
         async for piece in self.chunks():
             size += len(piece)
             if limit is not None and size > limit:
-                self._keep = False
                 raise HttpError(f"a body larger than {limit} bytes")
             pieces.append(piece)
         return b"".join(pieces)
@@ -103,7 +186,7 @@ class Response:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, decoded (gzip); ends at the body's end. Raises HttpError or
         OSError if the connection breaks first."""
-        if self._bodiless:
+        if self.complete:
             return
         encoding = self.headers.get("content-encoding", "identity").lower()
         if encoding not in ("identity", "gzip"):
@@ -132,52 +215,22 @@ class Response:
         self.complete = True
 
     async def _framed(self) -> AsyncIterator[bytes]:
-        reader = self._connection.reader
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            while True:
-                line = await _line(reader)
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise HttpError(f"a malformed chunk size {line[:40]!r}") from None
-                if size == 0:
-                    while await _line(reader):  # trailer fields, unused
-                        pass
-                    return
-                async for piece in _exactly(reader, size):
-                    yield piece
-                if await _line(reader):
-                    raise HttpError("a chunk longer than its size")
-        elif "content-length" in self.headers:
-            text = self.headers["content-length"]
-            # ASCII digits only: str.isdigit() takes "²", which int() then refuses.
-            if not (text.isascii() and text.isdigit()):
-                raise HttpError(f"a malformed Content-Length {text[:40]!r}")
-            length = int(text)
-            async for piece in _exactly(reader, length):
-                yield piece
-        else:  # the body ends with the connection
-            self._keep = False
-            while piece := await reader.read(_READ_SIZE):
-                yield piece
-
-
-async def _line(reader: asyncio.StreamReader) -> bytes:
-    try:
-        return (await reader.readuntil(b"\r\n"))[:-2]
-    except asyncio.IncompleteReadError:
-        raise HttpError("the connection closed inside a chunked body") from None
-    except asyncio.LimitOverrunError:
-        raise HttpError("a chunk header line too long") from None
-
-
-async def _exactly(reader: asyncio.StreamReader, length: int) -> AsyncIterator[bytes]:
-    while length > 0:
-        piece = await reader.read(min(length, _READ_SIZE))
-        if not piece:
-            raise HttpError(f"the connection closed {length} bytes before the body's end")
-        length -= len(piece)
-        yield piece
+        """The body's bytes as h11 unframes them (Content-Length, chunked, or to the end of
+        the connection), a read's worth at most at a time."""
+        parser, reader = self._connection.parser, self._connection.reader
+        while True:
+            if self._first is not None:
+                event, self._first = self._first, None
+            else:
+                event = _next_event(parser)
+            if event is h11.NEED_DATA:
+                parser.receive_data(await reader.read(_READ_SIZE))
+            elif isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            else:  # ConnectionClosed: h11 reports a body cut short as an error first
+                raise HttpError(f"an unexpected {type(event).__name__} inside the body")
 
 
 class HttpClient:
@@ -240,25 +293,33 @@ class HttpClient:
         if self._proxy is not None and origin.scheme == "http":
             target = f"http://{origin.authority()}{target}"  # absolute form, to the proxy
             fields.update(self._proxy.authorization())
-        message = f"{method} {target} HTTP/1.1\r\n".encode() + encode_fields(fields) + b"\r\n"
-        message += body or b""
-        response = await self._exchange(origin, method, message)
+        try:
+            events: list[h11.Event] = [
+                h11.Request(method=method, target=target, headers=_encoded_fields(fields))
+            ]
+        except h11.LocalProtocolError as exc:  # a method, target or field h11 will not send
+            raise ValueError(f"a request that cannot be sent: {exc}") from None
+        if body:
+            events.append(h11.Data(data=body))
+        events.append(h11.EndOfMessage())
+        response = await self._exchange(origin, method, events)
         connection = response._connection
         try:
             yield response
         finally:
             self._busy.discard(connection)
             if response.reusable and connection.usable():
+                connection.parser.start_next_cycle()
                 connection.idle_since = time.monotonic()
                 connection.reused = True
                 self._idle.append(connection)
             else:
                 connection.abort()
 
-    async def _exchange(self, origin: _Origin, method: str, message: bytes) -> Response:
+    async def _exchange(self, origin: _Origin, method: str, events: list[h11.Event]) -> Response:
         connection = await self._connection(origin)
         try:
-            return await self._send(connection, method, message)
+            return await self._send(connection, events)
         except (OSError, HttpError):
             self._drop(connection)
             # A kept-alive connection the server closed meanwhile fails before any answer: a
@@ -270,7 +331,7 @@ class HttpClient:
             raise
         connection = await self._connection(origin, fresh=True)
         try:
-            return await self._send(connection, method, message)
+            return await self._send(connection, events)
         except BaseException:
             self._drop(connection)
             raise
@@ -279,23 +340,14 @@ class HttpClient:
         connection.abort()
         self._busy.discard(connection)
 
-    async def _send(self, connection: _Connection, method: str, message: bytes) -> Response:
-        connection.writer.write(message)
+    async def _send(self, connection: _Connection, events: list[h11.Event]) -> Response:
+        parser = connection.parser
+        connection.writer.write(b"".join(parser.send(event) or b"" for event in events))
         await connection.writer.drain()
-        while True:
-            head = await read_head(connection.reader)
-            if not head:
-                raise HttpError("the server closed the connection before answering")
-            start, headers = parse_head(head)
-            version, _, rest = start.partition(" ")
-            code = rest.partition(" ")[0]
-            if not version.startswith("HTTP/1.") or not code.isdigit():
-                raise HttpError(f"not an HTTP/1 status line: {start[:80]!r}")
-            status = int(code)
-            if not 100 <= status < 200:  # interim answers (103 Early Hints) come before the one
-                break
-        bodiless = method == "HEAD" or status in (204, 304)
-        return Response(connection, version, status, headers, bodiless=bodiless)
+        head = await _read_answer(parser, connection.reader)
+        # A bodiless answer (to a HEAD, a 204, a 304, a Content-Length of 0) ends with its head:
+        # h11 says so at once, without a read.
+        return Response(connection, head, _next_event(parser))
 
     async def _connection(self, origin: _Origin, *, fresh: bool = False) -> _Connection:
         now = time.monotonic()
@@ -388,11 +440,20 @@ class _Proxy:
     async def tunnel(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, authority: str
     ) -> None:
-        fields = encode_fields({"Host": authority, **self.authorization()})
-        writer.write(f"CONNECT {authority} HTTP/1.1\r\n".encode() + fields + b"\r\n")
+        parser = _parser()
+        fields = _encoded_fields({"Host": authority, **self.authorization()})
+        try:
+            request = h11.Request(method="CONNECT", target=authority, headers=fields)
+        except h11.LocalProtocolError as exc:
+            raise ValueError(f"a tunnel that cannot be asked for: {exc}") from None
+        writer.write((parser.send(request) or b"") + (parser.send(h11.EndOfMessage()) or b""))
         await writer.drain()
-        head = await read_head(reader)
-        start = parse_head(head)[0] if head else ""
-        # A 2xx to CONNECT has no body: what follows is the server's.
-        if not start.partition(" ")[2].startswith("2"):
+        answer = await _read_answer(parser, reader)
+        if not 200 <= answer.status_code < 300:
+            version, reason = answer.http_version.decode(), answer.reason.decode("latin-1")
+            start = f"HTTP/{version} {answer.status_code} {reason}"
             raise HttpError(f"the proxy {self.host}:{self.port} refused the tunnel: {start!r}")
+        # A 2xx to CONNECT has no body, and h11 has switched to the tunnel: what follows is the
+        # server's TLS, which waits for the client's hello. Bytes already there would be lost.
+        if parser.trailing_data[0]:
+            raise HttpError(f"the proxy {self.host}:{self.port} sent bytes ahead of the tunnel")
