@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -530,31 +530,56 @@ def test_global_watch_relays_the_store(tmp_path: Path, batched: bool) -> None:
     _run(scenario())
 
 
-def test_first_states_take_turns_and_a_turn_not_ended_lapses() -> None:
+def test_first_states_take_turns_and_a_stalled_turn_passes_on() -> None:
+    ended: list[tuple[str, str]] = []
+
+    def ender(name: str) -> Callable[[str], Awaitable[None]]:
+        async def end_stream(why: str) -> None:
+            ended.append((name, why))
+
+        return end_stream
+
     async def scenario() -> None:
-        turns = Turns(size=1, hold_s=0.3)
+        turns = Turns(size=1, stall_s=0.2, hold_s=1.0, stalled=1)
         loop = asyncio.get_running_loop()
-        end_a = await turns.take()
-        b = asyncio.ensure_future(turns.take())
-        await asyncio.sleep(0.05)
-        assert not b.done()  # the one turn is held
-        end_a()
-        end_a()  # ending a turn twice gives back one turn, not two
-        end_b = await asyncio.wait_for(b, 1)
-        c, d = asyncio.ensure_future(turns.take()), asyncio.ensure_future(turns.take())
+        a = await turns.take(ender("a"), "a")
+        b = asyncio.ensure_future(turns.take(ender("b"), "b"))
+        await asyncio.sleep(0.5)
+        assert not b.done()  # a holds the one turn: no write pending is no stall
+        assert turns.waiting == 1
+        a.end()
+        a.end()  # ending a turn twice gives back one turn, not two
+        turn_b = await asyncio.wait_for(b, 1)
+        c = asyncio.ensure_future(turns.take(ender("c"), "c"))
+        d = asyncio.ensure_future(turns.take(ender("d"), "d"))
         await asyncio.sleep(0.05)
         assert not c.done()
-        assert not d.done()
         started = loop.time()
-        end_c = await asyncio.wait_for(c, 2)  # b never ends its turn: it lapses
-        assert 0.1 < loop.time() - started < 1.0
-        end_b()  # ended after lapsing: no extra turn appears
-        await asyncio.sleep(0.05)
-        assert not d.done()
-        end_c()
-        (await asyncio.wait_for(d, 1))()
+        turn_b.writing()  # and never completes: b is parked, its turn passes on
+        turn_c = await asyncio.wait_for(c, 2)
+        assert 0.15 < loop.time() - started < 1.0
+        assert turns.parked == 1
+        assert not ended
+        turn_b.wrote()  # a slow reader moves again: it stays parked, and is not ended
+        turn_c.writing()  # c stalls too: one parked at most, and b is the one moving
+        turn_d = await asyncio.wait_for(d, 2)
+        assert [name for name, _ in ended] == ["c"]  # stuck longest: b moved since
+        assert turns.parked == 1
+        turn_c.end()  # ended already: no extra turn appears
+        turn_b.writing()  # parked b waits hold_s in all: ended
+        await asyncio.sleep(1.5)
+        assert ended[1] == ("b", "its first state was not read for 1 s")
+        assert turns.parked == 0
+        assert turns.ended == 2
+        turn_b.end()
+        turn_d.end()
+        (await asyncio.wait_for(turns.take(ender("e"), "e"), 1)).end()
 
     _run(scenario())
+
+
+async def _no_end(why: str) -> None:
+    raise AssertionError(why)
 
 
 def test_watchers_beyond_the_turns_all_get_their_first_states(tmp_path: Path) -> None:
@@ -568,8 +593,8 @@ def test_watchers_beyond_the_turns_all_get_their_first_states(tmp_path: Path) ->
                 *(w.change_set(_watch_req(f"node-{1 + i % 3}")) for i, w in enumerate(watches))
             )
             # every turn was given back once its first state was sent
-            end = await asyncio.wait_for(serving.watch.first_states.take(), 1)
-            end()
+            turn = await asyncio.wait_for(serving.watch.first_states.take(_no_end), 1)
+            turn.end()
             return [len(ops) for ops in firsts]
 
     lengths = _run(scenario())

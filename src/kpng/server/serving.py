@@ -15,10 +15,11 @@ import secrets
 import socket
 import stat
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import AsyncGeneratorType
+from typing import Any, cast
 
 import grpc
 import msgspec
@@ -40,7 +41,7 @@ from kpng.server.changesets import (
     SharedOps,
     batches,
 )
-from kpng.server.hub import Hub, PayloadCache, Turns
+from kpng.server.hub import Hub, PayloadCache, Turn, Turns
 from kpng.store import Store
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,30 @@ async def _parsed(requests: AsyncIterator[bytes], message: Any, context: Any) ->
             )
 
 
+class _Stream:
+    """A node-local watch stream as its first state's turn sees it: what ends it from outside
+    its handler, while a write is pending."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.body: AsyncGeneratorType[bytes, None] | None = None
+        self.ended = False
+
+    async def end(self, why: str) -> None:
+        """End the watch with RESOURCE_EXHAUSTED and ``why``, and free its first state now.
+
+        gRPC refuses a status while a write is pending (TOO_MANY_OPERATIONS), and cancelling
+        the handler's task sends none: the watcher, reading at last, would wait forever. So the
+        body is closed, which frees its state, and the status set here is sent once the pending
+        write completes and the handler finds its body done."""
+        self.ended = True
+        self.context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.context.set_details(why)
+        # A body running is past its write (or before its first): it sees ``ended`` itself.
+        if self.body is not None and not self.body.ag_running:
+            await self.body.aclose()
+
+
 @dataclass
 class WatchStats:
     """What the watch API is serving, for ``/metrics``: watches open now and change sets sent,
@@ -217,9 +242,35 @@ class WatchServer:
 
     # --- node-local watches
 
-    async def _local_changesets(
-        self, requests: AsyncIterator[Any], encoders: Callable[[Any], Encoders], context: Any
-    ) -> AsyncIterator[ChangeSet]:
+    async def _local_stream(
+        self,
+        requests: AsyncIterator[Any],
+        encoders: Callable[[Any], Encoders],
+        context: Any,
+        messages: Callable[[ChangeSet], Iterable[bytes]],
+    ) -> AsyncIterator[bytes]:
+        """The messages of a node-local watch, in a stream its first state's turn can end."""
+        stream = _Stream(context)
+        body = self._local_messages(requests, encoders, context, messages, stream)
+        stream.body = cast(AsyncGeneratorType[bytes, None], body)
+        try:
+            while True:
+                try:
+                    # Not kept in a variable: a stream stuck on this write holds nothing more.
+                    yield await anext(body)
+                except StopAsyncIteration:
+                    return
+        finally:
+            await body.aclose()
+
+    async def _local_messages(
+        self,
+        requests: AsyncIterator[Any],
+        encoders: Callable[[Any], Encoders],
+        context: Any,
+        messages: Callable[[ChangeSet], Iterable[bytes]],
+        stream: _Stream,
+    ) -> AsyncGenerator[bytes]:
         # Who it is, from the stream's metadata, before anything else: whether it may watch
         # the node it names is checked at each request (the review is cached).
         await self._authorize(context, node=None, identity_only=True)
@@ -227,7 +278,7 @@ class WatchServer:
         answered = False
         sent: NodeFacts | None = None
         revision = 0  # the brain's revision of the last change set sent
-        end_turn: Callable[[], None] | None = None
+        turn: Turn | None = None
         self.stats.local_watches += 1
         try:
             async for request in requests:
@@ -238,7 +289,9 @@ class WatchServer:
                         view.close()
                     # Waits for the store's sync first: turns are for sending, not waiting.
                     await self.hub.wait_revision(-1)
-                    end_turn = await self.first_states.take()
+                    if turn is not None:
+                        turn.end()
+                    turn = await self.first_states.take(stream.end, context.peer())
                     view = self.hub.cluster.view(request.NodeName)
                     enc = encoders(request)
                     sent = None
@@ -255,6 +308,7 @@ class WatchServer:
                     previous=changes.previous,
                     remember=not first,
                 )
+                del changes
                 if first:
                     head.append(codec.OP_RESET)
                 if facts != sent:
@@ -270,16 +324,25 @@ class WatchServer:
                 tail.append(codec.OP_SYNC)
                 self.stats.local_change_sets += 1
                 answered = True
-                yield ChangeSet(head, shared, tail)
+                # The turn is told of every write: a write that does not complete is a
+                # watcher that does not read.
+                for message in messages(ChangeSet(head, shared, tail)):
+                    if turn is not None:
+                        turn.writing()
+                    yield message
+                    if stream.ended:  # by its turn, while this write waited: frees the rest
+                        return
+                    if turn is not None:
+                        turn.wrote()
                 # Not held while the watcher waits for its next change: a first state's changes
                 # and ops are megabytes, times thousands of watchers.
-                del changes, shared, head, tail
-                if end_turn is not None:  # resumed: the stream has taken every batch of it
-                    end_turn()
-                    end_turn = None
+                del shared, head, tail
+                if turn is not None:  # every message of the first state is written
+                    turn.end()
+                    turn = None
         finally:
-            if end_turn is not None:
-                end_turn()
+            if turn is not None:
+                turn.end()
             self.stats.local_watches -= 1
             if view is not None:
                 view.close()
@@ -327,10 +390,8 @@ class WatchServer:
             return self._encoders[batchv1_pb2.PROTOBUF]
 
         parsed = _parsed(requests, localv1_pb2.WatchReq, context)
-        async for change_set in self._local_changesets(parsed, encoders, context):
-            for op in change_set.ops():
-                yield op
-            del change_set  # not held while the watcher idles (see _local_changesets)
+        async for message in self._local_stream(parsed, encoders, context, ChangeSet.ops):
+            yield message
 
     async def watch_local_batched(
         self, requests: AsyncIterator[bytes], context: Any
@@ -338,11 +399,12 @@ class WatchServer:
         def encoders(request: Any) -> Encoders:
             return self._encoders.get(int(request.Encoding), self._encoders[batchv1_pb2.PROTOBUF])
 
+        def messages(change_set: ChangeSet) -> Iterable[bytes]:
+            return change_set.batches(BATCH_BYTES)
+
         parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
-        async for change_set in self._local_changesets(parsed, encoders, context):
-            for batch in change_set.batches(BATCH_BYTES):
-                yield batch
-            del change_set, batch  # not held while the watcher idles (see _local_changesets)
+        async for message in self._local_stream(parsed, encoders, context, messages):
+            yield message
 
     # --- global watches
 
