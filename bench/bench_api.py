@@ -188,8 +188,8 @@ def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
 
 class Server:
     """``kpng SOURCE... to-api --listen unix://SOCKET`` in a subprocess (``options`` go before
-    the source: ``--metrics-address``...); under cProfile, writing ``profile`` when it stops, if
-    given."""
+    the source: ``--metrics-address``...; ``sink_options`` after to-api's ``--listen``:
+    ``--token-audience``...); under cProfile, writing ``profile`` when it stops, if given."""
 
     def __init__(
         self,
@@ -198,6 +198,7 @@ class Server:
         log: Path,
         *,
         options: Sequence[str] = (),
+        sink_options: Sequence[str] = (),
         profile: Path | None = None,
     ) -> None:
         self.socket = socket
@@ -209,7 +210,11 @@ class Server:
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self._log_path = log
         self.proc = subprocess.Popen(
-            [*command, "--log-level", "warning", *options, *source, "to-api", "--listen", self.api],
+            [
+                *command,
+                *("--log-level", "warning", *options, *source),
+                *("to-api", "--listen", self.api, *sink_options),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
