@@ -115,6 +115,8 @@ def _main_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a change may wait unapplied before kpng is unhealthy (default: 60)",
     )
+    # kpng.http1.server's MAX_CONNECTIONS and REQUEST_S, not imported: that loads h11 for
+    # every command, HTTP or not. A test holds them equal.
     parser.add_argument(
         "--http-max-connections",
         type=int,
