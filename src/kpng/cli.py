@@ -77,7 +77,8 @@ def _main_parser() -> argparse.ArgumentParser:
         "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
         "       kpng kube-proxy [kube-proxy's flags]   (a drop-in for kube-proxy)\n"
         "       (before the source: --healthz-bind-address, --metrics-bind-address, "
-        "--healthz-timeout, --http-max-connections, --http-request-timeout)",
+        "--healthz-timeout,\n"
+        "        --http-max-connections, --http-request-timeout)",
         description="kpng: a pluggable Kubernetes service proxy.",
     )
     parser.add_argument(
