@@ -318,6 +318,22 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             ],
             "--node-user, --global-user and --review-kubeconfig need --token-audience",
         ),
+        (
+            ["--http-max-connections", "0", "file", "--input", "x", "to-file", "--output", "-"],
+            "--http-max-connections must be positive, got 0",
+        ),
+        (
+            ["--http-request-timeout", "nan", "file", "--input", "x", "to-file", "--output", "-"],
+            "--http-request-timeout must be a positive number of seconds, got nan",
+        ),
+        (
+            ["kube", "--max-list-bytes", "0", "to-file", "--output", "-"],
+            "--max-list-bytes must be positive, got '0'",
+        ),
+        (
+            ["kube", "--max-event-bytes", "16MB", "to-file", "--output", "-"],
+            "--max-event-bytes: not a size in bytes: '16MB' (e.g. 1048576, 512Ki, 16Mi, 1Gi)",
+        ),
     ],
     ids=[
         "no-sink",
@@ -333,6 +349,10 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
         "a-replica-url-without-port",
         "tokens-in-clear",
         "token-flags-without-audience",
+        "no-http-connections",
+        "http-request-timeout-nan",
+        "no-list-bytes",
+        "event-bytes-not-a-size",
     ],
 )
 def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: str) -> None:

@@ -549,9 +549,11 @@ async def _broken(_: Request) -> Reply:
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[int]:
+async def _serving(request_timeout: float = http_server.REQUEST_S) -> AsyncIterator[int]:
     sock = socket.create_server(("127.0.0.1", 0))
-    listener = await serve(sock, {"/hello": _hello, "/broken": _broken})
+    listener = await serve(
+        sock, {"/hello": _hello, "/broken": _broken}, request_timeout=request_timeout
+    )
     try:
         yield sock.getsockname()[1]
     finally:
@@ -649,10 +651,9 @@ def test_a_connection_past_its_bound_is_closed(
     """Waiting for a request is bounded, and so, from its first byte, is reading it: each bound
     alone ends the connection."""
     monkeypatch.setattr(http_server, "IDLE_S", 0.2 if bound == "IDLE_S" else 60)
-    monkeypatch.setattr(http_server, "REQUEST_S", 0.2 if bound == "REQUEST_S" else 60)
 
     async def scenario() -> bytes:
-        async with _serving() as port:
+        async with _serving(request_timeout=0.2 if bound == "REQUEST_S" else 60) as port:
             return await _raw(port, sent)
 
     assert asyncio.run(scenario()) == b""

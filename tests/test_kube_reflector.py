@@ -19,7 +19,13 @@ import pytest
 from kubernetes_asyncio.client import Configuration
 
 from kpng.harness.cluster import free_port
-from kpng.kubeclient.client import ApiClient, StreamIdle, TransportError, WatchLineSplitter
+from kpng.kubeclient.client import (
+    MAX_LINE,
+    ApiClient,
+    StreamIdle,
+    TransportError,
+    WatchLineSplitter,
+)
 from kpng.kubeclient.config import IN_CLUSTER, Connection, KubeConfigError, choose_config
 from kpng.model import k8s
 from kpng.model.cluster import Slice
@@ -371,11 +377,12 @@ class ScriptedServer:
             writer.close()
 
     @contextlib.asynccontextmanager
-    async def client(self) -> AsyncIterator[ApiClient]:
+    async def client(self, *, max_line: int = MAX_LINE) -> AsyncIterator[ApiClient]:
         server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            async with ApiClient(_connection(f"http://127.0.0.1:{port}")) as client:
+            connection = _connection(f"http://127.0.0.1:{port}")
+            async with ApiClient(connection, max_line=max_line) as client:
                 yield client
         finally:
             server.close()
@@ -561,12 +568,11 @@ def test_a_list_answer_past_the_bounds_is_a_reported_failure_not_a_crash(
     assert error in asyncio.run(scenario())
 
 
-def test_a_watch_line_past_the_bound_ends_the_watch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kpng.kubeclient.client.MAX_LINE", 1 << 16)
+def test_a_watch_line_past_the_bound_ends_the_watch() -> None:
     server = ScriptedServer({}, [[b"x" * (1 << 17)]])
 
     async def scenario() -> None:
-        async with server.client() as client:
+        async with server.client(max_line=1 << 16) as client:
             params = {"watch": "1", "resourceVersion": "1"}
             async with client.stream_lines("/w", params, idle_timeout=5) as batches:
                 with pytest.raises(TransportError, match="a watch event longer than 65536"):

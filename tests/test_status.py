@@ -535,3 +535,52 @@ def test_behind_a_remote_brain_a_draining_node_fails_healthz_as_the_brain_says()
         return seen
 
     assert asyncio.run(scenario()) == [True, False, True]
+
+
+def test_the_http_limits_are_flags_with_the_servers_defaults() -> None:
+    from kpng import cli
+    from kpng.http1 import server as http_server
+
+    parser = cli._main_parser()
+    assert parser.get_default("http_max_connections") == http_server.MAX_CONNECTIONS
+    assert parser.get_default("http_request_timeout") == http_server.REQUEST_S
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_http_max_connections_and_request_timeout_take_effect(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    """With 2 connections a listener and half a second a request: a trickled head is closed
+    long before the default's 10 s, and a third connection closes the one idle longest."""
+    port = free_port()
+    limits = ["--http-max-connections", "2", "--http-request-timeout", "0.5"]
+    argv = [*limits, "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2"]
+    argv += ["to-json", "--output", str(tmp_path / "state.json")]
+    log = tmp_path / "kpng.log"
+    proc = _start(kpng_command, subprocess_env, argv, log, port)
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        time.sleep(0.1)  # accepted, and so counted, before the next one
+        return sock
+
+    try:
+        until(lambda: _get(f"http://127.0.0.1:{port}/healthz")[0] == 200, "/healthz to answer")
+        with connect() as trickler:
+            trickler.sendall(b"GET /healthz HTTP/1.1\r\n")
+            started = time.monotonic()
+            assert _closed_by_server(trickler)
+            assert time.monotonic() - started < 5.0
+        with connect() as first, connect() as second, connect():
+            assert _closed_by_server(first)  # for the newcomer
+            second.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                second.recv(1)  # still open, idle
+    finally:
+        _stop(proc, log)

@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import functools
 import logging
+import math
 import os
 import re
 import resource
@@ -76,7 +77,8 @@ def _main_parser() -> argparse.ArgumentParser:
         "       kpng [--log-level LEVEL] local [flags] <backend> [flags]\n"
         "       kpng kube-proxy [kube-proxy's flags]   (a drop-in for kube-proxy)\n"
         "       (before the source: --healthz-bind-address, --metrics-bind-address, "
-        "--healthz-timeout)",
+        "--healthz-timeout,\n"
+        "        --http-max-connections, --http-request-timeout)",
         description="kpng: a pluggable Kubernetes service proxy.",
     )
     parser.add_argument(
@@ -113,6 +115,24 @@ def _main_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="how long a change may wait unapplied before kpng is unhealthy (default: 60)",
+    )
+    # kpng.http1.server's MAX_CONNECTIONS and REQUEST_S, not imported: that loads h11 for
+    # every command, HTTP or not. A test holds them equal.
+    parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=512,
+        metavar="N",
+        help="connections each HTTP address keeps open at most; past them a new one closes the "
+        "one idle longest, or is refused when all are busy (default: 512)",
+    )
+    parser.add_argument(
+        "--http-request-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long an HTTP request may take, first byte to last, before its connection is "
+        "closed (default: 10)",
     )
     parser.add_argument(
         "--version",
@@ -295,12 +315,22 @@ def _concurrently(runners: dict[str, Runner]) -> Runner:
 
 def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) -> Runner:
     """The pipeline, with the health and metrics server when asked for."""
+    # Checked with no address too: a bad value is a mistake to say now, not when one is added.
+    if options.http_max_connections <= 0:
+        raise UsageError(
+            f"--http-max-connections must be positive, got {options.http_max_connections}"
+        )
+    if not 0 < options.http_request_timeout < math.inf:
+        raise UsageError(
+            f"--http-request-timeout must be a positive number of seconds, "
+            f"got {options.http_request_timeout:g}"
+        )
     if options.healthz_address is None and options.metrics_address is None:
         return pipeline
     if options.healthz_timeout <= 0:
         raise UsageError("--healthz-timeout must be positive")
     # The HTTP server is imported only by the commands that serve HTTP.
-    from kpng.status.serving import HttpAddress, serve
+    from kpng.status.serving import HttpAddress, HttpLimits, serve
 
     healthz, metrics = (
         HttpAddress.parse(value, flag=flag) if value is not None else None
@@ -309,7 +339,8 @@ def _with_status(options: argparse.Namespace, status: Status, pipeline: Runner) 
             (options.metrics_address, "--metrics-bind-address"),
         )
     )
-    server = functools.partial(serve, status, healthz=healthz, metrics=metrics)
+    limits = HttpLimits(options.http_max_connections, options.http_request_timeout)
+    server = functools.partial(serve, status, healthz=healthz, metrics=metrics, limits=limits)
     return _concurrently({"pipeline": pipeline, "status": server})
 
 

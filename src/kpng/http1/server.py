@@ -30,16 +30,18 @@ IDLE_S = 30.0
 """How long a connection may take to start the next request (a scraper keeps its connection
 open between scrapes; Prometheus' shortest default interval is 15 s), and to take its answer."""
 REQUEST_S = 10.0
-"""How long a request may take from its first byte to its last: a client that trickles its
-head (slowloris) holds a connection that is not idle, and so cannot be made room for."""
+"""How long a request may take from its first byte to its last, by default (the status
+addresses take ``--http-request-timeout``): a client that trickles its head (slowloris) holds a
+connection that is not idle, and so cannot be made room for."""
 REQUEST_HEAD_LIMIT = 64 * 1024
 """The longest request head read: a scraper's or a load balancer's is a few hundred bytes."""
 BODY_LIMIT = 64 * 1024
 """The largest request body read (and ignored): every route is a GET."""
 MAX_CONNECTIONS = 512
-"""Connections a listener keeps open at most. Each is a file descriptor; a scraper or a load
-balancer holds one or a few, so 512 leaves room for many while a crowd of idle clients cannot
-take the process's descriptors (1,024 in many container runtimes)."""
+"""Connections a listener keeps open at most, by default (the status addresses take
+``--http-max-connections``). Each is a file descriptor; a scraper or a load balancer holds one
+or a few, so 512 leaves room for many while a crowd of idle clients cannot take the process's
+descriptors (1,024 in many container runtimes)."""
 LINGER_S = 2.0
 """How long a closing connection's unread input is read, for its last answer to arrive."""
 _READ_SIZE = 64 * 1024
@@ -75,7 +77,8 @@ class Listener:
     ``routes`` answer their exact paths (GET and HEAD); ``default``, if given, answers every
     other request, whatever its method and path. At most ``max_connections`` are open: a new
     one past them closes the one idle longest (open, between requests), or is itself closed
-    when every one is busy."""
+    when every one is busy. A request is read within ``request_timeout`` seconds of its first
+    byte."""
 
     def __init__(
         self,
@@ -83,10 +86,12 @@ class Listener:
         *,
         default: Handler | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_S,
     ) -> None:
         self._routes = dict(routes)
         self._default = default
         self._max = max_connections
+        self._request_s = request_timeout
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,7 +196,7 @@ class Listener:
         if not started:
             self._idle[writer] = None
         request: h11.Request | None = None
-        async with asyncio.timeout(REQUEST_S if started else IDLE_S) as deadline:
+        async with asyncio.timeout(self._request_s if started else IDLE_S) as deadline:
             while True:
                 try:
                     event = conn.next_event()
@@ -204,7 +209,7 @@ class Listener:
                     if data and not started:
                         started = True
                         self._idle.pop(writer, None)
-                        deadline.reschedule(asyncio.get_running_loop().time() + REQUEST_S)
+                        deadline.reschedule(asyncio.get_running_loop().time() + self._request_s)
                     conn.receive_data(data)
                 elif isinstance(event, h11.Request):
                     request = event
@@ -314,11 +319,13 @@ async def serve(
     *,
     default: Handler | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    request_timeout: float = REQUEST_S,
 ) -> Listener:
     """Answers on ``sock``, a bound socket, until the listener is closed."""
-    return await _start(
-        Listener(routes, default=default, max_connections=max_connections), sock=sock
+    listener = Listener(
+        routes, default=default, max_connections=max_connections, request_timeout=request_timeout
     )
+    return await _start(listener, sock=sock)
 
 
 async def serve_address(

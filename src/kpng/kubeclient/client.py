@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
 _REQUEST_TIMEOUT_S = 60.0
 MAX_BODY = 256 << 20
-"""The largest answer kpng reads whole (a page of a list, 500 objects): an API server's pages
-are a few MB; past this, the answer is refused (decoded, so a gzip bomb stops here too)."""
+"""The largest answer kpng reads whole by default (a page of a list, 500 objects): an API
+server's pages are a few MB; past this, the answer is refused (decoded, so a gzip bomb stops
+here too). ``kpng kube --max-list-bytes``."""
 MAX_LINE = 16 << 20
-"""The longest watch event: one object (etcd stores at most 1.5 MiB of one)."""
+"""The longest watch event by default: one object (etcd stores at most 1.5 MiB of one).
+``kpng kube --max-event-bytes``."""
 
 
 class ApiStatus(msgspec.Struct, tag_field="kind", tag="Status"):
@@ -99,10 +101,15 @@ class _Session:
 
 
 class ApiClient:
-    """Requests to one API server; use as an async context manager."""
+    """Requests to one API server; use as an async context manager. ``max_body``: the largest
+    answer read whole (decoded); ``max_line``: the longest line of a streamed one."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(
+        self, connection: Connection, *, max_body: int = MAX_BODY, max_line: int = MAX_LINE
+    ) -> None:
         self.connection = connection
+        self._max_body = max_body
+        self._max_line = max_line
         self._session: _Session | None = None
         self._retired: list[_Session] = []
         """Sessions of replaced client certificates, closed once their last request ends."""
@@ -209,7 +216,7 @@ class ApiClient:
                 asyncio.timeout(_REQUEST_TIMEOUT_S),
                 self._request(method, path, params, body) as response,
             ):
-                answer = await response.read(limit=MAX_BODY)
+                answer = await response.read(limit=self._max_body)
         except (HttpError, OSError, ValueError) as exc:  # OSError: TimeoutError too
             raise TransportError(self._describe(exc)) from exc
         if response.status not in success:
@@ -238,7 +245,7 @@ class ApiClient:
                 self._note_status(response.status)
                 try:
                     async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                        body = await response.read(limit=MAX_BODY)
+                        body = await response.read(limit=self._max_body)
                 except (HttpError, OSError) as exc:
                     raise TransportError(self._describe(exc)) from exc
                 raise _status_error(response.status, body)
@@ -260,9 +267,10 @@ class ApiClient:
             if not chunk:
                 break
             lines = splitter.feed(chunk)
-            if splitter.pending > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
+            limit = self._max_line
+            if splitter.pending > limit or any(len(line) > limit for line in lines):
                 raise TransportError(
-                    f"{self.connection.server}: a watch event longer than {MAX_LINE} bytes"
+                    f"{self.connection.server}: a watch event longer than {limit} bytes"
                 )
             if lines:
                 yield lines

@@ -30,7 +30,7 @@ import msgspec
 from kpng.addresses import host_port
 from kpng.api.lines import node_state_line
 from kpng.errors import KpngError, UsageError, object_name
-from kpng.http1.server import Handler, Listener, Reply, Request
+from kpng.http1.server import MAX_CONNECTIONS, REQUEST_S, Handler, Listener, Reply, Request
 from kpng.http1.server import serve as serve_http
 from kpng.status import ShowsRules, Status, metrics
 from kpng.status.exposition import CONTENT_TYPE
@@ -148,8 +148,20 @@ BEAT_S = 1.0
 """How often the pipeline's loop says it runs: the resolution of a stall it is found in."""
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """Each listener's bounds (``--http-max-connections``, ``--http-request-timeout``)."""
+
+    max_connections: int = MAX_CONNECTIONS
+    request_timeout: float = REQUEST_S
+
+
 async def serve(
-    status: Status, *, healthz: HttpAddress | None, metrics: HttpAddress | None
+    status: Status,
+    *,
+    healthz: HttpAddress | None,
+    metrics: HttpAddress | None,
+    limits: HttpLimits = HttpLimits(),
 ) -> None:
     """Answer until cancelled. A port already taken is an error at start, not a silent gap."""
     routes: dict[HttpAddress, dict[str, Handler]] = {}
@@ -186,7 +198,7 @@ async def serve(
             sock.close()
         raise
     status.watch_loop(threading.get_ident())
-    server = _ServerThread(bound)
+    server = _ServerThread(bound, limits)
     try:
         await asyncio.wrap_future(server.started)
         for sock, handlers in bound:
@@ -214,9 +226,12 @@ def _on(loop: asyncio.AbstractEventLoop, handler: Handler) -> Handler:
 class _ServerThread:
     """The HTTP listeners, served on a thread and event loop of their own."""
 
-    def __init__(self, bound: list[tuple[socket.socket, dict[str, Handler]]]) -> None:
+    def __init__(
+        self, bound: list[tuple[socket.socket, dict[str, Handler]]], limits: HttpLimits
+    ) -> None:
         self.started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._bound = bound
+        self._limits = limits
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="kpng-http", daemon=True)
@@ -230,7 +245,13 @@ class _ServerThread:
         listeners: list[Listener] = []
         try:
             for sock, handlers in self._bound:
-                listeners.append(await serve_http(sock, handlers))
+                listener = await serve_http(
+                    sock,
+                    handlers,
+                    max_connections=self._limits.max_connections,
+                    request_timeout=self._limits.request_timeout,
+                )
+                listeners.append(listener)
         except BaseException as exc:
             self.started.set_exception(exc)
             for sock, _ in self._bound:

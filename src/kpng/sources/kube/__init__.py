@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kpng.errors import UsageError
+from kpng.quantities import parse_bytes
 from kpng.sources import Runner, SourceSpec
 from kpng.store import Store
 
@@ -58,9 +60,37 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit with an error if the first complete lists take longer "
         "(default: 0, retry until the API server answers)",
     )
+    # kpng.kubeclient.client's MAX_BODY and MAX_LINE, not imported: that module loads the HTTP
+    # client, which commands other than kube do not need. A test holds them equal.
+    parser.add_argument(
+        "--max-list-bytes",
+        default="256Mi",
+        metavar="SIZE",
+        help="the largest page of a list read, decoded; a larger one fails the list, which is "
+        "retried (bytes, or 512Ki, 64Mi, 1Gi; default: 256Mi)",
+    )
+    parser.add_argument(
+        "--max-event-bytes",
+        default="16Mi",
+        metavar="SIZE",
+        help="the longest watch event read; a longer one ends the watch, which resumes "
+        "(bytes, or 512Ki, 16Mi; default: 16Mi)",
+    )
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    if size <= 0:
+        raise UsageError(f"{flag} must be positive, got {text!r}")
+    return size
 
 
 def _create(args: argparse.Namespace, store: Store, node: str | None) -> Runner:
+    max_list_bytes = _size(args.max_list_bytes, "--max-list-bytes")
+    max_event_bytes = _size(args.max_event_bytes, "--max-event-bytes")
     # Imported here: the HTTP and configuration libraries cost other commands 0.2 s to import.
     from kpng.sources.kube.source import KubeOptions, KubeSource
 
@@ -72,6 +102,8 @@ def _create(args: argparse.Namespace, store: Store, node: str | None) -> Runner:
             proxy_name=args.service_proxy_name,
             initial_sync_timeout=args.initial_sync_timeout,
             node_name=node,
+            max_list_bytes=max_list_bytes,
+            max_event_bytes=max_event_bytes,
         ),
     )
     return source.run

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from kpng.errors import InvalidObject, KpngError
-from kpng.kubeclient.client import ApiClient
+from kpng.kubeclient.client import MAX_BODY, MAX_LINE, ApiClient
 from kpng.kubeclient.config import Connection, load_connection
 from kpng.model import k8s
 from kpng.model.cluster import ServiceCIDR, Slice, SliceKey
@@ -114,6 +114,10 @@ class KubeOptions:
     """Seconds to wait for the first complete lists; 0 waits as long as it takes."""
     node_name: str | None = None
     """Watch only this Node (all of them if None): a node's local state needs no other."""
+    max_list_bytes: int = MAX_BODY
+    """The largest page of a list read, decoded (``--max-list-bytes``)."""
+    max_event_bytes: int = MAX_LINE
+    """The longest watch event read (``--max-event-bytes``)."""
     settings: ReflectorSettings = field(default_factory=ReflectorSettings)
     orphan_check_s: float = 30.0
     """After the first lists, how often slices without their Service are looked for. One is
@@ -152,7 +156,9 @@ class KubeSource:
         options = self.options
         self.connection = await load_connection(options.kubeconfig, options.context)
         svc_res, slice_res, node_res, cidr_res = resources(options.proxy_name, options.node_name)
-        async with ApiClient(self.connection) as client:
+        async with ApiClient(
+            self.connection, max_body=options.max_list_bytes, max_line=options.max_event_bytes
+        ) as client:
             # The four watch one server: a bookmark on any of them says that it sends some, so
             # that a silent watch is a fault even on a collection that has had none yet.
             def seen() -> bool:
