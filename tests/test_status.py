@@ -507,6 +507,14 @@ def test_to_api_reports_its_watches(
         assert samples[watches] == 1
         assert samples[("kpng_api_change_sets_total", (("state", "local"),))] >= 1
         assert samples[("kpng_api_watches", (("state", "global"),))] == 0
+        # Its first state was sent: no watch waits for a turn, none was ended.
+        for name in (
+            "kpng_api_first_states_waiting",
+            "kpng_api_first_state_oldest_wait_seconds",
+            "kpng_api_first_states_parked",
+            "kpng_api_watches_ended_total",
+        ):
+            assert samples[(name, ())] == 0, name
         assert _get(f"{base}/healthz")[0] == 200  # no backends: synced sources are enough
         assert samples[("kpng_healthy", ())] == 1
         client.terminate()

@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -193,8 +194,8 @@ class Turns:
         """Every turn not ended, progressing or parked, in the order they were taken."""
         self._parked: dict[Turn, None] = {}
         self._watchdog: asyncio.Task[None] | None = None
-        self.waiting = 0
-        """Holders waiting for a turn."""
+        self._waiting: dict[object, float] = {}
+        """Holders waiting for a turn, by when they began to (monotonic), oldest first."""
         self.ended = 0
         """Watches ended for not reading their first state."""
         self._quiet_until = -math.inf
@@ -204,14 +205,24 @@ class Turns:
     def parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def waiting(self) -> int:
+        """Holders waiting for a turn."""
+        return len(self._waiting)
+
+    def oldest_wait(self, now: float) -> float:
+        """How long the holder waiting longest has waited at monotonic time ``now`` (0: none)."""
+        return now - next(iter(self._waiting.values()), now)
+
     async def take(self, stream_end: Ended, who: str = "") -> Turn:
         """Wait for a turn. ``stream_end`` ends the holder's watch, should it stall; ``who``
         names it in the log."""
-        self.waiting += 1
+        waiter = object()
+        self._waiting[waiter] = time.monotonic()
         try:
             await self._free.acquire()
         finally:
-            self.waiting -= 1
+            del self._waiting[waiter]
         turn = Turn(self, stream_end, who)
         self._turns[turn] = None
         if self._watchdog is None or self._watchdog.done():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from kpng.status import Sample, Status
 from kpng.store import Store
 
 if TYPE_CHECKING:
+    from kpng.server.hub import Turns
     from kpng.server.serving import WatchStats
 
 
@@ -93,7 +95,9 @@ def _create(
         )
 
     def started(server: serving.Serving) -> None:
-        status.samplers.append(functools.partial(_samples, server.watch.stats))
+        status.samplers.append(
+            functools.partial(_samples, server.watch.stats, server.watch.first_states)
+        )
 
     async def run() -> None:
         if args.token_audience is None:
@@ -128,7 +132,7 @@ DEFAULT_NODE_USER = "system:serviceaccount:kube-system:kpng-node"
 """deploy/kpng-central.yaml's node agents."""
 
 
-def _samples(stats: WatchStats) -> Iterator[Sample]:
+def _samples(stats: WatchStats, turns: Turns) -> Iterator[Sample]:
     for kind in ("local", "global"):
         labels = (("state", kind),)
         yield Sample(
@@ -148,6 +152,27 @@ def _samples(stats: WatchStats) -> Iterator[Sample]:
         "kpng_api_watches_refused",
         "watches refused: no valid token, or a token asking for another node's state",
         stats.refused,
+        counter=True,
+    )
+    yield Sample(
+        "kpng_api_first_states_waiting",
+        "node-local watches waiting for their turn to receive a first state",
+        turns.waiting,
+    )
+    yield Sample(
+        "kpng_api_first_state_oldest_wait_seconds",
+        "how long the watch waiting longest for its first state has waited",
+        turns.oldest_wait(time.monotonic()),
+    )
+    yield Sample(
+        "kpng_api_first_states_parked",
+        "first states kept for watchers that stalled while reading them",
+        turns.parked,
+    )
+    yield Sample(
+        "kpng_api_watches_ended",
+        "watches ended for not reading their first state",
+        turns.ended,
         counter=True,
     )
 
