@@ -145,7 +145,7 @@ def test_a_request_without_an_answer_is_counted_as_client_go_counts_it() -> None
     asyncio.run(scenario())
     requests = metrics.HOSTS[metrics.host_label(server)]
     assert requests.results == {"GET": {metrics.NO_ANSWER: 2}}
-    assert requests.durations["GET"].count == 2
+    assert requests.durations["GET"].cumulative()[-1] == 2
     series = _series(scrape(Status(timeout=1.0)).decode(), "rest_client_requests_total")
     labels = (("code", "<error>"), ("host", metrics.host_label(server)), ("method", "GET"))
     assert series[("rest_client_requests_total", labels)] == 2
@@ -161,3 +161,14 @@ def test_a_request_without_an_answer_is_counted_as_client_go_counts_it() -> None
 )
 def test_the_host_label_is_the_urls_host_as_written(server: str, host: str) -> None:
     assert metrics.host_label(server) == host
+
+
+def test_a_duration_on_a_bound_counts_under_it_and_one_past_the_last_only_under_inf() -> None:
+    durations = metrics.Durations()
+    for seconds in (0.005, 0.0051, 60.0, 61.0):
+        durations.observe(seconds)
+    cumulative = durations.cumulative()
+    assert cumulative[0] == 1  # le="0.005"
+    assert cumulative[1] == 2  # le="0.025"
+    assert cumulative[-2:] == [3, 4]  # le="60", le="+Inf"
+    assert durations.sum == pytest.approx(121.0101)

@@ -9,9 +9,9 @@ reviews) counts here, and a scrape reads the counts. Kept apart from ``client`` 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from urllib.parse import urlsplit
-
-from kpng.feeding import Histogram
 
 BUCKETS_S = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 """client-go's buckets of ``rest_client_request_duration_seconds`` (since Kubernetes 1.24)."""
@@ -20,6 +20,26 @@ NO_ANSWER = 0
 """The status under which a request that got no answer is counted: client-go's ``<error>``."""
 
 NO_ANSWER_CODE = "<error>"
+
+
+class Durations:
+    """A histogram over ``BUCKETS_S``: an observation is one binary search and one increment
+    (counted in its own bucket; made cumulative, as Prometheus writes them, when scraped)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS_S) + 1)
+        """By bucket, the last one past 60 s."""
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[int]:
+        """Observations at most each bound of ``BUCKETS_S``, then all of them."""
+        return list(itertools.accumulate(self.counts.copy()))
 
 
 class HostRequests:
@@ -35,7 +55,7 @@ class HostRequests:
         self.host = host
         self.results: dict[str, dict[int, int]] = {}
         """By method, then status (``NO_ANSWER``: none): requests."""
-        self.durations: dict[str, Histogram] = {}
+        self.durations: dict[str, Durations] = {}
         """By method: from a request's start to its whole answer, or a watch's head."""
 
     def answered(self, method: str, status: int) -> None:
@@ -47,7 +67,7 @@ class HostRequests:
     def took(self, method: str, seconds: float) -> None:
         histogram = self.durations.get(method)
         if histogram is None:
-            histogram = self.durations[method] = Histogram(BUCKETS_S)
+            histogram = self.durations[method] = Durations()
         histogram.observe(seconds)
 
 

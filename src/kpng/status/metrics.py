@@ -281,7 +281,10 @@ def _rest_client() -> Iterator[Family]:
             for status, n in sorted(by_status.copy().items()):
                 results.add([kubeclient.code_label(status), method, requests.host], n)
         for method, observed in list(requests.durations.items()):
-            durations.add_histogram([method, requests.host], *_buckets(observed))
+            counts = observed.cumulative()
+            bounds = [*(f"{b:g}" for b in kubeclient.BUCKETS_S), "+Inf"]
+            buckets = list(zip(bounds, counts, strict=True))
+            durations.add_histogram([method, requests.host], buckets, observed.sum)
     yield results
     yield durations
 
