@@ -10,12 +10,14 @@ import contextlib
 import logging
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from kpng.http1 import HttpClient, HttpError, Response
+from kpng.kubeclient import metrics
 from kpng.kubeclient.config import Connection
 from kpng.logs import printable
 
@@ -113,6 +115,7 @@ class ApiClient:
         self._session: _Session | None = None
         self._retired: list[_Session] = []
         """Sessions of replaced client certificates, closed once their last request ends."""
+        self._requests = metrics.for_server(connection.server)
 
     def _open(self) -> _Session:
         http = HttpClient(
@@ -156,27 +159,44 @@ class ApiClient:
         path: str,
         params: Mapping[str, str] | None = None,
         body: bytes | None = None,
+        *,
+        stream: bool = False,
     ) -> AsyncIterator[Response]:
         """One request with the connection's headers, proxy and TLS name; its response's body
-        must be read within the block."""
-        # Headers first: an exec plugin run for them may bring a new client certificate.
-        headers = await self._headers()
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        session = await self._current()
-        session.in_flight += 1
+        must be read within the block. Counted as client-go counts: by the status of its answer
+        or as having none, and timed to the end of the block, or for a ``stream`` (a watch,
+        which lasts minutes) to the answer's head."""
+        requests = self._requests
+        start = time.monotonic()
+        head = False
         try:
-            async with session.http.request(
-                method,
-                self.connection.server + path,
-                params=params,
-                headers=headers,
-                body=body,
-                server_hostname=self.connection.tls_server_name,
-            ) as response:
-                yield response
+            # Headers first: an exec plugin run for them may bring a new client certificate.
+            headers = await self._headers()
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            session = await self._current()
+            session.in_flight += 1
+            try:
+                async with session.http.request(
+                    method,
+                    self.connection.server + path,
+                    params=params,
+                    headers=headers,
+                    body=body,
+                    server_hostname=self.connection.tls_server_name,
+                ) as response:
+                    head = True
+                    requests.answered(method, response.status)
+                    if stream:
+                        requests.took(method, time.monotonic() - start)
+                    yield response
+            finally:
+                session.in_flight -= 1
         finally:
-            session.in_flight -= 1
+            if not head:
+                requests.answered(method, metrics.NO_ANSWER)
+            if not (head and stream):
+                requests.took(method, time.monotonic() - start)
 
     async def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "kpng"}
@@ -238,7 +258,9 @@ class ApiClient:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(_CONNECT_TIMEOUT_S + idle_timeout):
-                    response = await stack.enter_async_context(self._request("GET", path, params))
+                    response = await stack.enter_async_context(
+                        self._request("GET", path, params, stream=True)
+                    )
             except (HttpError, OSError, ValueError) as exc:
                 raise TransportError(self._describe(exc)) from exc
             if response.status != 200:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 from kpng.feeding import FeederStats, Histogram
+from kpng.kubeclient import metrics as kubeclient
 from kpng.status import FAMILIES, Status, Verdict
 from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
 
@@ -40,6 +41,7 @@ class _StatusFamilies:
         )
         yield from self._samples()
         yield from self._kube_proxy()
+        yield from _rest_client()
 
     def _kube_proxy(self) -> Iterator[Family]:
         """kube-proxy's metrics. A sync counts once the rules of every backend fed directly
@@ -252,6 +254,39 @@ class _StatusFamilies:
             for kind, n in sorted(sync.repairs.items()):
                 repairs.add([feeder.name, kind], n)
         yield from (refused, repairs, diverged)
+
+
+def _rest_client() -> Iterator[Family]:
+    """client-go's metrics of the requests to the API server, as kube-proxy exports them;
+    none before kpng's first request (a kpng without an API server has none), as client-go
+    writes no family that has no series."""
+    hosts = list(kubeclient.HOSTS.values())
+    if not hosts:
+        return
+    results = counter(
+        "rest_client_requests_total",
+        "Requests to the API server, by HTTP status of the answer (<error>: none came), "
+        "method and host",
+        labels=["code", "method", "host"],
+    )
+    durations = histogram(
+        "rest_client_request_duration_seconds",
+        "Seconds from a request to the API server to its whole answer (a watch: to the "
+        "answer's head), by verb and host",
+        labels=["verb", "host"],
+    )
+    for requests in hosts:
+        # Copied first: the pipeline's thread may count a new method or status meanwhile.
+        for method, by_status in list(requests.results.items()):
+            for status, n in sorted(by_status.copy().items()):
+                results.add([kubeclient.code_label(status), method, requests.host], n)
+        for method, observed in list(requests.durations.items()):
+            counts = observed.cumulative()
+            bounds = [*(f"{b:g}" for b in kubeclient.BUCKETS_S), "+Inf"]
+            buckets = list(zip(bounds, counts, strict=True))
+            durations.add_histogram([method, requests.host], buckets, observed.sum)
+    yield results
+    yield durations
 
 
 def _merged(histograms: Iterable[Histogram]) -> Histogram:
