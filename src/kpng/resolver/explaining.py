@@ -299,10 +299,13 @@ def explain_service(
     chosen_from = {id(ep): sl.name for sl in ordered for ep in sl.endpoints}
     notes = [] if zone else [Reason("no-zone", f"node {node} has no zone: zone hints never apply")]
     ports = []
+    by_port: dict[int, list[PortDecision]] = {}
+    for d in trace.decisions:
+        by_port.setdefault(d.port, []).append(d)
     for p, (port, served_port) in enumerate(
         zip(service.Ports, resolved.service.Ports, strict=True)
     ):
-        port_decisions = [d for d in trace.decisions if d.port == p]
+        port_decisions = by_port.get(p, [])
         families = served_port.UsableEndpoints
         usable = tuple(
             _family(v6)
@@ -311,8 +314,8 @@ def explain_service(
         )
         endpoints = []
         for sl in ordered:
+            number = _slice_port(sl, port)
             for ep in sl.endpoints:
-                number = _slice_port(sl, port)
                 if sl.v6 not in trace.families:
                     endpoints.append(
                         _unused(
