@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.layout import Options
-from kpng.client import Backoff, NodeState
+from kpng.client import Backoff, KpngError, NodeState, ProxyMode
 from kpng.feeding import Fanout, Feeder, SyncStats, no_local_endpoints
 from kpng.model import k8s
 from kpng.model.cluster import ServiceKey, Slice
@@ -125,6 +125,49 @@ class _Recorder:
 
     async def close(self) -> None:
         pass
+
+
+class _Refusing(_Recorder):
+    """A backend whose every sync fails (the kernel refuses its rules)."""
+
+    async def apply(self, state: NodeState) -> bool:
+        raise KpngError("refused")
+
+
+def _failed_once(modes: dict[str, ProxyMode]) -> Samples:
+    """A scrape once each backend named (``to-iptables``, ``to-nft``...), of the kube-proxy mode
+    given, failed one sync."""
+
+    async def scenario() -> Samples:
+        status = Status(timeout=60.0)
+        feeders = [Feeder(n, _Refusing(), proxy_mode=mode) for n, mode in modes.items()]
+        status.track(Fanout(feeders))
+        for feeder in feeders:
+            feeder.offer(keyed_state(1, {}))
+            assert not await feeder.feed_pending(stop_on_failure=True)
+        return _scrape(status)
+
+    return asyncio.run(scenario())
+
+
+IPTABLES_FAILURES = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+NFTABLES_FAILURES = "kubeproxy_sync_proxy_rules_nftables_sync_failures_total"
+
+
+def test_an_iptables_backends_failures_are_iptables_restore_failures_only() -> None:
+    """kube-proxy registers its own mode's failure counter alone: an iptables-mode alert reads
+    ``iptables_restore_failures_total``, and an nftables counter would be a mode not running."""
+    samples = _failed_once({"to-iptables": "iptables"})
+    for fam in (IPV4, IPV6):
+        assert samples[(IPTABLES_FAILURES, fam)] == 1
+    assert not [name for name, _ in samples if "nftables" in name]
+
+
+def test_each_backend_counts_its_failures_under_its_own_mode() -> None:
+    samples = _failed_once({"to-iptables": "iptables", "to-nft": "nftables", "to-x": "nftables"})
+    for fam in (IPV4, IPV6):
+        assert samples[(IPTABLES_FAILURES, fam)] == 1
+        assert samples[(NFTABLES_FAILURES, fam)] == 2
 
 
 def _slice(name: str, ip: str, trigger: float, *, v6: bool = False) -> Slice:

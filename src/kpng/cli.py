@@ -371,7 +371,14 @@ def _backends(
             backend = spec.create(args, sync)
             # A one-shot run stops at any backend's first failure: nobody waits for the retry.
             feeders.append(
-                Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs, once=once)
+                Feeder(
+                    name,
+                    backend,
+                    sync=sync,
+                    reports_syncs=spec.reports_syncs,
+                    proxy_mode=spec.proxy_mode,
+                    once=once,
+                )
             )
         return status.track(Fanout(feeders))
 

@@ -166,9 +166,14 @@ class Status:
         return fanout
 
     @property
+    def direct(self) -> list[Feeder]:
+        """The backends fed directly (those whose rules are the node's)."""
+        return [feeder for fanout in self.fanouts for feeder in fanout.feeders]
+
+    @property
     def syncs(self) -> list[SyncStats]:
-        """The sync stats of the backends fed directly (those whose rules are the node's)."""
-        return [feeder.sync for fanout in self.fanouts for feeder in fanout.feeders]
+        """The sync stats of the backends fed directly."""
+        return [feeder.sync for feeder in self.direct]
 
     def _published(self, published: Published) -> None:
         counters = self.counters

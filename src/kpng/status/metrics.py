@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
+from kpng.client import ProxyMode
 from kpng.feeding import FeederStats, Histogram
 from kpng.status import FAMILIES, Status, Verdict
 from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
@@ -79,14 +80,12 @@ class _StatusFamilies:
                 # As kube-proxy, which sets it when it starts waiting for its informers.
                 max(queued, default=status.started),
             )
-            yield _per_family(
-                counter(
-                    "kubeproxy_sync_proxy_rules_nftables_sync_failures",
-                    "Cumulative proxy nftables sync failures",
-                    labels=family,
-                ),
-                sum(s.failures for s in syncs),
-            )
+            failed: dict[ProxyMode, int] = {}
+            for feeder in status.direct:
+                failed[feeder.proxy_mode] = failed.get(feeder.proxy_mode, 0) + feeder.sync.failures
+            for mode, n in sorted(failed.items()):
+                name, text = _SYNC_FAILURES[mode]
+                yield _per_family(counter(name, text, labels=family), n)
             no_local = gauge(
                 "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
                 "Number of services with a Local traffic policy and no endpoints",
@@ -252,6 +251,23 @@ class _StatusFamilies:
             for kind, n in sorted(sync.repairs.items()):
                 repairs.add([feeder.name, kind], n)
         yield from (refused, repairs, diverged)
+
+
+_SYNC_FAILURES: dict[ProxyMode, tuple[str, str]] = {
+    "nftables": (
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+        "Cumulative proxy nftables sync failures",
+    ),
+    "iptables": (
+        "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+        "Cumulative proxy iptables restore failures",
+    ),
+}
+"""Each mode's counter of failed syncs, as kube-proxy registers only its own mode's: an alert
+written for iptables mode must see to-iptables' refused restores. (nftables mode's other
+counter, ``nftables_cleanup_failures_total``, counts the separate transaction deleting stale
+chains: to-nft deletes them in the sync's own transaction, so it has no such failure to count,
+and kube-proxy shows no series before its first.)"""
 
 
 def _merged(histograms: Iterable[Histogram]) -> Histogram:
