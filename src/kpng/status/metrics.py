@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from kpng.client import ProxyMode
 from kpng.feeding import FeederStats, Histogram
-from kpng.status import FAMILIES, Status, Verdict
+from kpng.status import FAMILIES, Reconciles, Status, Verdict
 from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
 
 
@@ -98,6 +98,7 @@ class _StatusFamilies:
                     latest = max(syncs, key=lambda s: s.revision)
                     no_local.add([policy, fam], latest.no_local_endpoints.get((policy, fam), 0))
             yield no_local
+        yield from _conntrack(status.conntrack)
         programming = histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
@@ -270,6 +271,27 @@ chains: to-nft deletes them in the sync's own transaction, so it has no such fai
 and kube-proxy shows no series before its first.)"""
 
 
+def _conntrack(reconciled: Mapping[str, Reconciles]) -> Iterator[Family]:
+    """kube-proxy's conntrack reconciler, as the backends' clean-up of stale UDP flows ran."""
+    if not reconciled:
+        return
+    seconds = histogram(
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+        "ReconcileConntrackFlowsLatency latency in seconds",
+        labels=["ip_family"],
+    )
+    deleted = counter(
+        "kubeproxy_conntrack_reconciler_deleted_entries",
+        "Cumulative conntrack flows deleted by conntrack reconciler",
+        labels=["ip_family"],
+    )
+    for fam in FAMILIES:
+        if (done := reconciled.get(fam)) is not None:
+            seconds.add_histogram([fam], *_buckets(done))
+            deleted.add([fam], done.deleted)
+    yield from (seconds, deleted)
+
+
 def _merged(histograms: Iterable[Histogram]) -> Histogram:
     merged = Histogram()
     for h in histograms:
@@ -279,7 +301,7 @@ def _merged(histograms: Iterable[Histogram]) -> Histogram:
     return merged
 
 
-def _buckets(observed: Histogram) -> tuple[list[tuple[str, float]], float]:
+def _buckets(observed: Histogram | Reconciles) -> tuple[list[tuple[str, float]], float]:
     bounds = zip(observed.bounds, observed.buckets, strict=True)
     return [*((f"{b:g}", n) for b, n in bounds), ("+Inf", observed.count)], observed.sum
 
