@@ -487,3 +487,32 @@ def test_the_reconciler_counts_what_conntrack_says_it_deleted_and_skips_an_unlis
     samples = _scrape(Status(timeout=60.0, conntrack=reconciled))
     assert samples[(RECONCILED_DELETED, IPV4)] == 2
     assert (RECONCILED_DELETED, IPV6) not in samples
+
+
+def test_the_sync_durations_have_kube_proxys_ip_family_and_buckets() -> None:
+    """All three (every sync, full, partial) are per ``ip_family`` in 1.37, a sync of kpng's
+    ``inet`` table counting for both; nftables mode's cleanup counter is absent, as kube-proxy
+    shows none before a failure of a cleanup transaction kpng does not have."""
+
+    async def scenario() -> Samples:
+        status = Status(timeout=60.0)
+        fanout = status.track(Fanout([("to-x", _Recorder())]))
+        await fanout.apply(keyed_state(1, {}))
+        await fanout.apply(keyed_state(2, {}, updated=()))
+        return _scrape(status)
+
+    samples = asyncio.run(scenario())
+    for name, count in (
+        ("kubeproxy_sync_proxy_rules_duration_seconds", 2),
+        ("kubeproxy_sync_full_proxy_rules_duration_seconds", 1),
+        ("kubeproxy_sync_partial_proxy_rules_duration_seconds", 1),
+    ):
+        for fam in (IPV4, IPV6):
+            assert samples[(f"{name}_count", fam)] == count
+            les = [
+                dict(labels)["le"]
+                for n, labels in samples
+                if n == f"{name}_bucket" and dict(labels)["ip_family"] == fam[0][1]
+            ]
+            assert les == KUBE_PROXY_SYNC_BUCKETS
+    assert not [n for n, _ in samples if "cleanup_failures" in n]

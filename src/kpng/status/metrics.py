@@ -3,8 +3,9 @@
 Values are read when scraped, from the store, the backends' ``FeederStats`` and ``SyncStats``
 and ``Status.counters``: nothing is counted twice and a scrape walks no service. kpng's own
 ``kpng_*`` names are per backend; kube-proxy's ``kubeproxy_*`` names, with their labels, types,
-buckets and meanings (Kubernetes 1.37, nftables mode; unchanged since 1.35), describe the
-node's rules as a whole, so kube-proxy's dashboards and alerts read kpng unchanged.
+buckets and meanings (Kubernetes 1.37, nftables mode, but for the failures of a backend that
+programs as iptables mode does), describe the node's rules as a whole, so kube-proxy's
+dashboards and alerts read kpng unchanged.
 """
 
 from __future__ import annotations
