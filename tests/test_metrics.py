@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.layout import Options
-from kpng.client import Backoff, NodeState
+from kpng.client import Backoff, KpngError, NodeState, ProxyMode
 from kpng.feeding import Fanout, Feeder, SyncStats, no_local_endpoints
 from kpng.model import k8s
 from kpng.model.cluster import ServiceKey, Slice
@@ -125,6 +126,49 @@ class _Recorder:
 
     async def close(self) -> None:
         pass
+
+
+class _Refusing(_Recorder):
+    """A backend whose every sync fails (the kernel refuses its rules)."""
+
+    async def apply(self, state: NodeState) -> bool:
+        raise KpngError("refused")
+
+
+def _failed_once(modes: dict[str, ProxyMode]) -> Samples:
+    """A scrape once each backend named (``to-iptables``, ``to-nft``...), of the kube-proxy mode
+    given, failed one sync."""
+
+    async def scenario() -> Samples:
+        status = Status(timeout=60.0)
+        feeders = [Feeder(n, _Refusing(), proxy_mode=mode) for n, mode in modes.items()]
+        status.track(Fanout(feeders))
+        for feeder in feeders:
+            feeder.offer(keyed_state(1, {}))
+            assert not await feeder.feed_pending(stop_on_failure=True)
+        return _scrape(status)
+
+    return asyncio.run(scenario())
+
+
+IPTABLES_FAILURES = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+NFTABLES_FAILURES = "kubeproxy_sync_proxy_rules_nftables_sync_failures_total"
+
+
+def test_an_iptables_backends_failures_are_iptables_restore_failures_only() -> None:
+    """kube-proxy registers its own mode's failure counter alone: an iptables-mode alert reads
+    ``iptables_restore_failures_total``, and an nftables counter would be a mode not running."""
+    samples = _failed_once({"to-iptables": "iptables"})
+    for fam in (IPV4, IPV6):
+        assert samples[(IPTABLES_FAILURES, fam)] == 1
+    assert not [name for name, _ in samples if "nftables" in name]
+
+
+def test_each_backend_counts_its_failures_under_its_own_mode() -> None:
+    samples = _failed_once({"to-iptables": "iptables", "to-nft": "nftables", "to-x": "nftables"})
+    for fam in (IPV4, IPV6):
+        assert samples[(IPTABLES_FAILURES, fam)] == 1
+        assert samples[(NFTABLES_FAILURES, fam)] == 2
 
 
 def _slice(name: str, ip: str, trigger: float, *, v6: bool = False) -> Slice:
@@ -374,3 +418,101 @@ def test_refused_services_and_drift_repairs_are_on_metrics_and_in_the_state_view
     assert isinstance(refused, dict)
     assert list(refused["to-nft"]) == ["ns/Bad_Name!"]
     assert "not a Kubernetes name" in refused["to-nft"]["ns/Bad_Name!"]
+
+
+KUBE_PROXY_SYNC_BUCKETS = [
+    "0.001", "0.002", "0.004", "0.008", "0.016", "0.032", "0.064", "0.128", "0.256", "0.512",
+    "1.024", "2.048", "4.096", "8.192", "16.384", "+Inf",
+]  # fmt: skip
+"""kube-proxy's ExponentialBuckets(0.001, 2, 15), of its sync and reconciler durations."""
+RECONCILED_S = "kubeproxy_conntrack_reconciler_sync_duration_seconds"
+RECONCILED_DELETED = "kubeproxy_conntrack_reconciler_deleted_entries_total"
+
+
+def test_the_udp_conntrack_cleanup_is_kube_proxys_conntrack_reconciler() -> None:
+    """Each family's reconciliation after a sync is timed, in kube-proxy's buckets, and its
+    deleted flows counted; before the first there is no series, as in kube-proxy."""
+    from kpng.backends._conntrack import Flow, Reconciled
+    from kpng.backends._nftables.fake import FakeNft
+    from tests.test_nft_backend import TO_2, FakeConntrack, _state, _udp_ep, _udp_service
+
+    async def scenario() -> tuple[Samples, Samples]:
+        reconciled: dict[str, Reconciled] = {}
+        v6 = Flow("fd00::10", "53", "fd00:244::9", "5353")  # to an endpoint gone
+        conntrack = FakeConntrack(TO_2, v6, reconciled=reconciled)
+        syncs = SyncStats()
+        backend = NftBackend(nft=FakeNft(), options=Options(), conntrack=conntrack, syncs=syncs)
+        status = Status(timeout=60.0, conntrack=reconciled)
+        status.track(Fanout([Feeder("to-nft", backend, sync=syncs, reports_syncs=True)]))
+        before = _scrape(status)
+        await status.fanouts[0].apply(_state(1, {WEB: _udp_service(_udp_ep("10.244.1.3"))}))
+        return before, _scrape(status)
+
+    before, after = asyncio.run(scenario())
+    assert not [name for name, _ in before if name.startswith("kubeproxy_conntrack_")]
+    # The v6 flow's service has no IPv6 frontend: that family is reconciled, nothing deleted.
+    assert after[(RECONCILED_DELETED, IPV4)] == 1
+    assert after[(RECONCILED_DELETED, IPV6)] == 0
+    for fam in (IPV4, IPV6):
+        assert after[(f"{RECONCILED_S}_count", fam)] == 1
+        bounds = [labels for name, labels in after if name == f"{RECONCILED_S}_bucket"]
+        les = [dict(labels)["le"] for labels in bounds if dict(labels)["ip_family"] == fam[0][1]]
+        assert les == KUBE_PROXY_SYNC_BUCKETS
+
+
+def test_the_reconciler_counts_what_conntrack_says_it_deleted_and_skips_an_unlisted_family(
+    tmp_path: Path,
+) -> None:
+    """The deleted count is the tool's own; a family it cannot list (no IPv6 on the node) is
+    neither timed nor counted, as kube-proxy returns before observing."""
+    from kpng.backends._conntrack import Conntrack, Reconciled
+
+    tool = tmp_path / "conntrack"
+    tool.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *"-L -p udp -f ipv4"*) echo "udp 17 29 src=10.0.0.1 dst=10.96.0.10 sport=1000 '
+        'dport=53 src=10.244.1.2 dst=10.0.0.1 sport=5353 dport=1000 mark=0 use=1";;\n'
+        '  *"-f ipv6"*) echo "conntrack v1.4.7 (conntrack-tools): no IPv6" >&2; exit 1;;\n'
+        '  -D*) echo "conntrack v1.4.7 (conntrack-tools): 2 flow entries have been deleted." '
+        ">&2;;\n"
+        "esac\n"
+    )
+    tool.chmod(0o755)
+    reconciled: dict[str, Reconciled] = {}
+    frontends = {("10.96.0.10", "53"): frozenset({("10.244.1.3", "5353")})}
+    asyncio.run(Conntrack(str(tool), reconciled).clean_stale(frontends))
+    assert list(reconciled) == ["IPv4"]
+    assert (reconciled["IPv4"].count, reconciled["IPv4"].deleted) == (1, 2)
+    samples = _scrape(Status(timeout=60.0, conntrack=reconciled))
+    assert samples[(RECONCILED_DELETED, IPV4)] == 2
+    assert (RECONCILED_DELETED, IPV6) not in samples
+
+
+def test_the_sync_durations_have_kube_proxys_ip_family_and_buckets() -> None:
+    """All three (every sync, full, partial) are per ``ip_family`` in 1.37, a sync of kpng's
+    ``inet`` table counting for both; nftables mode's cleanup counter is absent, as kube-proxy
+    shows none before a failure of a cleanup transaction kpng does not have."""
+
+    async def scenario() -> Samples:
+        status = Status(timeout=60.0)
+        fanout = status.track(Fanout([("to-x", _Recorder())]))
+        await fanout.apply(keyed_state(1, {}))
+        await fanout.apply(keyed_state(2, {}, updated=()))
+        return _scrape(status)
+
+    samples = asyncio.run(scenario())
+    for name, count in (
+        ("kubeproxy_sync_proxy_rules_duration_seconds", 2),
+        ("kubeproxy_sync_full_proxy_rules_duration_seconds", 1),
+        ("kubeproxy_sync_partial_proxy_rules_duration_seconds", 1),
+    ):
+        for fam in (IPV4, IPV6):
+            assert samples[(f"{name}_count", fam)] == count
+            les = [
+                dict(labels)["le"]
+                for n, labels in samples
+                if n == f"{name}_bucket" and dict(labels)["ip_family"] == fam[0][1]
+            ]
+            assert les == KUBE_PROXY_SYNC_BUCKETS
+    assert not [n for n, _ in samples if "cleanup_failures" in n]

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kpng.backends._conntrack import Conntrack, Flow
+from kpng.backends._conntrack import Conntrack, Flow, Reconciled
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import AFFINITY_SETS, TABLE, Options, affinity_id, contribute
@@ -526,15 +526,15 @@ def test_affinity_is_one_memory_for_cluster_ips_node_ports_and_external_ips() ->
 class FakeConntrack(Conntrack):
     """A conntrack table of UDP flows: ``delete`` removes those its filters match."""
 
-    def __init__(self, *flows: Flow) -> None:
-        super().__init__()
+    def __init__(self, *flows: Flow, reconciled: dict[str, Reconciled] | None = None) -> None:
+        super().__init__(reconciled={} if reconciled is None else reconciled)
         self.flows = list(flows)
         self.deleted: list[list[str]] = []
 
-    async def udp_flows(self) -> list[Flow]:
-        return list(self.flows)
+    async def udp_flows(self, family: str) -> list[Flow]:
+        return [f for f in self.flows if (":" in f.reply_src) == (family == "ipv6")]
 
-    async def delete(self, filters: Sequence[str]) -> None:
+    async def delete(self, filters: Sequence[str]) -> int:
         self.deleted.append(list(filters))
         want = dict(zip(filters[::2], filters[1::2], strict=False))
         fields = {
@@ -543,11 +543,13 @@ class FakeConntrack(Conntrack):
             "--reply-src": "reply_src",
             "--reply-port-src": "reply_sport",
         }
-        self.flows = [
+        kept = [
             f
             for f in self.flows
             if not all(getattr(f, fields[k]) == v for k, v in want.items() if k in fields)
         ]
+        gone, self.flows = len(self.flows) - len(kept), kept
+        return gone
 
 
 TO_2 = Flow("10.96.0.10", "53", "10.244.1.2", "5353")

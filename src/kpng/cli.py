@@ -26,6 +26,7 @@ from typing import NoReturn
 
 from kpng import heap, sinks, sources, subcommands
 from kpng.backends import registry
+from kpng.backends._conntrack import RECONCILED
 from kpng.backends.registry import BackendSpec
 from kpng.errors import EXIT_ERROR, EXIT_USAGE, KpngError, UsageError
 from kpng.feeding import Fanout, Feeder, SyncStats
@@ -245,7 +246,7 @@ def build(argv: Sequence[str]) -> Pipeline:
     if not segments:
         _main_parser().print_usage(sys.stderr)
         raise UsageError(f"a source is required ({', '.join(SOURCES)}); see kpng --help")
-    status = Status(timeout=options.healthz_timeout)
+    status = Status(timeout=options.healthz_timeout, conntrack=RECONCILED)
     source_spec = SOURCES[segments[0].name]
     source_args = _parser(
         f"kpng {source_spec.name}", source_spec.help, source_spec.add_arguments
@@ -371,7 +372,14 @@ def _backends(
             backend = spec.create(args, sync)
             # A one-shot run stops at any backend's first failure: nobody waits for the retry.
             feeders.append(
-                Feeder(name, backend, sync=sync, reports_syncs=spec.reports_syncs, once=once)
+                Feeder(
+                    name,
+                    backend,
+                    sync=sync,
+                    reports_syncs=spec.reports_syncs,
+                    proxy_mode=spec.proxy_mode,
+                    once=once,
+                )
             )
         return status.track(Fanout(feeders))
 

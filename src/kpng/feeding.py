@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import msgspec
 
-from kpng.client import Backend, Backoff, NodeState
+from kpng.client import Backend, Backoff, NodeState, ProxyMode
 from kpng.errors import KpngError
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import NO_TRIGGERS, ServiceEndpoints
@@ -216,9 +216,12 @@ class Feeder:
         backoff: Backoff | None = None,
         sync: SyncStats | None = None,
         reports_syncs: bool = False,
+        proxy_mode: ProxyMode = "nftables",
         once: bool = False,
     ) -> None:
         self.name = name
+        self.proxy_mode = proxy_mode
+        """The kube-proxy mode whose metrics its syncs are counted under (its spec's)."""
         self.once = once
         """A one-shot run (``--once``): the first failure is raised, as a ``KpngError`` naming
         the backend; nobody waits for a retry, and one that cannot succeed (no privilege)

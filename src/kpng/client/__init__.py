@@ -18,7 +18,7 @@ plugin.
 
 from kpng.backoff import Backoff
 from kpng.client._diffstore import Diff, DiffStore
-from kpng.client._registering import BackendSpec, register
+from kpng.client._registering import BackendSpec, ProxyMode, register
 from kpng.client._reporting import NoReporting, SyncReporter
 from kpng.client._running import run, watch, watch_state
 from kpng.client._sinks import SinkBackend
@@ -70,6 +70,7 @@ __all__ = [
     "NodeState",
     "PortMapping",
     "PortName",
+    "ProxyMode",
     "Service",
     "ServiceEndpoints",
     "ServiceIPs",

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kpng.client._reporting import SyncReporter
 from kpng.client._state import Backend
+
+ProxyMode = Literal["nftables", "iptables"]
+"""kube-proxy's modes whose metrics a backend's syncs can stand for."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,12 @@ class BackendSpec:
     if it says it does (``reports_syncs``); other backends ignore it."""
     reports_syncs: bool = False
     """The backend reports its syncs itself: kpng does not infer them from ``apply``."""
+    proxy_mode: ProxyMode = "nftables"
+    """The kube-proxy mode whose metrics its syncs are counted under: its failures are
+    ``sync_proxy_rules_iptables_restore_failures_total`` for ``iptables``,
+    ``sync_proxy_rules_nftables_sync_failures_total`` for ``nftables``. Alerts written for one
+    mode read that mode's names only, so a backend writing iptables rules must say so; the
+    default is the mode of kpng's own ``inet`` table."""
     cleanup: Callable[[], Coroutine[Any, Any, bool]] | None = None
     """Removes what the backend leaves on the node (``kpng cleanup``); True if it found any."""
     once: Callable[[argparse.Namespace], bool] | None = None

@@ -77,6 +77,23 @@ class Sampled(Protocol):
     def labels(self) -> tuple[tuple[str, str], ...]: ...
 
 
+class Reconciles(Protocol):
+    """What ``/metrics`` reads of one family's UDP conntrack reconciliations (kube-proxy's
+    conntrack reconciler): their durations as a histogram counts them, and the flows deleted.
+    The backends' shared conntrack module (which does not import kpng's status) keeps them."""
+
+    @property
+    def bounds(self) -> tuple[float, ...]: ...
+    @property
+    def buckets(self) -> list[int]: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def sum(self) -> float: ...
+    @property
+    def deleted(self) -> int: ...
+
+
 @runtime_checkable
 class ReportsSamples(Protocol):
     """A backend with figures of its own for ``/metrics`` (to-ebpf: its programs' counters
@@ -131,6 +148,9 @@ class Status:
     samplers: list[Callable[[], Iterable[Sample]]] = field(default_factory=list)
     """What other parts (the to-api server) report, read at each scrape."""
     counters: ProxyCounters = field(default_factory=ProxyCounters)
+    conntrack: Mapping[str, Reconciles] = field(default_factory=dict)
+    """The backends' UDP conntrack reconciliations by ``ip_family``, for the whole process (the
+    CLI gives the backends' shared record; a family is there once reconciled)."""
     draining: bool = False
     """The node was draining in the last state given to the backends: what ``kpng local``,
     which has no store, knows of it (from the brain)."""
@@ -166,9 +186,14 @@ class Status:
         return fanout
 
     @property
+    def direct(self) -> list[Feeder]:
+        """The backends fed directly (those whose rules are the node's)."""
+        return [feeder for fanout in self.fanouts for feeder in fanout.feeders]
+
+    @property
     def syncs(self) -> list[SyncStats]:
-        """The sync stats of the backends fed directly (those whose rules are the node's)."""
-        return [feeder.sync for fanout in self.fanouts for feeder in fanout.feeders]
+        """The sync stats of the backends fed directly."""
+        return [feeder.sync for feeder in self.direct]
 
     def _published(self, published: Published) -> None:
         counters = self.counters
@@ -303,6 +328,7 @@ __all__ = [
     "FAMILIES",
     "FeedsOthers",
     "ProxyCounters",
+    "Reconciles",
     "ReportsSamples",
     "Sample",
     "Sampled",

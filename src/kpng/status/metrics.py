@@ -3,17 +3,19 @@
 Values are read when scraped, from the store, the backends' ``FeederStats`` and ``SyncStats``
 and ``Status.counters``: nothing is counted twice and a scrape walks no service. kpng's own
 ``kpng_*`` names are per backend; kube-proxy's ``kubeproxy_*`` names, with their labels, types,
-buckets and meanings (Kubernetes 1.37, nftables mode; unchanged since 1.35), describe the
-node's rules as a whole, so kube-proxy's dashboards and alerts read kpng unchanged.
+buckets and meanings (Kubernetes 1.37, nftables mode, but for the failures of a backend that
+programs as iptables mode does), describe the node's rules as a whole, so kube-proxy's
+dashboards and alerts read kpng unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
+from kpng.client import ProxyMode
 from kpng.feeding import FeederStats, Histogram
 from kpng.kubeclient import metrics as kubeclient
-from kpng.status import FAMILIES, Status, Verdict
+from kpng.status import FAMILIES, Reconciles, Status, Verdict
 from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
 
 
@@ -81,14 +83,12 @@ class _StatusFamilies:
                 # As kube-proxy, which sets it when it starts waiting for its informers.
                 max(queued, default=status.started),
             )
-            yield _per_family(
-                counter(
-                    "kubeproxy_sync_proxy_rules_nftables_sync_failures",
-                    "Cumulative proxy nftables sync failures",
-                    labels=family,
-                ),
-                sum(s.failures for s in syncs),
-            )
+            failed: dict[ProxyMode, int] = {}
+            for feeder in status.direct:
+                failed[feeder.proxy_mode] = failed.get(feeder.proxy_mode, 0) + feeder.sync.failures
+            for mode, n in sorted(failed.items()):
+                name, text = _SYNC_FAILURES[mode]
+                yield _per_family(counter(name, text, labels=family), n)
             no_local = gauge(
                 "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
                 "Number of services with a Local traffic policy and no endpoints",
@@ -101,6 +101,7 @@ class _StatusFamilies:
                     latest = max(syncs, key=lambda s: s.revision)
                     no_local.add([policy, fam], latest.no_local_endpoints.get((policy, fam), 0))
             yield no_local
+        yield from _conntrack(status.conntrack)
         programming = histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
@@ -289,6 +290,44 @@ def _rest_client() -> Iterator[Family]:
     yield durations
 
 
+_SYNC_FAILURES: dict[ProxyMode, tuple[str, str]] = {
+    "nftables": (
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+        "Cumulative proxy nftables sync failures",
+    ),
+    "iptables": (
+        "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+        "Cumulative proxy iptables restore failures",
+    ),
+}
+"""Each mode's counter of failed syncs, as kube-proxy registers only its own mode's: an alert
+written for iptables mode must see to-iptables' refused restores. (nftables mode's other
+counter, ``nftables_cleanup_failures_total``, counts the separate transaction deleting stale
+chains: to-nft deletes them in the sync's own transaction, so it has no such failure to count,
+and kube-proxy shows no series before its first.)"""
+
+
+def _conntrack(reconciled: Mapping[str, Reconciles]) -> Iterator[Family]:
+    """kube-proxy's conntrack reconciler, as the backends' clean-up of stale UDP flows ran."""
+    if not reconciled:
+        return
+    seconds = histogram(
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+        "ReconcileConntrackFlowsLatency latency in seconds",
+        labels=["ip_family"],
+    )
+    deleted = counter(
+        "kubeproxy_conntrack_reconciler_deleted_entries",
+        "Cumulative conntrack flows deleted by conntrack reconciler",
+        labels=["ip_family"],
+    )
+    for fam in FAMILIES:
+        if (done := reconciled.get(fam)) is not None:
+            seconds.add_histogram([fam], *_buckets(done))
+            deleted.add([fam], done.deleted)
+    yield from (seconds, deleted)
+
+
 def _merged(histograms: Iterable[Histogram]) -> Histogram:
     merged = Histogram()
     for h in histograms:
@@ -298,7 +337,7 @@ def _merged(histograms: Iterable[Histogram]) -> Histogram:
     return merged
 
 
-def _buckets(observed: Histogram) -> tuple[list[tuple[str, float]], float]:
+def _buckets(observed: Histogram | Reconciles) -> tuple[list[tuple[str, float]], float]:
     bounds = zip(observed.bounds, observed.buckets, strict=True)
     return [*((f"{b:g}", n) for b, n in bounds), ("+Inf", observed.count)], observed.sum
 

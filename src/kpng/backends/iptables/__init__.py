@@ -448,6 +448,7 @@ SPEC = register(
         add_arguments=_add_arguments,
         create=_create,
         reports_syncs=True,
+        proxy_mode="iptables",
         cleanup=cleanup,
         once=lambda args: bool(args.once),
     )
