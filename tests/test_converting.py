@@ -654,16 +654,11 @@ INVALID_SERVICE_CASES = [
         "10.96.0.300",
         id="invalid_cluster_ip",
     ),
-    pytest.param(service_obj(externalIPs=["192.0.2"]), "192.0.2", id="invalid_external_ip"),
     pytest.param(
-        service_obj(type="LoadBalancer", status=lb_status({"ip": "not-an-ip"})),
-        "not-an-ip",
-        id="invalid_lb_ingress_ip",
-    ),
-    pytest.param(
-        service_obj(type="LoadBalancer", loadBalancerSourceRanges=["10.0.0.0/33"]),
-        "10.0.0.0/33",
-        id="invalid_source_range_cidr",
+        # Lenient is decimal only: inet_aton's hex and short forms stay refused.
+        service_obj(clusterIP="0x0a.96.0.10", clusterIPs=["0x0a.96.0.10"]),
+        "0x0a.96.0.10",
+        id="cluster_ip_in_hex",
     ),
     pytest.param(
         service_obj(ports=[{"name": "http", "port": 70000}]), "70000", id="port_out_of_range"
@@ -706,6 +701,123 @@ def test_invalid_service_raises_naming_the_object(obj: k8s.Service, detail: str)
     assert "Service" in message
     assert "ns1/web" in message
     assert detail in message
+
+
+LB_VIP = lb_status({"ip": "203.0.113.3"})
+V4_LB = IPSet(V4=("203.0.113.3",), V6=())
+
+# kube-proxy reads a stored Service leniently (netutils.ParseIPSloppy / ParseCIDRSloppy, then
+# MapIPsByIPFamily / MapCIDRsByIPFamily): IPv4 parts with leading zeros are decimal (Kubernetes
+# before 1.20 stored them), and an externalIP, ingress IP or source range it cannot read is
+# skipped, logged, while the rest of the Service is served. kpng refused such a Service whole.
+LENIENT_SERVICE_CASES = [
+    pytest.param(
+        service_obj(clusterIP="010.096.000.010", clusterIPs=["010.096.000.010"]),
+        lambda svc: svc.IPs.ClusterIPs,
+        IPSet(V4=("10.96.0.10",), V6=()),
+        [],
+        id="cluster_ip_leading_zeros_are_decimal",
+    ),
+    pytest.param(
+        service_obj(externalIPs=["010.000.001.002", "192.168.001.020"]),
+        lambda svc: svc.IPs.ExternalIPs,
+        IPSet(V4=("10.0.1.2", "192.168.1.20"), V6=()),
+        [],
+        id="external_ips_leading_zeros_are_decimal",
+    ),
+    pytest.param(
+        service_obj(externalIPs=["2001:db8::010.000.000.001"]),
+        lambda svc: svc.IPs.ExternalIPs,
+        IPSet(V4=(), V6=("2001:db8::a00:1",)),
+        [],
+        id="embedded_ipv4_leading_zeros_are_decimal",
+    ),
+    pytest.param(
+        service_obj(externalIPs=["192.0.2", "198.51.100.7", "1.2.3.256"]),
+        lambda svc: svc.IPs.ExternalIPs,
+        IPSet(V4=("198.51.100.7",), V6=()),
+        ["spec.externalIPs[0]: invalid IP address '192.0.2'",
+         "spec.externalIPs[2]: invalid IP address '1.2.3.256'"],
+        id="bad_external_ip_skipped",
+    ),
+    pytest.param(
+        service_obj(externalIPs=["", " ", "198.51.100.7"]),
+        lambda svc: svc.IPs.ExternalIPs,
+        IPSet(V4=("198.51.100.7",), V6=()),
+        [],
+        id="blank_external_ips_skipped_silently",
+    ),
+    pytest.param(
+        service_obj(externalIPs=["192.0.2"]),
+        lambda svc: svc.IPs.ExternalIPs,
+        None,
+        ["spec.externalIPs[0]"],
+        id="no_external_ip_left",
+    ),
+    pytest.param(
+        service_obj(
+            type="LoadBalancer", status=lb_status({"ip": "203.000.113.003"}, {"ip": "not-an-ip"})
+        ),
+        lambda svc: svc.IPs.LoadBalancerIPs,
+        V4_LB,
+        ["status.loadBalancer.ingress[1]: invalid IP address 'not-an-ip'"],
+        id="lb_ingress_leading_zeros_read_bad_one_skipped",
+    ),
+    pytest.param(
+        service_obj(
+            type="LoadBalancer",
+            loadBalancerSourceRanges=["10.0.0.0/33", "192.168.0.0/16", "pods"],
+            status=LB_VIP,
+        ),
+        lambda svc: svc.IPFilters,
+        (IPFilter(TargetIPs=V4_LB, SourceRanges=("192.168.0.0/16",)),),
+        ["spec.loadBalancerSourceRanges[0]: invalid CIDR '10.0.0.0/33'",
+         "spec.loadBalancerSourceRanges[2]: invalid CIDR 'pods'"],
+        id="bad_source_range_skipped_the_others_filter",
+    ),
+    pytest.param(
+        service_obj(
+            type="LoadBalancer",
+            loadBalancerSourceRanges=["010.000.000.000/008", " 172.16.1.0/24 ", ""],
+            status=LB_VIP,
+        ),
+        lambda svc: svc.IPFilters,
+        (IPFilter(TargetIPs=V4_LB, SourceRanges=("10.0.0.0/8", "172.16.1.0/24")),),
+        [],
+        id="source_ranges_leading_zeros_trimmed_blank_skipped",
+    ),
+    pytest.param(
+        service_obj(
+            type="LoadBalancer",
+            loadBalancerSourceRanges=["10.0.0.1", "10.0.0.0/255.0.0.0"],
+            status=LB_VIP,
+        ),
+        lambda svc: svc.IPFilters,
+        (),
+        ["spec.loadBalancerSourceRanges[0]: invalid CIDR '10.0.0.1'",
+         "spec.loadBalancerSourceRanges[1]: invalid CIDR '10.0.0.0/255.0.0.0'",
+         "spec.loadBalancerSourceRanges: no valid range is left"],
+        id="no_range_left_filters_nothing_as_kube_proxy",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("obj", "field", "expected", "warned"), LENIENT_SERVICE_CASES)
+def test_stored_service_ips_are_read_leniently_as_kube_proxy_reads_them(
+    caplog: pytest.LogCaptureFixture,
+    obj: k8s.Service,
+    field: Callable[[Service], object],
+    expected: object,
+    warned: list[str],
+) -> None:
+    with caplog.at_level("WARNING", logger="kpng.model.converting"):
+        converted = service_from_k8s(obj)
+    assert converted is not None
+    assert field(converted) == expected
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == len(warned), messages
+    for message, detail in zip(messages, warned, strict=True):
+        assert message.startswith(f"Service ns1/web: {detail}")
 
 
 def test_service_without_name_raises_naming_kind_and_namespace() -> None:

@@ -242,9 +242,96 @@ def test_values_set_resources_replicas_conntrack_and_the_namespace() -> None:
     assert {d["metadata"].get("namespace", "networking") for d in objects} == {"networking"}
 
 
+MIGRATION_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {
+                    "matchExpressions": [
+                        {"key": "kpng.io/proxy", "operator": "In", "values": ["kpng"]}
+                    ]
+                }
+            ]
+        }
+    }
+}
+
+
+@pytest.mark.parametrize("shape", addons.SHAPES)
+@pytest.mark.parametrize(
+    ("given", "field", "expected"),
+    [
+        # Merged with the default selector, as Helm merges maps: still Linux nodes only.
+        ({"nodeSelector": {"kpng.io/proxy": "kpng"}}, "nodeSelector",
+         {"kubernetes.io/os": "linux", "kpng.io/proxy": "kpng"}),
+        ({"nodeSelector": {"kubernetes.io/os": None, "kpng.io/proxy": "kpng"}}, "nodeSelector",
+         {"kpng.io/proxy": "kpng"}),
+        ({"affinity": MIGRATION_AFFINITY}, "affinity", MIGRATION_AFFINITY),
+        ({"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "net",
+                           "effect": "NoSchedule"}]},
+         "tolerations",
+         [{"key": "dedicated", "operator": "Equal", "value": "net", "effect": "NoSchedule"}]),
+        ({"tolerations": []}, "tolerations", None),
+        ({"priorityClassName": "kpng-critical"}, "priorityClassName", "kpng-critical"),
+        ({"priorityClassName": ""}, "priorityClassName", None),
+        ({"imagePullSecrets": [{"name": "regcred"}]}, "imagePullSecrets", [{"name": "regcred"}]),
+    ],
+    ids=["node-selector", "node-selector-without-os", "affinity", "tolerations",
+         "no-tolerations", "priority-class", "no-priority-class", "image-pull-secrets"],
+)  # fmt: skip
+def test_values_place_the_node_daemonset_for_a_node_by_node_migration(
+    shape: str, given: dict[str, Any], field: str, expected: object
+) -> None:
+    """Each value lands in the node DaemonSet's pod spec (None: the field is left out), in every
+    shape; everything else renders as with the defaults."""
+    values = {**_values(shape), **copy.deepcopy(given)}
+    spec = _daemonset(chart.objects(values))
+    assert spec.get(field) == expected
+    default = _daemonset(chart.objects(_values(shape)))
+    assert {k: v for k, v in spec.items() if k != field} == {
+        k: v for k, v in default.items() if k != field
+    }
+
+
+def test_image_pull_secrets_reach_the_central_brains_too() -> None:
+    """The brains run the same image from the same registry."""
+    values = {**_values("central"), "imagePullSecrets": [{"name": "regcred"}]}
+    (brains,) = [d for d in chart.objects(values) if d["kind"] == "Deployment"]
+    assert brains["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    (default,) = [d for d in chart.objects(_values("central")) if d["kind"] == "Deployment"]
+    assert "imagePullSecrets" not in default["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        ({"type": "OnDelete"}, {"type": "OnDelete"}),
+        ({"rollingUpdate": {"maxUnavailable": "10%"}},
+         {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}),
+        ({"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+         {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}),
+        ({}, {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}),
+    ],
+    ids=["on-delete", "ten-percent", "surge", "default"],
+)  # fmt: skip
+def test_update_strategy_sets_how_nodes_take_a_new_release(
+    strategy: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    """OnDelete leaves rollingUpdate out although Helm merges the default's in: the API server
+    refuses a DaemonSet with both."""
+    (daemonset,) = [
+        d
+        for d in chart.objects({**_values(), "updateStrategy": strategy})
+        if d["kind"] == "DaemonSet"
+    ]
+    assert daemonset["spec"]["updateStrategy"] == expected
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        ({"updateStrategy": {"type": "Recreate"}}, "/updateStrategy/type"),
+        ({"imagePullSecrets": ["regcred"]}, "/imagePullSecrets/0"),
         ({"apiServer": ""}, "apiServer: the API server's real address"),
         ({"clusterCIDR": ""}, "clusterCIDR: the pod CIDRs"),
         ({"shape": "mesh"}, "/shape"),

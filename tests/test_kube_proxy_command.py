@@ -162,15 +162,15 @@ def test_configuration_fields_become_kpngs_flags(config: str, fragment: str, val
 @pytest.mark.parametrize(
     ("mode", "backend", "warned"),
     [
-        ("nftables", "to-nft", False),
-        ("iptables", "to-iptables", False),
-        ('""', "to-iptables", False),
-        ("ipvs", "to-nft", True),
+        ("nftables", "to-nft", ""),
+        ("iptables", "to-iptables", ""),
+        ('""', "to-iptables", 'field "mode" is not set'),
+        ("ipvs", "to-nft", 'field "mode" is "ipvs"'),
     ],
     ids=["nftables", "iptables", "default-is-iptables", "ipvs"],
 )
 def test_the_mode_picks_the_backend_and_the_section_its_settings_come_from(
-    mode: str, backend: str, warned: bool
+    mode: str, backend: str, warned: str
 ) -> None:
     """kube-proxy's: nftables.* for nftables mode, iptables.* otherwise (ipvs.* periods for
     ipvs); the masquerade settings of iptables.* serve ipvs too. IPVS is not programmed."""
@@ -190,8 +190,8 @@ def test_the_mode_picks_the_backend_and_the_section_its_settings_come_from(
     # section of the mode (the nftables section's is 30s here).
     sync = argv[argv.index("--sync-period") + 1]
     assert sync == ("45s" if backend == "to-iptables" else "30s")
-    assert [w.split(":")[0] for w in warnings] == (['field "mode" is "ipvs"'] if warned else [])
-    if warned:
+    assert [w.split(":")[0] for w in warnings] == ([warned] if warned else [])
+    if mode == "ipvs":
         assert "kpng cleanup kube-proxy" in warnings[0]
 
 
@@ -290,7 +290,7 @@ def test_flags_kube_proxy_refuses_are_errors_naming_the_flag(args: list[str], me
 @pytest.mark.parametrize(
     "args",
     [
-        ["--feature-gates=AllowServiceExternalIPs=false,SomeGate=true"],
+        ["--feature-gates=AllowServiceExternalIPs=false,SomeGate=true", "--proxy-mode=nftables"],
         ["--config=config.conf"],
     ],
     ids=["flag", "config-file"],
@@ -307,6 +307,92 @@ def test_allow_service_external_ips_false_serves_no_external_ip(args: list[str])
     assert "--no-external-ips" not in default
 
 
+UNSET_MODE_FLAG = (
+    "--proxy-mode is not set: iptables (to-iptables) is kube-proxy 1.37's default, but the "
+    "default becomes nftables in kube-proxy 1.40; set iptables to keep it, or nftables to move now"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "warned"),
+    [
+        ([], None, UNSET_MODE_FLAG),
+        (["--proxy-mode="], None, UNSET_MODE_FLAG),
+        (["--proxy-mode=iptables"], None, None),
+        (["--proxy-mode=nftables"], None, None),
+        (["--config=config.conf"], _edited("mode: nftables", 'mode: ""'), 'field "mode"'),
+        (["--config=config.conf"], _edited("mode: nftables\n", ""), 'field "mode"'),
+        (["--config=config.conf"], _edited("mode: nftables", "mode: iptables"), None),
+        # kube-proxy ignores --proxy-mode beside --config: the file's mode is what counts.
+        (["--config=config.conf", "--proxy-mode=iptables"],
+         _edited("mode: nftables\n", ""), 'field "mode"'),
+    ],
+    ids=["no-flag", "empty-flag", "iptables-flag", "nftables-flag", "empty-field",
+         "no-field", "iptables-field", "flag-beside-config"],
+)  # fmt: skip
+def test_an_unset_mode_is_warned_of_as_its_default_changes_in_1_40(
+    args: list[str], config: str | None, warned: str | None
+) -> None:
+    """KEP-5343: kube-proxy 1.37 warns when it defaults the mode to iptables, as 1.40 defaults
+    to nftables; the backend stays to-iptables until the user chooses."""
+    argv, warnings = _build(["--kubeconfig=/k", *args], config)
+    mode_warnings = [w for w in warnings if "kube-proxy 1.40" in w]
+    if warned is None:
+        assert mode_warnings == []
+        return
+    assert argv[argv.index("to-local") + 3] == "to-iptables"
+    (warning,) = mode_warnings
+    assert warning.startswith(warned)
+    assert "is not set" in warning
+    assert "becomes nftables" in warning
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "message"),
+    [
+        (["--proxy-mode=ipvs", "--feature-gates=KubeProxyIPVS=false"], None,
+         '--proxy-mode is "ipvs" but feature gate KubeProxyIPVS is false'),
+        (["--config=config.conf"],
+         _edited("mode: nftables", "mode: ipvs") + "featureGates:\n  KubeProxyIPVS: false\n",
+         'config.conf: field "mode" is "ipvs" but feature gate KubeProxyIPVS is false'),
+    ],
+    ids=["flags", "config-file"],
+)  # fmt: skip
+def test_ipvs_mode_with_the_kube_proxy_ipvs_gate_off_is_refused(
+    args: list[str], config: str | None, message: str
+) -> None:
+    """kube-proxy 1.37 refuses ipvs mode when its KubeProxyIPVS gate is off (KEP-5495)."""
+    with pytest.raises(UsageError) as raised:
+        _build(args, config)
+    assert str(raised.value).startswith(message)
+    assert "iptables or nftables" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "config"),
+    [
+        (["--proxy-mode=ipvs", "--feature-gates=KubeProxyIPVS=true"], None),
+        (["--proxy-mode=nftables", "--feature-gates=KubeProxyIPVS=false"], None),
+        (["--config=config.conf"],
+         _edited("mode: nftables", "mode: ipvs") + "featureGates:\n  KubeProxyIPVS: true\n"),
+        (["--config=config.conf"], KUBEADM + "featureGates:\n  KubeProxyIPVS: false\n"),
+    ],
+    ids=["ipvs-gate-on-flags", "nftables-gate-off-flags", "ipvs-gate-on-config",
+         "nftables-gate-off-config"],
+)  # fmt: skip
+def test_the_kube_proxy_ipvs_gate_otherwise_changes_nothing(
+    args: list[str], config: str | None
+) -> None:
+    """Gate on (its 1.37 default): ipvs runs on to-nft with today's warning; gate off, the other
+    modes run as before. Either way the gate is acted on, so it is no warning of its own."""
+    argv, warnings = _build(args, config)
+    assert argv[argv.index("to-local") + 3] == "to-nft"
+    ipvs = "--proxy-mode=ipvs" in args or "mode: ipvs" in (config or "")
+    assert [w.split(":")[0] for w in warnings] == (
+        ["--proxy-mode ipvs" if config is None else 'field "mode" is "ipvs"'] if ipvs else []
+    )
+
+
 def test_flags_alone_take_kube_proxys_defaults() -> None:
     argv, warnings = _build(
         ["--kubeconfig=/k", "--hostname-override=N", "--cluster-cidr=10.0.0.0/8",
@@ -321,7 +407,8 @@ def test_flags_alone_take_kube_proxys_defaults() -> None:
         "--masquerade-all", "--masquerade-bit", "14", "--nodeport-addresses", "primary",
         "--min-sync-period", "2s", "--sync-period", "30s",
     ]  # fmt: skip
-    assert warnings == ["feature gate A=true is not acted on: kpng implements kube-proxy 1.37's "
+    assert warnings == [UNSET_MODE_FLAG,
+                        "feature gate A=true is not acted on: kpng implements kube-proxy 1.37's "
                         "default semantics"]  # fmt: skip
 
 

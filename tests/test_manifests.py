@@ -136,14 +136,13 @@ BAD_OBJECTS = [
     pytest.param(
         _svc(clusterIP="10.96.0.300"), "Service shop/web", "invalid IP address", id="invalid-ip"
     ),
+    # A bad externalIP or source range is no longer one: kube-proxy skips that entry only
+    # (tests/test_converting.py).
     pytest.param(
-        _svc(externalIPs=["not-an-ip"]), "Service shop/web", "spec.externalIPs", id="external-ip"
-    ),
-    pytest.param(
-        _svc(loadBalancerSourceRanges=["10.0.0.0/33"]),
+        _svc(sessionAffinity="Cookie"),
         "Service shop/web",
-        "invalid CIDR",
-        id="invalid-cidr",
+        "spec.sessionAffinity",
+        id="unknown-session-affinity",
     ),
     pytest.param(_bad_port(_svc()), "Service shop/web", "out of range", id="port-out-of-range"),
     pytest.param(

@@ -31,6 +31,7 @@ from kpng.kubeproxy.config import (
     ip_address,
     load,
     masquerade_bit,
+    mode_warnings,
 )
 
 log = logging.getLogger("kpng.kube-proxy")
@@ -210,6 +211,9 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     mode = args.proxy_mode or ""
     if mode not in MODES:
         raise UsageError(f"--proxy-mode: one of iptables, nftables or ipvs on Linux, not {mode!r}")
+    gates = args.feature_gates or {}
+    external_ips, gate_warnings = feature_gates(gates, "--feature-gates")
+    warnings += mode_warnings(mode, gates, "--proxy-mode", "--proxy-mode")
     if mode == "ipvs":
         warnings.append(
             "--proxy-mode ipvs: kpng programs nftables instead; remove kube-proxy's own rules "
@@ -242,7 +246,6 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     )
     at_least(0, args.conntrack_max_per_core, "--conntrack-max-per-core")
     at_least(0, args.conntrack_min, "--conntrack-min")
-    external_ips, gate_warnings = feature_gates(args.feature_gates or {}, "--feature-gates")
     warnings += gate_warnings
     return ProxyConfig(
         kubeconfig=args.kubeconfig or "",

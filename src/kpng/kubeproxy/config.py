@@ -282,7 +282,7 @@ def _not_acted_on(flat: Mapping[str, Any]) -> list[str]:
     return warnings
 
 
-ACTED_ON_GATES = frozenset({"AllowServiceExternalIPs"})
+ACTED_ON_GATES = frozenset({"AllowServiceExternalIPs", "KubeProxyIPVS"})
 """kube-proxy's feature gates kpng honours. The others change nothing kpng does: kpng implements
 the default semantics of kube-proxy 1.37 (alpha gates off, GA and beta ones on)."""
 
@@ -299,6 +299,29 @@ def feature_gates(gates: Mapping[str, object], source: str) -> tuple[bool, list[
                 "kube-proxy 1.37's default semantics"
             )
     return bool(gates.get("AllowServiceExternalIPs", True)), warnings
+
+
+def mode_warnings(mode: str, gates: Mapping[str, object], name: str, where: str) -> list[str]:
+    """kube-proxy 1.37's checks of its proxy mode (``name``: the field or flag that sets it,
+    ``where``: that name as an error states it): warnings, or UsageError where kube-proxy
+    refuses to start."""
+    if mode == "ipvs" and gates.get("KubeProxyIPVS", True) is False:
+        # kube-proxy's validation refuses the mode the gate turns off; serving nftables in its
+        # place would hide that the configuration no longer starts kube-proxy itself.
+        raise UsageError(
+            f'{where} is "ipvs" but feature gate KubeProxyIPVS is false, which turns ipvs mode '
+            "off (kube-proxy refuses to start so): choose iptables or nftables, or drop the gate"
+        )
+    if mode:
+        return []
+    # KEP-5343: kube-proxy warns of an unset mode because its default moves to nftables in 1.40,
+    # when the same configuration changes backend on upgrade. kpng warns alike, so that the
+    # choice is made before then.
+    return [
+        f"{name} is not set: iptables (to-iptables) is kube-proxy 1.37's default, but the "
+        "default becomes nftables in kube-proxy 1.40; set iptables to keep it, or nftables to "
+        "move now"
+    ]
 
 
 def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> ProxyConfig:
@@ -329,6 +352,9 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         raise UsageError(
             f'{source}: field "mode": one of iptables, nftables or ipvs on Linux, not {mode!r}'
         )
+    gates: dict[str, object] = get("featureGates", dict, {})
+    external_ips, gate_warnings = feature_gates(gates, source)
+    warnings += mode_warnings(mode, gates, 'field "mode"', f'{source}: field "mode"')
     # kube-proxy's own choice of section for the settings every mode has.
     section = {"nftables": "nftables", "ipvs": "ipvs"}.get(mode, "iptables")
     bits = "nftables" if mode == "nftables" else "iptables"
@@ -371,7 +397,6 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
 
     cluster_cidr = get("clusterCIDR", str, "")
     nodeport = get("nodePortAddresses", list, [])
-    external_ips, gate_warnings = feature_gates(get("featureGates", dict, {}), source)
     warnings += gate_warnings
     for path in ("conntrack.maxPerCore", "conntrack.min"):
         at_least(0, flat.get(path), field(path))

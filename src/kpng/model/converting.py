@@ -16,7 +16,7 @@ from collections.abc import Callable
 from kpng.errors import InvalidObject
 from kpng.model import k8s
 from kpng.model.cluster import ServiceCIDR, Slice, SliceEndpoint, SlicePort
-from kpng.model.ips import BadAddress, parse_cidr, parse_ip
+from kpng.model.ips import BadAddress, parse_cidr, parse_cidr_sloppy, parse_ip, parse_ip_sloppy
 from kpng.model.messages import (
     ClientIPAffinity,
     IPFilter,
@@ -126,19 +126,61 @@ def _annotations(meta: k8s.ObjectMeta) -> dict[str, str]:
     return {k: v for k, v in meta.annotations.items() if k not in _DROPPED_ANNOTATIONS}
 
 
-def _ip_set(ips: list[str], invalid: InvalidObjectFactory, what: str) -> IPSet | None:
-    """The addresses as an IPSet, None if there are none (proto3 JSON then leaves it out)."""
+def _ip_set(
+    ips: list[str], invalid: InvalidObjectFactory, what: str, *, skip_bad: bool = False
+) -> IPSet | None:
+    """The addresses as an IPSet, None if there are none (proto3 JSON then leaves it out).
+
+    Read as kube-proxy reads a Service's IPs (leading zeros in IPv4 are decimal). With
+    ``skip_bad``, an address that is no IP is left out with a warning, as kube-proxy leaves it
+    out: the API server does not check every such field (externalIPs may hold blanks), and one
+    bad entry must not take the whole Service down.
+    """
     if not ips:
         return None
     v4: set[str] = set()
     v6: set[str] = set()
-    for ip in ips:
+    for i, ip in enumerate(ips):
         try:
-            is_v6, text = parse_ip(ip)
+            is_v6, text = parse_ip_sloppy(ip)
         except BadAddress as exc:
-            raise invalid(f"{what}: {exc}") from None
+            if not skip_bad:
+                raise invalid(f"{what}: {exc}") from None
+            if ip.strip():
+                log.warning(
+                    "%s; that address is ignored, the rest of the Service is served",
+                    invalid(f"{what}[{i}]: {exc}"),
+                )
+            continue
         (v6 if is_v6 else v4).add(text)
+    if not v4 and not v6:
+        return None
     return IPSet(V4=tuple(sorted(v4)), V6=tuple(sorted(v6)))
+
+
+def _source_ranges(ranges: list[str], invalid: InvalidObjectFactory) -> tuple[str, ...]:
+    """loadBalancerSourceRanges as kube-proxy reads them: each trimmed, a blank one dropped and a
+    bad one dropped with a warning. kube-proxy filters on the ranges that are left, and on none
+    if none is left: the warning says so, since the load balancer is then open to all."""
+    kept = []
+    bad = 0
+    for i, text in enumerate(ranges):
+        if not text.strip():
+            continue
+        try:
+            kept.append(parse_cidr_sloppy(text)[1])
+        except BadAddress as exc:
+            bad += 1
+            log.warning(
+                "%s; that range is ignored, as kube-proxy ignores it",
+                invalid(f"spec.loadBalancerSourceRanges[{i}]: {exc}"),
+            )
+    if bad and not kept:
+        log.warning(
+            "%s; no source is filtered, as in kube-proxy",
+            invalid("spec.loadBalancerSourceRanges: no valid range is left"),
+        )
+    return tuple(kept)
 
 
 class InvalidObjectFactory:
@@ -242,18 +284,12 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
     ingress = status.ingress if status is not None else None
     # Only VIP-style ingress IPs are the node's to serve; "Proxy" ones belong to the balancer.
     lb_ips = [ing.ip for ing in ingress or () if ing.ip and ing.ip_mode in (None, "VIP")]
-    lb_set = _ip_set(lb_ips, invalid, "status.loadBalancer.ingress")
+    lb_set = _ip_set(lb_ips, invalid, "status.loadBalancer.ingress", skip_bad=True)
 
     filters: tuple[IPFilter, ...] = ()
-    if spec.load_balancer_source_ranges:
-        ranges = []
-        for cidr in spec.load_balancer_source_ranges:
-            try:
-                ranges.append(parse_cidr(cidr)[1])
-            except BadAddress as exc:
-                raise invalid(f"spec.loadBalancerSourceRanges: {exc}") from None
-        if lb_set is not None:
-            filters = (IPFilter(TargetIPs=lb_set, SourceRanges=tuple(ranges)),)
+    ranges = _source_ranges(spec.load_balancer_source_ranges or [], invalid)
+    if ranges and lb_set is not None:
+        filters = (IPFilter(TargetIPs=lb_set, SourceRanges=ranges),)
 
     affinity = None
     if spec.session_affinity == "ClientIP":
@@ -287,7 +323,9 @@ def service_from_k8s(obj: k8s.Service, *, proxy_name: str | None = None) -> Serv
         Type=spec.type,
         IPs=ServiceIPs(
             ClusterIPs=_ip_set(cluster_ips, invalid, "spec.clusterIPs"),
-            ExternalIPs=_ip_set(spec.external_ips or [], invalid, "spec.externalIPs"),
+            ExternalIPs=_ip_set(
+                spec.external_ips or [], invalid, "spec.externalIPs", skip_bad=True
+            ),
             LoadBalancerIPs=lb_set,
         ),
         Ports=ports,
