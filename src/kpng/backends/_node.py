@@ -202,8 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
         "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
         "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
-        "address, and loopback never serves them (default: every local address but loopback; "
-        "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
+        "address, and loopback never serves them but with to-iptables' --localhost-nodeports "
+        "(default: every local address but loopback; kpng kube-proxy defaults to primary in "
+        "nftables mode, to every local address in iptables mode, as kube-proxy)",
     )
     parser.add_argument(
         "--bind-address",
