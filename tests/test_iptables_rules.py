@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import hashlib
 import io
@@ -15,7 +16,15 @@ import pytest
 from kpng.backends._node import Fam, Options
 from kpng.backends.iptables import IptablesBackend
 from kpng.backends.iptables.restore import FamilyTables
-from kpng.backends.iptables.rules import FILTER, NAT, chain_name, contribute
+from kpng.backends.iptables.rules import (
+    FILTER,
+    NAT,
+    chain_name,
+    contribute,
+    jumps,
+    skeleton,
+    tail,
+)
 from kpng.model.messages import EndpointScopes, IPFilter, IPSet, ServiceEndpoints, ServiceIPs
 from kpng.testing import states
 
@@ -271,3 +280,62 @@ def test_past_a_thousand_endpoints_every_endpoint_chain_is_rewritten_without_com
     small = sep_rules(3, 100, updated=[])
     assert len(small) == 2 * 1000
     assert all("--comment" in r for r in small)
+
+
+def test_forwarded_packets_conntrack_finds_invalid_are_dropped_first_unless_told_not_to() -> None:
+    """kube-proxy's iptables mode drops them in KUBE-FORWARD, before the accepts, unless
+    nf_conntrack_tcp_be_liberal is set (then the rule is not installed)."""
+    for fam in ("v4", "v6"):
+        forward = skeleton(POD_CIDR, fam)[(FILTER, "KUBE-FORWARD")]
+        assert forward[0] == "-m conntrack --ctstate INVALID -j DROP"
+        liberal = skeleton(dataclasses.replace(POD_CIDR, drop_invalid=False), fam)
+        assert not [r for r in liberal[(FILTER, "KUBE-FORWARD")] if "INVALID" in r]
+
+
+LOCALHOST = dataclasses.replace(POD_CIDR, localhost_nodeports=True)
+GUARD = (
+    '! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" '
+    "-m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "fam", "served"),
+    [
+        (POD_CIDR, "v4", False),  # not asked
+        (LOCALHOST, "v4", True),  # every local address: loopback too
+        (dataclasses.replace(LOCALHOST, nodeport_addresses=("127.0.0.0/8",)), "v4", True),
+        (dataclasses.replace(LOCALHOST, nodeport_addresses=("0.0.0.0/0",)), "v4", True),
+        (dataclasses.replace(LOCALHOST, nodeport_addresses=("10.0.0.0/8",)), "v4", False),
+        (LOCALHOST, "v6", False),  # IPv4 only, as kube-proxy
+    ],
+    ids=["off", "all", "localhost", "0/0", "other-cidr", "v6"],
+)
+def test_localhost_node_ports_open_loopback_to_them_behind_kube_proxys_guard(
+    options: Options, fam: Fam, served: bool
+) -> None:
+    nat = tail(options, fam)[(NAT, "KUBE-SERVICES")]
+    loopback = "127.0.0.0/8" if fam == "v4" else "::1/128"
+    assert (f"-d {loopback} -j RETURN" not in nat) is served
+    guard = skeleton(options, fam).get((FILTER, "KUBE-FIREWALL"))
+    assert guard == ([GUARD] if served else None)
+    wanted = jumps(options, fam)
+    assert ((FILTER, "INPUT", "-j KUBE-FIREWALL") in wanted) is served
+    assert ((FILTER, "OUTPUT", "-j KUBE-FIREWALL") in wanted) is served
+
+
+def test_a_full_plan_with_localhost_node_ports_writes_the_guard_and_inserts_its_jumps() -> None:
+    tables = FamilyTables("v4", LOCALHOST)
+    missing = set(jumps(LOCALHOST, "v4"))
+    lines = tables.plan({}, present=set(), missing_jumps=missing).text.splitlines()
+    assert ":KUBE-FIREWALL - [0:0]" in lines
+    assert f"-A KUBE-FIREWALL {GUARD}" in lines
+    assert "-I INPUT 1 -j KUBE-FIREWALL" in lines
+    assert "-I OUTPUT 1 -j KUBE-FIREWALL" in lines
+    # Off again: the guard is left as it is (route_localnet stays set), never flushed.
+    tables.commit({}, tables.plan({}, present=set()))
+    tables.options = POD_CIDR
+    off = tables.plan({}, present=set())
+    assert "KUBE-FIREWALL" not in off.text
+    tables.commit({}, off)
+    assert (FILTER, "KUBE-FIREWALL") not in tables.shared

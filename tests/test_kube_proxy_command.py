@@ -404,7 +404,7 @@ def test_flags_alone_take_kube_proxys_defaults() -> None:
         "--healthz-bind-address", "0.0.0.0:10300", "--metrics-bind-address", "127.0.0.1:10249",
         "kube", "--kubeconfig", "/k", "to-local", "--hostname-override", "n",
         "to-iptables", "--detect-local-mode", "NodeCIDR", "--cluster-cidr", "10.0.0.0/8",
-        "--masquerade-all", "--masquerade-bit", "14", "--nodeport-addresses", "primary",
+        "--masquerade-all", "--masquerade-bit", "14", "--localhost-nodeports",
         "--min-sync-period", "2s", "--sync-period", "30s",
     ]  # fmt: skip
     assert warnings == [UNSET_MODE_FLAG,
@@ -545,3 +545,64 @@ def test_tiny_durations_are_written_to_the_nanosecond_and_read_back(
     "3.2868e-192s" on kpng's command line, which its parser refused (not a duration)."""
     assert format_duration(seconds) == text
     assert parse_duration(text) == pytest.approx(round(seconds * 1e9) / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("mode", "given", "nodeports", "localhost", "defaults"),
+    [
+        # kube-proxy's iptables mode: every local address, and 127.0.0.1 too.
+        ("iptables", "", None, True, ["nodePortAddresses", "iptables.localhostNodePorts"]),
+        ('""', "", None, True, ["nodePortAddresses", "iptables.localhostNodePorts"]),
+        (
+            "iptables",
+            "nodePortAddresses: [10.0.0.0/8]\n",
+            "10.0.0.0/8",
+            False,  # on, but loopback is not among them
+            ["iptables.localhostNodePorts"],
+        ),
+        ("iptables", "iptables: {localhostNodePorts: false}\n", None, False, ["nodePortAddresses"]),
+        # nftables mode: the primary IPs, never loopback.
+        ("nftables", "", "primary", False, ["nodePortAddresses"]),
+    ],
+    ids=["iptables", "default-mode", "cidrs-given", "localhost-off", "nftables"],
+)
+def test_each_mode_takes_kube_proxys_node_port_defaults_of_that_mode_and_says_which(
+    mode: str, given: str, nodeports: str | None, localhost: bool, defaults: list[str]
+) -> None:
+    text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+    text += f"mode: {mode}\n{given}"
+    invocation = build(["--config=c"], read=lambda path: text)
+    argv = kpng_argv(invocation.config)
+    if nodeports is None:
+        assert "--nodeport-addresses" not in argv  # to-iptables' default: every local address
+    else:
+        assert argv[argv.index("--nodeport-addresses") + 1] == nodeports
+    assert ("--localhost-nodeports" in argv) is localhost
+    assert invocation.config.localhost_served is localhost
+    assert [d.split(":")[0] for d in invocation.config.defaults] == defaults
+    assert invocation.warnings == []
+
+
+@pytest.mark.parametrize(
+    ("nodeports", "served"),
+    [("primary", False), ("localhost", True), ("all", True), ("127.0.0.1/32,primary", True)],
+)
+def test_localhost_node_ports_need_loopback_among_the_node_port_addresses(
+    nodeports: str, served: bool
+) -> None:
+    """kube-proxy sets route_localnet (kpng: at --init-only too) only then."""
+    config = build([f"--nodeport-addresses={nodeports}"]).config
+    assert config.localhost_served is served
+    off = build([f"--nodeport-addresses={nodeports}", "--iptables-localhost-nodeports=false"])
+    assert not off.config.localhost_served
+    assert "--localhost-nodeports" not in kpng_argv(off.config)
+    assert off.warnings == []
+
+
+def test_a_liberal_conntrack_drops_no_invalid_packet_in_iptables_mode() -> None:
+    """kube-proxy installs its INVALID drop unless nf_conntrack_tcp_be_liberal is set, which
+    conntrack.tcpBeLiberal does; its nftables mode has no such drop to turn off."""
+    for mode, turned_off in (("iptables", True), ("nftables", False)):
+        liberal = kpng_argv(build([f"--proxy-mode={mode}", "--conntrack-tcp-be-liberal"]).config)
+        assert ("--no-drop-invalid" in liberal) is turned_off
+        assert "--no-drop-invalid" not in kpng_argv(build([f"--proxy-mode={mode}"]).config)

@@ -41,13 +41,22 @@ class Options:
     InterfaceNamePrefix)."""
     nodeport_addresses: tuple[str, ...] = ()
     """CIDRs of the node addresses that serve node ports: local addresses inside them, never
-    loopback; a family with none of them: every local address of it but loopback."""
+    loopback (but with ``localhost_nodeports``); a family with none of them: every local address
+    of it but loopback."""
     masquerade_all: bool = False
     """Masquerade all traffic to ClusterIPs, pods' included (kube-proxy's --masquerade-all)."""
     service_cidrs: tuple[str, ...] = ()
     """The cluster's ServiceCIDRs: new connections to their IPs that no service holds are
     dropped, as kube-proxy does."""
     masquerade_bit: int = MASQUERADE_BIT
+    drop_invalid: bool = True
+    """to-iptables: drop forwarded packets conntrack finds INVALID, as kube-proxy's iptables mode
+    does unless conntrack is liberal (``nf_conntrack_tcp_be_liberal``); to-nft never does, as
+    kube-proxy's nftables mode."""
+    localhost_nodeports: bool = False
+    """to-iptables: IPv4 node ports also on 127.0.0.0/8, when ``nodeport_addresses`` let
+    loopback in (none, or a CIDR holding it), as kube-proxy's iptables mode's
+    ``localhostNodePorts``."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6
@@ -193,8 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
         "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
         "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
-        "address, and loopback never serves them (default: every local address but loopback; "
-        "kpng kube-proxy defaults to primary, as kube-proxy's nftables mode)",
+        "address, and loopback never serves them but with to-iptables' --localhost-nodeports "
+        "(default: every local address but loopback; kpng kube-proxy defaults to primary in "
+        "nftables mode, to every local address in iptables mode, as kube-proxy)",
     )
     parser.add_argument(
         "--bind-address",

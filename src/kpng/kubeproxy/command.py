@@ -36,6 +36,8 @@ from kpng.kubeproxy.config import (
 
 log = logging.getLogger("kpng.kube-proxy")
 
+ROUTE_LOCALNET = conntrack.PROC_SYS / "net" / "ipv4" / "conf" / "all" / "route_localnet"
+
 
 _ACTED_ON_WITH_CONFIG = frozenset(
     {"config", "hostname_override", "v", "logging_format", "init_only", "cleanup"}
@@ -49,7 +51,6 @@ _NOT_ACTED_ON = {
     "config_sync_period": "kpng follows watches and never relists on a timer",
     "show_hidden_metrics_for_version": "kpng hides no metric",
     "bind_address_hard_fail": "kpng always exits when it cannot listen",
-    "iptables_localhost_nodeports": "kpng never serves node ports on localhost",
     "ipvs": "kpng programs nftables, not IPVS",
 }
 
@@ -112,6 +113,11 @@ def parser() -> argparse.ArgumentParser:
     add("--masquerade-all", **flag_bool)
     add("--iptables-masquerade-bit", type=int, metavar="BIT")
     add("--nodeport-addresses", metavar="CIDR[,CIDR]|primary")
+    add(
+        "--iptables-localhost-nodeports",
+        **flag_bool,
+        help="iptables mode: node ports on 127.0.0.1 too (default true)",
+    )
     add("--iptables-sync-period", type=_duration, metavar="DURATION")
     add("--iptables-min-sync-period", type=_duration, metavar="DURATION")
     add("--conntrack-max-per-core", type=int, metavar="N")
@@ -121,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     add("--conntrack-tcp-be-liberal", **flag_bool)
     add("--conntrack-udp-timeout", type=_duration, metavar="DURATION")
     add("--conntrack-udp-timeout-stream", type=_duration, metavar="DURATION")
-    add("--init-only", **flag_bool, help="set the conntrack sysctls, then exit (privileged)")
+    add("--init-only", **flag_bool, help="set the sysctls kube-proxy sets, then exit (privileged)")
     add("--cleanup", **flag_bool, help="remove kpng's rules, then exit")
     add("-v", "--v", type=int, metavar="LEVEL", help="log verbosity (4 and up: debug)")
     add("--logging-format", choices=("text", "json"))
@@ -141,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
         "--show-hidden-metrics-for-version",
     ):
         add(name, metavar="VALUE", help=argparse.SUPPRESS)
-    for name in ("--profiling", "--bind-address-hard-fail", "--iptables-localhost-nodeports"):
+    for name in ("--profiling", "--bind-address-hard-fail"):
         add(name, **{**flag_bool, "help": argparse.SUPPRESS})
     for name in (
         "--ipvs-scheduler",
@@ -267,6 +273,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
         interface_name_prefix=args.pod_interface_name_prefix or "",
         cluster_cidrs=cluster_cidrs,
         nodeport_addresses=nodeport,
+        localhost_nodeports=args.iptables_localhost_nodeports,
         conntrack=conntrack_config,
         external_ips=external_ips,
     )
@@ -276,7 +283,11 @@ def prepare_node(invocation: Invocation) -> int | None:
     """Apply kube-proxy's conntrack settings, as kube-proxy does before it proxies. The exit
     status when that is all there is to do (``--init-only``), else None: run the pipeline."""
     config = invocation.config
-    problems = conntrack.apply(conntrack.settings(config.conntrack, os.cpu_count() or 1))
+    wanted = conntrack.settings(config.conntrack, os.cpu_count() or 1)
+    if config.localhost_served:
+        # kube-proxy's privileged init: the unprivileged proxy (to-iptables) cannot set it.
+        wanted.append(conntrack.Setting(ROUTE_LOCALNET, 1))
+    problems = conntrack.apply(wanted)
     if invocation.init_only:
         for problem in problems:
             log.error("%s", problem)

@@ -120,8 +120,6 @@ _NOT_ACTED_ON: dict[str, str] = {
     "oomScoreAdj": "kubelet sets the OOM score of kpng's pod (by its priority class)",
     "configSyncPeriod": "kpng follows watches and never relists on a timer",
     "portRange": "deprecated in kube-proxy, and unused",
-    "iptables.localhostNodePorts": "kpng never serves node ports on localhost, as kube-proxy's "
-    "nftables mode",
 }
 _DEFAULTS: dict[str, tuple[object, ...]] = {
     # Values that mean "the default" for fields kpng does not act on.
@@ -131,7 +129,6 @@ _DEFAULTS: dict[str, tuple[object, ...]] = {
     "logging.flushFrequency": ("5s", 5_000_000_000),
     "configSyncPeriod": ("15m", "15m0s"),
     "oomScoreAdj": (-999,),
-    "iptables.localhostNodePorts": (None,),
 }
 
 
@@ -170,17 +167,35 @@ class ProxyConfig:
     interface_name_prefix: str = ""
     cluster_cidrs: tuple[str, ...] = ()
     nodeport_addresses: tuple[str, ...] = ()
+    localhost_nodeports: bool | None = None
+    """iptables mode's ``localhostNodePorts``; None until defaulted (``resolve``), to true."""
     conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
     external_ips: bool = True
     """The feature gate AllowServiceExternalIPs (on by default): off, no externalIP is served."""
+    defaults: tuple[str, ...] = ()
+    """The mode's defaults ``resolve`` applied, as ``field: value (what it means)``: said at
+    start, since they differ between modes."""
 
     def resolve(self) -> ProxyConfig:
         """Fill in and check what kube-proxy derives: the health and metrics addresses (of
-        ``bind_address``'s family, with their ports), the node-port addresses (``primary``,
-        nftables mode's default)."""
+        ``bind_address``'s family, with their ports), the node-port addresses (none: every
+        local address in iptables mode, ``primary`` in nftables mode), localhost node ports
+        (iptables mode: on)."""
         healthz, metrics = "0.0.0.0", "127.0.0.1"
         if _is_v6(self.bind_address):
             healthz, metrics = "::", "::1"
+        iptables = self.backend == "to-iptables"
+        nodeports, localhost, defaults = self.nodeport_addresses, self.localhost_nodeports, []
+        if not nodeports:
+            if iptables:
+                defaults.append("nodePortAddresses: [] (every local address)")
+            else:
+                nodeports = ("primary",)
+                defaults.append("nodePortAddresses: [primary] (the node's primary IPs)")
+        if localhost is None:
+            localhost = True
+            if iptables:
+                defaults.append("iptables.localhostNodePorts: true (IPv4 node ports on 127.0.0.1)")
         return dataclasses.replace(
             self,
             healthz_bind_address=_with_port(
@@ -189,7 +204,24 @@ class ProxyConfig:
             metrics_bind_address=_with_port(
                 self.metrics_bind_address or metrics, METRICS_PORT, "metricsBindAddress"
             ),
-            nodeport_addresses=self.nodeport_addresses or ("primary",),
+            nodeport_addresses=nodeports,
+            localhost_nodeports=localhost,
+            defaults=(*self.defaults, *defaults),
+        )
+
+    @property
+    def localhost_served(self) -> bool:
+        """Whether node ports answer on 127.0.0.1 (resolved): kube-proxy's iptables mode with
+        localhostNodePorts, when nodePortAddresses holds IPv4 loopback (none: every address)."""
+        if self.backend != "to-iptables" or not self.localhost_nodeports:
+            return False
+        if not self.nodeport_addresses:
+            return True
+        loopback = ipaddress.ip_address("127.0.0.1")
+        return any(
+            a in ("all", "localhost")
+            or (a != "primary" and loopback in ipaddress.ip_network(a, strict=False))
+            for a in self.nodeport_addresses
         )
 
     @property
@@ -422,6 +454,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         nodeport_addresses=cidrs(
             [str(a) for a in nodeport], field("nodePortAddresses"), keywords=True
         ),
+        localhost_nodeports=get("iptables.localhostNodePorts", bool, None),
         conntrack=conntrack,
         external_ips=external_ips,
     )
@@ -505,7 +538,14 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
     if config.masquerade_all:
         argv += ["--masquerade-all"]
     argv += ["--masquerade-bit", str(config.masquerade_bit)]
-    argv += ["--nodeport-addresses", ",".join(config.nodeport_addresses)]
+    if config.nodeport_addresses:
+        argv += ["--nodeport-addresses", ",".join(config.nodeport_addresses)]
+    if config.backend == "to-iptables":
+        if config.localhost_served:
+            argv += ["--localhost-nodeports"]
+        if config.conntrack.tcp_be_liberal:
+            # kube-proxy installs no INVALID drop once conntrack is liberal.
+            argv += ["--no-drop-invalid"]
     if config.bind_address and not ipaddress.ip_address(config.bind_address).is_unspecified:
         argv += ["--bind-address", config.bind_address]
     argv += ["--min-sync-period", format_duration(config.min_sync_period_s)]

@@ -30,6 +30,9 @@ def _run(argv: Sequence[str]) -> int | list[str]:
     configure_logging("debug" if config.verbosity >= 4 else "info", config.log_format)
     for warning in invocation.warnings:
         log.warning("%s", warning)
+    if config.defaults:
+        mode = config.mode or "iptables"
+        log.info("kube-proxy's defaults of %s mode applied: %s", mode, "; ".join(config.defaults))
     if invocation.cleanup:
         return cleanup([])
     done = command.prepare_node(invocation)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -38,15 +39,23 @@ from kpng.backends._node import (
     node_options,
     options_from_args,
 )
-from kpng.backends.iptables.executing import MODES, Iptables, IptablesError, Tools, tools
+from kpng.backends.iptables.executing import (
+    MODES,
+    ROUTE_LOCALNET,
+    Iptables,
+    IptablesError,
+    Tools,
+    tools,
+)
 from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
 from kpng.backends.iptables.rules import (
-    JUMPS,
     LARGE_CLUSTER_ENDPOINTS,
     TABLES,
     ChainKey,
     Contribution,
     contribute,
+    jumps,
+    localhost_nodeports,
 )
 from kpng.client import (
     Backend,
@@ -124,6 +133,8 @@ class IptablesBackend:
         self._recorded: dict[ServiceKey, ServiceEndpoints] = {}
         self._node_ips: tuple[str, ...] = ()
         self._needs_full = True
+        self._route_localnet = False
+        """Whether route_localnet was seen to, once, for node ports on 127.0.0.1."""
         self._comments = True
         """False in kube-proxy's large cluster mode (``rules.LARGE_CLUSTER_ENDPOINTS``)."""
 
@@ -189,6 +200,7 @@ class IptablesBackend:
             self._comments = comments
             self._recorded.clear()
             self._needs_full = True
+        await self._ensure_route_localnet(options)
         full = self._needs_full
         changes, sources = self._changes(state, everything=full)
         touched = set() if full or self._conntrack is None else self._touched_frontends(changes)
@@ -211,6 +223,20 @@ class IptablesBackend:
             await self._health.update(state.services)
         await self._clean_conntrack(None if full else touched)
         return self._once
+
+    async def _ensure_route_localnet(self, options: Options) -> None:
+        """As kube-proxy at start: node ports on 127.0.0.1 need route_localnet. Not fatal: an
+        unprivileged kpng relies on a privileged init (``kpng kube-proxy --init-only``)."""
+        if self._route_localnet or self._iptables is None or "v4" not in self._families:
+            return
+        if not localhost_nodeports(options, "v4"):
+            return
+        self._route_localnet = True
+        try:
+            if await self._iptables.ensure_route_localnet():
+                log.info("set %s to 1 for node ports on 127.0.0.1", ROUTE_LOCALNET)
+        except IptablesError as exc:
+            log.warning("%s: node ports on 127.0.0.1 do not answer", exc)
 
     def _changes(
         self, state: NodeState, *, everything: bool
@@ -304,9 +330,10 @@ class IptablesBackend:
         gone, or one holding more or fewer rules than kpng wrote (flushed, or a foreign rule)."""
         for fam in self._families:
             expected = _expected_counts(self.tables[fam])
+            wanted = jumps(self.tables[fam].options, fam)
             for table in TABLES:
                 saved = await iptables.save(fam, table)
-                if any(j[0] == table and j[1:] not in saved.rules for j in JUMPS):
+                if any(j[0] == table and j[1:] not in saved.rules for j in wanted):
                     return Drift(
                         "jumps",
                         f"another program removed kpng's jumps from the {fam} built-in chains",
@@ -340,7 +367,8 @@ class IptablesBackend:
         present, missing = None, set()
         if full:
             nat = await self._iptables.save(fam, "nat")
-            present, missing = nat.chains, await self._iptables.missing_jumps(fam, nat)
+            present = nat.chains
+            missing = await self._iptables.missing_jumps(fam, nat, jumps(tables.options, fam))
         plan = tables.plan(changes, present=present, missing_jumps=missing)
         if plan.text:
             await self._iptables.restore(fam, plan.text)
@@ -418,11 +446,36 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="iptables-nft or iptables-legacy: the one the node's other rules are in "
         "(default: auto, what the iptables command is)",
     )
+    parser.add_argument(
+        "--localhost-nodeports",
+        action="store_true",
+        help="serve IPv4 node ports on 127.0.0.1 too, as kube-proxy's iptables mode "
+        "(localhostNodePorts): sets net.ipv4.conf.all.route_localnet to 1 and drops what "
+        "reaches 127.0.0.0/8 from elsewhere; only when --nodeport-addresses lets loopback in "
+        "(as it does when not given)",
+    )
+    parser.add_argument(
+        "--no-drop-invalid",
+        action="store_true",
+        help="do not drop forwarded packets conntrack finds INVALID, as kube-proxy's iptables "
+        "mode when nf_conntrack_tcp_be_liberal is set (conntrack.tcpBeLiberal)",
+    )
     add_sync_period(parser, checks="that kpng's jumps are still in the built-in chains")
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options, from_node = options_from_args(args)
+    # kube-proxy's "primary" never holds loopback: with it alone, no node port on 127.0.0.1.
+    loopback = not (from_node.primary_nodeports and not options.nodeport_addresses)
+    localhost = args.localhost_nodeports and loopback
+    options = dataclasses.replace(
+        options, drop_invalid=not args.no_drop_invalid, localhost_nodeports=localhost
+    )
+    if args.localhost_nodeports and not localhost_nodeports(options, "v4"):
+        log.warning(
+            "--localhost-nodeports: --nodeport-addresses leaves 127.0.0.1 out; no node port "
+            "answers there"
+        )
     iptables = None
     if not args.dry_run:
         iptables = Iptables(tools(args.iptables_mode))

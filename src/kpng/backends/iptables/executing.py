@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "nft", "legacy")
 LOCK_WAIT_S = 5
 """How long a command waits for the xtables lock (``-w``) that iptables-legacy's writers share."""
+ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
+"""Off, the kernel drops as martian what is routed out from 127.0.0.0/8: a node port reached at
+127.0.0.1 and DNATed to a pod."""
 _FAILED_LINE = re.compile(r"line:? (\d+) failed|Error occurred at line: (\d+)")
 
 
@@ -126,18 +129,32 @@ class Iptables:
             raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
         return out
 
+    async def ensure_route_localnet(self) -> bool:
+        """Set ``ROUTE_LOCALNET`` (in the namespace the commands run in); True if it was off."""
+        rc, out, err = await _run([*self._prefix, "sysctl", "-n", ROUTE_LOCALNET])
+        if rc != 0:
+            raise IptablesError(f"cannot read {ROUTE_LOCALNET}: {err.strip()}")
+        if out.strip() == "1":
+            return False
+        rc, _, err = await _run([*self._prefix, "sysctl", "-qw", f"{ROUTE_LOCALNET}=1"])
+        if rc != 0:
+            raise IptablesError(f"cannot set {ROUTE_LOCALNET} to 1: {err.strip()}")
+        return True
+
     async def chains(self, fam: Fam, table: str) -> set[str]:
         return (await self.save(fam, table)).chains
 
-    async def missing_jumps(self, fam: Fam, nat: Saved | None = None) -> set[Jump]:
-        """Which of ``JUMPS`` are not in the built-in chains (from one save per table; ``nat``:
+    async def missing_jumps(
+        self, fam: Fam, nat: Saved | None = None, wanted: Sequence[Jump] = JUMPS
+    ) -> set[Jump]:
+        """Which of ``wanted`` are not in the built-in chains (from one save per table; ``nat``:
         a save of the nat table already made). A missing jump is kube-proxy's canary: another
         program flushed the built-in chains or deleted the KUBE- ones (a firewall reload,
         ``iptables -F -X``)."""
         missing = set()
-        for table in sorted({t for t, _, _ in JUMPS}):
+        for table in sorted({t for t, _, _ in wanted}):
             saved = nat if nat is not None and table == nat.table else await self.save(fam, table)
-            missing |= {(t, c, r) for t, c, r in JUMPS if t == table and (c, r) not in saved.rules}
+            missing |= {(t, c, r) for t, c, r in wanted if t == table and (c, r) not in saved.rules}
         return missing
 
     async def remove(self, fam: Fam) -> bool:

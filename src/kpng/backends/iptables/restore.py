@@ -12,20 +12,20 @@ but it does not.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kpng.backends._endpoints import EndpointValue
 from kpng.backends._node import Fam, Options
 from kpng.backends.iptables.rules import (
-    JUMPS,
     SERVICE_CHAIN_PREFIXES,
     SHARED_CHAINS,
     TABLES,
     ChainKey,
     Contribution,
     Jump,
+    jumps,
     skeleton,
     tail,
 )
@@ -101,7 +101,8 @@ class FamilyTables:
         shared = _shared(self.fam, self.options, contributions)
         if not full:
             shared = {k: rules for k, rules in shared.items() if self.shared.get(k) != rules}
-        text, rules = _render(shared, write, delete, missing_jumps)
+        order = jumps(self.options, self.fam)
+        text, rules = _render(shared, write, delete, [j for j in order if j in missing_jumps])
         return Plan(text, full, written=len(write), deleted=len(delete), rules=rules, shared=shared)
 
     def commit(
@@ -110,9 +111,11 @@ class FamilyTables:
         """The kernel took ``plan``, of ``new`` (without a plan: the shared chains are unknown
         and the next plan writes them all)."""
         put_all(self.contributions, new)
-        if plan is None:
+        if plan is None or plan.full:
+            # A full plan writes every shared chain there is: one the options no longer have
+            # (KUBE-FIREWALL, left in place) is no longer kpng's to count.
             self.shared.clear()
-        else:
+        if plan is not None:
             self.shared.update(plan.shared)
 
 
@@ -139,13 +142,14 @@ def udp_frontends(
 def _shared(
     fam: Fam, options: Options, contributions: Mapping[ServiceKey, Contribution]
 ) -> dict[ChainKey, tuple[str, ...]]:
-    """Every shared chain's rules: the skeleton's, every service's, the tail's."""
+    """Every shared chain's rules: the skeleton's (which may name a chain of its own, such as
+    KUBE-FIREWALL), every service's, the tail's."""
     head, last = skeleton(options, fam), tail(options, fam)
     shared: dict[ChainKey, list[str]] = {
-        (table, chain): list(head.get((table, chain), ()))
-        for table in TABLES
-        for chain in SHARED_CHAINS[table]
+        (table, chain): [] for table in TABLES for chain in SHARED_CHAINS[table]
     }
+    for where, rules in head.items():
+        shared[where] = list(rules)
     # Sorted: the same state renders the same rules, whatever the order changes came in.
     for key in sorted(contributions):
         for where, rules in contributions[key].shared.items():
@@ -159,11 +163,12 @@ def _render(
     shared: Mapping[ChainKey, tuple[str, ...]],
     write: Mapping[ChainKey, tuple[str, ...]],
     delete: Iterable[ChainKey],
-    missing_jumps: Collection[Jump] = (),
+    missing_jumps: Sequence[Jump] = (),
 ) -> tuple[str, int]:
+    """``missing_jumps`` in the order they are to have."""
     deleting = sorted(delete)
-    # Each inserted first, in reverse: they end up in JUMPS' order, before other software's.
-    inserts = [j for j in reversed(JUMPS) if j in missing_jumps]
+    # Each inserted first, in reverse: they end up in their order, before other software's.
+    inserts = list(reversed(missing_jumps))
     lines: list[str] = []
     count = 0
     for table in TABLES:

@@ -27,8 +27,21 @@ service address): ``KUBE-SERVICES`` (FORWARD, OUTPUT) rejects a ClusterIP port w
 (REJECT: none anywhere in the family; DROP: a Local policy with none here), rejects a ClusterIP
 on a port no service defines, and drops unallocated IPs of the ServiceCIDRs;
 ``KUBE-EXTERNAL-SERVICES`` (INPUT, FORWARD) does the same for external IPs, LB IPs and node ports;
-``KUBE-PROXY-FIREWALL`` drops what ``KUBE-FW-*`` did not let through; ``KUBE-FORWARD`` accepts
-marked and established traffic where FORWARD's policy is DROP.
+``KUBE-PROXY-FIREWALL`` drops what ``KUBE-FW-*`` did not let through; ``KUBE-FORWARD`` drops
+what conntrack finds INVALID (unless ``--no-drop-invalid``), then accepts marked and established
+traffic where FORWARD's policy is DROP.
+
+With ``--localhost-nodeports`` (IPv4 only, as kube-proxy), node ports also answer on 127.0.0.1:
+the nat rule that kept loopback out of ``KUBE-NODEPORTS`` goes, and ``KUBE-FIREWALL`` (from
+INPUT and OUTPUT) drops what reaches 127.0.0.0/8 from elsewhere, the hole ``route_localnet``
+opens otherwise (CVE-2020-8558). That chain and its jumps are kube-proxy's and once kubelet's: a
+cleanup leaves them, as kube-proxy's does, and turning the option off leaves the guard in place
+(``route_localnet`` stays set too).
+
+kube-proxy counts the INVALID drops (``kubeproxy_iptables_ct_state_invalid_dropped_packets_total``)
+with an nfacct object its rule names; kpng exports no such counter: its rule has no nfacct match
+(the module and the object are one more thing a node must have), and its checks read
+``iptables-save`` without counters. ``iptables-save -c -t filter`` shows the rule's packets.
 
 Rules are written for ``iptables-restore`` (``-A CHAIN ...``, no table option), one family per
 rendering: IPv6 goes through ip6tables with the same chains.
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +103,36 @@ JUMPS: tuple[Jump, ...] = (
 (other software's rules live in those chains too). Each is kube-proxy's iptables mode's jump,
 comment included, as ``iptables-save`` prints it: a node moving between kube-proxy and kpng has
 one jump to each chain, whichever of them wrote it, never two."""
+
+LOCALNET_CHAIN = "KUBE-FIREWALL"
+LOCALNET_GUARD = (
+    '! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" '
+    "-m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+)
+"""kube-proxy's rule, as ``iptables-save`` prints it: a packet to 127.0.0.0/8 from elsewhere is
+dropped unless NAT made it or it belongs to a connection."""
+LOCALNET_JUMPS: tuple[Jump, ...] = (
+    (FILTER, "INPUT", f"-j {LOCALNET_CHAIN}"),
+    (FILTER, "OUTPUT", f"-j {LOCALNET_CHAIN}"),
+)
+"""kube-proxy's, without a comment (kubelet's were the same)."""
+DROP_INVALID = "-m conntrack --ctstate INVALID -j DROP"
+_LOOPBACK_V4 = ipaddress.ip_address("127.0.0.1")
+
+
+def localhost_nodeports(options: Options, fam: Fam) -> bool:
+    """Whether ``fam``'s node ports answer on loopback: IPv4 only (IPv6 cannot route ::1 out),
+    when asked and the node port addresses let 127.0.0.1 in (none given: every address)."""
+    if fam != "v4" or not options.localhost_nodeports:
+        return False
+    cidrs = options.cidrs(options.nodeport_addresses, fam)
+    return not cidrs or any(_LOOPBACK_V4 in ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+
+def jumps(options: Options, fam: Fam) -> tuple[Jump, ...]:
+    """Every jump ``fam``'s rules need in the built-in chains, in order."""
+    return JUMPS + (LOCALNET_JUMPS if localhost_nodeports(options, fam) else ())
+
 
 ChainKey = tuple[str, str]
 """(table, chain)."""
@@ -152,6 +196,7 @@ def skeleton(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
             "-j MASQUERADE --random-fully",
         ],
         (FILTER, "KUBE-FORWARD"): [
+            *([DROP_INVALID] if options.drop_invalid else []),
             f"-m mark --mark {mark}/{mark} -j ACCEPT",
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
         ],
@@ -159,12 +204,14 @@ def skeleton(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
         # every ClusterIP below, which would cost every new connection a rule per service.
         (FILTER, "KUBE-SERVICES"): ["-m conntrack --ctstate DNAT -j RETURN"],
     }
+    if localhost_nodeports(options, fam):
+        rules[(FILTER, LOCALNET_CHAIN)] = [LOCALNET_GUARD]
     return rules
 
 
 def tail(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
     """The shared chains' last rules, after every service's."""
-    nat = [f"-d {_LOOPBACK[fam]} -j RETURN"]  # never node ports on loopback, as to-nft
+    nat = [] if localhost_nodeports(options, fam) else [f"-d {_LOOPBACK[fam]} -j RETURN"]
     cidrs = options.cidrs(options.nodeport_addresses, fam)
     local = "-m addrtype --dst-type LOCAL"
     nat += [f"-d {c} {local} -j KUBE-NODEPORTS" for c in cidrs] or [f"{local} -j KUBE-NODEPORTS"]
