@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +117,25 @@ def _bugs(records: list[logging.LogRecord]) -> list[str]:
     return found
 
 
-@dataclass(repr=False)  # Hypothesis prints the fixture in a failing example: kept short
 class Brain:
-    serving: Serving
-    channel: grpc.Channel
-    records: _Records
-    reference: list[bytes]
-    """node-1's first state (localv1 ops), as a fresh server sent it."""
-    examples: int = 0
-    first_states: int = 0
-    checked_log: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
+    """The server, a channel to it, what it logged, and the campaign's counts. Not a dataclass:
+    Hypothesis prints a dataclass's fields in a failing example, and these are long."""
+
+    def __init__(
+        self, serving: Serving, channel: grpc.Channel, records: _Records, reference: list[bytes]
+    ) -> None:
+        self.serving = serving
+        self.channel = channel
+        self.records = records
+        self.reference = reference
+        """node-1's first state (localv1 ops), as a fresh server sent it."""
+        self.examples = 0
+        self.first_states = 0
+        self.checked_log = 0
+        self.statuses: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"Brain({self.serving.addresses[0]}, {self.examples} examples)"
 
 
 def _example_store() -> Store:
@@ -219,7 +227,8 @@ def _check_whole(brain: Brain) -> None:
     watch = brain.serving.watch
     started = time.monotonic()
     assert _first_state(brain.channel) == brain.reference
-    # Turns kept by calls that ended would delay this one by their hold time.
+    # In good time: a first state of this store takes milliseconds, unless the loop is stuck
+    # or every turn is kept (by calls that ended), which would hold it for a turn's hold time.
     assert time.monotonic() - started < 2.0
 
     def left() -> tuple[Any, ...]:
@@ -467,7 +476,7 @@ def _exchange(brain: Brain, method: Method, requests: list[bytes], paced: bool) 
     finally:
         outgoing.put(None)  # the request thread must not wait on us forever
         call.cancel()
-    assert not ops, f"the stream ended inside a change set: {ops}"
+    assert not ops, f"the stream ended inside a change set: {ops}, {outcome}"
     return outcome
 
 
