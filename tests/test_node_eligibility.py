@@ -61,6 +61,13 @@ def test_node_eligibility(nodes: dict[str, Node], nodes_listed: bool, eligible: 
             False,
             "node 'worker' is not among the 1 node the sources list, so nothing is local to it",
         ),
+        # Longer than any node's name can be (a watcher's choice): quoted only so far.
+        (
+            "w" * 5000,
+            set(),
+            True,
+            f"node {'w' * 253!r}... (5000 characters) does not exist; nothing is local to it",
+        ),
     ],
 )
 def test_a_node_no_source_knows_is_warned_of(

@@ -87,6 +87,19 @@ def primary_ips(addresses: Sequence[NodeAddress]) -> tuple[str, ...]:
     return (first,) if other is None else (first, other)
 
 
+NODE_NAME_MAX = 253
+"""The longest name a Kubernetes node can have (a DNS subdomain)."""
+
+
+def _quoted(name: str) -> str:
+    """A node name as a warning quotes it: whole, up to the longest a node's can be. A watcher
+    chooses the name, unchecked: the brain's warning is a log line and the watcher's stream
+    metadata, which gRPC clients refuse past 8 KiB (the watch then fails, its state unread)."""
+    if len(name) <= NODE_NAME_MAX:
+        return repr(name)
+    return f"{name[:NODE_NAME_MAX]!r}... ({len(name)} characters)"
+
+
 def unknown_node(name: str, known: Collection[str], *, all_listed: bool = False) -> str | None:
     """A warning for a node name no source knows, or None. Sources that list no node at all say
     nothing (manifests need not list nodes), unless they always list every node (``all_listed``).
@@ -94,7 +107,7 @@ def unknown_node(name: str, known: Collection[str], *, all_listed: bool = False)
     if name in known or not (known or all_listed):
         return None
     if not known:
-        return f"node {name!r} does not exist; nothing is local to it"
+        return f"node {_quoted(name)} does not exist; nothing is local to it"
     if name.lower() in known:
         hint = f" (node names are lowercase: {name.lower()})"
     else:
@@ -102,5 +115,6 @@ def unknown_node(name: str, known: Collection[str], *, all_listed: bool = False)
         hint = f" (did you mean {close[0]}?)" if close else ""
     count = f"{len(known)} node{'s' if len(known) > 1 else ''}"
     return (
-        f"node {name!r} is not among the {count} the sources list, so nothing is local to it{hint}"
+        f"node {_quoted(name)} is not among the {count} the sources list, so nothing is local to"
+        f" it{hint}"
     )

@@ -30,7 +30,7 @@ from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1
 from kpng.api.localv1_pb2 import ChangeTriggersSet, NodeFactsSet
 from kpng.api.ops import FirstOps
 from kpng.errors import UsageError
-from kpng.model.cluster import unknown_node
+from kpng.model.cluster import NODE_NAME_MAX, unknown_node
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
 from kpng.model.paths import NODE_FACTS_PATH, TRIGGERS_PATH
 from kpng.resolver.resolving import NodeView
@@ -231,8 +231,9 @@ class WatchServer:
         self.hub = Hub(store)
         self.first_states = Turns()
         self.stats = WatchStats()
-        self._warned: OrderedDict[str, None] = OrderedDict()
-        """Unknown node names warned about, the newest ``WARNED_NODES``."""
+        self._warned: OrderedDict[tuple[str, int], None] = OrderedDict()
+        """Unknown node names warned about, the newest ``WARNED_NODES``, each as its first
+        ``NODE_NAME_MAX`` characters and its length: a name may be megabytes."""
         self._encoders: dict[int, Encoders] = {
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
@@ -373,9 +374,10 @@ class WatchServer:
         """Log an unknown node once per name; ``tell`` the watcher too, in the initial metadata
         (the warning channel of Kubernetes' API, as HTTP headers are there): only possible
         before the stream's first response."""
-        if node_name not in self._warned:
-            # Bounded: an unauthenticated watcher chooses the names.
-            self._warned[node_name] = None
+        key = (node_name[:NODE_NAME_MAX], len(node_name))
+        if key not in self._warned:
+            # Bounded in names and in each name's size: an unauthenticated watcher chooses them.
+            self._warned[key] = None
             if len(self._warned) > WARNED_NODES:
                 self._warned.popitem(last=False)
             log.warning("a watcher at %s: %s", context.peer(), warning)
