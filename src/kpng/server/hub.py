@@ -229,6 +229,12 @@ class Turns:
             self._watchdog = asyncio.create_task(self._watch(), name="first-state turns")
         return turn
 
+    async def close(self) -> None:
+        """Stop the watchdog (the server has stopped: no turn is left to watch)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+
     def _forget(self, turn: Turn) -> None:
         if turn.ended:
             return

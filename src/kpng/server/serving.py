@@ -560,6 +560,7 @@ async def serve(
                 await asyncio.shield(stopping)
         if hub_task is not None:
             await asyncio.gather(hub_task, return_exceptions=True)
+        await watch.first_states.close()
         for unix in sockets:
             unix.remove()
 
