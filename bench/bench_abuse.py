@@ -81,7 +81,8 @@ from pathlib import Path
 from typing import Any
 
 import synthetic
-from bench_api import BenchError, Server, median, p99
+from bench_api import BenchError, Server
+from stats import median, p99
 
 from kpng.server.auth import NODE_NAME_EXTRA
 from kpng.sinks.api import DEFAULT_NODE_USER

@@ -51,7 +51,6 @@ import math
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,7 @@ import grpc
 import msgspec
 import synthetic
 from bench_incremental import Model, model_of, stage_all
+from stats import median, p99
 
 from kpng.api import batchv1_pb2, codec, localv1_pb2
 from kpng.client import Backoff, Endpoint, NodeState, Service, watch, watch_state
@@ -95,18 +95,6 @@ class BenchError(Exception):
 
 
 # --- figures
-
-
-def p99(values: Sequence[float]) -> float:
-    """Nearest rank: the smallest sample at least 99% of the samples do not exceed."""
-    if not values:
-        return math.nan
-    ranked = sorted(values)
-    return ranked[math.ceil(0.99 * len(ranked)) - 1]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else math.nan
 
 
 def verdict(met: bool) -> str:

@@ -51,6 +51,7 @@ from typing import IO, Any
 
 from bench_nft import TARGET_IP
 from bench_split import BACKEND, HEALTHZ, KPNG, NODE, compiled_as_installed
+from stats import nearest_rank
 
 TARGET_PORT = 80
 PODS = ("a", "b")
@@ -228,10 +229,6 @@ def _send(proc: subprocess.Popen[str], line: str) -> None:
     stdin.flush()
 
 
-def _percentile(values: Sequence[float], p: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(len(values) * p))]
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
@@ -296,23 +293,23 @@ def _changes(
 def _report(args: argparse.Namespace, changes: Changes) -> float:
     """Print the figures of ``changes``; their median change → traffic."""
     traffic = changes.traffic
-    median = _percentile(traffic, 0.5)
+    median = nearest_rank(traffic, 0.5)
     print(
         f"  change → first new connection on the new pod: median {_ms(median)} ms, p99 "
-        f"{_ms(_percentile(traffic, 0.99))} ms, worst {_ms(max(traffic))} ms "
+        f"{_ms(nearest_rank(traffic, 0.99))} ms, worst {_ms(max(traffic))} ms "
         f"({len(traffic)} changes, {changes.connections:,} connections, one connect to answer: "
-        f"median {_percentile(changes.durations, 0.5) * 1e6:.0f} us)"
+        f"median {nearest_rank(changes.durations, 0.5) * 1e6:.0f} us)"
     )
     if changes.kernel:
         kernel = changes.kernel
         print(
             f"  change → rules in the kernel (apply returned): median "
-            f"{_ms(_percentile(kernel, 0.5))} ms, p99 {_ms(_percentile(kernel, 0.99))} ms, "
+            f"{_ms(nearest_rank(kernel, 0.5))} ms, p99 {_ms(nearest_rank(kernel, 0.99))} ms, "
             f"worst {_ms(max(kernel))} ms"
         )
     print(
         f"  the last new connection the old pod answered had started "
-        f"{_ms(_percentile(changes.lower, 0.5))} ms after the change (median; the switch came "
+        f"{_ms(nearest_rank(changes.lower, 0.5))} ms after the change (median; the switch came "
         "later)"
     )
     problems = changes.problems

@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench_kube import nearest_rank
 from bench_nft import TARGET_IP, _state
+from stats import nearest_rank
 
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.executing import KernelNft

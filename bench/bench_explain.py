@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import math
 import socket
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import synthetic
+from stats import nearest_rank
 
 BENCH_DIR = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -205,14 +205,6 @@ def _get(conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes, float
     response = conn.getresponse()
     body = response.read()
     return response.status, body, time.perf_counter() - start
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    """The smallest sample that a share ``q`` of the samples do not exceed (NaN: none)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def debug_explain(path: Path, service: str, requests: int) -> dict[str, float]:

@@ -70,11 +70,10 @@ from bench_api import (
     Server,
     Watcher,
     _all_synced,
-    median,
-    p99,
     served,
     verdict,
 )
+from stats import median, p99
 
 from kpng.api import batchv1_pb2
 from kpng.api.localv1_pb2 import EndpointsSet, ServicesSet

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import math
 import os
 import random
 import statistics
@@ -44,6 +43,7 @@ from typing import Any
 
 import msgspec
 import synthetic
+from stats import nearest_rank
 
 from kpng.backends.registry import NodeState
 from kpng.harness.cluster import ControlPlane, ensure_binaries
@@ -213,14 +213,6 @@ class NotingBackend:
 
     async def close(self) -> None:
         pass
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    """The smallest sample that a share ``q`` of the samples do not exceed (NaN: none)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 async def in_process(

@@ -75,8 +75,9 @@ from typing import Any
 
 import msgspec
 import synthetic
-from bench_kube import APISERVER_ARGS, NODE, fill, nearest_rank
+from bench_kube import APISERVER_ARGS, NODE, fill
 from bench_split import compiled_as_installed
+from stats import nearest_rank
 
 from kpng.backends.ebpf import remove_pins, system
 from kpng.harness.cluster import ControlPlane, ensure_binaries, ensure_programs

@@ -37,6 +37,8 @@ import unittest.mock
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from stats import nearest_rank
+
 if TYPE_CHECKING:
     from kpng.backends._nftables.nftables import Nft, Table, TableObjects, Transaction
 
@@ -262,10 +264,6 @@ def _median(values: Sequence[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _percentile(values: Sequence[float], p: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(len(values) * p))]
-
-
 def inside(args: argparse.Namespace) -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f} (2 cores; other work skews timings)")
     print(f"transactions run by: {type(_executor(args.nft)).__name__}")
@@ -319,7 +317,7 @@ def inside(args: argparse.Namespace) -> int:
         medians.append(_median(seconds))
         print(
             f"3. one endpoint change at {size} services: median {medians[-1] * 1000:.1f} ms, "
-            f"p99 {_percentile(seconds, 0.99) * 1000:.1f} ms, worst {max(seconds) * 1000:.1f} ms "
+            f"p99 {nearest_rank(seconds, 0.99) * 1000:.1f} ms, worst {max(seconds) * 1000:.1f} ms "
             f"of {args.changes} (target <= 30 ms)"
         )
     print(f"   largest / smallest median: {max(medians) / min(medians):.2f} (flat: about 1)")
