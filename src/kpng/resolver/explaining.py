@@ -1,9 +1,10 @@
 """Why a node uses or skips each endpoint of a Service: the resolver's decisions, in words. Pure.
 
-``explain_service`` runs ``resolve_service`` with a ``Trace`` and words what it recorded: which
-set each endpoint landed in (the categorizer's own sets, topology and fallbacks), and the scopes
-the node-local state gives it. Nothing here decides again; a reason is only ever the wording of a
-decision already taken, so explain cannot drift from what backends are served
+``explain_service`` takes the resolver's ``Decisions`` (``decide``: what ``resolve_service``
+builds its answer from) and words them: which set each endpoint landed in (the categorizer's own
+sets, topology and fallbacks), and the scopes the node-local state gives it. Nothing here decides
+again; a reason is only ever the wording of a decision already taken, so explain cannot drift
+from what backends are served
 (tests/test_explain.py checks that on every semantics table).
 """
 
@@ -15,7 +16,7 @@ import msgspec
 
 from kpng.model.cluster import ServiceKey, Slice, SliceEndpoint
 from kpng.model.messages import PortMapping, Service
-from kpng.resolver.resolving import PortDecision, Trace, resolve_service
+from kpng.resolver.resolving import Decisions, PortDecision, decide, resolved
 
 
 class Reason(msgspec.Struct, frozen=True):
@@ -232,7 +233,7 @@ def _explain_endpoint(
 
 
 def _port_notes(
-    port: PortMapping, decisions: Sequence[PortDecision], trace: Trace, usable: Sequence[str]
+    port: PortMapping, decisions: Sequence[PortDecision], trace: Decisions, usable: Sequence[str]
 ) -> list[Reason]:
     notes = []
     internal = "node-local" if trace.internal_local else "cluster-wide"
@@ -293,18 +294,16 @@ def explain_service(
         note = _NOT_SERVED if ignored is None else Reason("ignored", f"kpng ignores it: {ignored}")
         return ServiceExplanation(namespace, name, node, zone, False, (note,), [])
     ordered = sorted(slices, key=lambda sl: sl.name)
-    trace = Trace()
-    resolved = resolve_service(service, ordered, node=node, zone=zone, trace=trace)
-    decisions = {(d.port, d.v6): d for d in trace.decisions}
+    trace = decide(service, ordered, node=node, zone=zone)
+    served = resolved(service, trace, node=node)
+    decisions = {(d.port, d.v6): d for d in trace.ports}
     chosen_from = {id(ep): sl.name for sl in ordered for ep in sl.endpoints}
     notes = [] if zone else [Reason("no-zone", f"node {node} has no zone: zone hints never apply")]
     ports = []
     by_port: dict[int, list[PortDecision]] = {}
-    for d in trace.decisions:
+    for d in trace.ports:
         by_port.setdefault(d.port, []).append(d)
-    for p, (port, served_port) in enumerate(
-        zip(service.Ports, resolved.service.Ports, strict=True)
-    ):
+    for p, (port, served_port) in enumerate(zip(service.Ports, served.service.Ports, strict=True)):
         port_decisions = by_port.get(p, [])
         families = served_port.UsableEndpoints
         usable = tuple(

@@ -88,8 +88,8 @@ def _port_endpoints(
     return [(ep, number) for (_, number), ep in chosen.items()]
 
 
-class PortDecision(msgspec.Struct):
-    """How ``resolve_service`` chose one service port's endpoints in one family."""
+class PortDecision(msgspec.Struct, gc=False):
+    """How one service port's endpoints in one family were chosen."""
 
     port: int
     """Index into the service's ports."""
@@ -105,31 +105,23 @@ class PortDecision(msgspec.Struct):
     """Per candidate, the scopes it was given."""
 
 
-class Trace(msgspec.Struct):
-    """What ``resolve_service`` decided, for ``kpng explain``: filled in when passed to it."""
+class Decisions(msgspec.Struct, gc=False):
+    """Everything decided of one service on one node: what ``resolve_service`` builds its
+    answer from, and what ``kpng explain`` words (the same decisions: explain cannot drift)."""
 
-    internal_local: bool = False
-    external_local: bool = False
+    internal_local: bool
+    external_local: bool
     """externalTrafficPolicy is Local and the service is externally accessible."""
-    families: tuple[bool, ...] = ()
+    families: tuple[bool, ...]
     """The families resolved (False: IPv4, True: IPv6): those of the service's cluster IPs."""
-    decisions: list[PortDecision] = msgspec.field(default_factory=list)
+    ports: list[PortDecision]
+    """One per service port and family that has candidates, by family, then port."""
 
 
-def resolve_service(
-    service: Service,
-    slices: Iterable[Slice],
-    *,
-    node: str,
-    zone: str,
-    trace: Trace | None = None,
-) -> ServiceEndpoints:
-    """One service as node ``node`` in ``zone`` sees it: its ports, and its endpoints with scopes.
-
-    Each IP family is resolved on its own (kube-proxy runs one proxier per family), and each
-    service port on its own; an endpoint whose scopes are the same on every port it serves comes
-    out once, with a PortOverride per port. A ``trace`` records each decision as it is made.
-    """
+def decide(service: Service, slices: Iterable[Slice], *, node: str, zone: str) -> Decisions:
+    """Which endpoints node ``node`` in ``zone`` gives each port of ``service``, with which
+    scopes. Each IP family is decided on its own (kube-proxy runs one proxier per family), and
+    each service port on its own."""
     ips = service.IPs
     cluster_ips = ips.ClusterIPs if ips is not None and ips.ClusterIPs is not None else EMPTY_IPSET
     external_ips = ips.ExternalIPs if ips is not None and ips.ExternalIPs else EMPTY_IPSET
@@ -138,11 +130,57 @@ def resolve_service(
     external_local = service.ExternalTrafficToLocal and _service_externally_accessible(
         service, external_ips
     )
+    families = tuple(v6 for v6 in (False, True) if cluster_ips.family(v6))
     ordered = sorted(slices, key=lambda sl: sl.name)
-    if trace is not None:
-        trace.internal_local, trace.external_local = internal_local, external_local
-        trace.families = tuple(v6 for v6 in (False, True) if cluster_ips.family(v6))
+    ports: list[PortDecision] = []
+    for v6 in families:
+        by_port = _slices_by_port([sl for sl in ordered if sl.v6 == v6])
+        has_external_ip = bool(external_ips.family(v6) or lb_ips.family(v6))
+        for p, port in enumerate(service.Ports):
+            candidates = _port_endpoints(port, by_port)
+            if not candidates:
+                continue
+            external = port.NodePort != 0 or has_external_ip
+            uses_cluster = not internal_local or external
+            uses_local = internal_local or (external_local and external)
+            cats = categorize(
+                [ep for ep, _ in candidates],
+                node=node,
+                zone=zone,
+                uses_cluster=uses_cluster,
+                uses_local=uses_local,
+            )
+            cluster, local = cats.cluster, cats.local
+            scopes = [
+                _SCOPES[
+                    (
+                        (i in local) if internal_local else (i in cluster),
+                        external and ((i in local) if external_local else (i in cluster)),
+                        i in cluster,
+                    )
+                ]
+                for i in range(len(candidates))
+            ]
+            ports.append(
+                PortDecision(p, v6, candidates, cats, uses_cluster, uses_local, external, scopes)
+            )
+    return Decisions(internal_local, external_local, families, ports)
 
+
+def resolve_service(
+    service: Service, slices: Iterable[Slice], *, node: str, zone: str
+) -> ServiceEndpoints:
+    """One service as node ``node`` in ``zone`` sees it: its ports, and its endpoints with scopes
+    (``decide``)."""
+    return resolved(service, decide(service, slices, node=node, zone=zone), node=node)
+
+
+_NO_SCOPE = _SCOPES[(False, False, False)]
+
+
+def resolved(service: Service, decisions: Decisions, *, node: str) -> ServiceEndpoints:
+    """The service as ``decisions`` make it on node ``node``: an endpoint whose scopes are the
+    same on every port it serves comes out once, with a PortOverride per port."""
     # (endpoint identity, scopes) -> [endpoint, v6, ports]; dicts keep first-seen order.
     grouped: dict[tuple[int, EndpointScopes], tuple[SliceEndpoint, bool, list[PortName]]] = {}
     usable: list[list[bool]] = [[False, False] for _ in service.Ports]
@@ -154,59 +192,24 @@ def resolve_service(
     # a million endpoints.
     port_names: dict[tuple[int, int], PortName] = {}
     overrides: dict[tuple[PortName, ...], tuple[PortName, ...]] = {}
-    for v6 in (False, True):
-        if not cluster_ips.family(v6):
-            continue
-        by_port = _slices_by_port([sl for sl in ordered if sl.v6 == v6])
-        has_external_ip = bool(external_ips.family(v6) or lb_ips.family(v6))
-        for p, port in enumerate(service.Ports):
-            candidates = _port_endpoints(port, by_port)
-            if not candidates:
+    for decision in decisions.ports:
+        p, v6, candidates = decision.port, decision.v6, decision.candidates
+        port = service.Ports[p]
+        if port.Protocol == "UDP":
+            serving[p].update((ep.ip, number) for ep, number in candidates if ep.serving)
+        usable[p][v6] = decision.categories.has_any
+        for (ep, number), scopes in zip(candidates, decision.scopes, strict=True):
+            if scopes is _NO_SCOPE:
                 continue
-            if port.Protocol == "UDP":
-                serving[p].update((ep.ip, number) for ep, number in candidates if ep.serving)
-            external = port.NodePort != 0 or has_external_ip
-            uses_cluster = not internal_local or external
-            uses_local = internal_local or (external_local and external)
-            cats = categorize(
-                [ep for ep, _ in candidates],
-                node=node,
-                zone=zone,
-                uses_cluster=uses_cluster,
-                uses_local=uses_local,
-            )
-            usable[p][v6] = cats.has_any
-            traced: list[EndpointScopes] | None = None
-            if trace is not None:
-                traced = []
-                trace.decisions.append(
-                    PortDecision(
-                        p, v6, candidates, cats, uses_cluster, uses_local, external, traced
-                    )
+            entry = grouped.get((id(ep), scopes))
+            if entry is None:
+                entry = grouped[(id(ep), scopes)] = (ep, v6, [])
+            name = port_names.get((p, number))
+            if name is None:
+                name = port_names[p, number] = PortName(
+                    Name=port.Name, Port=number, Protocol=port.Protocol
                 )
-            for i, (ep, number) in enumerate(candidates):
-                in_cluster = i in cats.cluster
-                in_local = i in cats.local
-                scopes = _SCOPES[
-                    (
-                        in_local if internal_local else in_cluster,
-                        external and (in_local if external_local else in_cluster),
-                        in_cluster,
-                    )
-                ]
-                if traced is not None:
-                    traced.append(scopes)
-                if scopes is _SCOPES[(False, False, False)]:
-                    continue
-                entry = grouped.get((id(ep), scopes))
-                if entry is None:
-                    entry = grouped[(id(ep), scopes)] = (ep, v6, [])
-                name = port_names.get((p, number))
-                if name is None:
-                    name = port_names[p, number] = PortName(
-                        Name=port.Name, Port=number, Protocol=port.Protocol
-                    )
-                entry[2].append(name)
+            entry[2].append(name)
 
     entries = [
         (
