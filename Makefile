@@ -21,8 +21,12 @@ $(BIN)/kpng: pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
+# The project's real-cluster rig (rig/) is the repository's, not the wheel's: a .pth file puts
+# the repository's root on the development venv's path, so that tests, benches and
+# `python -m rig.cluster` find it from any directory.
 $(DEV): $(BIN)/kpng
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "kpng-rig.pth").write_text(str(pathlib.Path.cwd()) + "\n")'
 	touch $@
 
 # kpng with its development tools (pytest, ruff, mypy, build...), without running anything.
@@ -63,14 +67,14 @@ unit: $(DEV) system-packages-as-root control-plane real-nodes
 # The kube-apiserver and etcd the `apiserver` tests run, and the helm the chart's tests run:
 # built with Go on first use (a few minutes), then found in ~/.cache/kpng/control-plane in a moment.
 control-plane: $(DEV)
-	$(BIN)/python -m kpng.harness.cluster build
-	$(BIN)/python -m kpng.harness.chart build
+	$(BIN)/python -m rig.cluster build
+	$(BIN)/python -m rig.chart build
 
-# The API-server tests against every supported Kubernetes release (kpng.harness.cluster's
+# The API-server tests against every supported Kubernetes release (rig.cluster's
 # SUPPORTED_VERSIONS), or those in VERSIONS (e.g. make compat VERSIONS=v1.34.4): each control
 # plane is built on first use (a few minutes), then cached.
 compat: $(DEV)
-	$(BIN)/python -m kpng.harness.compat $(VERSIONS)
+	$(BIN)/python -m rig.compat $(VERSIONS)
 
 # Upstream's [sig-network] proxy tests on two real nodes, with kpng and then with kube-proxy
 # (needs root; about 30 minutes on two cores). Results in e2e-results/, the table in summary.md.
@@ -81,17 +85,17 @@ compat: $(DEV)
 SHAPE ?= daemonset
 MODE ?= nftables
 e2e: $(DEV)
-	$(BIN)/python -m kpng.harness.e2e --shape $(SHAPE) --mode $(MODE) --report-dir e2e-results
+	$(BIN)/python -m rig.e2e --shape $(SHAPE) --mode $(MODE) --report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(DEV)
-	$(BIN)/python -m kpng.harness.images kpng --output kpng.oci.tar
+	$(BIN)/python -m rig.images kpng --output kpng.oci.tar
 
 # What the real-node tests run: kubelet, controllers, kubectl, agnhost, CoreDNS (Go builds,
 # cached beside the control plane) and the images (Debian packages). Skipped without root,
 # containerd, runc, mmdebstrap or the CNI plugins, as those tests are.
 real-nodes: $(DEV)
-	$(BIN)/python -m kpng.harness.nodes build
+	$(BIN)/python -m rig.nodes build
 
 # Regenerates the Python code of the .proto files under src/kpng/api.
 protos: $(DEV)

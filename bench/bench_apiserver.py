@@ -1,6 +1,6 @@
 """What the brain saves the API server: kube-proxy's shape against kpng's, as the node count grows.
 
-One control plane (``kpng.harness.cluster``: etcd and two kube-apiservers on it) holds the
+One control plane (``rig.cluster``: etcd and two kube-apiservers on it) holds the
 synthetic cluster of ``synthetic.py`` (``--services`` services, 10 endpoints each) and a Node
 object per watcher. Apiserver **A** serves every reader and is the one measured; apiserver **B**
 takes the benchmark's writes, so that the cost of a write (admission, etcd), the same in both
@@ -69,8 +69,9 @@ from bench_api import BenchError, Server, Watcher, _all_synced
 from bench_kube import APISERVER_ARGS, fill
 from bench_kube_proxy import cpu_split
 
-from kpng.harness.cluster import ControlPlane, ensure_binaries, free_port
-from kpng.harness.kubeapi import KubeApi
+from kpng.testing.ports import free_port
+from rig.cluster import ControlPlane, ensure_binaries
+from rig.kubeapi import KubeApi
 
 Obj = dict[str, Any]
 EXTRAPOLATE_TO = 5_000

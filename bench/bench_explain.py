@@ -10,7 +10,7 @@ hints, past the middle of the list: the richest answer). Then:
    --output /dev/null``, the time to a full node-local state. Also ``explain`` of every Service
    (no ``--service``), the whole table to a pipe.
 2. **from the API**: the same two commands with ``kpng kube --kubeconfig K`` against a real
-   kube-apiserver (``kpng.harness.cluster``) filled with the same cluster (as ``bench_kube.py``
+   kube-apiserver (``rig.cluster``) filled with the same cluster (as ``bench_kube.py``
    fills it: the fields the API server assigns are left to it).
 3. **``/debug/explain?service=NS/NAME``** on a running ``kpng --metrics-bind-address A file
    --input F to-local --node-name N to-json --output /dev/null``: the latency of one answer over
@@ -270,7 +270,7 @@ def from_api(document: dict[str, Any], service: str, runs: int, fill_timeout: fl
     """Part 2: a control plane of its own, filled as bench_kube.py fills it."""
     from bench_kube import APISERVER_ARGS, THREADS, fill
 
-    from kpng.harness.cluster import ControlPlane, ensure_binaries
+    from rig.cluster import ControlPlane, ensure_binaries
 
     t = time.perf_counter()
     binaries = ensure_binaries()

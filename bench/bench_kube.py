@@ -1,6 +1,6 @@
 """``kpng kube`` against a real kube-apiserver with 10,000 services of 10 endpoints.
 
-A control plane of its own (``kpng.harness.cluster``) is filled with the synthetic cluster of
+A control plane of its own (``rig.cluster``) is filled with the synthetic cluster of
 ``synthetic.py`` (10,000 Services, one 10-endpoint EndpointSlice each, 100 Nodes; the fields the
 API server assigns, such as cluster IPs and node ports, are left to it). Then:
 
@@ -46,11 +46,11 @@ import synthetic
 from stats import nearest_rank
 
 from kpng.backends.registry import NodeState
-from kpng.harness.cluster import ControlPlane, ensure_binaries
-from kpng.harness.kubeapi import KubeApi
 from kpng.sinks.local import run_local
 from kpng.sources.kube.source import KubeOptions, KubeSource, resources
 from kpng.store import Store
+from rig.cluster import ControlPlane, ensure_binaries
+from rig.kubeapi import KubeApi
 
 Obj = dict[str, Any]
 NODE = "node-000"

@@ -6,7 +6,7 @@ measured third, the same way (issue 26: connect latency of to-ebpf, to-nft and k
 nftables mode in one run).
 
 kube-proxy is built from the ``k8s.io/kubernetes`` Go module of the test control plane's release
-(``kpng.harness.cluster.ensure_programs``), as that kube-apiserver is. For each size
+(``rig.cluster.ensure_programs``), as that kube-apiserver is. For each size
 (``--sizes``, services of the synthetic cluster of ``synthetic.py``, 10 endpoints each), a
 control plane of its own is filled, listening on a veth address the namespaces reach; then
 ``kube-proxy --config F`` and ``kpng kube-proxy --config F`` (kpng's drop-in command, the same
@@ -80,11 +80,11 @@ from bench_split import compiled_as_installed
 from stats import nearest_rank
 
 from kpng.backends.ebpf import remove_pins, system
-from kpng.harness.cluster import ControlPlane, ensure_binaries, ensure_programs
-from kpng.harness.kubeapi import KubeApi
 from kpng.kubeproxy import command
 from kpng.kubeproxy.config import kpng_argv
 from kpng.testing.waiting import until
+from rig.cluster import ControlPlane, ensure_binaries, ensure_programs
+from rig.kubeapi import KubeApi
 
 Obj = dict[str, Any]
 HOST_IP = "10.252.77.1"

@@ -1,6 +1,6 @@
 """Network programming latency on real nodes: kpng against kube-proxy, in the same harness.
 
-For each proxy, a real cluster (``kpng.harness.nodes``: two kubelets, containerd, the
+For each proxy, a real cluster (``rig.nodes``: two kubelets, containerd, the
 controllers) with that proxy deployed as a DaemonSet. Then ``--runs`` times: a ClusterIP Service
 is created, a client pod on node-1 starts trying it every 50 ms, and a Deployment of 10 netexec
 pods behind the Service is created; the figure is the time from the Deployment's creation to the
@@ -12,7 +12,7 @@ programming latency SLO measures that last part.
     sudo .venv/bin/python bench/bench_real_cluster.py [--runs 10] [--proxy kpng --proxy kube-proxy]
         [--shape daemonset --shape sidecar --shape central] [--mode nftables --mode ebpf]
 
-With several ``--shape``, kpng is measured in each (``kpng.harness.addons.SHAPES``), one after
+With several ``--shape``, kpng is measured in each (``rig.addons.SHAPES``), one after
 the other; with several ``--mode``, in each mode (nftables: to-nft, ebpf: to-ebpf; kube-proxy
 is measured in nftables mode). For each, the API server's own metrics say how many watches of
 EndpointSlices it holds, and how many bytes of EndpointSlice watch events it sent per run.
@@ -27,9 +27,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kpng.harness import addons, e2e, images
-from kpng.harness import kubeapi as k
-from kpng.harness.nodes import RealCluster
+from rig import addons, e2e, images
+from rig import kubeapi as k
+from rig.nodes import RealCluster
 
 REPLICAS = 10
 TRY_TIMEOUT_S = 120

@@ -3,7 +3,7 @@
 Not in CI, not timed (it measures growth, not speed: run it under ``nice``, without the
 benchmark lock). Needs root (network namespaces, nftables, conntrack).
 
-A control plane of its own (``kpng.harness.cluster``: etcd and two kube-apiservers, A and B, on
+A control plane of its own (``rig.cluster``: etcd and two kube-apiservers, A and B, on
 a bridge address) holds 10 Nodes and between ``--min-services`` and ``--max-services`` live
 Services (1,000 and 5,000), each with one EndpointSlice of 3 endpoints. kpng reads A; the churn
 writes through B, one tick a second, from a few threads:
@@ -89,9 +89,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kpng.harness.cluster import SERVICE_CIDR, ControlPlane, ensure_binaries, free_port
-from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.testing.objects import endpoint, endpoint_slice, node, service
+from kpng.testing.ports import free_port
+from rig.cluster import SERVICE_CIDR, ControlPlane, ensure_binaries
+from rig.kubeapi import ApiError, KubeApi
 
 Obj = dict[str, Any]
 PYTHON = sys.executable

@@ -50,7 +50,7 @@ def netns(namespaces: Callable[[], str]) -> str:
     return namespaces()
 
 
-pytest_plugins = ["kpng.harness.fixtures"]
+pytest_plugins = ["rig.fixtures"]
 
 
 OPT_IN = ("KPNG_",)

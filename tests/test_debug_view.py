@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kpng.harness.cluster import free_port
 from kpng.testing.netns import available
+from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
 from tests.test_status import _get as get
 

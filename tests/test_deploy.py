@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane
-from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.testing.recording import KpngUnderTest
+from rig import kubeapi as k
+from rig.cluster import ControlPlane
+from rig.kubeapi import ApiError, KubeApi
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.apiserver

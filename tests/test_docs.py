@@ -23,8 +23,8 @@ import pytest
 
 import kpng.client
 from kpng.backends.ebpf import observing
-from kpng.harness.cluster import free_port
 from kpng.sources.kube.reflector import ReflectorStats
+from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
 from tests.conftest import EXAMPLE
 

@@ -27,7 +27,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.harness.cluster import free_port
 from kpng.status.exposition import (
     CONTENT_TYPE,
     Family,
@@ -37,6 +36,7 @@ from kpng.status.exposition import (
     process_families,
     render,
 )
+from kpng.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -254,7 +254,7 @@ def test_go_kpngs_own_client_reads_kpngs_stream_node_facts_and_all(tmp_path: Pat
     kind it does not know, are skipped, and every service and endpoint reaches it."""
     import subprocess
 
-    from kpng.harness.cluster import free_port
+    from kpng.testing.ports import free_port
 
     cluster = Path(__file__).parent.parent / "examples" / "cluster.yaml"
     port = free_port()

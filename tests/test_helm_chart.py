@@ -15,10 +15,10 @@ import yaml
 
 import kpng
 from kpng.backends.ebpf import system
-from kpng.harness import addons, chart
-from kpng.harness.chart import ChartError
-from kpng.harness.nodes import RealCluster
 from kpng.kubeproxy.config import load
+from rig import addons, chart
+from rig.chart import ChartError
+from rig.nodes import RealCluster
 
 API_SERVER = "https://10.0.0.1:6443"
 CLUSTER_CIDR = "10.244.0.0/16"

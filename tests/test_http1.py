@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from kpng.harness.cluster import Pki, make_pki
 from kpng.http1 import HttpClient, HttpError, Reply, Request, serve
 from kpng.http1 import server as http_server
 from kpng.http1.client import HEAD_LIMIT
+from rig.cluster import Pki, make_pki
 from tests.proxying import ConnectProxy
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -1,4 +1,4 @@
-"""OCI archives (kpng.harness.images): what ctr imports, checked byte for byte, and imported
+"""OCI archives (rig.images): what ctr imports, checked byte for byte, and imported
 into a real containerd and run."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kpng.harness import images
-from kpng.harness.images import ImageConfig, compress, tar_directory, write_archive
+from rig import images
+from rig.images import ImageConfig, compress, tar_directory, write_archive
 
 
 def _tree(root: Path) -> Path:

@@ -23,12 +23,12 @@ import msgspec
 import pytest
 import yaml
 
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane, ensure_binaries, issue_client_cert
-from kpng.harness.kubeapi import ApiError, KubeApi
 from kpng.sources.kube.reflector import BackoffPolicy, ReflectorSettings
 from kpng.testing.recording import KpngUnderTest, View, view_of
 from kpng.testing.waiting import eventually
+from rig import kubeapi as k
+from rig.cluster import ControlPlane, ensure_binaries, issue_client_cert
+from rig.kubeapi import ApiError, KubeApi
 from tests.proxying import ConnectProxy
 
 pytestmark = pytest.mark.apiserver
@@ -102,7 +102,7 @@ def test_service_cidrs_are_followed(
 ) -> None:
     """The API server's own ServiceCIDR ("kubernetes", its --service-cluster-ip-range) and one
     added and deleted later reach the store."""
-    from kpng.harness.cluster import SERVICE_CIDR
+    from rig.cluster import SERVICE_CIDR
 
     name = f"{kube_namespace}-extra"[-60:]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kpng.harness.cluster import ClientCert, Pki, issue_client_cert, make_pki
-from kpng.harness.kubeapi import write_kubeconfig
 from kpng.kubeclient.config import (
     Connection,
     files_stamp,
     load_connection,
 )
+from rig.cluster import ClientCert, Pki, issue_client_cert, make_pki
+from rig.kubeapi import write_kubeconfig
 
 
 @pytest.fixture(scope="module")

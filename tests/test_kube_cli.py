@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.harness.cluster import free_port
+from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
 
 

@@ -21,11 +21,11 @@ import pytest
 
 from kpng.backends._commands import CommandError
 from kpng.backends._kube_proxy import KubeProxyLeftovers, Leftovers, parse_virtual_servers
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane
-from kpng.harness.kubeapi import KubeApi
-from kpng.harness.portforward import forwarded_into
 from kpng.testing.netns import available
+from rig import kubeapi as k
+from rig.cluster import ControlPlane
+from rig.kubeapi import KubeApi
+from rig.portforward import forwarded_into
 
 NETNS = pytest.mark.skipif(available() is not None, reason=str(available()))
 IPTABLES = pytest.mark.skipif(
@@ -378,10 +378,10 @@ def test_ipvs_virtual_servers_are_kube_proxys_only_beside_its_other_ipvs_leftove
 
 def _kube_proxy_binary() -> Path | None:
     """The real kube-proxy of the newest supported release, if a real-node or e2e run has built
-    it (kpng.harness.cluster); building it takes minutes, which this test does not spend. The
+    it (rig.cluster); building it takes minutes, which this test does not spend. The
     newest one against every control plane: what is tested is what it leaves in iptables, and
     the other releases' control planes (make compat) build no kube-proxy."""
-    from kpng.harness.cluster import KUBERNETES_VERSION, cache_root
+    from rig.cluster import KUBERNETES_VERSION, cache_root
 
     path = cache_root() / KUBERNETES_VERSION / "programs" / "kube-proxy"
     return path if os.access(path, os.X_OK) else None

@@ -18,7 +18,6 @@ import msgspec
 import pytest
 from kubernetes_asyncio.client import Configuration
 
-from kpng.harness.cluster import free_port
 from kpng.kubeclient.client import (
     MAX_LINE,
     ApiClient,
@@ -53,6 +52,7 @@ from kpng.sources.kube.source import (
     resources,
 )
 from kpng.store import Store
+from kpng.testing.ports import free_port
 
 
 @pytest.mark.parametrize(

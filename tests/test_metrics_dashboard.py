@@ -27,10 +27,11 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane, free_port
-from kpng.harness.kubeapi import KubeApi
+from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
+from rig import kubeapi as k
+from rig.cluster import ControlPlane
+from rig.kubeapi import KubeApi
 
 Kind = Literal["counter", "gauge", "histogram"]
 

@@ -20,7 +20,6 @@ from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
 from kpng.backends._nftables.nftables import NftError, Transaction
 from kpng.backends.registry import NodeState
-from kpng.harness.cluster import free_port
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import (
     Endpoint,
@@ -33,6 +32,7 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing import states
+from kpng.testing.ports import free_port
 
 LB: ServiceKey = ("ns", "lb")
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from kpng.harness import addons, images
-from kpng.harness import kubeapi as k
-from kpng.harness.nodes import RealCluster, missing_requirements
 from kpng.testing.waiting import until
+from rig import addons, images
+from rig import kubeapi as k
+from rig.nodes import RealCluster, missing_requirements
 
 pytestmark = [
     pytest.mark.realcluster,

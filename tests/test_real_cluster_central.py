@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kpng.harness import addons, images
-from kpng.harness.nodes import RealCluster, RealNode, missing_requirements
 from kpng.testing.waiting import until
+from rig import addons, images
+from rig.nodes import RealCluster, RealNode, missing_requirements
 from tests.test_real_cluster import (
     Traffic,
     _answers,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kpng.harness import images
-from kpng.harness.nodes import RealCluster, missing_requirements
 from kpng.testing.waiting import until
+from rig import images
+from rig.nodes import RealCluster, missing_requirements
 from tests.test_real_cluster import (
     Traffic,
     _answers,

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpng.harness import addons
-from kpng.harness.e2e import Outcome, Report, compare, parse_junit, regressions
-from kpng.harness.nodes import NodeError
 from kpng.kubeproxy.config import load
+from rig import addons
+from rig.e2e import Outcome, Report, compare, parse_junit, regressions
+from rig.nodes import NodeError
 
 _VALUES = {
     "KPNG_API_SERVER": "https://10.0.0.1:6443",

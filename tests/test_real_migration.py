@@ -30,10 +30,10 @@ from typing import Any
 
 import pytest
 
-from kpng.harness import addons, images
-from kpng.harness import kubeapi as k
-from kpng.harness.nodes import RealCluster, RealNode, missing_requirements
 from kpng.testing.waiting import until
+from rig import addons, images
+from rig import kubeapi as k
+from rig.nodes import RealCluster, RealNode, missing_requirements
 from tests.test_real_cluster import Traffic, _answers, _node_port_service
 
 pytestmark = [

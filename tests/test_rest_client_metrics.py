@@ -11,12 +11,12 @@ import pytest
 from kubernetes_asyncio.client import Configuration
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.harness.cluster import free_port
 from kpng.kubeclient import metrics
 from kpng.kubeclient.client import ApiClient, ApiStatusError, TransportError
 from kpng.kubeclient.config import Connection
 from kpng.status import Status
 from kpng.status.metrics import scrape
+from kpng.testing.ports import free_port
 
 SLOW_BODY_S = 0.3
 """The whole answer's body comes this long after its head."""

@@ -20,7 +20,6 @@ import pytest
 from kpng.api import localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.errors import KpngError
-from kpng.harness.cluster import make_pki
 from kpng.model.messages import Service
 from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.resolver.resolving import NodeResolver
@@ -31,6 +30,7 @@ from kpng.sources.file import stage
 from kpng.sources.manifests import parse
 from kpng.store import SourceHandle, Store
 from kpng.testing.waiting import eventually
+from rig.cluster import make_pki
 from tests import wire
 from tests.conftest import EXAMPLE
 

@@ -19,15 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.client import Backoff, NodeState
 from kpng.feeding import Fanout, Feeder, FeederStats
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane, free_port
-from kpng.harness.kubeapi import KubeApi
 from kpng.status import Status
 from kpng.status.health import Busy, Verdict, judge
 from kpng.status.metrics import scrape
 from kpng.testing import states
+from kpng.testing.ports import free_port
 from kpng.testing.recording import KpngUnderTest
 from kpng.testing.waiting import eventually, until
+from rig import kubeapi as k
+from rig.cluster import ControlPlane
+from rig.kubeapi import KubeApi
 from tests.conftest import EXAMPLE
 
 WAIT_S = 15.0

@@ -15,15 +15,15 @@ import pytest
 
 from kpng.client import Api, ClientTls, NodeState, watch_state
 from kpng.errors import KpngError
-from kpng.harness import kubeapi as k
-from kpng.harness.cluster import ControlPlane, make_pki
-from kpng.harness.kubeapi import KubeApi
 from kpng.kubeclient.client import ApiClient
 from kpng.kubeclient.config import load_connection
 from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.server.auth import Identity, Refused, TokenReviews, WatchAuth, decide
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.store import Store
+from rig import kubeapi as k
+from rig.cluster import ControlPlane, make_pki
+from rig.kubeapi import KubeApi
 
 AGENT = "system:serviceaccount:kube-system:kpng-node"
 RELAY = "system:serviceaccount:kube-system:kpng-relay"

@@ -62,7 +62,7 @@ def test_the_sdist_and_the_wheel_carry_the_license_and_the_protos(dist: Path) ->
     # The backend author's test library ships; the project's real-cluster harness does not.
     assert "kpng/testing/conformance.py" in names
     assert "kpng/check.py" in names
-    assert not any(n.startswith("kpng/harness/") for n in names)
+    assert not any(n.startswith("rig/") for n in names)
     metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert "Provides-Extra: testing" in metadata

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from kpng.harness.cluster import free_port
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
 from kpng.model.messages import IPSet, PortMapping, Service, ServiceIPs
 from kpng.resolver.resolving import resolve_service
+from kpng.testing.ports import free_port
 
 PORTS = 20_000
 SLICES = 200

@@ -6,6 +6,6 @@
   process with a backend that records what it is given;
 - ``echo``, ``probe`` and ``waiting``: what those are built from.
 
-No cluster and no API server: the project's own real-cluster harness is ``kpng.harness``, which
+No cluster and no API server: the project's own real-cluster harness is ``rig``, which
 the wheel does not ship.
 """

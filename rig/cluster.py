@@ -15,10 +15,10 @@ A started ``ControlPlane`` has etcd (plain HTTP) and kube-apiserver (HTTPS, gene
 certificates, a static admin token and an admin client certificate) on free loopback ports, and a
 kubeconfig with two contexts: ``kpng`` (token) and ``kpng-cert`` (client certificate).
 
-    python -m kpng.harness.cluster build      # build (or find) the binaries, print their paths
-    python -m kpng.harness.cluster up         # start in the background, print the kubeconfig
-    python -m kpng.harness.cluster env        # print `export KUBECONFIG=...`
-    python -m kpng.harness.cluster down       # stop and remove everything `up` made
+    python -m rig.cluster build      # build (or find) the binaries, print their paths
+    python -m rig.cluster up         # start in the background, print the kubeconfig
+    python -m rig.cluster env        # print `export KUBECONFIG=...`
+    python -m rig.cluster down       # stop and remove everything `up` made
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from kpng.testing.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -572,14 +573,6 @@ def issue_client_cert(
 # --- running
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (another process could take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _dying_with_parent(argv: list[str]) -> list[str]:
     """``argv`` run so that it gets SIGKILL when the process that started it dies, and a test
     run killed hard leaves no etcd or apiserver behind (Linux' PR_SET_PDEATHSIG, which survives
@@ -662,7 +655,7 @@ class ControlPlane:
     ``watch_cache=False`` starts the apiserver with ``--watch-cache=false``, so that a watch from
     a compacted resourceVersion fails with 410 Gone as it would against etcd directly.
     ``address`` is where the apiserver listens and what it advertises: loopback for tests of
-    kpng alone, a bridge address when real nodes (``kpng.harness.nodes``) must reach it.
+    kpng alone, a bridge address when real nodes (``rig.nodes``) must reach it.
     """
 
     def __init__(
@@ -965,7 +958,7 @@ def _down(directory: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.harness.cluster",
+        prog="python -m rig.cluster",
         description="build, start and stop a loopback kube-apiserver + etcd for kpng's tests",
     )
     parser.add_argument("command", choices=["build", "up", "env", "down"])

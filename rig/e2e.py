@@ -1,12 +1,12 @@
 """Upstream's e2e tests on a real cluster of this machine, with kpng or kube-proxy as its proxy.
 
-    python -m kpng.harness.e2e                      # kpng, then kube-proxy: ~15 min each
-    python -m kpng.harness.e2e --proxy kpng --focus 'should serve a basic endpoint'
-    python -m kpng.harness.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
-    python -m kpng.harness.e2e --shape sidecar      # kpng as a brain and a backend per node
-    python -m kpng.harness.e2e --shape central      # kpng's brains in a Deployment
+    python -m rig.e2e                      # kpng, then kube-proxy: ~15 min each
+    python -m rig.e2e --proxy kpng --focus 'should serve a basic endpoint'
+    python -m rig.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
+    python -m rig.e2e --shape sidecar      # kpng as a brain and a backend per node
+    python -m rig.e2e --shape central      # kpng's brains in a Deployment
 
-Each run starts a ``RealCluster`` (``kpng.harness.nodes``), imports the locally built images into
+Each run starts a ``RealCluster`` (``rig.nodes``), imports the locally built images into
 its nodes, deploys the proxy and CoreDNS, runs ``e2e.test`` (built from ``k8s.io/kubernetes``'
 ``test/e2e`` at the cluster's release) against it, writes the JUnit report and a summary under
 ``--report-dir``, and removes the cluster. Images come from ``kpng.local/...`` through
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from kpng.harness import addons, images
-from kpng.harness.cluster import ControlPlaneError, ensure_programs, kubernetes_release
-from kpng.harness.nodes import RealCluster
+from rig import addons, images
+from rig.cluster import ControlPlaneError, ensure_programs, kubernetes_release
+from rig.nodes import RealCluster
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def regressions(kpng: Report, baseline: Report) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.harness.e2e",
+        prog="python -m rig.e2e",
         description="upstream's e2e tests on real nodes, with kpng and with kube-proxy",
     )
     parser.add_argument(

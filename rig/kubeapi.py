@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kpng.harness.cluster import ControlPlane
-
 # The objects' builders are the test library's; tests reach them here beside the client.
 from kpng.testing.objects import Obj as Obj
 from kpng.testing.objects import endpoint as endpoint
 from kpng.testing.objects import endpoint_slice as endpoint_slice
 from kpng.testing.objects import node as node
 from kpng.testing.objects import service as service
+from rig.cluster import ControlPlane
 
 _COLLECTIONS = {
     "Service": ("/api/v1", "services", True),

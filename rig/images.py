@@ -14,7 +14,7 @@ knows as nginx, busybox and distroless-iptables), CoreDNS, and kube-proxy as the
 - Layers are reproducible: entries sorted, owned by root, with a fixed mtime, gzip without a
   timestamp; archives are cached by their layers' digests.
 
-    python -m kpng.harness.images kpng --output kpng.oci.tar
+    python -m rig.images kpng --output kpng.oci.tar
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kpng
-from kpng.harness.cluster import (
+from rig.cluster import (
     COREDNS_VERSION,
     _go,
     cache_root,
@@ -228,7 +228,7 @@ def write_archive(
             "Labels": config.labels or None,
         },
         "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
-        "history": [{"created_by": "kpng.harness.images"} for _ in layers],
+        "history": [{"created_by": "rig.images"} for _ in layers],
     }
     config_bytes = json.dumps(image_config, sort_keys=True).encode()
     config_digest, config_size = _blob(config_bytes)
@@ -415,7 +415,7 @@ def _source_digest(project: Path) -> str:
 def kpng_layer(project: Path | None = None) -> Layer:
     """kpng and its runtime dependencies in a virtualenv at /opt/kpng, for the image's
     /usr/bin/python3, with `kpng` on PATH; cached by the source tree's digest."""
-    project = project or Path(__file__).resolve().parents[3]
+    project = project or Path(__file__).resolve().parents[1]
     if not (project / "pyproject.toml").exists():
         raise ImageError(f"{project} is not kpng's source tree")
     return _cached_layer("kpng", _source_digest(project), lambda: _build_kpng_layer(project))
@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kube-proxy": kube_proxy_image,
     }
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.harness.images",
+        prog="python -m rig.images",
         description="build an image as an OCI archive for `ctr images import`, pulling nothing",
     )
     parser.add_argument("image", choices=sorted(builders))

@@ -1,5 +1,5 @@
 """pytest fixtures around a real control plane; enable with
-``pytest_plugins = ["kpng.harness.fixtures"]`` in a conftest.py.
+``pytest_plugins = ["rig.fixtures"]`` in a conftest.py.
 
 - ``control_plane``: one etcd + kube-apiserver for the whole session (built once, cached);
 - ``kube_api``: a ``KubeApi`` client of it;
@@ -18,18 +18,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpng.harness.cluster import ControlPlane, ensure_binaries
-from kpng.harness.kubeapi import KubeApi
+from rig.cluster import ControlPlane, ensure_binaries
+from rig.kubeapi import KubeApi
 
 _counter = itertools.count()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "apiserver: runs against a real kube-apiserver (kpng.harness.cluster)"
+        "markers", "apiserver: runs against a real kube-apiserver (rig.cluster)"
     )
     config.addinivalue_line(
-        "markers", "realcluster: runs real nodes, kubelets and containerds (kpng.harness.nodes)"
+        "markers", "realcluster: runs real nodes, kubelets and containerds (rig.nodes)"
     )
 
 

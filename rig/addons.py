@@ -17,16 +17,16 @@ from pathlib import Path
 import yaml
 
 from kpng.backends.ebpf import system
-from kpng.harness import chart
-from kpng.harness.chart import DEPLOY_DIR as DEPLOY_DIR
-from kpng.harness.nodes import (
+from kpng.testing.waiting import until
+from rig import chart
+from rig.chart import DEPLOY_DIR as DEPLOY_DIR
+from rig.nodes import (
     CLUSTER_CIDR,
     CLUSTER_DNS,
     NodeError,
     RealCluster,
     RealNode,
 )
-from kpng.testing.waiting import until
 
 _PLACEHOLDER = re.compile(r"\$\{(KPNG_[A-Z_]+)\}")
 
@@ -178,7 +178,7 @@ def _prepare_brains(cluster: RealCluster) -> list[str]:
     """deploy/kpng-central.yaml's steps 1 and 2, as its header (and docs/operators/helm.md) tells an
     operator: every node labelled to run a brain, a serving certificate for their addresses (from
     a CA of the test's) in a Secret, the CA in a ConfigMap. Returns the brains' addresses."""
-    from kpng.harness.cluster import make_pki
+    from rig.cluster import make_pki
 
     for node in cluster.nodes:
         cluster.kubectl("label", "--overwrite", "node", node.name, "kpng.io/brain=true")

@@ -2,7 +2,7 @@
 
 helm is built from its Go module (``helm.sh/helm/v4``) with the machine's Go toolchain and
 cached beside the Kubernetes programs (``~/.cache/kpng/control-plane/go/``), as CoreDNS is:
-``python -m kpng.harness.chart build`` (``make control-plane``, on ``make test``'s path)
+``python -m rig.chart build`` (``make control-plane``, on ``make test``'s path)
 builds it, in about two minutes on two cores, and later calls find it at once.
 
 ``template`` renders the chart as ``helm template`` does for ``kubectl apply`` (the real-node
@@ -24,13 +24,13 @@ from typing import Any
 
 import yaml
 
-from kpng.harness.cluster import ControlPlaneError, ensure_go_program
+from rig.cluster import ControlPlaneError, ensure_go_program
 
 HELM_MODULE = "helm.sh/helm/v4"
 HELM_VERSION = "v4.3.1"
 """The newest helm release the Go module proxy served when this was written."""
 
-DEPLOY_DIR = Path(__file__).resolve().parents[3] / "deploy"
+DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
 """The manifests a cluster operator applies; present in a source checkout."""
 CHART_DIR = DEPLOY_DIR / "helm" / "kpng"
 
@@ -121,8 +121,8 @@ def lint(given: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kpng.harness.chart build``: build (or find) helm, print its path."""
-    parser = argparse.ArgumentParser(prog="python -m kpng.harness.chart", description=main.__doc__)
+    """``python -m rig.chart build``: build (or find) helm, print its path."""
+    parser = argparse.ArgumentParser(prog="python -m rig.chart", description=main.__doc__)
     parser.add_argument("command", choices=["build"])
     parser.parse_args(argv)
     try:

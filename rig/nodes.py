@@ -2,7 +2,7 @@
 
 ``RealCluster`` starts what a kubeadm cluster runs, every program a real one:
 
-- the test control plane of ``kpng.harness.cluster`` (etcd, kube-apiserver), listening on a
+- the test control plane of ``rig.cluster`` (etcd, kube-apiserver), listening on a
   bridge the nodes reach, with the Node authorizer and the lease endpoint reconciler, so that
   the ``kubernetes`` Service has the apiserver's real address as its endpoint;
 - kube-controller-manager (EndpointSlices, service-account tokens, node IPAM, garbage
@@ -27,7 +27,7 @@ route everything else to the bridge address, where the machine does not forward 
 (``net.ipv4.conf.kpngn0.forwarding=0``): no packet of the cluster leaves the machine.
 
 One cluster at a time per machine (the bridge has a fixed name); ``stop()`` (and ``python -m
-kpng.harness.nodes down``) kills every process of the nodes, containers included, unmounts,
+rig.nodes down``) kills every process of the nodes, containers included, unmounts,
 and removes namespaces, cgroups and files, also after a crash of the process that started it.
 Needs root and ``REQUIRED_TOOLS``, with the CNI plugins (``missing_requirements()`` says what
 is missing).
@@ -55,7 +55,9 @@ from typing import Any
 
 import yaml
 
-from kpng.harness.cluster import (
+from kpng.testing.ports import free_port
+from kpng.testing.waiting import until
+from rig.cluster import (
     SERVICE_CIDR,
     ControlPlane,
     ControlPlaneError,
@@ -63,13 +65,11 @@ from kpng.harness.cluster import (
     Pki,
     ensure_binaries,
     ensure_programs,
-    free_port,
     issue_client_cert,
     make_pki,
 )
-from kpng.harness.images import ImageArchive
-from kpng.harness.kubeapi import write_kubeconfig
-from kpng.testing.waiting import until
+from rig.images import ImageArchive
+from rig.kubeapi import write_kubeconfig
 
 log = logging.getLogger(__name__)
 
@@ -845,7 +845,7 @@ def _state_dir(arg: Path | None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kpng.harness.nodes",
+        prog="python -m rig.nodes",
         description="start and stop a real cluster: control plane, controllers, kubelets",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -867,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if missing:
                 print(f"real nodes cannot run here ({missing}): nothing to build")
                 return 0
-            from kpng.harness import images
+            from rig import images
 
             started = time.monotonic()
             ensure_programs(NODE_PROGRAMS)
@@ -880,7 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if state_file.exists():
                 print(f"already up (state in {directory}); `down` first", file=sys.stderr)
                 return 1
-            from kpng.harness import images
+            from rig import images
 
             directory.mkdir(parents=True, exist_ok=True)
             cluster = RealCluster(

@@ -2,7 +2,7 @@
 Kubernetes release, or the ones named, each with its own control plane (built on first use, a
 few minutes each, then cached); a table of the results at the end.
 
-    python -m kpng.harness.compat [VERSION...] [-- PYTEST_ARGS...]
+    python -m rig.compat [VERSION...] [-- PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kpng.harness.cluster import SUPPORTED_VERSIONS, ControlPlaneError, ensure_binaries
+from rig.cluster import SUPPORTED_VERSIONS, ControlPlaneError, ensure_binaries
 
 
 @dataclass(frozen=True)
