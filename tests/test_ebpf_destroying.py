@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kpng.backends.ebpf import _may_take_endpoints, namespaces, system
+from kpng.backends.ebpf import namespaces, system
+from kpng.backends.ebpf.balancing import _may_take_endpoints
 from kpng.backends.ebpf.entries import MapChanges
 
 ADMIN, PTRACE = 1 << system.CAP_SYS_ADMIN, 1 << system.CAP_SYS_PTRACE
