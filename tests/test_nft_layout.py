@@ -268,13 +268,11 @@ def test_nodeport_addresses_refuse_repeated_keywords_and_unknown_words(given: st
 
 
 def _loopback_rejects(options: Options) -> list[str]:
-    return _rules(options, "filter-input")
+    return _rules(options, "localhost-nodeports")
 
 
-REJECT_V4 = (
-    "ct state new ip daddr 127.0.0.0/8 meta l4proto {} meta l4proto . th dport @nodeport-v4 reject"
-)
-REJECT_V6 = "ct state new ip6 daddr ::1 meta l4proto {} meta l4proto . th dport @nodeport-v6 reject"
+REJECT_V4 = "ip daddr 127.0.0.0/8 meta l4proto {} meta l4proto . th dport @nodeport-v4 reject"
+REJECT_V6 = "ip6 daddr ::1 meta l4proto {} meta l4proto . th dport @nodeport-v6 reject"
 
 
 @pytest.mark.parametrize(
@@ -301,22 +299,27 @@ def test_localhost_nodeports_refuse_on_loopback_what_the_proxy_does_not_serve(
     assert _nodeport_dispatch(options) == _nodeport_dispatch(Options(nodeport_addresses=addresses))
 
 
-def test_without_localhost_nodeports_nothing_hooks_input() -> None:
+def test_without_localhost_nodeports_loopback_is_left_alone() -> None:
     """As kube-proxy without its gate: loopback is left to whatever the node runs there."""
-    objects = skeleton(Options(nodeport_addresses=("127.0.0.0/8",)))[0]
-    assert "filter-input" not in [o.name for o in objects]
-    assert _loopback_rejects(Options(nodeport_addresses=("127.0.0.0/8",))) == []
+    options = Options(nodeport_addresses=("127.0.0.0/8",))
+    assert "localhost-nodeports" not in [o.name for o in skeleton(options)[0]]
+    assert _rules(options, "nat-output") == ["jump services"]
 
 
-def test_localhost_nodeports_render_an_input_chain_and_its_rejects() -> None:
-    """The transaction's text (a dry run), as nft takes it."""
+def test_localhost_nodeports_render_a_chain_of_rejects_from_nat_output() -> None:
+    """The transaction's text (a dry run), as nft takes it. From nat-output: the nodeport maps
+    lead to DNAT, which the kernel refuses to see reachable from a filter chain."""
     out = io.StringIO()
     options = Options(nodeport_addresses=("127.0.0.0/8",), localhost_nodeports=True)
     backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=out)
     asyncio.run(backend.apply(_state(1, {})))
-    lines = [line for line in out.getvalue().splitlines() if "filter-input" in line]
+    text = out.getvalue().splitlines()
+    assert "add rule inet kpng nat-output jump localhost-nodeports" in text
+    lines = [line for line in text if line.startswith("add rule inet kpng localhost-nodeports")]
     assert lines == [
-        "add chain inet kpng filter-input { type filter hook input priority 0 ; policy accept ; }",
-        *(f"add rule inet kpng filter-input {REJECT_V4.format(p)}" for p in ("udp", "sctp")),
-        *(f"add rule inet kpng filter-input {REJECT_V6.format(p)}" for p in ("tcp", "udp", "sctp")),
+        *(f"add rule inet kpng localhost-nodeports {REJECT_V4.format(p)}" for p in ("udp", "sctp")),
+        *(
+            f"add rule inet kpng localhost-nodeports {REJECT_V6.format(p)}"
+            for p in ("tcp", "udp", "sctp")
+        ),
     ]

@@ -92,9 +92,13 @@ KubeProxyNFTablesLocalhostNodePorts, KEP-6032) are no DNAT either: ``route_local
 whose ``--nodeport-addresses`` name loopback itself (``localhost``, ``127.0.0.0/8``, ``::1/128``;
 not a catch-all such as ``0.0.0.0/0``) has its TCP node ports served on ``127.0.0.1``/``::1`` by
 a proxy in kpng's process (``localhost.py``); the rest of the family's node ports on loopback
-(UDP and SCTP; TCP too in a family that does not name loopback) are rejected in
-``filter-input``, for new connections, by a rule per protocol looking the port up in the
-family's ``nodeport-<f>`` map, as kube-proxy rejects them.
+(UDP and SCTP; TCP too in a family that does not name loopback) are rejected, as kube-proxy
+rejects them, by a rule per protocol looking the port up in the family's ``nodeport-<f>`` map, in
+chain ``localhost-nodeports`` jumped to from ``nat-output`` (the first packet of each new
+connection). kube-proxy rejects in its filter input chain, from a map of its own; kpng's
+``nodeport-<f>`` maps lead to DNAT, which the kernel refuses to see reachable from a filter
+chain, and only the node itself reaches its loopback, so its output hook sees every such
+packet.
 """
 
 from __future__ import annotations
@@ -295,15 +299,15 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         for proto in loopback_rejected(options, fam):
             rules.append(
                 Rule(
-                    "filter-input",
-                    f"ct state new {ip} daddr {_LOOPBACK[fam]} meta l4proto {proto} "
+                    "localhost-nodeports",
+                    f"{ip} daddr {_LOOPBACK[fam]} meta l4proto {proto} "
                     f"meta l4proto . th dport @nodeport-{fam} reject",
                 )
             )
     if options.localhost_nodeports:
-        # Input, as kube-proxy: the node's own packets to loopback pass it (over lo), and
-        # reject is allowed there on kernels before 5.9, unlike prerouting.
-        objects.append(Chain("filter-input", "filter", "input", "0"))
+        # From output only: reject is refused in prerouting before kernel 5.9.
+        objects.append(Chain("localhost-nodeports"))
+        rules.append(Rule("nat-output", "jump localhost-nodeports"))
     rules.append(
         Rule(
             "masquerading",
