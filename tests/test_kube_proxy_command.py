@@ -610,3 +610,36 @@ def test_a_liberal_conntrack_drops_no_invalid_packet_in_iptables_mode() -> None:
         liberal = kpng_argv(build([f"--proxy-mode={mode}", "--conntrack-tcp-be-liberal"]).config)
         assert ("--no-drop-invalid" in liberal) is turned_off
         assert "--no-drop-invalid" not in kpng_argv(build([f"--proxy-mode={mode}"]).config)
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "passed"),
+    [
+        (["--proxy-mode=nftables", "--feature-gates=KubeProxyNFTablesLocalhostNodePorts=true"],
+         None, True),
+        # Loopback not among the node port addresses: kube-proxy still refuses node ports on
+        # loopback (TCP included), which to-nft does under the same flag.
+        (["--proxy-mode=nftables", "--nodeport-addresses=primary",
+          "--feature-gates=KubeProxyNFTablesLocalhostNodePorts=true"], None, True),
+        (["--config=c"],
+         KUBEADM + "featureGates:\n  KubeProxyNFTablesLocalhostNodePorts: true\n", True),
+        # The gate is alpha: off by default, and iptables.localhostNodePorts is iptables mode's.
+        (["--proxy-mode=nftables", "--nodeport-addresses=localhost"], None, False),
+        (["--config=c"], KUBEADM.replace("localhostNodePorts: null", "localhostNodePorts: true"),
+         False),
+        # ipvs mode (to-nft in kpng) never had localhost node ports.
+        (["--proxy-mode=ipvs", "--feature-gates=KubeProxyNFTablesLocalhostNodePorts=true"],
+         None, False),
+    ],
+    ids=["gate", "gate-primary", "gate-in-config", "no-gate", "iptables-field", "ipvs"],
+)  # fmt: skip
+def test_nftables_mode_serves_localhost_node_ports_with_kube_proxys_gate(
+    argv: list[str], config: str | None, passed: bool
+) -> None:
+    invocation = build(argv, read=lambda path: config or "")
+    kpng = kpng_argv(invocation.config)
+    assert kpng[kpng.index("--detect-local-mode") - 1] == "to-nft"
+    assert ("--localhost-nodeports" in kpng) is passed
+    # Acted on, so not warned of; nor is route_localnet set for it.
+    assert not [w for w in invocation.warnings if "KubeProxyNFTablesLocalhostNodePorts" in w]
+    assert not invocation.config.localhost_served

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 from collections.abc import Collection
 
 import pytest
@@ -264,3 +265,61 @@ def test_nodeport_addresses_refuse_repeated_keywords_and_unknown_words(given: st
     registry.lookup("nft").add_arguments(parser)
     with pytest.raises(argparse.ArgumentError):
         parser.parse_args(["--nodeport-addresses", given])
+
+
+def _loopback_rejects(options: Options) -> list[str]:
+    return _rules(options, "localhost-nodeports")
+
+
+REJECT_V4 = "ip daddr 127.0.0.0/8 meta l4proto {} meta l4proto . th dport @nodeport-v4 reject"
+REJECT_V6 = "ip6 daddr ::1 meta l4proto {} meta l4proto . th dport @nodeport-v6 reject"
+
+
+@pytest.mark.parametrize(
+    ("addresses", "v4", "v6"),
+    [
+        # kube-proxy's explicit loopback: TCP is proxied, the rest refused.
+        pytest.param(("127.0.0.0/8", "::1/128"), ("udp", "sctp"), ("udp", "sctp"), id="localhost"),
+        pytest.param(("127.0.0.1/32",), ("udp", "sctp"), ("tcp", "udp", "sctp"), id="v4-only"),
+        # A catch-all holds loopback but does not name it: every protocol refused there.
+        pytest.param(
+            ("0.0.0.0/0", "::/0"), ("tcp", "udp", "sctp"), ("tcp", "udp", "sctp"), id="all"
+        ),
+        pytest.param((), ("tcp", "udp", "sctp"), ("tcp", "udp", "sctp"), id="default"),
+    ],
+)
+def test_localhost_nodeports_refuse_on_loopback_what_the_proxy_does_not_serve(
+    addresses: tuple[str, ...], v4: tuple[str, ...], v6: tuple[str, ...]
+) -> None:
+    options = Options(nodeport_addresses=addresses, localhost_nodeports=True)
+    assert _loopback_rejects(options) == [REJECT_V4.format(p) for p in v4] + [
+        REJECT_V6.format(p) for p in v6
+    ]
+    # Loopback is never DNATed: the dispatch rules are the same as without the option.
+    assert _nodeport_dispatch(options) == _nodeport_dispatch(Options(nodeport_addresses=addresses))
+
+
+def test_without_localhost_nodeports_loopback_is_left_alone() -> None:
+    """As kube-proxy without its gate: loopback is left to whatever the node runs there."""
+    options = Options(nodeport_addresses=("127.0.0.0/8",))
+    assert "localhost-nodeports" not in [o.name for o in skeleton(options)[0]]
+    assert _rules(options, "nat-output") == ["jump services"]
+
+
+def test_localhost_nodeports_render_a_chain_of_rejects_from_nat_output() -> None:
+    """The transaction's text (a dry run), as nft takes it. From nat-output: the nodeport maps
+    lead to DNAT, which the kernel refuses to see reachable from a filter chain."""
+    out = io.StringIO()
+    options = Options(nodeport_addresses=("127.0.0.0/8",), localhost_nodeports=True)
+    backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=out)
+    asyncio.run(backend.apply(_state(1, {})))
+    text = out.getvalue().splitlines()
+    assert "add rule inet kpng nat-output jump localhost-nodeports" in text
+    lines = [line for line in text if line.startswith("add rule inet kpng localhost-nodeports")]
+    assert lines == [
+        *(f"add rule inet kpng localhost-nodeports {REJECT_V4.format(p)}" for p in ("udp", "sctp")),
+        *(
+            f"add rule inet kpng localhost-nodeports {REJECT_V6.format(p)}"
+            for p in ("tcp", "udp", "sctp")
+        ),
+    ]

@@ -56,7 +56,9 @@ class Options:
     localhost_nodeports: bool = False
     """to-iptables: IPv4 node ports also on 127.0.0.0/8, when ``nodeport_addresses`` let
     loopback in (none, or a CIDR holding it), as kube-proxy's iptables mode's
-    ``localhostNodePorts``."""
+    ``localhostNodePorts``. to-nft: TCP node ports on 127.0.0.1 and ::1 through a proxy, in
+    each family whose ``nodeport_addresses`` name loopback itself, and the others refused there,
+    as kube-proxy's nftables mode with KubeProxyNFTablesLocalhostNodePorts."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6
@@ -102,8 +104,9 @@ DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNa
 
 NODEPORT_KEYWORDS = {"all": ("0.0.0.0/0", "::/0"), "localhost": ("127.0.0.0/8", "::1/128")}
 """kube-proxy 1.37's keywords of nodePortAddresses, besides ``primary``: each stands for its CIDRs
-(to-nft, as kube-proxy's nftables mode without its alpha localhost gate, never serves node ports
-on loopback, so ``localhost`` alone serves none)."""
+(to-nft, as kube-proxy's nftables mode, serves node ports on loopback only with
+``--localhost-nodeports``, its alpha gate KubeProxyNFTablesLocalhostNodePorts: without it,
+``localhost`` alone serves none)."""
 
 
 def _cidr_list(value: str, *, keywords: bool = False) -> tuple[str, ...]:
@@ -202,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve node ports only on the node's addresses in these CIDRs and keywords, as "
         "kube-proxy 1.37: primary (its primary IPs, from the Node's status), all (0.0.0.0/0, "
         "::/0), localhost (127.0.0.0/8, ::1/128); a family without one keeps every local "
-        "address, and loopback never serves them but with to-iptables' --localhost-nodeports "
+        "address, and loopback never serves them but with --localhost-nodeports "
         "(default: every local address but loopback; kpng kube-proxy defaults to primary in "
         "nftables mode, to every local address in iptables mode, as kube-proxy)",
     )

@@ -136,7 +136,9 @@ def parser() -> argparse.ArgumentParser:
         "--feature-gates",
         type=_gates,
         metavar="GATE=BOOL[,...]",
-        help="AllowServiceExternalIPs=false serves no externalIP; other gates are warned of",
+        help="AllowServiceExternalIPs=false serves no externalIP, "
+        "KubeProxyNFTablesLocalhostNodePorts=true serves node ports on loopback in nftables "
+        "mode (to-nft --localhost-nodeports); other gates are warned of",
     )
     for name in (
         "--kube-api-qps",
@@ -218,7 +220,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     if mode not in MODES:
         raise UsageError(f"--proxy-mode: one of iptables, nftables or ipvs on Linux, not {mode!r}")
     gates = args.feature_gates or {}
-    external_ips, gate_warnings = feature_gates(gates, "--feature-gates")
+    acted_on = feature_gates(gates, "--feature-gates")
     warnings += mode_warnings(mode, gates, "--proxy-mode", "--proxy-mode")
     if mode == "ipvs":
         warnings.append(
@@ -252,7 +254,7 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
     )
     at_least(0, args.conntrack_max_per_core, "--conntrack-max-per-core")
     at_least(0, args.conntrack_min, "--conntrack-min")
-    warnings += gate_warnings
+    warnings += acted_on.warnings
     return ProxyConfig(
         kubeconfig=args.kubeconfig or "",
         hostname_override=args.hostname_override or "",
@@ -275,7 +277,8 @@ def _from_flags(args: argparse.Namespace, warnings: list[str]) -> ProxyConfig:
         nodeport_addresses=nodeport,
         localhost_nodeports=args.iptables_localhost_nodeports,
         conntrack=conntrack_config,
-        external_ips=external_ips,
+        external_ips=acted_on.external_ips,
+        nftables_localhost_nodeports=acted_on.nftables_localhost_nodeports,
     )
 
 

@@ -15,7 +15,7 @@ import ipaddress
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -172,6 +172,9 @@ class ProxyConfig:
     conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
     external_ips: bool = True
     """The feature gate AllowServiceExternalIPs (on by default): off, no externalIP is served."""
+    nftables_localhost_nodeports: bool = False
+    """The alpha feature gate KubeProxyNFTablesLocalhostNodePorts (off by default): nftables
+    mode's localhost node ports (to-nft's ``--localhost-nodeports``)."""
     defaults: tuple[str, ...] = ()
     """The mode's defaults ``resolve`` applied, as ``field: value (what it means)``: said at
     start, since they differ between modes."""
@@ -314,13 +317,24 @@ def _not_acted_on(flat: Mapping[str, Any]) -> list[str]:
     return warnings
 
 
-ACTED_ON_GATES = frozenset({"AllowServiceExternalIPs", "KubeProxyIPVS"})
+LOCALHOST_GATE = "KubeProxyNFTablesLocalhostNodePorts"
+"""kube-proxy 1.37's alpha gate (KEP-6032): nftables mode serves TCP node ports on loopback
+when nodePortAddresses name it, and refuses the rest there."""
+ACTED_ON_GATES = frozenset({"AllowServiceExternalIPs", "KubeProxyIPVS", LOCALHOST_GATE})
 """kube-proxy's feature gates kpng honours. The others change nothing kpng does: kpng implements
 the default semantics of kube-proxy 1.37 (alpha gates off, GA and beta ones on)."""
 
 
-def feature_gates(gates: Mapping[str, object], source: str) -> tuple[bool, list[str]]:
-    """(whether externalIPs are served, warnings) from kube-proxy's feature gates."""
+class Gates(NamedTuple):
+    """What kube-proxy's feature gates change in what kpng does."""
+
+    external_ips: bool
+    nftables_localhost_nodeports: bool
+    warnings: list[str]
+
+
+def feature_gates(gates: Mapping[str, object], source: str) -> Gates:
+    """What kube-proxy's feature gates ask of kpng, and warnings of those it does not act on."""
     warnings = []
     for name, value in gates.items():
         if not isinstance(value, bool):
@@ -330,7 +344,11 @@ def feature_gates(gates: Mapping[str, object], source: str) -> tuple[bool, list[
                 f"feature gate {name}={str(value).lower()} is not acted on: kpng implements "
                 "kube-proxy 1.37's default semantics"
             )
-    return bool(gates.get("AllowServiceExternalIPs", True)), warnings
+    return Gates(
+        external_ips=bool(gates.get("AllowServiceExternalIPs", True)),
+        nftables_localhost_nodeports=bool(gates.get(LOCALHOST_GATE, False)),
+        warnings=warnings,
+    )
 
 
 def mode_warnings(mode: str, gates: Mapping[str, object], name: str, where: str) -> list[str]:
@@ -385,7 +403,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
             f'{source}: field "mode": one of iptables, nftables or ipvs on Linux, not {mode!r}'
         )
     gates: dict[str, object] = get("featureGates", dict, {})
-    external_ips, gate_warnings = feature_gates(gates, source)
+    acted_on = feature_gates(gates, source)
     warnings += mode_warnings(mode, gates, 'field "mode"', f'{source}: field "mode"')
     # kube-proxy's own choice of section for the settings every mode has.
     section = {"nftables": "nftables", "ipvs": "ipvs"}.get(mode, "iptables")
@@ -429,7 +447,7 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
 
     cluster_cidr = get("clusterCIDR", str, "")
     nodeport = get("nodePortAddresses", list, [])
-    warnings += gate_warnings
+    warnings += acted_on.warnings
     for path in ("conntrack.maxPerCore", "conntrack.min"):
         at_least(0, flat.get(path), field(path))
     return ProxyConfig(
@@ -456,7 +474,8 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
         ),
         localhost_nodeports=get("iptables.localhostNodePorts", bool, None),
         conntrack=conntrack,
-        external_ips=external_ips,
+        external_ips=acted_on.external_ips,
+        nftables_localhost_nodeports=acted_on.nftables_localhost_nodeports,
     )
 
 
@@ -546,6 +565,11 @@ def kpng_argv(config: ProxyConfig) -> list[str]:
         if config.conntrack.tcp_be_liberal:
             # kube-proxy installs no INVALID drop once conntrack is liberal.
             argv += ["--no-drop-invalid"]
+    elif config.mode == "nftables" and config.nftables_localhost_nodeports:
+        # Whatever nodePortAddresses say, as kube-proxy: without loopback among them, to-nft
+        # refuses node ports there rather than serving them. iptables.localhostNodePorts is
+        # iptables mode's alone; ipvs mode never had localhost node ports.
+        argv += ["--localhost-nodeports"]
     if config.bind_address and not ipaddress.ip_address(config.bind_address).is_unspecified:
         argv += ["--bind-address", config.bind_address]
     argv += ["--min-sync-period", format_duration(config.min_sync_period_s)]

@@ -42,6 +42,7 @@ from kpng.backends._nftables.auditing import (
 from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import TABLE, Contribution, FromNode, Options, contribute
+from kpng.backends._nftables.localhost import LocalhostProxy, listeners
 from kpng.backends._nftables.netlink import FreshTable, split_fresh
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
 from kpng.backends._node import node_options
@@ -88,6 +89,9 @@ class NftBackend:
     check sees.
     ``pending_since`` says since when (``time.monotonic()``) the kernel has been behind (None
     when it is not): the health check node ports answer by it.
+
+    ``localhost``, if given, serves TCP node ports on loopback (``localhost.py``): its listeners
+    follow each state the kernel took, as kube-proxy's follow its nftables transactions.
     """
 
     def __init__(
@@ -110,8 +114,10 @@ class NftBackend:
         sync_period: float = 0.0,
         full_check_period: float = FULL_CHECK_PERIOD_S,
         inspect: Inspects | None = None,
+        localhost: LocalhostProxy | None = None,
     ) -> None:
         self._nft = nft
+        self._localhost = localhost
         self._netlink = netlink
         self._inspect = inspect if inspect is not None else netlink
         self._sync_period = sync_period
@@ -181,6 +187,8 @@ class NftBackend:
             leftovers, self._kube_proxy = self._kube_proxy, None
             await leftovers.warn()
         refused = await self._sync(touched)
+        if self._localhost is not None and refused is None:
+            await self._localhost.sync(listeners(state.services, self.store.options))
         if self._sync_period > 0 and self._inspect is not None and self._monitor is None:
             self._monitor = asyncio.create_task(self._watch_kernel(), name="nft-drift-check")
         if self._health is not None:
@@ -551,6 +559,8 @@ class NftBackend:
             await asyncio.gather(self._monitor, return_exceptions=True)
         if self._health is not None:
             await self._health.close()
+        if self._localhost is not None:
+            await self._localhost.close()
 
 
 _NAMED = 10

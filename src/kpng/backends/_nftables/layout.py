@@ -80,17 +80,32 @@ services; node-originated short-circuited traffic; hairpin (a pod reaching itsel
 where it can, and concurrent connections (DNS over UDP) race for one mapping and lose packets.
 
 Node ports are served on the node's own addresses (``fib daddr type local``), never loopback
-(kube-proxy does not support localhost node ports), in every rule that matches one, since a node
-port is matched by protocol and port alone. ``--nodeport-addresses`` narrows a family to its
-local addresses inside the given CIDRs (set ``nodeport-addresses-<f>``); a family given no CIDR
-keeps every local address, as in kube-proxy. Without the option kpng serves every local
-non-loopback address, where kube-proxy's nftables mode defaults to the node's primary IPs.
+by DNAT (kube-proxy's nftables mode does not DNAT them either), in every rule that matches one,
+since a node port is matched by protocol and port alone. ``--nodeport-addresses`` narrows a
+family to its local addresses inside the given CIDRs (set ``nodeport-addresses-<f>``); a family
+given no CIDR keeps every local address, as in kube-proxy. Without the option kpng serves every
+local non-loopback address, where kube-proxy's nftables mode defaults to the node's primary IPs.
+
+Localhost node ports (``Options.localhost_nodeports``: kube-proxy 1.37's alpha gate
+KubeProxyNFTablesLocalhostNodePorts, KEP-6032) are no DNAT either: ``route_localnet`` would open
+127.0.0.0/8 to the network (CVE-2020-8558), and ``::1`` cannot be routed out at all. A family
+whose ``--nodeport-addresses`` name loopback itself (``localhost``, ``127.0.0.0/8``, ``::1/128``;
+not a catch-all such as ``0.0.0.0/0``) has its TCP node ports served on ``127.0.0.1``/``::1`` by
+a proxy in kpng's process (``localhost.py``); the rest of the family's node ports on loopback
+(UDP and SCTP; TCP too in a family that does not name loopback) are rejected, as kube-proxy
+rejects them, by a rule per protocol looking the port up in the family's ``nodeport-<f>`` map, in
+chain ``localhost-nodeports`` jumped to from ``nat-output`` (the first packet of each new
+connection). kube-proxy rejects in its filter input chain, from a map of its own; kpng's
+``nodeport-<f>`` maps lead to DNAT, which the kernel refuses to see reachable from a filter
+chain, and only the node itself reaches its loopback, so its output hook sees every such
+packet.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -170,6 +185,25 @@ def _nodeport_match(options: Options, fam: Fam) -> str:
     if options.cidrs(options.nodeport_addresses, fam):
         return f"{local} {_IP[fam]} daddr @nodeport-addresses-{fam}"
     return local  # as kube-proxy, a family given no CIDR serves all its local addresses
+
+
+def loopback_served(options: Options, fam: Fam) -> bool:
+    """Whether ``fam``'s TCP node ports answer on loopback (kube-proxy's explicit loopback):
+    asked for, and a node port CIDR of the family is a loopback network, not one merely holding
+    it (a catch-all would otherwise open them on every node that kept the default)."""
+    return options.localhost_nodeports and any(
+        ipaddress.ip_network(c, strict=False).network_address.is_loopback
+        for c in options.cidrs(options.nodeport_addresses, fam)
+    )
+
+
+def loopback_rejected(options: Options, fam: Fam) -> tuple[str, ...]:
+    """The protocols whose node ports on ``fam``'s loopback are rejected, as kube-proxy with the
+    gate on: those the proxy does not serve. Without the option, none: nothing listens there but
+    what the node runs, as kube-proxy without the gate."""
+    if not options.localhost_nodeports:
+        return ()
+    return ("udp", "sctp") if loopback_served(options, fam) else ("tcp", "udp", "sctp")
 
 
 def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], list[Element]]:
@@ -262,6 +296,18 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
 
         hairpin = f"ct status dnat {ip} saddr . {ip} daddr @hairpin-{fam} masquerade fully-random"
         rules.append(Rule("masquerading", hairpin))
+        for proto in loopback_rejected(options, fam):
+            rules.append(
+                Rule(
+                    "localhost-nodeports",
+                    f"{ip} daddr {_LOOPBACK[fam]} meta l4proto {proto} "
+                    f"meta l4proto . th dport @nodeport-{fam} reject",
+                )
+            )
+    if options.localhost_nodeports:
+        # From output only: reject is refused in prerouting before kernel 5.9.
+        objects.append(Chain("localhost-nodeports"))
+        rules.append(Rule("nat-output", "jump localhost-nodeports"))
     rules.append(
         Rule(
             "masquerading",
