@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from kpng.backends._nftables.layout import Options
-from kpng.backends._nftables.localhost import Listener, LocalhostProxy, listeners
+from kpng.backends._nftables.localhost import Listener, ListenerKey, LocalhostProxy, listeners
 from kpng.model.messages import EndpointScopes, ServiceEndpoints
 from kpng.testing import states
 
@@ -116,9 +116,9 @@ def test_a_port_held_by_another_program_is_skipped_and_taken_once_free() -> None
         held = socket.socket()
         held.bind(("127.0.0.1", 0))
         held.listen()
-        port = held.getsockname()[1]
+        port: int = held.getsockname()[1]
         proxy = LocalhostProxy()
-        wanted = {("v4", port): Listener((("127.0.0.1", "9"),))}
+        wanted: dict[ListenerKey, Listener] = {("v4", port): Listener((("127.0.0.1", "9"),))}
         try:
             await proxy.sync(wanted)
             assert proxy.active == frozenset()
