@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kpng.backends import _rtnetlink as rtnetlink
 from kpng.backends._node import Options
-from kpng.backends.ebpf import namespaces, rtnetlink
+from kpng.backends._rtnetlink import Address, Link, NetlinkError
+from kpng.backends.ebpf import namespaces
 from kpng.backends.ebpf.locality import (
     V4,
     V6,
@@ -27,7 +29,6 @@ from kpng.backends.ebpf.locality import (
     look,
     netns_cookie,
 )
-from kpng.backends.ebpf.rtnetlink import Address, Link, NetlinkError
 from kpng.testing.netns import available
 
 CIDRS = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))

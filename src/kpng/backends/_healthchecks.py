@@ -12,13 +12,13 @@ kpng.http1's server answers, with its bounds (connections, request deadlines), a
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kpng.backends import _rtnetlink
 from kpng.client import ServiceEndpoints, ServiceKey
 from kpng.http1.server import Listener, Reply, Request, serve_address
 
@@ -62,15 +62,9 @@ def listen_hosts(cidrs: Sequence[str], local: Sequence[str]) -> list[str] | None
 
 
 async def interface_addresses() -> list[str]:
-    """The addresses of this network namespace's interfaces (``ip -j addr``)."""
-    proc = await asyncio.create_subprocess_exec(
-        "ip", "-j", "addr", "show",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise OSError(f"ip addr: {err.decode(errors='replace').strip()}")
-    return [a["local"] for link in json.loads(out) for a in link.get("addr_info", ())]
+    """The addresses of this network namespace's interfaces, over rtnetlink (as to-ebpf reads
+    them), not by running ``ip``."""
+    return [a.address for a in _rtnetlink.addresses()]
 
 
 @dataclass(frozen=True)

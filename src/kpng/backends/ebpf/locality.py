@@ -38,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kpng.backends import _rtnetlink as rtnetlink
 from kpng.backends._node import Fam, Options
-from kpng.backends.ebpf import libbpf, namespaces, rtnetlink
-from kpng.backends.ebpf.rtnetlink import Link
+from kpng.backends._rtnetlink import Link
+from kpng.backends.ebpf import libbpf, namespaces
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The links and addresses of the calling thread's network namespace, from rtnetlink.
 
-to-ebpf asks them of each pod's namespace it enters (``locality``), where ``ip`` would be a
-process per pod and /sys shows the namespace kpng's mounts were made in. Two dump requests,
+to-ebpf asks them of each pod's namespace it enters (``ebpf/locality``), where ``ip`` would be
+a process per pod and /sys shows the namespace kpng's mounts were made in; the health check node
+ports ask the node's own (``_healthchecks``). Two dump requests,
 parsed here (pure over the bytes the kernel answers, so the parsers are tested with tables);
 only the attributes kpng reads.
 """
