@@ -148,7 +148,10 @@ def dump_udp(family: int, destination: tuple[str, str] | None = None) -> bytes:
     flags = FILTER_PROTO_NUM
     address = port = None
     if destination is not None:
-        address = destination[0] or None
+        # An IPv6 address is never asked for: the kernel inverts that test (Linux 5.9 to 6.18
+        # at least, ctnetlink_filter_match_tuple: a flow *to* the address is left out), so an
+        # IPv6 dump is filtered by port only, and ``flows_to`` keeps the address's flows.
+        address = (destination[0] or None) if family == socket.AF_INET else None
         port = int(destination[1])
         flags |= FILTER_PROTO_DST_PORT | (FILTER_IP_DST if address else 0)
     body = _tuple(CTA_TUPLE_ORIG, family, None, address, None, port) + nested(
@@ -209,7 +212,7 @@ def _ports(data: bytes, start: int, end: int) -> tuple[int, bytes, bytes]:
     proto, sport, dport = -1, b"", b""
     while start + 4 <= end:
         size, kind = _ATTR_HEADER(data, start)
-        if size < 4:
+        if size < 4 or start + size > end:
             break
         kind &= _TYPE_MASK
         if kind == CTA_PROTO_NUM:
@@ -227,7 +230,7 @@ def _addresses(data: bytes, start: int, end: int) -> tuple[bytes, bytes]:
     source = destination = b""
     while start + 4 <= end:
         size, kind = _ATTR_HEADER(data, start)
-        if size < 4:
+        if size < 4 or start + size > end:
             break
         kind &= _TYPE_MASK
         if kind in (1, 3):
@@ -245,7 +248,7 @@ def _tuple_of(data: bytes, start: int, end: int) -> tuple[bytes, bytes, int, byt
     proto = -1
     while start + 4 <= end:
         size, kind = _ATTR_HEADER(data, start)
-        if size < 4:
+        if size < 4 or start + size > end:
             break
         kind &= _TYPE_MASK
         if kind == CTA_TUPLE_IP:
@@ -293,7 +296,7 @@ def _attributes_at(data: bytes, start: int, end: int) -> Iterator[tuple[int, int
     """(where the payload starts, type) of each attribute from ``start`` to ``end``."""
     while start + 4 <= end:
         size, kind = _ATTR_HEADER(data, start)
-        if size < 4:
+        if size < 4 or start + size > end:
             return
         yield start + 4, kind & _TYPE_MASK
         start += (size + 3) & ~3
@@ -312,9 +315,9 @@ def parse(data: bytes, wanted: Wanted | None = None) -> Iterator[Flow]:
     ports = wanted.ports if wanted is not None else frozenset()
     while offset + 20 <= total:
         length, kind, _, _, _ = _NLMSG_HEADER(data, offset)
-        if length < 16:
-            return
-        here, end = offset, min(offset + length, total)
+        if length < 16 or offset + length > total:
+            return  # cut: the kernel sends whole messages, so nothing else can be read
+        here, end = offset, offset + length
         offset += (length + 3) & ~3
         if kind != _NEW:
             continue
@@ -343,7 +346,9 @@ def _flow(data: bytes, start: int, end: int) -> Flow | None:
             ident = int.from_bytes(data[at : at + 4], "big")
     src, dst, proto, sport, dport = _tuple_of(data, *orig)
     reply_src, _, _, reply_sport, _ = _tuple_of(data, *reply)
-    if proto != IPPROTO_UDP or not (src and dst and sport and dport and reply_src and reply_sport):
+    if proto != IPPROTO_UDP or not (sport and dport and reply_sport):
+        return None
+    if len(dst) not in (4, 16) or len(src) != len(dst) or len(reply_src) != len(dst):
         return None
     return Flow(
         _text(dst),
@@ -464,8 +469,10 @@ class CtSocket:
 
     def flows_to(self, family: int, destination: tuple[str, str]) -> list[Flow]:
         """The UDP flows of ``family`` to ``destination`` (address and port, or a port alone),
-        filtered so in the kernel."""
-        return [flow for part in self.dump(dump_udp(family, destination)) for flow in parse(part)]
+        filtered so in the kernel (an IPv6 address here, ``dump_udp`` says why)."""
+        wanted = Wanted.of([destination])
+        request = dump_udp(family, destination)
+        return [flow for part in self.dump(request) for flow in parse(part, wanted)]
 
     def send(self, requests: Sequence[bytes]) -> list[int]:
         """Send ``requests`` (without NLM_F_ACK) in batches: the errno of each refusal, in
