@@ -67,10 +67,10 @@ doubling."""
 FAMILIES = ("IPv4", "IPv6")
 """As kube-proxy's ``ip_family`` names them, in the order they are reconciled."""
 
-FEW_FRONTENDS = 8
+FEW_FRONTENDS = 4
 """Up to this many frontends of a family are listed with a kernel-filtered dump each, above it
-with one dump of every UDP flow: on a node of 100,000 flows, a filtered dump took some 0.05 s
-and the whole one 1 s (``bench/bench_conntrack.py``)."""
+with one dump of every UDP flow: on a node of 101,000 UDP flows, one filtered dump took 0.1 s
+and the whole one 0.7 s, most of it the kernel's (``bench/bench_conntrack.py``)."""
 
 
 @dataclass
