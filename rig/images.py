@@ -113,15 +113,15 @@ KPNG_PACKAGES = (
     "libnftables1",
     "iptables",
     "ipset",
-    "conntrack",
     "iproute2",
     "ca-certificates",
     "libbpf1",
 )
 """What kpng runs with: Python, libnftables (to-nft, in process) and nft, iptables (to-iptables:
 kube-proxy's iptables mode), ipset (``kpng cleanup kube-proxy`` destroys the ipvs mode's sets),
-conntrack (UDP cleanup), iproute2 for whoever debugs the node from the pod, libbpf (to-ebpf
-loads the programs kpng's wheel ships, through ctypes: no clang in the image)."""
+iproute2 for whoever debugs the node from the pod, libbpf (to-ebpf loads the programs kpng's
+wheel ships, through ctypes: no clang in the image). No conntrack tool: the UDP clean-up
+speaks ctnetlink."""
 
 AGNHOST_PACKAGES = (
     # What upstream's agnhost image adds to Alpine, in Debian's names, and wget: Alpine's is

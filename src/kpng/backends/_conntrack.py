@@ -1,4 +1,4 @@
-"""Stale UDP conntrack flows, by kube-proxy's rule, and the conntrack tool that deletes them.
+"""Stale UDP conntrack flows, by kube-proxy's rule, and their deletion over ctnetlink.
 
 UDP has no connection end: a flow DNATed to an endpoint that is gone keeps sending there, and a
 flow made while a service had no endpoint keeps bypassing it. kube-proxy (1.37,
@@ -11,9 +11,10 @@ on the port alone, would take unrelated flows too. Flows going to endpoints that
 though this node would not pick them for a new flow (terminating, another zone, a Local policy)
 stay: changes to a service must not break its existing flows, as with TCP.
 
-``parse_flows`` reads ``conntrack -L -p udp`` output; ``stale_filters`` gives the ``conntrack -D``
-filters of the flows to delete, one per distinct (frontend, endpoint), as kube-proxy's (both
-pure); ``Conntrack`` runs the tool. Every backend that DNATs UDP uses them.
+``stale_flows`` is the rule (pure); ``Conntrack`` lists the flows and deletes the stale ones
+over ctnetlink (``_ctnetlink``), as kube-proxy does since 1.32: no conntrack tool on the node,
+no process per sync, and a listing the kernel restricts to UDP of one family, or, when a sync
+touched only a few frontends, to those frontends. Every backend that DNATs UDP uses them.
 
 Each reconciliation is timed and its deletions counted per family in ``RECONCILED``, kube-proxy's
 ``conntrack_reconciler_sync_duration_seconds`` and ``conntrack_reconciler_deleted_entries_total``.
@@ -21,68 +22,40 @@ Each reconciliation is timed and its deletions counted per family in ``RECONCILE
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import re
+import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from kpng.backends._commands import CommandError, run_command
+from kpng.backends import _ctnetlink as ctnetlink
+from kpng.backends._ctnetlink import Flow as Flow
 
 Frontends = Mapping[tuple[str, str], frozenset[tuple[str, str]]]
 """(service address, or "" for a node port; port) -> (endpoint address, port) serving it."""
 
 
-class Flow(NamedTuple):
-    """What the rule reads of a UDP conntrack entry."""
-
-    orig_dst: str
-    orig_dport: str
-    reply_src: str
-    reply_sport: str
-
-
-def parse_flows(listing: str) -> list[Flow]:
-    """The UDP flows of ``conntrack -L`` output: the first ``src``/``dst``/``sport``/``dport`` of a
-    line are the original direction, the second the reply."""
-    flows = []
-    for line in listing.splitlines():
-        fields = line.split()
-        if not fields or fields[0] != "udp":
-            continue
-        seen: dict[str, list[str]] = {}
-        for item in fields:
-            name, eq, value = item.partition("=")
-            if eq:
-                seen.setdefault(name, []).append(value)
-        try:
-            flows.append(Flow(seen["dst"][0], seen["dport"][0], seen["src"][1], seen["sport"][1]))
-        except (KeyError, IndexError):
-            continue  # not a complete entry: nothing to match
-    return flows
-
-
-def stale_filters(
+def stale_flows(
     flows: Iterable[Flow], frontends: Frontends, only: Iterable[tuple[str, str]] | None = None
-) -> list[list[str]]:
-    """The ``conntrack -D`` filters deleting the stale ``flows`` (sorted, each once), for
-    ``only`` these frontends or every one."""
+) -> list[Flow]:
+    """The stale ``flows`` (sorted, each once), for ``only`` these frontends or every one."""
     if only is not None:
         frontends = {front: frontends[front] for front in only if front in frontends}
-    filters: set[tuple[str, ...]] = set()
+    stale: set[Flow] = set()
     for flow in flows:
         endpoint = (flow.reply_src, flow.reply_sport)
-        family = ("-f", "ipv6") if ":" in flow.reply_src else ()
-        port = ("--orig-port-dst", flow.orig_dport)
-        reply = ("--reply-src", flow.reply_src, "--reply-port-src", flow.reply_sport)
         serving = frontends.get((flow.orig_dst, flow.orig_dport))
         if serving is not None and endpoint not in serving:
-            filters.add((*family, "-p", "udp", "--orig-dst", flow.orig_dst, *port, *reply))
+            stale.add(flow)
         serving = frontends.get(("", flow.orig_dport))
         if serving and endpoint not in serving:
-            filters.add((*family, "-p", "udp", *port, *reply))
-    return [list(f) for f in sorted(filters)]
+            stale.add(flow)
+    return sorted(stale, key=_order)
+
+
+def _order(flow: Flow) -> tuple[str, ...]:
+    return tuple("" if part is None else str(part) for part in flow)
 
 
 log = logging.getLogger(__name__)
@@ -91,8 +64,13 @@ RECONCILE_BUCKETS_S = tuple(0.001 * 2**i for i in range(15))
 """kube-proxy's buckets of ``conntrack_reconciler_sync_duration_seconds``: 1 ms to 16 s,
 doubling."""
 
-FAMILIES = (("ipv4", "IPv4"), ("ipv6", "IPv6"))
-"""Each family as the conntrack tool names it (``-f``) and as kube-proxy's ``ip_family`` does."""
+FAMILIES = ("IPv4", "IPv6")
+"""As kube-proxy's ``ip_family`` names them, in the order they are reconciled."""
+
+FEW_FRONTENDS = 4
+"""Up to this many frontends of a family are listed with a kernel-filtered dump each, above it
+with one dump of every UDP flow: on a node of 101,000 UDP flows, one filtered dump took 0.1 s
+and the whole one 0.7 s, most of it the kernel's (``bench/bench_conntrack.py``)."""
 
 
 @dataclass
@@ -120,27 +98,45 @@ RECONCILED: dict[str, Reconciled] = {}
 reconciles (to-nft, to-iptables, to-ebpf's nftables part), ``/metrics`` reads the sum. A family
 appears at its first reconciliation, as kube-proxy's series do."""
 
-_DELETED = re.compile(r"(\d+) flow entr(?:y|ies) (?:has|have) been deleted")
-
 
 class Conntrack:
-    """Lists and deletes conntrack entries with the ``conntrack`` tool (conntrack-tools), and
-    records each family's reconciliations in ``reconciled`` (default: the process's)."""
+    """Lists and deletes UDP conntrack entries over ctnetlink, in this process's network
+    namespace or in the one at path ``netns``, and records each family's reconciliations in
+    ``reconciled`` (default: the process's)."""
 
     def __init__(
-        self, conntrack: str = "conntrack", reconciled: dict[str, Reconciled] | None = None
+        self, netns: str | None = None, reconciled: dict[str, Reconciled] | None = None
     ) -> None:
-        self._conntrack = conntrack
+        self._netns = netns
         self._reconciled = RECONCILED if reconciled is None else reconciled
 
-    async def udp_flows(self, family: str) -> list[Flow] | None:
-        """The UDP flows of ``family`` (``ipv4``, ``ipv6``); None, logged, if the tool refused
-        to list them. Raises ``CommandError`` if it cannot run."""
-        rc, out, err = await run_command([self._conntrack, "-L", "-p", "udp", "-f", family])
-        if rc != 0:
-            log.warning("conntrack -L -f %s failed: %s", family, err.strip())
-            return None
-        return parse_flows(out)
+    async def udp_flows(self, family: str, frontends: Collection[tuple[str, str]]) -> list[Flow]:
+        """The UDP flows of ``family`` (``IPv4``, ``IPv6``) that may go to ``frontends``
+        (others may come too). Raises ``OSError`` if the kernel refuses to list them."""
+        return await asyncio.to_thread(self._udp_flows, family, frontends)
+
+    def _udp_flows(self, family: str, frontends: Collection[tuple[str, str]]) -> list[Flow]:
+        number = ctnetlink.FAMILIES[family]
+        with ctnetlink.CtSocket(self._netns) as sock:
+            if len(frontends) > FEW_FRONTENDS:
+                return sock.flows(number, ctnetlink.Wanted.of(frontends))
+            found: dict[Flow, None] = {}  # a node port's dump and an address's may overlap
+            for frontend in frontends:
+                found.update(dict.fromkeys(sock.flows_to(number, frontend)))
+            return list(found)
+
+    async def delete(self, flows: Sequence[Flow]) -> int:
+        """Delete ``flows``: how many the kernel deleted (one gone meanwhile is not). Raises
+        ``OSError`` if it refuses to delete one for another reason."""
+        return await asyncio.to_thread(self._delete, flows)
+
+    def _delete(self, flows: Sequence[Flow]) -> int:
+        with ctnetlink.CtSocket(self._netns) as sock:
+            deleted, errors = sock.delete(flows)
+        if errors:
+            number = errors[0]
+            log.warning("conntrack: %d UDP flows not deleted: %s", len(errors), os.strerror(number))
+        return deleted
 
     async def clean_stale(
         self, frontends: Frontends, only: Iterable[tuple[str, str]] | None = None
@@ -152,40 +148,25 @@ class Conntrack:
         kube-proxy, whose duration would otherwise time a failure that deleted nothing."""
         if not frontends:
             return
-        for tool_family, family in FAMILIES:
+        asked = list(frontends) if only is None else [f for f in only if f in frontends]
+        for family in FAMILIES:
             started = time.monotonic()
+            six = family == "IPv6"
+            wanted = [f for f in asked if not f[0] or (":" in f[0]) == six]
             try:
-                flows = await self.udp_flows(tool_family)
-            except CommandError as exc:
-                log.warning("cannot list the UDP conntrack flows: %s", exc)
-                return  # nor the other family: the tool is not there
-            if flows is None:
+                flows = await self.udp_flows(family, wanted) if wanted else []
+            except OSError as exc:
+                log.warning("conntrack: cannot list the %s UDP flows: %s", family, exc)
                 continue
-            filters = stale_filters(flows, frontends, only)
-            deleted = 0
-            for f in filters:
-                deleted += await self.delete(f)
+            stale = stale_flows(flows, frontends, only)
+            deleted = await self.delete(stale) if stale else 0
             seconds = time.monotonic() - started
             self._reconciled.setdefault(family, Reconciled()).observe(seconds, deleted)
             log.debug(
-                "conntrack: %d %s UDP flows listed, %d filters deleted %d stale ones, in %.3f s",
+                "conntrack: %d %s UDP flows listed, %d stale, %d deleted, in %.3f s",
                 len(flows),
                 family,
-                len(filters),
+                len(stale),
                 deleted,
                 seconds,
             )
-
-    async def delete(self, filters: Sequence[str]) -> int:
-        """``conntrack -D FILTERS``: the flows it deleted, as it says (0 if it does not).
-        Finding nothing to delete is not an error."""
-        try:
-            rc, _, err = await run_command([self._conntrack, "-D", *filters])
-        except CommandError as exc:
-            log.warning("cannot delete UDP conntrack flows: %s", exc)
-            return 0
-        # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
-        if rc != 0 and "0 flow entries" not in err:
-            log.warning("conntrack -D %s failed: %s", " ".join(filters), err.strip())
-        said = _DELETED.search(err)
-        return int(said.group(1)) if said else 0

@@ -25,6 +25,13 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from kpng.backends._netlink import NETLINK_NETFILTER as NETLINK_NETFILTER
+from kpng.backends._netlink import NLA_F_NESTED as _NLA_F_NESTED
+from kpng.backends._netlink import NLM_F_ACK as NLM_F_ACK
+from kpng.backends._netlink import NLM_F_REQUEST as _NLM_F_REQUEST
+from kpng.backends._netlink import attr as _attr
+from kpng.backends._netlink import messages as messages
+from kpng.backends._netlink import nested as _nested
 from kpng.backends._nftables.nftables import (
     ElementFields,
     Elements,
@@ -35,7 +42,6 @@ from kpng.backends._nftables.nftables import (
     Transaction,
 )
 
-NETLINK_NETFILTER = 12
 _NFNL_SUBSYS_NFTABLES = 10
 _NFNL_MSG_BATCH_BEGIN = 0x10
 _NFNL_MSG_BATCH_END = 0x11
@@ -44,10 +50,7 @@ _NFT_MSG_GETTABLE = 1
 TABLE_FLAGS_ATTR = 2  # NFTA_TABLE_FLAGS
 TABLE_F_DORMANT = 0x1
 _NFT_MSG_NEWSETELEM = 12
-_NLM_F_REQUEST = 0x1
-NLM_F_ACK = 0x4
 _NLM_F_CREATE = 0x400
-_NLA_F_NESTED = 0x8000
 _FAMILIES = {"inet": 1, "ip": 2, "ip6": 10}  # NFPROTO_*
 MESSAGE_ELEMENTS = 60_000
 """Bytes of elements a message holds: their list is one attribute, with a 16-bit length."""
@@ -58,15 +61,6 @@ _VERDICTS = {"accept": 1, "drop": 0, "continue": -1, "return": -5}
 _CHAIN_VERDICTS = {"jump": -3, "goto": -4}
 _PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
 _COMMENTED = ' comment "'
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = 4 + len(payload)
-    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
-
-
-def _nested(kind: int, payload: bytes) -> bytes:
-    return _attr(kind | _NLA_F_NESTED, payload)
 
 
 def _string(kind: int, value: str) -> bytes:
@@ -526,17 +520,6 @@ def attributes(message: bytes) -> dict[int, bytes]:
     type without its flags."""
     (length,) = struct.unpack_from("=I", message, 0)
     return dict(_nested_attributes(message[20:length]))
-
-
-def messages(reply: bytes) -> Iterator[tuple[int, bytes]]:
-    """Each netlink message of ``reply``: its type (without the subsystem) and its bytes."""
-    offset = 0
-    while offset + 16 <= len(reply):
-        length, kind = struct.unpack_from("=IH", reply, offset)
-        if length < 16:
-            return
-        yield kind, reply[offset : offset + length]
-        offset += (length + 3) & ~3
 
 
 def generation(message: bytes) -> int:
