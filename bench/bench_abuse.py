@@ -591,13 +591,18 @@ def _stream_client(
 
 @contextlib.contextmanager
 def _brain(
-    workdir: Path, cluster: Path, name: str, sink_options: Sequence[str] = ()
+    workdir: Path,
+    cluster: Path,
+    name: str,
+    sink_options: Sequence[str] = (),
+    command: Sequence[str] | None = None,
 ) -> Iterator[Server]:
     brain = Server(
         ("file", "--input", str(cluster)),
         workdir / f"{name}.sock",
         workdir / f"{name}.log",
         sink_options=sink_options,
+        command=command,
     )
     try:
         brain.wait_listening()
@@ -823,13 +828,20 @@ def _watch_client(api: str, nodes: list[str], per_connection: int, pipe: Connect
     asyncio.run(run())
 
 
-def bench_watches(args: argparse.Namespace, workdir: Path, kubeconfig: Path) -> None:
+def bench_watches(
+    args: argparse.Namespace,
+    workdir: Path,
+    kubeconfig: Path,
+    command: Sequence[str] | None = None,
+    name: str = "watches",
+) -> collections.Counter[str]:
+    """The watches' figures, printed; the retries they needed, by why."""
     print(
         f"\n== 3. {args.watches} authorized localv1 watches to their first state, "
         f"{args.watch_per_connection} to a connection, over {args.nodes} nodes' tokens, from "
         f"{args.clients} processes; {args.watch_services} services x 10 endpoints"
     )
-    cluster = write_cluster(workdir / "watches-cluster", args.watch_services, args.nodes)
+    cluster = write_cluster(workdir / f"{name}-cluster", args.watch_services, args.nodes)
     nodes = [synthetic.node_name(i % args.nodes) for i in range(args.watches)]
     shares = [
         nodes[sum(_split(args.watches, args.clients)[:k]) :][:count]
@@ -837,7 +849,7 @@ def bench_watches(args: argparse.Namespace, workdir: Path, kubeconfig: Path) -> 
         if count
     ]
     reviews = _TokenReviews.reviews
-    with _brain(workdir, cluster, "watches", _auth_options(kubeconfig)) as brain:
+    with _brain(workdir, cluster, name, _auth_options(kubeconfig), command) as brain:
         first_ops = _first_state(brain.api, nodes[0], f"{TOKEN_PREFIX}{nodes[0]}")
         clients = Clients(
             _watch_client, [(brain.api, share, args.watch_per_connection) for share in shares]
@@ -884,6 +896,7 @@ def bench_watches(args: argparse.Namespace, workdir: Path, kubeconfig: Path) -> 
         f"close; CPU {cpu_synced:.1f} s "
         f"to the last first state ({cpu_synced / args.watches * 1000:.2f} ms a watch)"
     )
+    return retries
 
 
 # --- main

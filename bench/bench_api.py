@@ -177,7 +177,8 @@ def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
 class Server:
     """``kpng SOURCE... to-api --listen unix://SOCKET`` in a subprocess (``options`` go before
     the source: ``--metrics-address``...; ``sink_options`` after to-api's ``--listen``:
-    ``--token-audience``...); under cProfile, writing ``profile`` when it stops, if given."""
+    ``--token-audience``...); under cProfile, writing ``profile`` when it stops, if given;
+    ``command``, if given, instead of ``kpng`` (a wrapper that changes kpng's settings first)."""
 
     def __init__(
         self,
@@ -188,11 +189,13 @@ class Server:
         options: Sequence[str] = (),
         sink_options: Sequence[str] = (),
         profile: Path | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.socket = socket
         self.api = f"unix://{socket}"
         script = Path(PYTHON).parent / "kpng"
-        command = [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
+        kpng = [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
+        command = list(command) if command is not None else kpng
         if profile is not None:
             command = [PYTHON, "-m", "cProfile", "-o", str(profile), "-m", "kpng"]
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)

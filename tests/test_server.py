@@ -17,7 +17,7 @@ import grpc
 import msgspec
 import pytest
 
-from kpng.api import localv1_pb2
+from kpng.api import codec, localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.errors import KpngError
 from kpng.model.messages import Service
@@ -600,3 +600,73 @@ def test_watchers_beyond_the_turns_all_get_their_first_states(tmp_path: Path) ->
     lengths = _run(scenario())
     assert len(lengths) == 6
     assert min(lengths) > 2
+
+
+def test_a_node_agent_whose_calls_a_busy_brain_cancels_resumes_with_backoff_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A brain that cannot take new calls fast enough (a mass connect) ends some before its own
+    code sees them: CANCELLED, or INTERNAL once the request was sent. The agent retries each
+    after a backoff, and logs the first failure, with its code, and the recovery, not every
+    retry."""
+    endings = [grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED]
+    calls = 0
+
+    async def handler(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        nonlocal calls
+        calls += 1
+        await anext(aiter(requests))
+        if endings:
+            await context.abort(endings.pop(0), "")
+        yield codec.op_batch([codec.OP_RESET, codec.OP_SYNC])
+        await asyncio.sleep(WAIT_S)
+
+    slept: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+
+    async def scenario() -> list[Any]:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "kpng.batchv1.Sets", {"Watch": grpc.stream_stream_rpc_method_handler(handler)}
+                )
+            ]
+        )
+        server.add_insecure_port(f"unix:{tmp_path}/busy.sock")
+        await server.start()
+        sink = _Recorder()
+        client = asyncio.create_task(
+            watch(
+                sink,
+                api=f"unix://{tmp_path}/busy.sock",
+                node_name="node-1",
+                backoff=Backoff(initial=0.5, maximum=4.0, sleep=sleep, random=lambda: 1.0),
+            )
+        )
+        try:
+            return await sink.next_sync()
+        finally:
+            client.cancel()
+            await asyncio.gather(client, return_exceptions=True)
+            await server.stop(None)
+
+    with caplog.at_level(logging.DEBUG, logger="kpng.remote.watching"):
+        synced = _run(scenario())
+    assert synced == [("reset",), ("sync",)]
+    assert calls == 4
+    assert slept == [0.5, 1.0, 2.0]  # growing, never a retry at once
+    # (The fake brain sends no node facts, which the agent warns of too: not counted here.)
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.getMessage().startswith("watch of")
+    ]
+    assert len(warnings) == 1, warnings
+    assert "CANCELLED" in warnings[0]
+    assert "no state yet; retrying" in warnings[0]
+    retries = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("INTERNAL" in message for message in retries)
+    assert any(r.getMessage().endswith("is back") for r in caplog.records)

@@ -57,6 +57,18 @@ FIRST_REQUEST_S = 10.0
 """How long a new stream may take to send its first request (kpng's watchers send it at once)."""
 STREAMS_PER_CONNECTION = 100
 """Streams one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)."""
+PENDING_CALLS = 20_000
+"""New calls gRPC's core holds for the server before it starts refusing some at random.
+
+grpc.aio takes new calls from the core one at a time, one event-loop turn each, so a mass
+connect (a brain restart, every node agent back at once) outruns it and the rest wait in the
+core. gRPC's defaults (1,000, and 3,000 past which it refuses all) then cancel calls kpng never
+sees: the watcher gets CANCELLED, or INTERNAL if it had sent its request, and retries, which
+costs more than waiting would have (docs/design/mass-connect.md: 10,000 watches needed 85,000
+retries). 20,000 is two streams (one switching nodes) for each of 10,000 nodes."""
+PENDING_CALLS_HARD = 2 * PENDING_CALLS
+"""Past this gRPC refuses every new call: a waiting call costs some 13 KiB (measured), so half a
+GiB at most."""
 WARNED_NODES = 4096
 """Unknown node names remembered, to warn of each once."""
 
@@ -522,6 +534,8 @@ async def serve(
             # A watcher needs one stream (two while it switches nodes), a relay two: a
             # connection may not open thousands, each holding memory until it is checked.
             ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_HARD),
         ]
     )
     server.add_generic_rpc_handlers(watch.handlers())
