@@ -57,6 +57,9 @@ class Options:
     """to-iptables: IPv4 node ports also on 127.0.0.0/8, when ``nodeport_addresses`` let
     loopback in (none, or a CIDR holding it), as kube-proxy's iptables mode's
     ``localhostNodePorts``."""
+    traffic_counters: bool = False
+    """to-nft: count each service port's new connections and those refused for want of
+    endpoints (``--traffic-counters service``)."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6

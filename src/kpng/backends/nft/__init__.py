@@ -7,12 +7,14 @@ creation and registration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_leftovers
+from kpng.backends._nftables.counting import SERIES_LIMIT
 from kpng.backends._nftables.executing import KernelNft, LibNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.nftables import Nft
 from kpng.backends._node import add_arguments, add_sync_period, options_from_args
@@ -24,10 +26,33 @@ log = logging.getLogger(__name__)
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     add_sync_period(parser, checks="that kpng's table holds what kpng applied")
+    parser.add_argument(
+        "--traffic-counters",
+        choices=("off", "service"),
+        default="off",
+        help="service: count each Service port's new connections, and those refused for want "
+        "of endpoints, for /metrics (kpng_service_connections_total, "
+        "kpng_service_rejected_total; default off)",
+    )
+    parser.add_argument(
+        "--traffic-series-limit",
+        type=_positive,
+        default=SERIES_LIMIT,
+        metavar="N",
+        help="the most Service ports --traffic-counters exposes: past it, those with the least "
+        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
+    )
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number, not {value!r}")
+    return int(value)
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options, from_node = options_from_args(args)
+    options = dataclasses.replace(options, traffic_counters=args.traffic_counters == "service")
     if args.dry_run and args.once is False and sys.stdout.isatty():
         log.info("dry run: transactions are printed, nothing is applied")
     nft: Nft = KernelNft()  # a dry run never calls it
@@ -50,6 +75,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         kube_proxy=None if args.dry_run else kube_proxy_leftovers(nft),
         netlink=None if args.dry_run else NetlinkBatches(),
         sync_period=0.0 if args.once or args.dry_run else args.sync_period,
+        traffic_series_limit=args.traffic_series_limit,
     )
 
 
