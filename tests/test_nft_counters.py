@@ -108,30 +108,30 @@ def test_a_restarted_or_rewritten_counter_never_lowers_the_total() -> None:
         samples = traffic.samples()
         return _values(samples, CONNECTIONS), _values(samples, REJECTED)  # type: ignore[arg-type]
 
-    traffic.fold([(web, 5), (nodeport, 2), (empty, 3)], applied, comments)
+    traffic.fold([(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
     assert totals() == ({"web": 7, "empty": 3}, {"web": 0, "empty": 3})
     # Rewritten with a new endpoint count: it restarts, and has counted 6 since.
     traffic.replaced([web])
     applied[web] = ("goto pick-cluster-v4-2",)
-    traffic.fold([(web, 6), (nodeport, 2), (empty, 3)], applied, comments)
+    traffic.fold([(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 13, "empty": 3}
     # Found lower than last read (rewritten by another program, say).
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 3)], applied, comments)
+    traffic.fold([(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14, "empty": 3}
     # The empty service gets endpoints: what it refused stays refused.
     traffic.replaced([empty])
     applied[empty] = ("goto pick-cluster-v4-1",)
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 4)], applied, comments)
+    traffic.fold([(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten())
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A full sync: every counter restarts.
     traffic.replaced(None)
-    traffic.fold([(web, 0), (nodeport, 0), (empty, 0)], applied, comments)
+    traffic.fold([(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A node port that goes keeps its count in the service port's total.
-    traffic.fold([(web, 0), (empty, 0)], applied, comments)
+    traffic.fold([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14, "empty": 7}
     # A service that goes takes its series along.
-    traffic.fold([(web, 0)], applied, comments)
+    traffic.fold([(web, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14}
 
 
@@ -142,6 +142,7 @@ def test_past_the_limit_the_service_ports_with_the_least_traffic_are_left_out() 
         [(ek, int(name[1:]) * 10) for name, ek in keys.items()],
         dict.fromkeys(keys.values(), ("goto pick-cluster-v4-1",)),
         {ek: f"ns/{name}" for name, ek in keys.items()},
+        (),
     )
     samples = traffic.samples()
     assert _values(samples, CONNECTIONS) == {"s4": 40, "s3": 30}  # type: ignore[arg-type]

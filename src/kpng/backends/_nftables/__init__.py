@@ -51,7 +51,13 @@ from kpng.backends._nftables.layout import (
     Options,
     contribute,
 )
-from kpng.backends._nftables.netlink import Counted, FreshTable, dispatch_key, split_fresh
+from kpng.backends._nftables.netlink import (
+    FreshTable,
+    counted,
+    dispatch_key,
+    elements_in,
+    split_fresh,
+)
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
 from kpng.backends._node import FAMILIES, node_options
 from kpng.backends._node import options_from_args as options_from_args
@@ -455,28 +461,35 @@ class NftBackend:
         return None
 
     async def _read_traffic(self) -> None:
+        # The kernel dumps a map's elements in O(n^2) (each part of the dump walks past what
+        # went before): 2.7 s under the sync lock at 100k services, so reads are spaced to
+        # hold it a tenth of the time at most.
+        period = READ_PERIOD_S
         while True:
-            await self._sleep(READ_PERIOD_S)
+            await self._sleep(period)
+            started = time.monotonic()
             try:
                 await self.read_traffic()
             except NftError as exc:
-                log.warning(
-                    "the traffic counters were not read: %s; again in %gs", exc, READ_PERIOD_S
-                )
+                log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
+            period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
 
     async def read_traffic(self) -> None:
-        """Read the dispatch maps' counters (``counting.py``): under the lock, so that no
-        commit rewrites an element between the read and what kpng knows it applied."""
+        """Read the dispatch maps' counters (``counting.py``). The dump under the lock, so
+        that the elements kpng says it rewrote are those the read saw rewritten; decoded and
+        summed after it, in a thread (100k services' elements), syncs going on meanwhile."""
         traffic, netlink = self._traffic, self._netlink
         if traffic is None or netlink is None:
             return
         async with self._lock:
-            read = await netlink.counters(TABLE, list(_COUNTED))
-            store = self.store
-            # Decoded and summed in a thread: 100k services' elements, while /healthz answers.
-            await asyncio.to_thread(
-                lambda: traffic.fold(_keyed(read), store.applied_elements, store.applied_comments)
+            dumps = await netlink.dumps(TABLE, list(_COUNTED))
+            rewritten = traffic.take_rewritten()
+        store = self.store
+        await asyncio.to_thread(
+            lambda: traffic.fold(
+                _keyed(dumps), store.applied_elements, store.applied_comments, rewritten
             )
+        )
 
     def metric_samples(self) -> list[Sample]:
         """Each service port's new and refused connections, as of the last read (none unless
@@ -624,14 +637,17 @@ def _rewritten(plan: Plan, store: TableState) -> list[ElementKey]:
     ]
 
 
-def _keyed(read: list[Counted]) -> list[tuple[ElementKey, int]]:
-    """The counters read, by the keys kpng wrote."""
+def _keyed(dumps: list[tuple[str, list[bytes]]]) -> list[tuple[ElementKey, int]]:
+    """The counters of the elements dumped, by the keys kpng wrote."""
     out = []
-    for container, key, packets in read:
+    for container, messages in dumps:
         fam, port_only = _COUNTED[container]
-        fields = dispatch_key(key, fam, port_only=port_only)
-        if fields is not None:
-            out.append(((container, fields), packets))
+        for message in messages:
+            for element in elements_in(message):
+                read = counted(element)
+                fields = read and dispatch_key(read[0], fam, port_only=port_only)
+                if read is not None and fields:
+                    out.append(((container, fields), read[1]))
     return out
 
 

@@ -21,7 +21,7 @@ ones included); ``kpng_service_traffic_series_dropped`` says how many were left 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from kpng.backends._nftables.layout import REFUSING, ElementKey
@@ -71,6 +71,7 @@ class TrafficCounters:
         self._rewritten: set[ElementKey] = set()
         self._all_rewritten = False
         self._totals: dict[str, tuple[int, int]] = {}
+        self._samples = self._exposed()
 
     def replaced(self, changed: Iterable[ElementKey] | None) -> None:
         """The kernel took a transaction that wrote these counted elements again (None: all
@@ -81,16 +82,27 @@ class TrafficCounters:
         elif not self._all_rewritten:
             self._rewritten.update(changed)
 
+    def take_rewritten(self) -> set[ElementKey] | None:
+        """The elements rewritten since the last call (None: all of them), for the ``fold``
+        of a read made now."""
+        rewritten = None if self._all_rewritten else self._rewritten
+        self._rewritten, self._all_rewritten = set(), False
+        return rewritten
+
     def fold(
         self,
         counts: Iterable[tuple[ElementKey, int]],
         applied: Mapping[ElementKey, tuple[str, ...]],
         comments: Mapping[ElementKey, str],
+        rewritten: Collection[ElementKey] | None,
     ) -> None:
         """Take one read of every counted element (key, packets), ``applied`` and ``comments``
-        being what kpng wrote (whose each element is, and whether it refuses)."""
-        rewritten, everything = self._rewritten, self._all_rewritten
-        self._rewritten, self._all_rewritten = set(), False
+        being what kpng wrote (whose each element is, and whether it refuses), and
+        ``rewritten`` what ``take_rewritten`` said when it was read. (A commit since the
+        read may attribute what it counted to the element's new verdict or service: a
+        read's worth at most, never counted twice.)"""
+        everything = rewritten is None
+        rewritten = rewritten or ()
         offsets = self._offsets
         before, reads = self._reads, {}
         for ek, packets in counts:
@@ -123,10 +135,15 @@ class TrafficCounters:
             total[0] += served_before
             total[1] += refused_before
         self._totals = {port: (c, r) for port, (c, r) in totals.items()}
+        self._samples = self._exposed()
 
     def samples(self) -> list[Sample]:
         """Both counters of the ``series_limit`` service ports with the most connections,
-        and how many were left out."""
+        and how many were left out, as of the last ``fold``: made there, out of the scrape
+        (which runs on kpng's event loop; 0.1 s at 10k service ports)."""
+        return self._samples
+
+    def _exposed(self) -> list[Sample]:
         totals = self._totals
         if len(totals) > self.series_limit:
             kept = heapq.nlargest(self.series_limit, totals, key=lambda p: sum(totals[p]))

@@ -30,11 +30,9 @@ from kpng.backends._nftables.netlink import (
     TABLE_F_DORMANT,
     TABLE_FLAGS_ATTR,
     Canonical,
-    Counted,
     TableShape,
     attributes,
     canonical,
-    counted,
     dump_elements,
     dump_objects,
     elements_in,
@@ -438,20 +436,12 @@ class NetlinkBatches:
         messages = self._ask(dump_elements(table, container))
         return {canonical(e) for message in messages for e in elements_in(message)}
 
-    async def counters(self, table: Table, containers: Sequence[str]) -> list[Counted]:
-        """Every element of ``containers`` that has a counter, with its container, key bytes
-        and packets: one dump each."""
-        return await asyncio.to_thread(self._counters, table, list(containers))
-
-    def _counters(self, table: Table, containers: list[str]) -> list[Counted]:
-        found = []
-        for container in containers:
-            for message in self._ask(dump_elements(table, container)):
-                for element in elements_in(message):
-                    read = counted(element)
-                    if read is not None:
-                        found.append((container, *read))
-        return found
+    async def dumps(self, table: Table, containers: Sequence[str]) -> list[tuple[str, list[bytes]]]:
+        """Every element of each of ``containers``, as the messages of one dump each (read
+        with ``netlink.elements_in``)."""
+        return await asyncio.to_thread(
+            lambda: [(c, self._ask(dump_elements(table, c))) for c in containers]
+        )
 
     def _ask(self, request: bytes) -> list[bytes]:
         """The answer to one request: its messages, up to the end of a dump or the kernel's

@@ -674,8 +674,6 @@ def element_payload(encoded: bytes) -> bytes:
 # The traffic counters (``counting.py``): each counted element's key and its counter's packets,
 # read from the same dump as the exact comparison's.
 
-Counted = tuple[str, bytes, int]
-"""A counted element as read: its container, its key's bytes, its counter's packets."""
 _PROTOCOL_NAMES = {6: "tcp", 17: "udp", 132: "sctp"}
 _ADDRESS_BYTES = {"v4": 4, "v6": 16}
 
