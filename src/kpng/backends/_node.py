@@ -59,6 +59,9 @@ class Options:
     ``localhostNodePorts``. to-nft: TCP node ports on 127.0.0.1 and ::1 through a proxy, in
     each family whose ``nodeport_addresses`` name loopback itself, and the others refused there,
     as kube-proxy's nftables mode with KubeProxyNFTablesLocalhostNodePorts."""
+    traffic_counters: bool = False
+    """to-nft: count each service port's new connections and those refused for want of
+    endpoints (``--traffic-counters service``)."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6

@@ -39,13 +39,28 @@ from kpng.backends._nftables.auditing import (
     missing_elements,
     probes,
 )
+from kpng.backends._nftables.counting import READ_PERIOD_S, SERIES_LIMIT, Sample, TrafficCounters
 from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
-from kpng.backends._nftables.layout import TABLE, Contribution, FromNode, Options, contribute
+from kpng.backends._nftables.layout import (
+    COUNTED_KINDS,
+    TABLE,
+    Contribution,
+    ElementKey,
+    FromNode,
+    Options,
+    contribute,
+)
 from kpng.backends._nftables.localhost import LocalhostProxy, listeners
-from kpng.backends._nftables.netlink import FreshTable, split_fresh
+from kpng.backends._nftables.netlink import (
+    FreshTable,
+    counted,
+    dispatch_key,
+    elements_in,
+    split_fresh,
+)
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
-from kpng.backends._node import node_options
+from kpng.backends._node import FAMILIES, node_options
 from kpng.backends._node import options_from_args as options_from_args
 from kpng.client import (
     NodeState,
@@ -87,6 +102,9 @@ class NftBackend:
     changed in kpng's table and repairs it with a full sync, reporting the divergence until
     then; every ``full_check_period`` every element is compared too, for changes no cheaper
     check sees.
+    With ``options.traffic_counters``, the dispatch maps' element counters are read every
+    ``READ_PERIOD_S`` (``counting.py``) for ``metric_samples``, at most ``traffic_series_limit``
+    service ports of them.
     ``pending_since`` says since when (``time.monotonic()``) the kernel has been behind (None
     when it is not): the health check node ports answer by it.
 
@@ -115,6 +133,7 @@ class NftBackend:
         full_check_period: float = FULL_CHECK_PERIOD_S,
         inspect: Inspects | None = None,
         localhost: LocalhostProxy | None = None,
+        traffic_series_limit: int = SERIES_LIMIT,
     ) -> None:
         self._nft = nft
         self._localhost = localhost
@@ -123,6 +142,8 @@ class NftBackend:
         self._sync_period = sync_period
         self._full_check_period = full_check_period
         self._monitor: asyncio.Task[None] | None = None
+        self._traffic = TrafficCounters(traffic_series_limit) if options.traffic_counters else None
+        self._traffic_reader: asyncio.Task[None] | None = None
         self._generation: int | None = None
         """The ruleset's generation after kpng's last commit or drift check (None: unknown)."""
         self._applied_rules: dict[str, tuple[bytes, ...]] | None = None
@@ -191,6 +212,8 @@ class NftBackend:
             await self._localhost.sync(listeners(state.services, self.store.options))
         if self._sync_period > 0 and self._inspect is not None and self._monitor is None:
             self._monitor = asyncio.create_task(self._watch_kernel(), name="nft-drift-check")
+        if self._traffic is not None and self._netlink is not None and self._traffic_reader is None:
+            self._traffic_reader = asyncio.create_task(self._read_traffic(), name="nft-counters")
         if self._health is not None:
             await self._health.follow(self.store.options.nodeport_addresses)
             await self._health.update(state.services)
@@ -299,6 +322,8 @@ class NftBackend:
                     line=error.line,
                 )
             assert plan is not None
+            if self._traffic is not None:
+                self._traffic.replaced(None if plan.full else _rewritten(plan, self.store))
             self.store.commit(plan)
             self._needs_full = False
             if plan.full:
@@ -443,6 +468,43 @@ class NftBackend:
                 return drift
         return None
 
+    async def _read_traffic(self) -> None:
+        # The kernel dumps a map's elements in O(n^2) (each part of the dump walks past what
+        # went before): 2.7 s under the sync lock at 100k services, so reads are spaced to
+        # hold it a tenth of the time at most.
+        period = READ_PERIOD_S
+        while True:
+            await self._sleep(period)
+            started = time.monotonic()
+            try:
+                await self.read_traffic()
+            except NftError as exc:
+                log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
+            period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
+
+    async def read_traffic(self) -> None:
+        """Read the dispatch maps' counters (``counting.py``). The dump under the lock, so
+        that the elements kpng says it rewrote are those the read saw rewritten; decoded and
+        summed after it, in a thread (100k services' elements), syncs going on meanwhile."""
+        traffic, netlink = self._traffic, self._netlink
+        if traffic is None or netlink is None:
+            return
+        async with self._lock:
+            dumps = await netlink.dumps(TABLE, list(_COUNTED))
+            rewritten = traffic.take_rewritten()
+        store = self.store
+        await asyncio.to_thread(
+            lambda: traffic.fold(
+                _keyed(dumps), store.applied_elements, store.applied_comments, rewritten
+            )
+        )
+
+    def metric_samples(self) -> list[Sample]:
+        """Each service port's new and refused connections, as of the last read (none unless
+        ``--traffic-counters service``): what kpng's ``/metrics`` adds for to-nft
+        (``kpng.status.ReportsSamples``)."""
+        return self._traffic.samples() if self._traffic is not None else []
+
     async def applied_rules(self) -> str:
         """kpng's table as the kernel holds it: what the last applied transaction left."""
         if self._dry_run:
@@ -554,13 +616,49 @@ class NftBackend:
         await self._conntrack.clean_stale(self.store.udp_frontends(), only)
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            await asyncio.gather(self._monitor, return_exceptions=True)
+        for task in (self._monitor, self._traffic_reader):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._health is not None:
             await self._health.close()
         if self._localhost is not None:
             await self._localhost.close()
+
+
+_COUNTED = {
+    f"{kind}-{fam}": (fam, kind.startswith("nodeport"))
+    for kind in COUNTED_KINDS
+    for fam in FAMILIES
+}
+"""The counted maps: each one's family, and whether its keys are ``proto . port`` alone."""
+
+
+def _rewritten(plan: Plan, store: TableState) -> list[ElementKey]:
+    """The counted elements ``plan`` writes again (their counters restart): those it changes
+    (``diffing.incremental`` deletes and adds them) or deletes."""
+    applied, comments = store.applied_elements, store.applied_comments
+    return [
+        ek
+        for ek, value in plan.elements.items()
+        if ek[0] in _COUNTED
+        and ek in applied
+        and (applied[ek] != value or comments.get(ek, "") != plan.comments.get(ek, ""))
+    ]
+
+
+def _keyed(dumps: list[tuple[str, list[bytes]]]) -> list[tuple[ElementKey, int]]:
+    """The counters of the elements dumped, by the keys kpng wrote."""
+    out = []
+    for container, messages in dumps:
+        fam, port_only = _COUNTED[container]
+        for message in messages:
+            for element in elements_in(message):
+                read = counted(element)
+                fields = read and dispatch_key(read[0], fam, port_only=port_only)
+                if read is not None and fields:
+                    out.append(((container, fields), read[1]))
+    return out
 
 
 _NAMED = 10

@@ -436,6 +436,13 @@ class NetlinkBatches:
         messages = self._ask(dump_elements(table, container))
         return {canonical(e) for message in messages for e in elements_in(message)}
 
+    async def dumps(self, table: Table, containers: Sequence[str]) -> list[tuple[str, list[bytes]]]:
+        """Every element of each of ``containers``, as the messages of one dump each (read
+        with ``netlink.elements_in``)."""
+        return await asyncio.to_thread(
+            lambda: [(c, self._ask(dump_elements(table, c))) for c in containers]
+        )
+
     def _ask(self, request: bytes) -> list[bytes]:
         """The answer to one request: its messages, up to the end of a dump or the kernel's
         acknowledgement. ``NftError`` (with ``errno``) for an error."""

@@ -24,6 +24,12 @@ A service port with no endpoint for a kind of traffic has the verdict ``goto rej
 unreachable: the client sees "connection refused" at once) when its family has no usable
 endpoint anywhere, else ``drop``.
 
+With ``--traffic-counters service``, the ``cluster``, ``external`` and ``nodeport`` maps give
+each element a counter (``COUNTED_KINDS``): the nat hooks see a connection's first packet only,
+so an element counts its new connections, refused or dropped ones too when its verdict is
+``goto reject`` or ``drop``. Nothing is added to the packet path but that counter, and nothing
+to a sync: the counters are part of the elements kpng writes anyway (``counting.py``).
+
 A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
 after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
 a packet whose destination is still in ``cluster-ips-<f>`` (every service's ClusterIPs) matched
@@ -153,6 +159,11 @@ _PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 Kind = Literal["cluster", "external", "nodeport", "external-sc", "nodeport-sc"]
 KINDS: tuple[Kind, ...] = ("cluster", "external", "nodeport", "external-sc", "nodeport-sc")
 _PORT_ONLY: frozenset[Kind] = frozenset({"nodeport", "nodeport-sc"})
+COUNTED_KINDS: tuple[Kind, ...] = ("cluster", "external", "nodeport")
+"""The dispatch maps that count, with ``--traffic-counters service``: each new connection
+(only a connection's first packet passes the nat hooks) looks one of them up once. Not the
+short-circuit maps: the node's own traffic to them looks them up twice (its masquerade mark),
+and this node's pods' once."""
 
 ElementKey = tuple[str, tuple[str, ...]]
 """(container, key fields): what identifies an element."""
@@ -238,7 +249,8 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         for kind in KINDS:
             port_only = kind in _PORT_ONLY
             key = "inet_proto . inet_service" if port_only else three
-            objects.append(Map(f"{kind}-{fam}", "verdict", type=key))
+            counted = options.traffic_counters and kind in COUNTED_KINDS
+            objects.append(Map(f"{kind}-{fam}", "verdict", type=key, counter=counted))
         objects += [
             Set(f"external-masq-{fam}", type=three),
             Set(f"nodeport-masq-{fam}", type="inet_proto . inet_service"),
@@ -274,11 +286,16 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
         np = _nodeport_match(options, fam)
         mark = functools.partial(_mark, options)
         remote = local_source(options, fam, negate=True)
-        # Masquerade marks first: the DNAT below ends the chain.
+        # Masquerade marks first: the DNAT below ends the chain. A counted map's element
+        # counts every lookup that finds it: counted, the mark asks for the ClusterIP alone
+        # (a ClusterIP on a port no service defines is rejected after DNAT, never masqueraded).
+        to_cluster = f"{tup} @cluster-{fam}"
+        if options.traffic_counters:
+            to_cluster = f"{ip} daddr @cluster-ips-{fam}"
         if options.masquerade_all:
-            svc(mark(f"{tup} @cluster-{fam}"))
+            svc(mark(to_cluster))
         elif remote is not None:
-            svc(mark(f"{remote} {tup} @cluster-{fam}"))
+            svc(mark(f"{remote} {to_cluster}"))
         svc(mark(f"{tup} @external-masq-{fam}"))
         svc(mark(f"{np} meta l4proto . th dport @nodeport-masq-{fam}"))
         # loadBalancerSourceRanges, on LB IPs only, of the families ranges are given in.
@@ -493,6 +510,8 @@ def _dispatch(
 
 _DROP = ("drop",)
 _REJECT = ("goto service-reject",)
+REFUSING = frozenset({_DROP, _REJECT})
+"""The verdicts of a dispatch element with no endpoint: what its counter counts is refused."""
 
 
 @functools.cache

@@ -20,6 +20,7 @@ the kernel takes no new base chain in a transaction that changes a table's flags
 from __future__ import annotations
 
 import functools
+import ipaddress
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -651,3 +652,53 @@ def element_payload(encoded: bytes) -> bytes:
     """The payload of an ``NFTA_LIST_ELEM`` attribute ``ElementEncoder`` wrote."""
     (size,) = struct.unpack_from("=H", encoded, 0)
     return encoded[4:size]
+
+
+# The traffic counters (``counting.py``): each counted element's key and its counter's packets,
+# read from the same dump as the exact comparison's.
+
+_PROTOCOL_NAMES = {6: "tcp", 17: "udp", 132: "sctp"}
+_ADDRESS_BYTES = {"v4": 4, "v6": 16}
+
+
+def counted(element: bytes) -> tuple[bytes, int] | None:
+    """One ``NFTA_LIST_ELEM`` payload's key bytes and its counter's packets (None: it has no
+    counter)."""
+    key = b""
+    packets: int | None = None
+    for kind, payload in _nested_attributes(element):
+        if kind == 1:  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
+            key = next((p for k, p in _nested_attributes(payload) if k == 1), b"")
+        elif kind == 7:  # NFTA_SET_ELEM_EXPR: its one expression
+            packets = _counter_packets(payload)
+        elif kind == 11:  # NFTA_SET_ELEM_EXPRESSIONS { NFTA_LIST_ELEM { expression } }
+            for k, expression in _nested_attributes(payload):
+                found = _counter_packets(expression) if k == 1 else None
+                packets = found if found is not None else packets
+    return None if packets is None else (key, packets)
+
+
+def _counter_packets(expression: bytes) -> int | None:
+    """``NFTA_COUNTER_PACKETS`` of a ``counter`` expression (None: another expression)."""
+    attrs = dict(_nested_attributes(expression))
+    if _text(attrs.get(1, b"")) != "counter":  # NFTA_EXPR_NAME
+        return None
+    data = dict(_nested_attributes(attrs.get(2, b"")))  # NFTA_EXPR_DATA
+    raw = data.get(2, b"")  # NFTA_COUNTER_PACKETS, big-endian u64
+    return int.from_bytes(raw[:8], "big") if len(raw) >= 8 else None
+
+
+def dispatch_key(key: bytes, fam: str, *, port_only: bool) -> tuple[str, ...] | None:
+    """A dispatch element's key fields as kpng writes them (``address . proto . port``, or
+    ``proto . port`` for a node port) from the kernel's bytes, each field padded to 4 bytes;
+    None for bytes no kpng element has."""
+    start = 0 if port_only else _ADDRESS_BYTES[fam]
+    if len(key) != start + 8:
+        return None
+    proto = _PROTOCOL_NAMES.get(key[start])
+    if proto is None:
+        return None
+    port = str(int.from_bytes(key[start + 4 : start + 6], "big"))
+    if port_only:
+        return (proto, port)
+    return (str(ipaddress.ip_address(key[:start])), proto, port)

@@ -161,6 +161,9 @@ class Map:
     flags: tuple[str, ...] = ()
     timeout_s: int = 0
     """Default element timeout (with flags "timeout"), e.g. for maps the packet path fills."""
+    counter: bool = False
+    """Every element gets a counter of its own, which each lookup that finds it updates (the
+    kernel gives it to elements added without one)."""
 
     def __post_init__(self) -> None:
         _check_name("map", self.name)
@@ -401,6 +404,8 @@ class Transaction:
             timeout = ""
             if isinstance(obj, Map) and obj.timeout_s:
                 timeout = f" timeout {obj.timeout_s}s ;"
+            if isinstance(obj, Map) and obj.counter:
+                timeout += " counter ;"
             return f"add {kind} {t} {obj.name} {{ {key} ;{flags}{timeout} }}"
         raise InvalidNftObject(f"cannot render {obj!r}")
 

@@ -14,6 +14,7 @@ import sys
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_leftovers
+from kpng.backends._nftables.counting import SERIES_LIMIT
 from kpng.backends._nftables.executing import KernelNft, LibNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import loopback_served
 from kpng.backends._nftables.localhost import LocalhostProxy
@@ -36,11 +37,37 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "served so (UDP, SCTP; TCP in the other families) are refused",
     )
     add_sync_period(parser, checks="that kpng's table holds what kpng applied")
+    parser.add_argument(
+        "--traffic-counters",
+        choices=("off", "service"),
+        default="off",
+        help="service: count each Service port's new connections, and those refused for want "
+        "of endpoints, for /metrics (kpng_service_connections_total, "
+        "kpng_service_rejected_total; default off)",
+    )
+    parser.add_argument(
+        "--traffic-series-limit",
+        type=_positive,
+        default=SERIES_LIMIT,
+        metavar="N",
+        help="the most Service ports --traffic-counters exposes: past it, those with the least "
+        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
+    )
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number, not {value!r}")
+    return int(value)
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options, from_node = options_from_args(args)
-    options = dataclasses.replace(options, localhost_nodeports=args.localhost_nodeports)
+    options = dataclasses.replace(
+        options,
+        localhost_nodeports=args.localhost_nodeports,
+        traffic_counters=args.traffic_counters == "service",
+    )
     served = [fam for fam in FAMILIES if loopback_served(options, fam)]
     if args.localhost_nodeports and not served:
         log.warning(
@@ -70,6 +97,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         netlink=None if args.dry_run else NetlinkBatches(),
         sync_period=0.0 if args.once or args.dry_run else args.sync_period,
         localhost=LocalhostProxy() if served and not args.dry_run else None,
+        traffic_series_limit=args.traffic_series_limit,
     )
 
 

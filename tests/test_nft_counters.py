@@ -1,0 +1,242 @@
+"""to-nft's per-Service traffic counters (``--traffic-counters service``): the layout with and
+without them, what the drift check makes of them, their reading, and the kernel's counts."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.counting import (
+    CONNECTIONS,
+    DROPPED,
+    REJECTED,
+    TrafficCounters,
+)
+from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
+from kpng.backends._nftables.fake import FakeNft
+from kpng.backends._nftables.layout import Options
+from kpng.backends._nftables.netlink import counted, dispatch_key
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+from kpng.testing import states
+from kpng.testing.netns import ClusterSpec, TestBed, available
+from kpng.testing.states import keyed_state
+
+_service = functools.partial(states.service, port_name="p", target_port=0)
+_ep = functools.partial(states.endpoint, port_name="p")
+WEB: ServiceKey = ("ns", "web")
+EMPTY: ServiceKey = ("ns", "empty")
+OTHER: ServiceKey = ("ns", "other")
+
+
+def _values(samples: list[object], name: str) -> dict[str, float]:
+    return {
+        dict(s.labels)["service"]: s.value  # type: ignore[attr-defined]
+        for s in samples
+        if s.name == name  # type: ignore[attr-defined]
+    }
+
+
+# --- the layout
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _dry_run(options: Options) -> str:
+    sink = _Sink()
+    backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=sink)  # type: ignore[arg-type]
+    services = {WEB: ServiceEndpoints(_service("web", index=1), (_ep("10.244.1.2"),))}
+    asyncio.run(backend.apply(keyed_state(1, services)))
+    return sink.text
+
+
+def test_the_counted_maps_and_the_cluster_mark_change_only_with_the_flag() -> None:
+    cidrs = ("10.244.0.0/16",)
+    off = _dry_run(Options(cluster_cidrs=cidrs)).splitlines()
+    on = _dry_run(Options(cluster_cidrs=cidrs, traffic_counters=True)).splitlines()
+    changed = sorted(set(on) - set(off))
+    assert changed == [
+        "add map inet kpng cluster-v4 { type ipv4_addr . inet_proto . inet_service : verdict ; "
+        "counter ; }",
+        "add map inet kpng cluster-v6 { type ipv6_addr . inet_proto . inet_service : verdict ; "
+        "counter ; }",
+        "add map inet kpng external-v4 { type ipv4_addr . inet_proto . inet_service : verdict ; "
+        "counter ; }",
+        "add map inet kpng external-v6 { type ipv6_addr . inet_proto . inet_service : verdict ; "
+        "counter ; }",
+        "add map inet kpng nodeport-v4 { type inet_proto . inet_service : verdict ; counter ; }",
+        "add map inet kpng nodeport-v6 { type inet_proto . inet_service : verdict ; counter ; }",
+        # The mark no longer looks the counted map up (that would count the connection twice).
+        "add rule inet kpng services ip saddr != @cluster-cidrs-v4 ip daddr @cluster-ips-v4 "
+        "meta mark set meta mark | 0x4000",
+    ]
+    assert len(on) == len(off)
+    assert not any("counter" in line for line in off)
+
+
+# --- reading
+
+
+def test_a_restarted_or_rewritten_counter_never_lowers_the_total() -> None:
+    traffic = TrafficCounters()
+    web, empty = (
+        ("cluster-v4", ("10.96.0.1", "tcp", "80")),
+        ("cluster-v4", ("10.96.0.2", "tcp", "80")),
+    )
+    nodeport = ("nodeport-v4", ("tcp", "30080"))
+    comments = {web: "ns/web:p", nodeport: "ns/web:p", empty: "ns/empty"}
+    applied = {
+        web: ("goto pick-cluster-v4-1",),
+        nodeport: ("goto x",),
+        empty: ("goto service-reject",),
+    }
+
+    def totals() -> tuple[dict[str, float], dict[str, float]]:
+        samples = traffic.samples()
+        return _values(samples, CONNECTIONS), _values(samples, REJECTED)  # type: ignore[arg-type]
+
+    traffic.fold([(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    assert totals() == ({"web": 7, "empty": 3}, {"web": 0, "empty": 3})
+    # Rewritten with a new endpoint count: it restarts, and has counted 6 since.
+    traffic.replaced([web])
+    applied[web] = ("goto pick-cluster-v4-2",)
+    traffic.fold([(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    assert totals()[0] == {"web": 13, "empty": 3}
+    # Found lower than last read (rewritten by another program, say).
+    traffic.fold([(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    assert totals()[0] == {"web": 14, "empty": 3}
+    # The empty service gets endpoints: what it refused stays refused.
+    traffic.replaced([empty])
+    applied[empty] = ("goto pick-cluster-v4-1",)
+    traffic.fold([(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten())
+    assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
+    # A full sync: every counter restarts.
+    traffic.replaced(None)
+    traffic.fold([(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
+    # A node port that goes keeps its count in the service port's total.
+    traffic.fold([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    assert totals()[0] == {"web": 14, "empty": 7}
+    # A service that goes takes its series along.
+    traffic.fold([(web, 0)], applied, comments, traffic.take_rewritten())
+    assert totals()[0] == {"web": 14}
+
+
+def test_past_the_limit_the_service_ports_with_the_least_traffic_are_left_out() -> None:
+    traffic = TrafficCounters(series_limit=2)
+    keys = {f"s{i}": ("cluster-v4", (f"10.96.0.{i}", "tcp", "80")) for i in range(5)}
+    traffic.fold(
+        [(ek, int(name[1:]) * 10) for name, ek in keys.items()],
+        dict.fromkeys(keys.values(), ("goto pick-cluster-v4-1",)),
+        {ek: f"ns/{name}" for name, ek in keys.items()},
+        (),
+    )
+    samples = traffic.samples()
+    assert _values(samples, CONNECTIONS) == {"s4": 40, "s3": 30}  # type: ignore[arg-type]
+    assert [s.value for s in samples if s.name == DROPPED] == [3]
+
+
+def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
+    assert dispatch_key(bytes([10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=False) == (
+        "10.96.0.1",
+        "tcp",
+        "80",
+    )
+    assert dispatch_key(bytes([17, 0, 0, 0, 0x75, 0x30, 0, 0]), "v6", port_only=True) == (
+        "udp",
+        "30000",
+    )
+    assert dispatch_key(bytes([99, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=True) is None
+    assert counted(b"") is None
+
+
+# --- the kernel
+
+
+@pytest.mark.skipif(available() is not None, reason=str(available()))
+def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs() -> None:
+    """N connections to a Service (from the node, through its ClusterIP, and from outside,
+    through a node port) and M to a Service with no endpoint are counted as such; an unrelated
+    incremental sync and one rewriting the Service's elements lower nothing; the drift checks
+    see no drift in counters that moved."""
+    with TestBed(ClusterSpec.parse({"node-1": ["p1", "p2"]})) as bed:
+        node = bed.nodes["node-1"]
+        p1, p2 = bed.pod("p1"), bed.pod("p2")
+        web_ip, empty_ip = "10.96.0.10", "10.96.0.11"
+        services = {
+            WEB: ServiceEndpoints(
+                _service("web", cluster_ip=web_ip, node_port=30080), (_ep(p1.ip4, 8080),)
+            ),
+            EMPTY: ServiceEndpoints(_service("empty", cluster_ip=empty_ip, usable=False), ()),
+        }
+        options = Options(cluster_cidrs=("10.244.0.0/16",), traffic_counters=True)
+
+        async def scenario() -> list[dict[str, dict[str, float]]]:
+            backend = NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
+                options=options,
+                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
+                sync_period=30,
+            )
+            seen = []
+
+            async def read() -> None:
+                await backend.read_traffic()
+                samples = backend.metric_samples()
+                seen.append(
+                    {
+                        name: _values(samples, name)  # type: ignore[arg-type]
+                        for name in (CONNECTIONS, REJECTED)
+                    }
+                )
+
+            def probe(netns: str, host: str, port: int, count: int) -> list[str]:
+                return bed.probe(netns, "tcp", host, port, count=count, timeout=1)
+
+            await backend.apply(keyed_state(1, services))
+            assert [r.split()[0] for r in probe(node.netns, web_ip, 80, 5)] == ["p1"] * 5
+            assert bed.external is not None
+            assert len(probe(bed.external.netns, node.ip4, 30080, 2)) == 2
+            refused = probe(node.netns, empty_ip, 80, 3)
+            assert not any(r.startswith("p1") for r in refused)
+            await read()
+            # An unrelated service comes: an incremental sync.
+            other = ServiceEndpoints(_service("other", cluster_ip="10.96.0.12"), (_ep(p2.ip4),))
+            await backend.apply(keyed_state(2, {**services, OTHER: other}, updated=[OTHER]))
+            await read()
+            # web gets a second endpoint: its elements are written again.
+            services[WEB] = ServiceEndpoints(
+                services[WEB].service, (_ep(p1.ip4, 8080), _ep(p2.ip4, 8080))
+            )
+            await backend.apply(keyed_state(3, {**services, OTHER: other}, updated=[WEB]))
+            await read()
+            assert len(probe(node.netns, web_ip, 80, 4)) == 4
+            await read()
+            assert await backend.check_kernel(full=True) is None
+            await backend.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    assert seen[0] == {
+        CONNECTIONS: {"web": 7, "empty": 3},
+        REJECTED: {"web": 0, "empty": 3},
+    }
+    assert seen[1] == {
+        CONNECTIONS: {"web": 7, "empty": 3, "other": 0},
+        REJECTED: {"web": 0, "empty": 3, "other": 0},
+    }
+    assert seen[2] == seen[1]
+    assert seen[3][CONNECTIONS] == {"web": 11, "empty": 3, "other": 0}
