@@ -256,6 +256,9 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
     assert "Permission denied" in done.stderr
 
 
+TO_API = ["file", "--input", "x", "to-api", "--listen", "unix:///tmp/x.sock"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -327,6 +330,14 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
             "--http-request-timeout must be a positive number of seconds, got nan",
         ),
         (
+            [*TO_API, "--first-request-timeout", "0"],
+            "--first-request-timeout must be positive, got 0.0",
+        ),
+        (
+            [*TO_API, "--token-review-burst", "10"],
+            "--token-reviews-per-second and --token-review-burst need --token-audience",
+        ),
+        (
             ["kube", "--max-list-bytes", "0", "to-file", "--output", "-"],
             "--max-list-bytes must be positive, got '0'",
         ),
@@ -351,6 +362,8 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
         "token-flags-without-audience",
         "no-http-connections",
         "http-request-timeout-nan",
+        "no-first-request-time",
+        "review-burst-without-audience",
         "no-list-bytes",
         "event-bytes-not-a-size",
     ],

@@ -6,9 +6,11 @@ next, never queued."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
+import subprocess
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable
@@ -22,9 +24,17 @@ from kpng.api import batchv1_pb2
 from kpng.kubeclient.client import ApiClient
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
 from kpng.server.auth import Identity, Refused, TokenReviews, WatchAuth
-from kpng.server.serving import ListenAddress, Serving, serve
+from kpng.server.serving import (
+    FIRST_REQUEST_S,
+    STREAMS_PER_CONNECTION,
+    ListenAddress,
+    Serving,
+    serve,
+)
 from kpng.store import SourceHandle, Store
 from kpng.testing import states
+from kpng.testing.waiting import until
+from tests.conftest import EXAMPLE
 
 T = TypeVar("T")
 WATCHES = 20
@@ -41,10 +51,17 @@ def _run(coro: Awaitable[T]) -> T:
 
 
 @contextlib.asynccontextmanager
-async def _serving(store: Store, url: str) -> AsyncIterator[Serving]:
+async def _serving(
+    store: Store, url: str, first_request_s: float = FIRST_REQUEST_S
+) -> AsyncIterator[Serving]:
     ready: asyncio.Future[Serving] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
-        serve(store, listen=[ListenAddress.parse(url)], started=ready.set_result)
+        serve(
+            store,
+            listen=[ListenAddress.parse(url)],
+            started=ready.set_result,
+            first_request_s=first_request_s,
+        )
     )
     try:
         yield await asyncio.wait_for(ready, 20)
@@ -204,17 +221,14 @@ def test_a_stream_without_a_token_is_refused_before_it_asks_anything(tmp_path: P
     )
 
 
-def test_a_stream_that_never_sends_its_request_is_ended(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("kpng.server.serving.FIRST_REQUEST_S", 0.5)
+def test_a_stream_that_never_sends_its_request_is_ended(tmp_path: Path) -> None:
     store = Store()
     store.source("s").mark_synced()
 
     async def scenario() -> grpc.StatusCode:
         sock = tmp_path / "kpng.sock"
         async with (
-            _serving(store, f"unix://{sock}") as serving,
+            _serving(store, f"unix://{sock}", first_request_s=0.5) as serving,
             grpc.aio.insecure_channel(f"unix:{sock}") as channel,
         ):
             silent = _raw(channel, "Watch")
@@ -258,3 +272,42 @@ def test_new_tokens_are_reviewed_at_a_bounded_rate_and_known_ones_from_the_cache
         return refused, client.posts
 
     assert _run(scenario()) == (80, 30)
+
+
+def test_the_first_request_timeout_and_streams_per_connection_are_flags(
+    tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
+) -> None:
+    """``to-api --first-request-timeout`` ends a silent stream that soon, through the command;
+    the flags' defaults are the server's constants."""
+    from kpng.sinks import api
+
+    parser = argparse.ArgumentParser()
+    api._add_arguments(parser)
+    assert parser.get_default("first_request_timeout") == FIRST_REQUEST_S
+    assert parser.get_default("max_streams_per_connection") == STREAMS_PER_CONNECTION
+
+    sock = tmp_path / "kpng.sock"
+    argv = [*kpng_command, "file", "--input", str(EXAMPLE), "to-api", "--listen", f"unix://{sock}"]
+    argv += ["--first-request-timeout", "0.5", "--max-streams-per-connection", "4"]
+    log = tmp_path / "kpng.log"
+    with log.open("wb") as stderr:
+        kpng = subprocess.Popen(argv, stderr=stderr, env=subprocess_env)
+    try:
+        until(sock.exists, "the socket")
+
+        async def silent_stream() -> tuple[grpc.StatusCode, str, float]:
+            async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
+                start = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(_raw(channel, "Watch").read(), 5)
+                took = time.monotonic() - start
+                return ended.value.code(), ended.value.details() or "", took
+
+        code, details, took = _run(silent_stream())
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert details == "no request within 0.5 s"
+        assert took < 3  # the default would be 10 s
+    finally:
+        kpng.terminate()
+        kpng.wait(timeout=10)
+    assert kpng.returncode == 0, log.read_text()

@@ -163,19 +163,21 @@ def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
     return codec.GLOBAL_INFOS[type(info)].encode(info)
 
 
-async def _parsed(requests: AsyncIterator[bytes], message: Any, context: Any) -> AsyncIterator[Any]:
+async def _parsed(
+    requests: AsyncIterator[bytes], message: Any, context: Any, first_request_s: float
+) -> AsyncIterator[Any]:
     """Requests parsed here rather than by gRPC, so a malformed one is answered with
     INVALID_ARGUMENT and a clear message instead of a server-side traceback. The first must come
-    within ``FIRST_REQUEST_S``: a stream that never asks holds memory and is never checked."""
+    within ``first_request_s``: a stream that never asks holds memory and is never checked."""
     incoming = aiter(requests)
     try:
-        async with asyncio.timeout(FIRST_REQUEST_S):
+        async with asyncio.timeout(first_request_s):
             first: bytes | None = await anext(incoming)
     except StopAsyncIteration:
         return
     except TimeoutError:
         await context.abort(
-            grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {FIRST_REQUEST_S:g} s"
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {first_request_s:g} s"
         )
         return
     while True:
@@ -237,9 +239,16 @@ class WatchStats:
 class WatchServer:
     """The three watch services over one Hub."""
 
-    def __init__(self, store: Store, *, auth: WatchAuth | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        auth: WatchAuth | None = None,
+        first_request_s: float = FIRST_REQUEST_S,
+    ) -> None:
         self.store = store
         self.auth = auth
+        self.first_request_s = first_request_s
         self.hub = Hub(store)
         self.first_states = Turns()
         self.stats = WatchStats()
@@ -403,7 +412,7 @@ class WatchServer:
         def encoders(_: Any) -> Encoders:
             return self._encoders[batchv1_pb2.PROTOBUF]
 
-        parsed = _parsed(requests, localv1_pb2.WatchReq, context)
+        parsed = _parsed(requests, localv1_pb2.WatchReq, context, self.first_request_s)
         async for message in self._local_stream(parsed, encoders, context, ChangeSet.ops):
             yield message
 
@@ -416,7 +425,7 @@ class WatchServer:
         def messages(change_set: ChangeSet) -> Iterable[bytes]:
             return change_set.batches(BATCH_BYTES)
 
-        parsed = _parsed(requests, batchv1_pb2.WatchReq, context)
+        parsed = _parsed(requests, batchv1_pb2.WatchReq, context, self.first_request_s)
         async for message in self._local_stream(parsed, encoders, context, messages):
             yield message
 
@@ -463,7 +472,7 @@ class WatchServer:
     async def watch_global(
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context)
+        parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context, self.first_request_s)
         async for ops in self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF, context):
             for op in ops:
                 yield op
@@ -471,7 +480,7 @@ class WatchServer:
     async def watch_global_batched(
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context)
+        parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context, self.first_request_s)
         async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding), context):
             for batch in batches(ops, BATCH_BYTES):
                 yield batch
@@ -512,10 +521,12 @@ async def serve(
     socket_mode: int = 0o600,
     auth: WatchAuth | None = None,
     started: Callable[[Serving], None] | None = None,
+    first_request_s: float = FIRST_REQUEST_S,
+    streams_per_connection: int = STREAMS_PER_CONNECTION,
 ) -> None:
     """Serve the watches until cancelled, to the watchers ``auth`` allows (None: any).
     ``started`` is called once listening, with the bound addresses (ports resolved)."""
-    watch = WatchServer(store, auth=auth)
+    watch = WatchServer(store, auth=auth, first_request_s=first_request_s)
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", 64 << 20),
@@ -533,7 +544,7 @@ async def serve(
             ("grpc.keepalive_timeout_ms", 10_000),
             # A watcher needs one stream (two while it switches nodes), a relay two: a
             # connection may not open thousands, each holding memory until it is checked.
-            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+            ("grpc.max_concurrent_streams", streams_per_connection),
             ("grpc.server.max_pending_requests", PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_HARD),
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,6 +62,37 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --token-audience: the API server that reviews tokens (default: $KUBECONFIG, "
         "then the in-cluster service account, then ~/.kube/config)",
     )
+    # Defaults: kpng.server.serving's and kpng.server.auth's, not imported (grpc and protobuf
+    # cost every command 0.1 s); tests/test_status.py holds them equal.
+    parser.add_argument(
+        "--first-request-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a stream's first request must come within this long, or the stream is ended "
+        "(default: 10)",
+    )
+    parser.add_argument(
+        "--max-streams-per-connection",
+        type=int,
+        default=100,
+        metavar="N",
+        help="HTTP/2 streams a connection may hold open; a watcher needs one, two while it "
+        "switches nodes (default: 100)",
+    )
+    parser.add_argument(
+        "--token-reviews-per-second",
+        type=float,
+        metavar="RATE",
+        help="with --token-audience: TokenReviews of tokens not yet known, at most, each second "
+        "once the burst is spent (default: 100)",
+    )
+    parser.add_argument(
+        "--token-review-burst",
+        type=int,
+        metavar="N",
+        help="with --token-audience: TokenReviews of new tokens allowed at once (default: 1000)",
+    )
     parser.add_argument(
         "--socket-mode",
         type=lambda s: int(s, 8),
@@ -76,6 +108,26 @@ def _create(
     # Imported here: grpc and protobuf cost other commands 0.1 s to import.
     from kpng.server import serving
 
+    for flag, value in (
+        ("--first-request-timeout", args.first_request_timeout),
+        ("--max-streams-per-connection", args.max_streams_per_connection),
+        ("--token-reviews-per-second", args.token_reviews_per_second),
+        ("--token-review-burst", args.token_review_burst),
+    ):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise UsageError(f"{flag} must be positive, got {value}")
+    reviews = {
+        key: value
+        for key, value in (
+            ("rate", args.token_reviews_per_second),
+            ("burst", args.token_review_burst),
+        )
+        if value is not None
+    }
+    limits = {
+        "first_request_s": args.first_request_timeout,
+        "streams_per_connection": args.max_streams_per_connection,
+    }
     listen = [serving.ListenAddress.parse(url) for url in args.listen]
     tls = None
     if args.tls_cert or args.tls_key:
@@ -88,6 +140,10 @@ def _create(
         if args.node_user or args.global_user or args.review_kubeconfig:
             raise UsageError(
                 "--node-user, --global-user and --review-kubeconfig need --token-audience"
+            )
+        if reviews:
+            raise UsageError(
+                "--token-reviews-per-second and --token-review-burst need --token-audience"
             )
     elif tls is None and any(address.unix_path is None for address in listen):
         raise UsageError(
@@ -102,7 +158,12 @@ def _create(
     async def run() -> None:
         if args.token_audience is None:
             await serving.serve(
-                store, listen=listen, tls=tls, socket_mode=args.socket_mode, started=started
+                store,
+                listen=listen,
+                tls=tls,
+                socket_mode=args.socket_mode,
+                started=started,
+                **limits,
             )
             return
         from kpng.kubeclient.client import ApiClient
@@ -112,7 +173,7 @@ def _create(
         connection = await load_connection(args.review_kubeconfig)
         async with ApiClient(connection) as client:
             auth = WatchAuth(
-                TokenReviews(client, audience=args.token_audience),
+                TokenReviews(client, audience=args.token_audience, **reviews),
                 node_users=frozenset(args.node_user or [DEFAULT_NODE_USER]),
                 global_users=frozenset(args.global_user),
             )
@@ -123,6 +184,7 @@ def _create(
                 socket_mode=args.socket_mode,
                 auth=auth,
                 started=started,
+                **limits,
             )
 
     return run
