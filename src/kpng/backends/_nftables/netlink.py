@@ -33,6 +33,7 @@ from kpng.backends._netlink import NLM_F_REQUEST as _NLM_F_REQUEST
 from kpng.backends._netlink import attr as _attr
 from kpng.backends._netlink import messages as messages
 from kpng.backends._netlink import nested as _nested
+from kpng.backends._netlink import nested_attributes
 from kpng.backends._nftables.nftables import (
     ElementFields,
     Elements,
@@ -520,7 +521,7 @@ def attributes(message: bytes) -> dict[int, bytes]:
     """The top-level attributes of one nf_tables message (header and nfgenmsg skipped), by
     type without its flags."""
     (length,) = struct.unpack_from("=I", message, 0)
-    return dict(_nested_attributes(message[20:length]))
+    return dict(nested_attributes(message[20:length]))
 
 
 def generation(message: bytes) -> int:
@@ -591,16 +592,6 @@ Canonical = tuple[bytes, bytes, bytes]
 and chain), its comment's (nftnl's user data)."""
 
 
-def _nested_attributes(payload: bytes) -> Iterator[tuple[int, bytes]]:
-    offset = 0
-    while offset + 4 <= len(payload):
-        size, kind = struct.unpack_from("=HH", payload, offset)
-        if size < 4:
-            return
-        yield kind & 0x7FFF, payload[offset + 4 : offset + size]
-        offset += (size + 3) & ~3
-
-
 def canonical(element: bytes) -> Canonical:
     """One ``NFTA_LIST_ELEM``'s payload as ``Canonical``: what kpng writes and what the kernel
     answers differ in flags and padding, never in these. Unrolled: it runs for every element
@@ -633,7 +624,7 @@ _verdicts: dict[bytes, bytes] = {}
 
 def _verdict_of(payload: bytes) -> bytes:
     value = b"".join(
-        p.split(b"\0", 1)[0] if k == 2 else p for k, p in sorted(_nested_attributes(payload))
+        p.split(b"\0", 1)[0] if k == 2 else p for k, p in sorted(nested_attributes(payload))
     )
     if len(_verdicts) < 65536:
         _verdicts[payload] = value
@@ -643,7 +634,7 @@ def _verdict_of(payload: bytes) -> bytes:
 def elements_in(message: bytes) -> Iterator[bytes]:
     """The ``NFTA_LIST_ELEM`` payloads of one NEWSETELEM message of a dump."""
     listed = attributes(message).get(3, b"")  # NFTA_SET_ELEM_LIST_ELEMENTS
-    for kind, payload in _nested_attributes(listed):
+    for kind, payload in nested_attributes(listed):
         if kind == 1:
             yield payload
 
@@ -666,13 +657,13 @@ def counted(element: bytes) -> tuple[bytes, int] | None:
     counter)."""
     key = b""
     packets: int | None = None
-    for kind, payload in _nested_attributes(element):
+    for kind, payload in nested_attributes(element):
         if kind == 1:  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
-            key = next((p for k, p in _nested_attributes(payload) if k == 1), b"")
+            key = next((p for k, p in nested_attributes(payload) if k == 1), b"")
         elif kind == 7:  # NFTA_SET_ELEM_EXPR: its one expression
             packets = _counter_packets(payload)
         elif kind == 11:  # NFTA_SET_ELEM_EXPRESSIONS { NFTA_LIST_ELEM { expression } }
-            for k, expression in _nested_attributes(payload):
+            for k, expression in nested_attributes(payload):
                 found = _counter_packets(expression) if k == 1 else None
                 packets = found if found is not None else packets
     return None if packets is None else (key, packets)
@@ -680,10 +671,10 @@ def counted(element: bytes) -> tuple[bytes, int] | None:
 
 def _counter_packets(expression: bytes) -> int | None:
     """``NFTA_COUNTER_PACKETS`` of a ``counter`` expression (None: another expression)."""
-    attrs = dict(_nested_attributes(expression))
+    attrs = dict(nested_attributes(expression))
     if _text(attrs.get(1, b"")) != "counter":  # NFTA_EXPR_NAME
         return None
-    data = dict(_nested_attributes(attrs.get(2, b"")))  # NFTA_EXPR_DATA
+    data = dict(nested_attributes(attrs.get(2, b"")))  # NFTA_EXPR_DATA
     raw = data.get(2, b"")  # NFTA_COUNTER_PACKETS, big-endian u64
     return int.from_bytes(raw[:8], "big") if len(raw) >= 8 else None
 
