@@ -86,6 +86,7 @@ from stats import median, p99
 
 from kpng.server.auth import NODE_NAME_EXTRA
 from kpng.sinks.api import DEFAULT_NODE_USER
+from kpng.testing.ports import free_port
 
 PYTHON = sys.executable
 SAMPLE_S = 0.2
@@ -159,14 +160,6 @@ class Sampler:
 
     def now(self) -> float:
         return status_mb(self.pid, "VmRSS")
-
-
-def free_port() -> int:
-    # Taken back at once; another process taking it before kpng does would fail the start.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def write_cluster(directory: Path, services: int, nodes: int) -> Path:
