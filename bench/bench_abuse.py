@@ -69,7 +69,6 @@ import re
 import resource
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -81,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import synthetic
-from bench_api import BenchError, Server
+from bench_api import BenchError, KpngProcess, Server, kpng_command
 from stats import median, p99
 
 from kpng.server.auth import NODE_NAME_EXTRA
@@ -167,11 +166,6 @@ def write_cluster(directory: Path, services: int, nodes: int) -> Path:
     document = synthetic.generate(services, nodes=nodes)
     (directory / "cluster.json").write_text(json.dumps(document))
     return directory
-
-
-def _kpng_command() -> list[str]:
-    script = Path(PYTHON).parent / "kpng"
-    return [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
 
 
 def _spawned() -> multiprocessing.context.SpawnContext:
@@ -432,23 +426,20 @@ def _idle_client(port: int, total: int, wave: int, hold_s: float, pipe: Connecti
     pipe.send(asyncio.run(waves()))
 
 
-class Node:
+class Node(KpngProcess):
     """``kpng --healthz-address 127.0.0.1:PORT file --input DIR to-local ... to-json``."""
 
     def __init__(self, cluster: Path, port: int, log: Path) -> None:
         self.port = port
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self._log_path = log
-        self.proc = subprocess.Popen(
+        super().__init__(
             [
-                *_kpng_command(),
+                *kpng_command(),
                 *("--log-level", "warning", "--healthz-address", f"127.0.0.1:{port}"),
                 *("file", "--input", str(cluster)),
                 *("to-local", "--node-name", synthetic.node_name(0)),
                 *("to-json", "--output", os.devnull),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
+            log,
         )
 
     def wait_healthy(self) -> None:
@@ -459,21 +450,6 @@ class Node:
             if time.monotonic() > deadline:
                 raise BenchError(f"the node's /healthz did not answer 200 within {START_S:g} s")
             time.sleep(0.1)
-
-    def log_tail(self) -> str:
-        return self._log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=15)
-        finally:
-            self._log.close()
 
 
 def bench_health(args: argparse.Namespace, workdir: Path) -> None:

@@ -174,7 +174,37 @@ def _node_copy(node: dict[str, Any], name: str) -> dict[str, Any]:
     return copy
 
 
-class Server:
+def kpng_command() -> list[str]:
+    """kpng as installed beside this interpreter, else ``python -m kpng``."""
+    script = Path(PYTHON).parent / "kpng"
+    return [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
+
+
+class KpngProcess:
+    """A kpng command in a subprocess, its stderr in ``log``; stopped by SIGTERM, then killed."""
+
+    def __init__(self, argv: Sequence[str], log: Path) -> None:
+        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self._log_path = log
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._log)
+
+    def log_tail(self) -> str:
+        return self._log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=15)
+        finally:
+            self._log.close()
+
+
+class Server(KpngProcess):
     """``kpng SOURCE... to-api --listen unix://SOCKET`` in a subprocess (``options`` go before
     the source: ``--metrics-address``...; ``sink_options`` after to-api's ``--listen``:
     ``--token-audience``...); under cProfile, writing ``profile`` when it stops, if given;
@@ -193,21 +223,16 @@ class Server:
     ) -> None:
         self.socket = socket
         self.api = f"unix://{socket}"
-        script = Path(PYTHON).parent / "kpng"
-        kpng = [str(script)] if script.exists() else [PYTHON, "-m", "kpng"]
-        command = list(command) if command is not None else kpng
+        command = list(command) if command is not None else kpng_command()
         if profile is not None:
             command = [PYTHON, "-m", "cProfile", "-o", str(profile), "-m", "kpng"]
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self._log_path = log
-        self.proc = subprocess.Popen(
+        super().__init__(
             [
                 *command,
                 *("--log-level", "warning", *options, *source),
                 *("to-api", "--listen", self.api, *sink_options),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
+            log,
         )
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
 
@@ -237,21 +262,6 @@ class Server:
             if line.startswith(field):
                 return int(line.split()[1]) / 1024
         return math.nan
-
-    def log_tail(self) -> str:
-        return self._log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=15)
-        finally:
-            self._log.close()
 
 
 @contextlib.contextmanager
