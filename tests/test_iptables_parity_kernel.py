@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpng.backends._nfacct import Nfacct
+from kpng.backends._netlink import netfilter_socket
+from kpng.backends._nfacct import (
+    INVALID_DROPPED,
+    LOCALHOST_ACCEPTED,
+    Nfacct,
+    parse,
+    request,
+)
 from kpng.backends._node import Options
 from kpng.backends.iptables import IptablesBackend
 from kpng.backends.iptables.executing import Iptables, Tools
@@ -102,6 +109,7 @@ def _backend(netns: str, *, nfacct_in: str | None = None, **options: Any) -> Ipt
     )
 
 
+NFNL_MSG_ACCT_DEL = 3
 INVALID = "kubeproxy_iptables_ct_state_invalid_dropped_packets_total"
 LOCALHOST = "kubeproxy_iptables_localhost_nodeports_accepted_packets_total"
 
@@ -120,10 +128,14 @@ def _nfacct_series(backend: IptablesBackend) -> dict[str, tuple[str, float]]:
     return found
 
 
-def _apply(backend: IptablesBackend) -> None:
-    web = ServiceEndpoints(
+def _web() -> ServiceEndpoints:
+    return ServiceEndpoints(
         states.service("web", node_port=NODE_PORT), (states.endpoint(POD, 8080),)
     )
+
+
+def _apply(backend: IptablesBackend) -> None:
+    web = _web()
 
     async def scenario() -> None:
         try:
@@ -234,3 +246,34 @@ def test_without_nfacct_the_rules_have_no_match_and_metrics_no_series(bed: Bed) 
     assert _probe(bed.node, "127.0.0.1") == "pod 10.99.0.1"
     assert "nfacct" not in _in(bed.node, "iptables-nft-save")
     assert _nfacct_series(backend) == {}
+
+
+def test_objects_deleted_with_the_rules_are_made_again_by_the_repair(bed: Bed) -> None:
+    """A program that flushes kpng's chains may delete the objects they named as well (the
+    kernel refuses while a rule names one): the repair's full sync makes them again, or its
+    restore, naming them, would be refused."""
+    netns = f"/run/netns/{bed.node}"
+    backend = _backend(bed.node)
+    iptables = Iptables(Tools("nft"), prefix=("ip", "netns", "exec", bed.node))
+
+    async def scenario() -> None:
+        try:
+            await backend.apply(states.state(1, {"web": _web()}))
+            _in(bed.node, "iptables-nft", "-F", "KUBE-FORWARD")
+            for name in (INVALID_DROPPED, LOCALHOST_ACCEPTED):
+                with netfilter_socket(netns) as sock:
+                    sock.bind((0, 0))
+                    sock.send(request(NFNL_MSG_ACCT_DEL, name))
+                    assert parse(sock.recv(1 << 16)).error == 0
+            assert Nfacct(netns).packets(INVALID_DROPPED) is None
+            drift = await backend.check_kernel(iptables)
+            assert drift is not None
+            assert drift.kind == "rules"
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+    assert Nfacct(netns).packets(INVALID_DROPPED) == 0
+    _send_invalid(bed, 2)
+    assert _invalid_drops(bed) == 2
+    assert Nfacct(netns).packets(INVALID_DROPPED) == 2

@@ -382,6 +382,8 @@ class IptablesBackend:
             log.warning("rewriting every rule: %s", reason)
             if drift is not None:
                 self._syncs.diverged(kind=drift.kind, detail=drift.detail)
+            # A program that flushed kpng's rules may have deleted the objects they name too.
+            await self._ensure_counters()
             await self._sync_families({f: {} for f in self._families}, full=True)
             self._syncs.synced(revision=self._revision)
         return drift
