@@ -45,13 +45,9 @@ _NLM_F_CREATE = 0x400
 _HEADER = struct.Struct("=IHHII")
 _NFGENMSG = struct.Struct("=BBH")
 _ERRNO = struct.Struct("=i")
-_PROBE = "IMayExist"
-"""kube-proxy's name for the read that tells whether the kernel has nfnetlink_acct: it answers
-ENOENT for an object that does not exist, something else (or nothing) when it has no such
-subsystem."""
 
 
-def request(command: int, name: str, *, create: bool = False, seq: int = 1) -> bytes:
+def request(command: int, name: str, *, create: bool = False) -> bytes:
     """An ``NFNL_MSG_ACCT_NEW`` or ``_GET`` of object ``name``, asking for an acknowledgement."""
     encoded = name.encode()
     if not encoded or len(encoded) > MAX_NAME:
@@ -59,7 +55,7 @@ def request(command: int, name: str, *, create: bool = False, seq: int = 1) -> b
     flags = NLM_F_REQUEST | NLM_F_ACK | (_NLM_F_CREATE if create else 0)
     payload = _NFGENMSG.pack(0, 0, 0) + attr(NFACCT_NAME, encoded + b"\0")
     kind = NFNL_SUBSYS_ACCT << 8 | command
-    return _HEADER.pack(_HEADER.size + len(payload), kind, flags, seq, 0) + payload
+    return _HEADER.pack(_HEADER.size + len(payload), kind, flags, 1, 0) + payload
 
 
 @dataclass(frozen=True)
@@ -126,12 +122,3 @@ class Nfacct:
         # EBUSY: made meanwhile by another (kube-proxy's handling too).
         if answer.error and answer.error != errno.EBUSY:
             raise OSError(answer.error, f"nfacct {name}: {os.strerror(answer.error)}")
-
-    def supported(self) -> bool:
-        """Whether the kernel has nfnetlink_acct, as kube-proxy tells: a read of an object that
-        may not exist answers it or ENOENT."""
-        try:
-            self.packets(_PROBE)
-        except OSError:
-            return False
-        return True
