@@ -292,6 +292,53 @@ def test_forwarded_packets_conntrack_finds_invalid_are_dropped_first_unless_told
         assert not [r for r in liberal[(FILTER, "KUBE-FORWARD")] if "INVALID" in r]
 
 
+COUNTED = frozenset({"ct_state_invalid_dropped_pkts", "localhost_nps_accepted_pkts"})
+
+
+@pytest.mark.parametrize(
+    ("nfacct", "rule"),
+    [
+        (frozenset(), "-m conntrack --ctstate INVALID -j DROP"),
+        (
+            COUNTED,
+            "-m conntrack --ctstate INVALID -m nfacct --nfacct-name ct_state_invalid_dropped_pkts "
+            "-j DROP",
+        ),
+    ],
+    ids=["no-nfacct", "counted"],
+)
+def test_the_invalid_drop_counts_into_kube_proxys_nfacct_object_when_the_kernel_made_it(
+    nfacct: frozenset[str], rule: str
+) -> None:
+    forward = skeleton(dataclasses.replace(POD_CIDR, nfacct=nfacct), "v4")
+    assert forward[(FILTER, "KUBE-FORWARD")][0] == rule
+
+
+@pytest.mark.parametrize(
+    ("localhost", "nfacct", "fam", "counted"),
+    [
+        (True, COUNTED, "v4", True),
+        (True, frozenset(), "v4", False),  # no nfnetlink_acct: kube-proxy's rules then
+        (False, COUNTED, "v4", False),  # node ports not on loopback: nothing to count
+    ],
+    ids=["counted", "no-nfacct", "off"],
+)
+def test_a_node_port_on_loopback_is_counted_by_a_jump_of_its_own_ahead_of_the_ports(
+    localhost: bool, nfacct: frozenset[str], fam: Fam, counted: bool
+) -> None:
+    options = dataclasses.replace(POD_CIDR, localhost_nodeports=localhost, nfacct=nfacct)
+    se = ServiceEndpoints(states.service("web", node_port=30080), (states.endpoint("10.244.1.2"),))
+    rules = contribute(se, fam, options).shared[(NAT, "KUBE-NODEPORTS")]
+    ext = rules[-1].split(" -j ")[-1]
+    port = '-m comment --comment "ns/web:http" -p tcp -m tcp --dport 30080'
+    assert rules[-1] == f"{port} -j {ext}"
+    loopback = (
+        '-m comment --comment "ns/web:http" -d 127.0.0.0/8 -p tcp -m tcp --dport 30080 '
+        f"-m nfacct --nfacct-name localhost_nps_accepted_pkts -j {ext}"
+    )
+    assert rules[:-1] == ([loopback] if counted else [])
+
+
 LOCALHOST = dataclasses.replace(POD_CIDR, localhost_nodeports=True)
 GUARD = (
     '! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" '

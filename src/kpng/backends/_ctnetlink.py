@@ -14,18 +14,15 @@ node of 100,000 flows, almost all unrelated to services, that is most of the wor
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import socket
 import struct
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kpng.backends._netlink import (
-    NETLINK_NETFILTER,
     NLM_F_ACK,
     NLM_F_DUMP,
     NLM_F_REQUEST,
@@ -33,6 +30,7 @@ from kpng.backends._netlink import (
     NLMSG_ERROR,
     attr,
     nested,
+    netfilter_socket,
 )
 
 NFNL_SUBSYS_CTNETLINK = 1
@@ -376,32 +374,6 @@ def _errors(data: bytes) -> Iterator[tuple[int, int]]:
 
 
 _SO_RCVBUFFORCE = 33
-_CLONE_NEWNET = 0x40000000
-
-
-def _made_in(netns: str | None) -> socket.socket:
-    if netns is None:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    made: list[socket.socket | OSError] = []
-
-    def enter_and_make() -> None:
-        # setns moves only the calling thread: this short one, which ends there.
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            with open(netns) as there:
-                if libc.setns(there.fileno(), _CLONE_NEWNET) != 0:
-                    number = ctypes.get_errno()
-                    raise OSError(number, f"setns {netns}: {os.strerror(number)}")
-            made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER))
-        except OSError as exc:
-            made.append(exc)
-
-    thread = threading.Thread(target=enter_and_make, name="ctnetlink-netns")
-    thread.start()
-    thread.join()
-    if isinstance(made[0], OSError):
-        raise made[0]
-    return made[0]
 
 
 class CtSocket:
@@ -418,7 +390,7 @@ class CtSocket:
     def __init__(self, netns: str | None = None) -> None:
         """A socket in this thread's network namespace, or in the one at path ``netns``
         (``/run/netns/NAME``, ``/proc/PID/ns/net``)."""
-        sock = _made_in(netns)
+        sock = netfilter_socket(netns)
         try:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, self.BUFFER)

@@ -1,13 +1,18 @@
-"""Netlink framing shared by kpng's nf_tables and ctnetlink messages (pure: no I/O).
+"""Netlink framing shared by kpng's nf_tables, ctnetlink and nfacct messages (pure), and the
+socket they travel on.
 
-Both are nfnetlink subsystems: the same message header, the same ``nfgenmsg`` after it, the same
-attributes. Kept apart from either user so that neither imports the other's package (the
-conntrack clean-up is used by backends that have no nf_tables table).
+All are nfnetlink subsystems: the same message header, the same ``nfgenmsg`` after it, the same
+attributes. Kept apart from every user so that none imports another's package (the conntrack
+clean-up is used by backends that have no nf_tables table).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import socket
 import struct
+import threading
 from collections.abc import Iterator
 
 NETLINK_NETFILTER = 12
@@ -49,3 +54,34 @@ def messages(reply: bytes) -> Iterator[tuple[int, bytes]]:
             return
         yield kind, reply[offset : offset + length]
         offset += (length + 3) & ~3
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def netfilter_socket(netns: str | None = None) -> socket.socket:
+    """A NETLINK_NETFILTER socket (unbound) in this thread's network namespace, or in the one
+    at path ``netns`` (``/run/netns/NAME``, ``/proc/PID/ns/net``): a socket stays in the
+    namespace it was made in."""
+    if netns is None:
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    made: list[socket.socket | OSError] = []
+
+    def enter_and_make() -> None:
+        # setns moves only the calling thread: this short one, which ends there.
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            with open(netns) as there:
+                if libc.setns(there.fileno(), _CLONE_NEWNET) != 0:
+                    number = ctypes.get_errno()
+                    raise OSError(number, f"setns {netns}: {os.strerror(number)}")
+            made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER))
+        except OSError as exc:
+            made.append(exc)
+
+    thread = threading.Thread(target=enter_and_make, name="netfilter-netns")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], OSError):
+        raise made[0]
+    return made[0]

@@ -59,6 +59,10 @@ class Options:
     ``localhostNodePorts``. to-nft: TCP node ports on 127.0.0.1 and ::1 through a proxy, in
     each family whose ``nodeport_addresses`` name loopback itself, and the others refused there,
     as kube-proxy's nftables mode with KubeProxyNFTablesLocalhostNodePorts."""
+    nfacct: frozenset[str] = frozenset()
+    """to-iptables: the nfacct objects its rules count into, of ``_nfacct.COUNTERS`` (those the
+    kernel made): the INVALID drops and the accepted localhost node port packets, as kube-proxy's
+    iptables mode counts them for its metrics; none where the kernel has no nfnetlink_acct."""
     traffic_counters: bool = False
     """to-nft: count each service port's new connections and those refused for want of
     endpoints (``--traffic-counters service``)."""

@@ -38,10 +38,12 @@ opens otherwise (CVE-2020-8558). That chain and its jumps are kube-proxy's and o
 cleanup leaves them, as kube-proxy's does, and turning the option off leaves the guard in place
 (``route_localnet`` stays set too).
 
-kube-proxy counts the INVALID drops (``kubeproxy_iptables_ct_state_invalid_dropped_packets_total``)
-with an nfacct object its rule names; kpng exports no such counter: its rule has no nfacct match
-(the module and the object are one more thing a node must have), and its checks read
-``iptables-save`` without counters. ``iptables-save -c -t filter`` shows the rule's packets.
+As kube-proxy, the INVALID drop and, with ``--localhost-nodeports``, a rule of each node port's
+ahead of its own, for 127.0.0.0/8 alone, count into nfacct objects (``Options.nfacct``, those
+the kernel made: ``_nfacct``), which ``/metrics`` reads as
+``kubeproxy_iptables_ct_state_invalid_dropped_packets_total`` and
+``kubeproxy_iptables_localhost_nodeports_accepted_packets_total``. A kernel without
+nfnetlink_acct gets the rules without the match, as kube-proxy writes them then.
 
 Rules are written for ``iptables-restore`` (``-A CHAIN ...``, no table option), one family per
 rendering: IPv6 goes through ip6tables with the same chains.
@@ -69,6 +71,7 @@ from kpng.backends._endpoints import (
 from kpng.backends._iptables_chains import OWNER_CHAIN as OWNER_CHAIN
 from kpng.backends._iptables_chains import SERVICE_CHAIN_PREFIXES as SERVICE_CHAIN_PREFIXES
 from kpng.backends._iptables_chains import SHARED_CHAINS as SHARED_CHAINS
+from kpng.backends._nfacct import INVALID_DROPPED, LOCALHOST_ACCEPTED
 from kpng.backends._node import Fam, Options
 from kpng.client import PortMapping, ServiceEndpoints
 
@@ -116,7 +119,16 @@ LOCALNET_JUMPS: tuple[Jump, ...] = (
     (FILTER, "OUTPUT", f"-j {LOCALNET_CHAIN}"),
 )
 """kube-proxy's, without a comment (kubelet's were the same)."""
-DROP_INVALID = "-m conntrack --ctstate INVALID -j DROP"
+
+
+def drop_invalid(options: Options) -> str:
+    """KUBE-FORWARD's first rule: the INVALID drop, counted when the kernel has the object."""
+    counted = (
+        f"-m nfacct --nfacct-name {INVALID_DROPPED} " if INVALID_DROPPED in options.nfacct else ""
+    )
+    return f"-m conntrack --ctstate INVALID {counted}-j DROP"
+
+
 _LOOPBACK_V4 = ipaddress.ip_address("127.0.0.1")
 
 
@@ -196,7 +208,7 @@ def skeleton(options: Options, fam: Fam) -> dict[ChainKey, list[str]]:
             "-j MASQUERADE --random-fully",
         ],
         (FILTER, "KUBE-FORWARD"): [
-            *([DROP_INVALID] if options.drop_invalid else []),
+            *([drop_invalid(options)] if options.drop_invalid else []),
             f"-m mark --mark {mark}/{mark} -j ACCEPT",
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
         ],
@@ -405,6 +417,14 @@ def _port(
     if port.NodePort:
         np = f"{comment} {match} --dport {port.NodePort}"
         if ext_chain is not None:
+            if LOCALHOST_ACCEPTED in options.nfacct and localhost_nodeports(options, fam):
+                # kube-proxy's: the same jump, for loopback alone, counting what it accepts.
+                out.add(
+                    NAT,
+                    "KUBE-NODEPORTS",
+                    f"{comment} -d {_LOOPBACK[fam]} {match} --dport {port.NodePort} "
+                    f"-m nfacct --nfacct-name {LOCALHOST_ACCEPTED} -j {ext_chain}",
+                )
             out.add(NAT, "KUBE-NODEPORTS", f"{np} -j {ext_chain}")
         if external_filter is not None:
             out.add(

@@ -11,12 +11,14 @@ import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._drift import Drift, named
 from kpng.backends._healthchecks import UNHEALTHY_AFTER_S, HealthServers
 from kpng.backends._kube_proxy import KubeProxyLeftovers
+from kpng.backends._nfacct import COUNTERS, INVALID_DROPPED, LOCALHOST_ACCEPTED, Nfacct
 from kpng.backends._node import (
     FAMILIES,
     Fam,
@@ -64,13 +66,39 @@ FULL_SYNC_PERIOD_S = 3600.0
 
 Changes = dict[Fam, dict[ServiceKey, Contribution | None]]
 
+NFACCT_METRICS = {
+    INVALID_DROPPED: (
+        "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+        "packets dropped by iptables to work around conntrack problems",
+    ),
+    LOCALHOST_ACCEPTED: (
+        "kubeproxy_iptables_localhost_nodeports_accepted_packets_total",
+        "Number of packets accepted on nodeports of loopback interface",
+    ),
+}
+"""kube-proxy's series of each nfacct object, with its help text."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One value for ``/metrics``: the fields of ``kpng.status.Sample`` (backends do not import
+    kpng's status)."""
+
+    name: str
+    help: str
+    value: float
+    counter: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+
 
 class IptablesBackend:
     """Programs the node-local state with iptables-restore, one family at a time.
 
     ``iptables`` is None for a dry run, which prints each family's restore input instead.
     ``kube_proxy``, if given, is looked at once after the first sync, to warn of kube-proxy's
-    leftovers.
+    leftovers. ``nfacct``, if given, holds the counters of the INVALID drops and the localhost
+    node ports (made at each full sync, read by ``metric_samples``), in the namespace
+    ``iptables`` writes to.
     """
 
     def __init__(
@@ -91,8 +119,11 @@ class IptablesBackend:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         kube_proxy: KubeProxyLeftovers | None = None,
+        nfacct: Nfacct | None = None,
     ) -> None:
         self._iptables = iptables
+        self._nfacct = nfacct if iptables is not None else None
+        self._nfacct_refused = False
         self._kube_proxy = kube_proxy
         self._options = options
         self._from_node = from_node or FromNode()
@@ -166,6 +197,8 @@ class IptablesBackend:
 
     async def _apply(self, state: NodeState) -> bool:
         self._last_sync = self._clock()
+        if self._needs_full:
+            await self._ensure_counters()
         options = node_options(self._options, self._from_node, state)
         if options != self.tables[self._families[0]].options or state.node_ips != self._node_ips:
             # The node's addresses and pod CIDRs are in every service's rules.
@@ -211,6 +244,47 @@ class IptablesBackend:
             await self._health.update(state.services)
         await self._clean_conntrack(None if full else touched)
         return self._once
+
+    async def _ensure_counters(self) -> None:
+        """As kube-proxy at each full sync: make the nfacct objects its rules count into; the
+        rules name those the kernel made (none without nfnetlink_acct, said once)."""
+        if self._nfacct is None:
+            return
+        made = set()
+        for name in COUNTERS:
+            try:
+                await asyncio.to_thread(self._nfacct.ensure, name)
+            except OSError as exc:
+                if not self._nfacct_refused:
+                    log.warning(
+                        "%s: rules without the nfacct match, and no %s on /metrics",
+                        exc,
+                        NFACCT_METRICS[name][0],
+                    )
+                continue
+            made.add(name)
+        self._nfacct_refused = len(made) < len(COUNTERS)
+        if frozenset(made) != self._options.nfacct:
+            self._options = dataclasses.replace(self._options, nfacct=frozenset(made))
+
+    def metric_samples(self) -> list[Sample]:
+        """kube-proxy's iptables mode's nfacct series, read from the kernel now (a netlink
+        request per object: microseconds, on the scrape's thread), for the objects the last
+        full sync made; none if a read fails, as kube-proxy skips it
+        (``kpng.status.ReportsSamples``)."""
+        if self._nfacct is None:
+            return []
+        samples = []
+        for name in sorted(self._options.nfacct):
+            try:
+                packets = self._nfacct.packets(name)
+            except OSError as exc:
+                log.debug("nfacct %s: %s", name, exc)
+                continue
+            if packets is not None:
+                metric, text = NFACCT_METRICS[name]
+                samples.append(Sample(metric, text, packets, counter=True))
+        return samples
 
     async def _ensure_route_localnet(self, options: Options) -> None:
         """As kube-proxy at start: node ports on 127.0.0.1 need route_localnet. Not fatal: an
@@ -308,6 +382,8 @@ class IptablesBackend:
             log.warning("rewriting every rule: %s", reason)
             if drift is not None:
                 self._syncs.diverged(kind=drift.kind, detail=drift.detail)
+            # A program that flushed kpng's rules may have deleted the objects they name too.
+            await self._ensure_counters()
             await self._sync_families({f: {} for f in self._families}, full=True)
             self._syncs.synced(revision=self._revision)
         return drift
@@ -478,6 +554,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         once=args.once,
         syncs=syncs,
         kube_proxy=None if args.dry_run else KubeProxyLeftovers(),
+        nfacct=None if args.dry_run else Nfacct(),
     )
 
 
