@@ -203,7 +203,9 @@ async def _failed_over(a: _Brain, b: _Brain) -> int:
     await a.stop()
     await eventually(lambda: b.change_sets > before, "a change set from B", within=WAIT_S)
     await b.relay.quiet(0.5)  # the agent's next request, the last bytes of the exchange
-    return b.relay.connections[-1].total
+    connection = b.relay.connections[-1]
+    print(f"fail-over to B: {connection.up} bytes up, {connection.down} down")
+    return connection.total
 
 
 def test_an_unchanged_node_fails_over_to_another_replica_for_a_few_hundred_bytes(

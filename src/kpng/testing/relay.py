@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Connection", "Relay"]
 
@@ -48,7 +49,8 @@ class Relay:
         self.connections: list[Connection] = []
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        """The copies and the connections' handlers, for ``close`` to wait for."""
 
     async def start(self, listen: str) -> None:
         """Listen on ``listen`` (port 0: any free one; ``url`` says which)."""
@@ -79,6 +81,9 @@ class Relay:
             return
         connection = Connection()
         self.connections.append(connection)
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._tasks.add(handler)
         self._writers |= {writer, up_writer}
         copies = [
             asyncio.create_task(self._copy(reader, up_writer, connection, up=True)),
@@ -97,6 +102,8 @@ class Relay:
                 self._writers.discard(w)
                 w.close()
             connection.closed = True
+            if handler is not None:
+                self._tasks.discard(handler)
 
     @staticmethod
     async def _copy(
@@ -135,6 +142,6 @@ class Relay:
         if self._server is not None:
             self._server.close()
         self.cut()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
