@@ -30,11 +30,11 @@ __all__ = [
     "BUCKETS",
     "DIGEST_BYTES",
     "Holdings",
+    "bucket_digest",
     "bucket_of",
     "item_digest",
     "node_digest",
     "service_digest",
-    "tree_digests",
 ]
 
 DIGEST_BYTES = 16
@@ -85,16 +85,6 @@ def node_digest(facts: bytes | None, buckets: Iterable[bytes]) -> bytes:
     for digest in buckets:
         h.update(digest)
     return h.digest()
-
-
-def tree_digests(
-    services: Iterable[tuple[str, bytes]],
-) -> tuple[list[dict[str, bytes]], list[bytes]]:
-    """The services (path, digest) by bucket, and the digests of the 256 buckets."""
-    buckets: list[dict[str, bytes]] = [{} for _ in range(BUCKETS)]
-    for path, digest in services:
-        buckets[bucket_of(path)][path] = digest
-    return buckets, [bucket_digest(bucket) for bucket in buckets]
 
 
 class Holdings:

@@ -12,11 +12,11 @@ from kpng.api.digests import (
     ANSWERED_SERVICES_MAX,
     BUCKETS,
     DIGEST_BYTES,
+    bucket_digest,
     bucket_of,
     item_digest,
     node_digest,
     service_digest,
-    tree_digests,
 )
 from kpng.api.ops import EncodeEndpoint, EncodeService
 from kpng.model.cluster import ServiceKey
@@ -28,6 +28,10 @@ DIFFERING_BUCKETS_MAX = 32
 state) the whole state costs about as much, and the watcher's answer would grow with it."""
 SERVICE_PATH_MAX = 63 + 1 + 253
 """A namespace (a DNS label), ``/``, a Service's name (a DNS subdomain)."""
+
+
+Digested = tuple[str, int, bytes]
+"""A service's path, bucket and digest."""
 
 
 class BadAnswer(ValueError):
@@ -52,7 +56,7 @@ class ServiceDigests:
         self._encode_service = encode_service
         self._encode_endpoint = encode_endpoint
         self._size = size
-        self._cache: OrderedDict[int, tuple[ServiceEndpoints, bytes, ServiceKey]] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[ServiceEndpoints, Digested, ServiceKey]] = OrderedDict()
         self._by_key: dict[ServiceKey, set[int]] = {}
 
     def __len__(self) -> int:
@@ -62,7 +66,9 @@ class ServiceDigests:
         for ident in self._by_key.pop(key, ()):
             self._cache.pop(ident, None)
 
-    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> bytes:
+    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> Digested:
+        """The service's path, bucket and digest: all a node's digests need of it, so that
+        5,000 nodes' digests of a shared value cost a lookup each."""
         entry = self._cache.get(id(value))
         if entry is not None and entry[0] is value:
             return entry[1]
@@ -73,8 +79,8 @@ class ServiceDigests:
         items += (
             item_digest(f"{path}/{k}", self._encode_endpoint(keyed[k])) for k in sorted(keyed)
         )
-        digest = service_digest(items)
-        self._cache[id(value)] = (value, digest, key)
+        digested = (path, bucket_of(path), service_digest(items))
+        self._cache[id(value)] = (value, digested, key)
         self._by_key.setdefault(key, set()).add(id(value))
         if len(self._cache) > self._size:
             ident, (*_, oldest) = self._cache.popitem(last=False)
@@ -83,7 +89,7 @@ class ServiceDigests:
                 idents.discard(ident)
                 if not idents:
                     del self._by_key[oldest]
-        return digest
+        return digested
 
 
 @dataclass(frozen=True)
@@ -100,13 +106,15 @@ class StateDigests:
         cls,
         state: Mapping[ServiceKey, ServiceEndpoints],
         *,
-        digest: Callable[[ServiceKey, ServiceEndpoints], bytes],
+        digest: Callable[[ServiceKey, ServiceEndpoints], Digested],
         facts: bytes,
     ) -> StateDigests:
         """The digests of ``state`` whose facts item has digest ``facts``."""
-        services, buckets = tree_digests(
-            (service_path(key), digest(key, value)) for key, value in state.items()
-        )
+        services: list[dict[str, bytes]] = [{} for _ in range(BUCKETS)]
+        for key, value in state.items():
+            path, bucket, service = digest(key, value)
+            services[bucket][path] = service
+        buckets = [bucket_digest(members) for members in services]
         return cls(node_digest(facts, buckets), buckets, services)
 
 
