@@ -14,10 +14,11 @@ import grpc
 import msgspec
 import pytest
 
-from kpng.api import batchv1_pb2, localv1_pb2
+from kpng.api import batchv1_pb2, codec, localv1_pb2
 from kpng.api.digests import ANSWERED_SERVICES_MAX, DIGEST_BYTES, Holdings, bucket_of
+from kpng.api.ops import local_ops
 from kpng.client import Api, Backoff, watch
-from kpng.model.messages import Service
+from kpng.model.messages import Endpoint, IPSet, PortMapping, Service, ServiceEndpoints
 from kpng.remote.watching import LocalOps, answer_ask
 from kpng.server.serving import ListenAddress, Serving, serve
 from kpng.sources.file import stage
@@ -509,3 +510,87 @@ def test_a_malformed_or_oversized_answer_is_refused_saying_what_is_wrong(
     assert len(asks) == len(answers)
     if len(asks) == 2:  # asked for the services of the one bucket that differs
         assert list(asks[1].ServicesIn) == [_S3]
+
+
+def _apply(ops: LocalOps, encoded: list[bytes]) -> None:
+    for data in encoded:
+        op = localv1_pb2.OpItem.FromString(data)
+        kind = op.WhichOneof("Op")
+        if kind == "Set":
+            ops.op(kind, op.Set.Ref.Set, op.Set.Ref.Path, op.Set.Bytes)
+        elif kind == "Delete":
+            ops.op(kind, op.Delete.Set, op.Delete.Path, b"")
+        else:
+            ops.op(kind or "", 0, "", b"")
+
+
+def test_a_resumed_change_set_reaches_the_sink_as_the_items_that_differ() -> None:
+    """LocalOps alone: a resumed change set sends each differing service whole and deletes by
+    service path; the sink gets only what differs, in the Sink's order, and no sync if
+    nothing did."""
+    encode = msgspec.json.Encoder().encode
+
+    def value(name: str, *ips: str, port: int = 80) -> ServiceEndpoints:
+        return ServiceEndpoints(
+            service=Service(Namespace="ns", Name=name, Ports=(PortMapping(Port=port),)),
+            endpoints=tuple(Endpoint(IPs=IPSet(V4=(ip,)), Ready=True) for ip in ips),
+        )
+
+    def ops_of(updated: dict[Any, ServiceEndpoints], deleted: list[Any]) -> list[bytes]:
+        return local_ops(
+            updated=updated,
+            deleted=deleted,
+            previous={},
+            encode_service=encode,
+            encode_endpoint=encode,
+        )
+
+    held = {
+        ("ns", "a"): value("a", "10.0.0.1", "10.0.0.2"),
+        ("ns", "b"): value("b", "10.0.1.1"),
+        ("ns", "c"): value("c", "10.0.2.1"),
+    }
+    sink = _Recorder()
+    holdings = Holdings()
+    ops = LocalOps(sink, json=True, url="test", warned=set(), holdings=holdings)
+    _apply(ops, [codec.OP_RESET, *ops_of(held, [])])
+    asyncio.run(ops.sync())
+    sink.calls.clear()
+    # a: one endpoint fewer and one new; b: its port; c: gone
+    ops.resumed()
+    _apply(
+        ops,
+        ops_of(
+            {
+                ("ns", "a"): value("a", "10.0.0.1", "10.0.0.3"),
+                ("ns", "b"): value("b", "10.0.1.1", port=81),
+            },
+            [("ns", "c")],
+        ),
+    )
+    assert not asyncio.run(ops.sync())
+    assert sink.calls == [
+        ("set_service", "ns", "b"),
+        ("set_endpoint", "ns", "a", "10.0.0.3"),
+        ("delete_endpoint", "ns", "a", "10.0.0.2"),
+        ("delete_endpoint", "ns", "c", "10.0.2.1"),
+        ("delete_service", "ns", "c"),
+        ("sync",),
+    ]
+    assert holdings.complete
+    after = {
+        ("ns", "a"): value("a", "10.0.0.1", "10.0.0.3"),
+        ("ns", "b"): value("b", "10.0.1.1", port=81),
+    }
+    fresh = Holdings()
+    _apply(
+        LocalOps(_Recorder(), json=True, url="test", warned=set(), holdings=fresh),
+        ops_of(after, []),
+    )
+    assert holdings.digest() == fresh.digest()
+    # The same again: nothing differs, nothing reaches the sink, not even a sync.
+    sink.calls.clear()
+    ops.resumed()
+    _apply(ops, ops_of(after, []))
+    assert not asyncio.run(ops.sync())
+    assert sink.calls == []

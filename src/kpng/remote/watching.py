@@ -121,8 +121,8 @@ async def _follow_once(
                 name = rpc.response.DESCRIPTOR.full_name
                 raise WireError(f"the server sent a message that is no {name}")
             if rpc.batched and (message.HasField("Ask") or message.Resumed):
-                if resumable is None:
-                    raise WireError("the server resumed a watch that offered no digests")
+                if resumable is None:  # no digests offered, or past the first change set
+                    raise WireError("the server resumed a watch it was not asked to")
                 if message.HasField("Ask"):
                     await call.write(answer_ask(resumable, message.Ask))
                     continue
@@ -136,6 +136,7 @@ async def _follow_once(
                 elif kind == "Delete":
                     on_op(kind, op.Delete.Set, op.Delete.Path, b"")
                 elif kind == "Sync":
+                    resumable = None  # only a stream's first change set resumes
                     if await handle.sync():
                         return True
                     await call.write(rpc.request)  # ask for the next change set
