@@ -199,10 +199,10 @@ async def _bench(services: int, files: int, workdir: Path) -> dict[str, Any]:
         await asyncio.sleep(QUIET_S)
         cpu = b.cpu_s()
         before, syncs = len(rb.connections), sink.syncs
-        back = time.perf_counter()
+        reopened = time.perf_counter()
         rb.accepting = True
         await sink.wait_syncs(syncs + 1)
-        delivered_s = time.perf_counter() - back
+        delivered_s = time.perf_counter() - reopened
         one = await _new_connection(rb, before)
         one_cpu = b.cpu_s() - cpu
         one_calls = sink.take()
