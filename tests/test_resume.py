@@ -88,7 +88,8 @@ def _objects(manifests: bytes) -> dict[Any, Any]:
 class _Brain:
     """A brain serving ``manifests`` on TCP, behind a counting relay, until stopped."""
 
-    def __init__(self, manifests: bytes) -> None:
+    def __init__(self, manifests: bytes, first_request_s: float = 10.0) -> None:
+        self.first_request_s = first_request_s
         self.store = Store()
         self.handle: SourceHandle = self.store.source("test")
         self._objects = _objects(manifests)
@@ -106,6 +107,7 @@ class _Brain:
                 self.store,
                 listen=[ListenAddress.parse("tcp://127.0.0.1:0")],
                 started=ready.set_result,
+                first_request_s=self.first_request_s,
             )
         )
         self.serving = await asyncio.wait_for(asyncio.shield(ready), WAIT_S)
@@ -139,9 +141,11 @@ class _Brain:
 
 
 @contextlib.asynccontextmanager
-async def _brains(extra: int = 200) -> AsyncIterator[tuple[_Brain, _Brain]]:
+async def _brains(
+    extra: int = 200, first_request_s: float = 10.0
+) -> AsyncIterator[tuple[_Brain, _Brain]]:
     manifests = _manifests(extra)
-    a, b = _Brain(manifests), _Brain(manifests)
+    a, b = _Brain(manifests, first_request_s), _Brain(manifests, first_request_s)
     try:
         await a.start()
         await b.start()
@@ -594,3 +598,24 @@ def test_a_resumed_change_set_reaches_the_sink_as_the_items_that_differ() -> Non
     _apply(ops, ops_of(after, []))
     assert not asyncio.run(ops.sync())
     assert sink.calls == []
+
+
+def test_a_watcher_that_does_not_answer_the_ask_is_ended_in_time() -> None:
+    async def scenario() -> tuple[Any, str, Any]:
+        async with _brains(extra=5, first_request_s=0.5) as (a, _):
+            assert a.serving is not None
+            target = a.serving.addresses[0].removeprefix("tcp://")
+            async with grpc.aio.insecure_channel(target) as channel:
+                call = _raw_batched(channel)
+                await call.write(batchv1_pb2.WatchReq(NodeName=NODE, Holds=b"\1" * DIGEST_BYTES))
+                ask = await asyncio.wait_for(call.read(), WAIT_S)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(call.read(), WAIT_S)  # and no answer is sent
+                return ended.value.code(), ended.value.details() or "", ask
+
+    code, details, ask = _run(scenario())
+    assert ask.Ask.Buckets
+    assert (code, details) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "no answer to the digest ask within 0.5 s",
+    )
