@@ -7,6 +7,14 @@ ops per message (one message per op costs far more than the op itself in gRPC).
 Same semantics as the compatible RPCs: each request asks for one change set; the first answer
 on a stream starts with Reset; Set and Delete items carry the same paths and values; a change
 set may span several OpBatch messages and ends with the one whose last op is Sync.
+
+Resuming (kpng's own, docs/design/resume.md): a node watcher that reconnects says in its first
+request what it holds (Holds, a digest of its node state). The server answers with a change set
+marked Resumed, without Reset, that brings that state to the server's: empty but for Sync when
+the digests are equal. When they differ the server first asks (OpBatch.Ask) for the digests
+of the watcher's buckets of services, then for those of the services in the buckets that
+differ; the watcher answers each ask with a WatchReq carrying only the answer. A server that
+cannot resume (or would rather not) sends a whole state with Reset, as to any watcher.
 """
 
 from collections import abc as _abc
@@ -56,21 +64,85 @@ class WatchReq(_message.Message):
 
     NODENAME_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
+    HOLDS_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    SERVICES_FIELD_NUMBER: _builtins.int
     NodeName: _builtins.str
     Encoding: Global___Encoding.ValueType
+    Holds: _builtins.bytes
+    """The first request only: the digest of the node state the watcher holds (16 bytes), empty
+    if it holds none it can vouch for (the whole state follows, as without it).
+    """
+    Buckets: _builtins.bytes
+    """The answer to Ask.Buckets: the 256 bucket digests, 16 bytes each, in bucket order."""
+    @_builtins.property
+    def Services(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServiceDigest]:
+        """The answer to Ask.ServicesIn: every service the watcher holds in those buckets."""
+
     def __init__(
         self,
         *,
         NodeName: _builtins.str = ...,
         Encoding: Global___Encoding.ValueType = ...,
+        Holds: _builtins.bytes = ...,
+        Buckets: _builtins.bytes = ...,
+        Services: _abc.Iterable[Global___ServiceDigest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Encoding", b"Encoding", "NodeName", b"NodeName"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "Encoding", b"Encoding", "Holds", b"Holds", "NodeName", b"NodeName", "Services", b"Services"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchReq: _TypeAlias = WatchReq  # noqa: Y015
+
+@_typing.final
+class ServiceDigest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    Path: _builtins.str
+    Digest: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        Path: _builtins.str = ...,
+        Digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Digest", b"Digest", "Path", b"Path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServiceDigest: _TypeAlias = ServiceDigest  # noqa: Y015
+
+@_typing.final
+class DigestAsk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    SERVICESIN_FIELD_NUMBER: _builtins.int
+    Buckets: _builtins.bool
+    """Send the bucket digests."""
+    @_builtins.property
+    def ServicesIn(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Send the digests of the services held in these buckets (0-255)."""
+
+    def __init__(
+        self,
+        *,
+        Buckets: _builtins.bool = ...,
+        ServicesIn: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "ServicesIn", b"ServicesIn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DigestAsk: _TypeAlias = DigestAsk  # noqa: Y015
 
 @_typing.final
 class GlobalWatchReq(_message.Message):
@@ -96,16 +168,26 @@ class OpBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OPS_FIELD_NUMBER: _builtins.int
+    ASK_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    Resumed: _builtins.bool
+    """The first batch of a resumed change set: no Reset, it changes what the watcher holds."""
     @_builtins.property
     def Ops(self) -> _containers.RepeatedCompositeFieldContainer[_localv1_pb2.OpItem]: ...
+    @_builtins.property
+    def Ask(self) -> Global___DigestAsk:
+        """A question to the watcher while resuming, in a batch with no ops."""
+
     def __init__(
         self,
         *,
         Ops: _abc.Iterable[_localv1_pb2.OpItem] | None = ...,
+        Ask: Global___DigestAsk | None = ...,
+        Resumed: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ops", b"Ops"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask", "Ops", b"Ops", "Resumed", b"Resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

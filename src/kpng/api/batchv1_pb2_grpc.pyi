@@ -7,6 +7,14 @@ ops per message (one message per op costs far more than the op itself in gRPC).
 Same semantics as the compatible RPCs: each request asks for one change set; the first answer
 on a stream starts with Reset; Set and Delete items carry the same paths and values; a change
 set may span several OpBatch messages and ends with the one whose last op is Sync.
+
+Resuming (kpng's own, docs/design/resume.md): a node watcher that reconnects says in its first
+request what it holds (Holds, a digest of its node state). The server answers with a change set
+marked Resumed, without Reset, that brings that state to the server's: empty but for Sync when
+the digests are equal. When they differ the server first asks (OpBatch.Ask) for the digests
+of the watcher's buckets of services, then for those of the services in the buckets that
+differ; the watcher answers each ask with a WatchReq carrying only the answer. A server that
+cannot resume (or would rather not) sends a whole state with Reset, as to any watcher.
 """
 
 from collections import abc as _abc

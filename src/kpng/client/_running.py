@@ -38,7 +38,8 @@ async def watch(
     """Feed ``sink`` the state of ``node_name`` from a kpng server, until cancelled, until the
     sink's ``sync`` returns True, or after the first ``sync`` with ``once``.
 
-    Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile.
+    Reconnects with backoff; after a reconnection the sink sees only what changed meanwhile,
+    and no call at all (not even ``sync``) when nothing did (docs/design/resume.md).
     Raises KpngError if no first state comes within ``connect_timeout`` seconds (None: wait).
     """
     from kpng.remote.watching import watch_local

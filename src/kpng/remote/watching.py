@@ -13,6 +13,13 @@ import grpc
 import msgspec
 
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.api.digests import (
+    ANSWER_BYTES_MAX,
+    ANSWERED_SERVICES_MAX,
+    BUCKETS,
+    Holdings,
+    item_digest,
+)
 from kpng.backoff import Backoff
 from kpng.errors import KpngError, WireError
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
@@ -25,11 +32,45 @@ log = logging.getLogger(__name__)
 class OpHandler(Protocol):
     """Consumes a watch stream's ops. ``op`` takes Set, Delete and Reset (kind, set, path,
     payload) and is synchronous, as ops come by the hundred thousand; ``sync`` closes a change
-    set and returns True to stop watching."""
+    set and returns True to stop watching. A handler of a node watch that resumes also has
+    ``resumed()``, called before the ops of a resumed change set (LocalOps)."""
 
     def op(self, kind: str, set_: int, path: str, payload: bytes) -> None: ...
 
     async def sync(self) -> bool: ...
+
+
+def _resumed(handle: object) -> None:
+    resumed = getattr(handle, "resumed", None)
+    if resumed is None:
+        raise WireError("the server resumed a watch whose handler cannot resume")
+    resumed()
+
+
+def answer_ask(holdings: Holdings, ask: batchv1_pb2.DigestAsk) -> batchv1_pb2.WatchReq:
+    """The answer to a server's ask for digests, from what is held. The server's ask is
+    checked, and the answer bounded: a watcher holding too much to answer gives its holdings
+    up and starts over with a whole state (WireError ends the stream)."""
+    reply = batchv1_pb2.WatchReq()
+    if ask.Buckets:
+        reply.Buckets = b"".join(holdings.bucket_digests())
+    if ask.ServicesIn:
+        buckets = set(ask.ServicesIn)
+        if len(ask.ServicesIn) > BUCKETS or max(buckets) >= BUCKETS:
+            raise WireError(
+                f"the server asked for the services of buckets {sorted(buckets)[:8]}..."
+            )
+        services = holdings.service_digests(sorted(buckets))
+        if len(services) > ANSWERED_SERVICES_MAX:
+            holdings.complete = False
+            raise WireError(f"{len(services)} services to vouch for: too many, starting over")
+        reply.Services.extend(
+            batchv1_pb2.ServiceDigest(Path=path, Digest=digest) for path, digest in services
+        )
+    if reply.ByteSize() > ANSWER_BYTES_MAX:
+        holdings.complete = False
+        raise WireError(f"an answer of {reply.ByteSize()} bytes: too big, starting over")
+    return reply
 
 
 @dataclass(frozen=True)
@@ -46,16 +87,26 @@ async def _follow_once(
     handle: OpHandler,
     warned: set[str] | None = None,
     metadata: tuple[tuple[str, str], ...] = (),
+    holdings: Holdings | None = None,
 ) -> bool:
     """One stream, until it breaks (False) or the handler asks to stop (True). The server's
-    warnings (a node it does not know) are logged, each once in ``warned``."""
+    warnings (a node it does not know) are logged, each once in ``warned``. With complete
+    ``holdings`` (a batched node watch), the first request says what is held, and the
+    server's asks are answered from them (docs/design/resume.md)."""
     call = channel.stream_stream(
         rpc.path,
         request_serializer=type(rpc.request).SerializeToString,
         response_deserializer=rpc.response.FromString,
     )(metadata=metadata or None)  # type: ignore[call-arg]  # aio: written to, not iterated
+    resumable = holdings if holdings is not None and holdings.complete else None
     try:
-        await call.write(rpc.request)
+        if resumable is not None:
+            first = batchv1_pb2.WatchReq()
+            first.CopyFrom(rpc.request)
+            first.Holds = resumable.digest()
+            await call.write(first)
+        else:
+            await call.write(rpc.request)
         on_op = handle.op
         if warned is not None:
             for key, value in await call.initial_metadata() or ():
@@ -69,6 +120,13 @@ async def _follow_once(
                 # connection starts again with the whole state.
                 name = rpc.response.DESCRIPTOR.full_name
                 raise WireError(f"the server sent a message that is no {name}")
+            if rpc.batched and (message.HasField("Ask") or message.Resumed):
+                if resumable is None:  # no digests offered, or past the first change set
+                    raise WireError("the server resumed a watch it was not asked to")
+                if message.HasField("Ask"):
+                    await call.write(answer_ask(resumable, message.Ask))
+                    continue
+                _resumed(handle)
             for op in message.Ops if rpc.batched else (message,):
                 kind = op.WhichOneof("Op")
                 if kind == "Set":
@@ -78,6 +136,7 @@ async def _follow_once(
                 elif kind == "Delete":
                     on_op(kind, op.Delete.Set, op.Delete.Path, b"")
                 elif kind == "Sync":
+                    resumable = None  # only a stream's first change set resumes
                     if await handle.sync():
                         return True
                     await call.write(rpc.request)  # ask for the next change set
@@ -96,8 +155,11 @@ async def follow(
     handle: Callable[[bool], OpHandler],
     backoff: Backoff | None = None,
     first_state_within: float | None = None,
+    holdings: Holdings | None = None,
 ) -> None:
     """Follow a watch RPC until the handler asks to stop, reconnecting with backoff.
+    ``holdings``, fed by the batched handler, let a reconnection resume instead of receiving
+    the whole state again.
 
     The batched RPC is tried first; a server without it (Go KPNG) is spoken to with the
     compatible one. ``handle(json)`` gives the op handler for payloads in JSON or protobuf. A
@@ -109,7 +171,7 @@ async def follow(
     try:
         async with deadline:
             await _reconnecting(
-                api, batched, compatible, handle, backoff or Backoff(), outage, deadline
+                api, batched, compatible, handle, backoff or Backoff(), outage, deadline, holdings
             )
     except TimeoutError:
         if not deadline.expired():
@@ -128,6 +190,7 @@ async def _reconnecting(
     backoff: Backoff,
     outage: _Outage,
     deadline: asyncio.Timeout,
+    holdings: Holdings | None,
 ) -> None:
     batched = rpc
     warned: set[str] = set()
@@ -139,7 +202,8 @@ async def _reconnecting(
             metadata = server.metadata()
             async with server.channel() as channel:
                 handler = _Resetting(backoff, outage, handle(rpc is batched), deadline)
-                if await _follow_once(channel, rpc, handler, warned, metadata):
+                resume = holdings if rpc is batched else None
+                if await _follow_once(channel, rpc, handler, warned, metadata, resume):
                     return
             outage.failed(f"{server.url}: the stream ended")
         except grpc.aio.AioRpcError as exc:
@@ -147,6 +211,10 @@ async def _reconnecting(
                 log.info("%s has no batched watch; using %s", server.url, compatible.path)
                 rpc = compatible
                 continue
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and holdings is not None:
+                # A brain that refuses to resume from these digests (a bug on either side, or
+                # too much to vouch for): the next attempt asks for the whole state.
+                holdings.complete = False
             outage.failed(f"{server.url}: {exc.code().name}: {exc.details()}")
         except OSError as exc:
             outage.failed(f"token file {server.token_file}: {exc.strerror or exc}")
@@ -204,6 +272,9 @@ class _Resetting:
         self._outage = outage
         self._deadline = deadline
 
+    def resumed(self) -> None:
+        _resumed(self._handle)
+
     async def sync(self) -> bool:
         self._backoff.reset()
         self._outage.synced()
@@ -248,9 +319,26 @@ def report_skipped(url: str, kind: str, set_: int, path: str, exc: WireError) ->
 
 class LocalOps:
     """Dispatches node-local ops to an incremental Sink: node facts to a NodeSink, trigger
-    times to a TriggerSink, each only if the sink is one."""
+    times to a TriggerSink, each only if the sink is one.
 
-    def __init__(self, sink: Sink, *, json: bool, url: str, warned: set[str]) -> None:
+    With ``holdings`` (a batched watch), it keeps the digests of what the sink was handed, from
+    the payload bytes as they came, so that a reconnection can resume; and it applies a resumed
+    change set (docs/design/resume.md). Such a change set sends whole each service that differs
+    (the server knows only that its digest does), and deletes by service path alone the
+    services the node should not hold: here only the items that really differ reach the sink,
+    in the Sink's order, the endpoints held but not sent again deleted; and when nothing
+    differed, the sink is not even synced.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        json: bool,
+        url: str,
+        warned: set[str],
+        holdings: Holdings | None = None,
+    ) -> None:
         self._sink = sink
         self._service = json_decoding(_json_service) if json else codec.SERVICE.decode
         self._endpoint = json_decoding(_json_endpoint) if json else codec.ENDPOINT.decode
@@ -262,6 +350,22 @@ class LocalOps:
         self._warned = warned
         self._first = True
         self._facts_seen = False
+        self._holdings = holdings
+        self._resuming = False
+        self._applied = False
+        """Whether the resumed change set handed the sink anything."""
+        self._resent: set[str] = set()
+        """Paths of the items a resumed change set sent."""
+        self._gone: list[str] = []
+        """Services a resumed change set deleted."""
+
+    def resumed(self) -> None:
+        """The change set coming resumes what is held."""
+        if self._holdings is None:
+            raise WireError("the server resumed a watch that offered no digests")
+        self._resuming = True
+        self._facts_seen = True  # the digests said the facts are held
+        self._applied = False
 
     def op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
         """One op to the sink; one kpng cannot read (a hostile or broken server's) is reported
@@ -273,32 +377,103 @@ class LocalOps:
 
     def _op(self, kind: str, set_: int, path: str, payload: bytes) -> None:
         sink = self._sink
+        held = self._holdings
+        if held is not None:
+            held.complete = False  # until this change set's Sync
         if kind == "Set":
             if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = endpoint_path(path)
-                sink.set_endpoint(namespace, name, key, self._endpoint(payload))
+                if held is None:
+                    sink.set_endpoint(namespace, name, key, self._endpoint(payload))
+                    return
+                self._set(held, f"{namespace}/{name}", path, payload)
             elif set_ == localv1_pb2.ServicesSet:
-                service = self._service(payload)
-                # The path is the service's key: a payload naming another service (or none)
-                # would leave the key the server deletes it by with no service.
-                if path != f"{service.Namespace}/{service.Name}" or not service.Name:
-                    raise WireError(f"the payload is service {service.Namespace}/{service.Name}")
-                sink.set_service(service)
+                if held is None:
+                    sink.set_service(self._checked_service(path, payload))
+                    return
+                self._set(held, path, path, payload)
             elif set_ == localv1_pb2.NodeFactsSet:
                 self._facts_seen = True
+                digest = item_digest(path, payload) if held is not None else b""
+                if held is not None and self._resuming and held.facts == digest:
+                    return
                 if self._node_sink is not None:
                     self._node_sink.set_node(self._facts(payload))
+                    self._applied = True
+                if held is not None:
+                    held.facts = digest
             elif set_ == localv1_pb2.ChangeTriggersSet and self._trigger_sink is not None:
                 self._trigger_sink.triggered(self._triggers(payload))
         elif kind == "Delete":
             if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = endpoint_path(path)
                 sink.delete_endpoint(namespace, name, key)
+                self._applied = True
+                if held is not None:
+                    held.delete(f"{namespace}/{name}", path)
             elif set_ == localv1_pb2.ServicesSet:
+                if self._resuming:
+                    self._gone.append(path)  # after its endpoints, at the Sync
+                    return
                 namespace, _, name = path.partition("/")
                 sink.delete_service(namespace, name)
+                if held is not None:
+                    held.drop(path)
         elif kind == "Reset":
             sink.reset()
+            if held is not None:
+                held.clear()
+
+    def _checked_service(self, path: str, payload: bytes) -> Service:
+        service = self._service(payload)
+        # The path is the service's key: a payload naming another service (or none) would
+        # leave the key the server deletes it by with no service.
+        if path != f"{service.Namespace}/{service.Name}" or not service.Name:
+            raise WireError(f"the payload is service {service.Namespace}/{service.Name}")
+        return service
+
+    def _set(self, held: Holdings, service: str, path: str, payload: bytes) -> None:
+        """A Set of a service (``path`` is ``service``) or of one of its endpoints."""
+        digest = item_digest(path, payload)
+        if self._resuming:
+            self._resent.add(path)
+            if held.items(service).get(path) == digest:
+                return  # held already: the sink is not told again
+        if path == service:
+            self._sink.set_service(self._checked_service(path, payload))
+        else:
+            namespace, name, key = endpoint_path(path)
+            self._sink.set_endpoint(namespace, name, key, self._endpoint(payload))
+        self._applied = True
+        held.set(service, path, digest)
+
+    def _end_resume(self, held: Holdings) -> None:
+        """Delete what a resumed change set did not send again of the services it sent, and
+        the services it deleted with their endpoints: endpoints first, each run in order."""
+        resent = self._resent
+        replaced = {path for path in resent if path.count("/") == 1}
+        gone = sorted(set(self._gone))
+        endpoints: list[tuple[str, str]] = []
+        for service in replaced | set(gone):
+            endpoints += (
+                (service, path)
+                for path in held.items(service)
+                if path != service and (service in gone or path not in resent)
+            )
+        for service, path in sorted(endpoints, key=lambda e: endpoint_path(e[1])):
+            namespace, name, key = endpoint_path(path)
+            self._sink.delete_endpoint(namespace, name, key)
+            held.delete(service, path)
+            self._applied = True
+        for service in gone:
+            if service in held.services():
+                namespace, _, name = service.partition("/")
+                self._sink.delete_service(namespace, name)
+                held.drop(service)
+                self._applied = True
+        self._resent = set()
+        self._gone = []
+        self._resuming = False
 
     async def sync(self) -> bool:
         if self._first:
@@ -313,9 +488,17 @@ class LocalOps:
                     "nothing as local",
                     self._url,
                 )
+        held = self._holdings
+        if held is not None and self._resuming:
+            self._end_resume(held)
+            if not self._applied:  # nothing differed: nothing to apply
+                held.complete = True
+                return False
         done = self._sink.sync()
         if inspect.isawaitable(done):
             done = await done
+        if held is not None:
+            held.complete = True
         return bool(done)
 
 
@@ -329,6 +512,8 @@ async def watch_local(
 ) -> None:
     target = Api(api) if isinstance(api, str) else api
     warned: set[str] = set()
+    # Kept across reconnections, to any replica: what lets them resume.
+    holdings = Holdings()
     await follow(
         target.check(),
         batched=_Rpc(
@@ -343,9 +528,12 @@ async def watch_local(
             localv1_pb2.OpItem,
             batched=False,
         ),
-        handle=lambda json: LocalOps(sink, json=json, url=target.url, warned=warned),
+        handle=lambda json: LocalOps(
+            sink, json=json, url=target.url, warned=warned, holdings=holdings if json else None
+        ),
         backoff=backoff,
         first_state_within=first_state_within,
+        holdings=holdings,
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import AsyncGeneratorType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 import msgspec
@@ -27,9 +27,11 @@ from google.protobuf.message import DecodeError
 
 from kpng.addresses import check_grpc_url
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
+from kpng.api.digests import item_digest
 from kpng.api.localv1_pb2 import ChangeTriggersSet, NodeFactsSet
 from kpng.api.ops import FirstOps
 from kpng.errors import UsageError
+from kpng.logs import printable
 from kpng.model.cluster import NODE_NAME_MAX, unknown_node
 from kpng.model.messages import ChangeTriggers, Endpoint, NodeFacts, Service
 from kpng.model.paths import NODE_FACTS_PATH, TRIGGERS_PATH
@@ -38,13 +40,25 @@ from kpng.server.auth import Refused, WatchAuth
 from kpng.server.changesets import (
     ChangeSet,
     GlobalTracker,
+    Shared,
     SharedOps,
     batches,
 )
 from kpng.server.hub import Hub, PayloadCache, Turn, Turns
+from kpng.server.resuming import (
+    DIFFERING_BUCKETS_MAX,
+    BadAnswer,
+    ServiceDigests,
+    StateDigests,
+    answered_services,
+    check_holds,
+    differences,
+    differing_buckets,
+)
 from kpng.store import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Batches are cut at about this size: well under gRPC's default 4 MiB receive limit, and small
@@ -121,6 +135,8 @@ class Encoders:
     """The framed op: a revision's triggers are one object for every watcher that answers it."""
     first_ops: FirstOps
     shared_ops: SharedOps
+    digests: ServiceDigests
+    """Service digests for resuming watchers (batchv1's Holds), over this encoding's bytes."""
 
     @classmethod
     def protobuf(cls) -> Encoders:
@@ -135,6 +151,7 @@ class Encoders:
             _triggers_op(codec.CHANGE_TRIGGERS.encode),
             first_ops,
             SharedOps(service, endpoint, first_ops),
+            ServiceDigests(service, endpoint),
         )
 
     @classmethod
@@ -149,6 +166,7 @@ class Encoders:
             _triggers_op(encode),
             first_ops,
             SharedOps(encode, encode, first_ops),
+            ServiceDigests(encode, encode),
         )
 
 
@@ -224,6 +242,21 @@ class _Stream:
 
 
 @dataclass
+class _Resume:
+    """What the rounds of a resume decided."""
+
+    shared: Shared | None = None
+    """The ops that bring the watcher's state to the brain's; None: send it whole."""
+    ended: bool = False
+    """The watcher ended its stream instead of answering."""
+
+
+_RESUMED = batchv1_pb2.OpBatch(Resumed=True).SerializeToString()
+"""Appended to the first OpBatch of a resumed change set (encoded messages concatenate)."""
+_ASK_BUCKETS = batchv1_pb2.OpBatch(Ask=batchv1_pb2.DigestAsk(Buckets=True)).SerializeToString()
+
+
+@dataclass
 class WatchStats:
     """What the watch API is serving, for ``/metrics``: watches open now and change sets sent,
     of node-local state (localv1 and batchv1 Watch) and of the global state."""
@@ -261,6 +294,7 @@ class WatchServer:
         }
         for encoders in self._encoders.values():
             self.hub.cluster.on_change.append(encoders.first_ops.forget)
+            self.hub.cluster.on_change.append(encoders.digests.forget)
 
     # --- node-local watches
 
@@ -270,10 +304,13 @@ class WatchServer:
         encoders: Callable[[Any], Encoders],
         context: Any,
         messages: Callable[[ChangeSet], Iterable[bytes]],
+        *,
+        resumable: bool = False,
     ) -> AsyncIterator[bytes]:
-        """The messages of a node-local watch, in a stream its first state's turn can end."""
+        """The messages of a node-local watch, in a stream its first state's turn can end;
+        ``resumable``: its first request may say what the watcher holds (batchv1's Holds)."""
         stream = _Stream(context)
-        body = self._local_messages(requests, encoders, context, messages, stream)
+        body = self._local_messages(requests, encoders, context, messages, stream, resumable)
         stream.body = cast(AsyncGeneratorType[bytes, None], body)
         try:
             while True:
@@ -292,6 +329,7 @@ class WatchServer:
         context: Any,
         messages: Callable[[ChangeSet], Iterable[bytes]],
         stream: _Stream,
+        resumable: bool,
     ) -> AsyncGenerator[bytes]:
         # Who it is, from the stream's metadata, before anything else: whether it may watch
         # the node it names is checked at each request (the review is cached).
@@ -304,9 +342,12 @@ class WatchServer:
         self.stats.local_watches += 1
         try:
             async for request in requests:
+                holds: bytes = request.Holds if resumable and view is None else b""
                 first = view is None or view.node_name != request.NodeName
                 if first:
                     await self._authorize(context, node=request.NodeName)
+                    if holds:
+                        await self._check(context, check_holds, holds)
                     if view is not None:
                         view.close()
                     # Waits for the store's sync first: turns are for sending, not waiting.
@@ -321,17 +362,42 @@ class WatchServer:
                 changes, facts, now = await self.hub.next_change_set(view, sent=sent)
                 head: list[bytes] = []
                 tail: list[bytes] = []
-                # A first state is not remembered: its key would name every service, and a
-                # whole state is rarely another view's (a node hosting any endpoint has its own
-                # resolutions); FirstOps shares its framing per service instead.
-                shared = enc.shared_ops(
-                    updated=changes.updated,
-                    deleted=changes.deleted,
-                    previous=changes.previous,
-                    remember=not first,
-                )
+                if first and (warning := unknown_node(view.node_name, self.store.nodes)):
+                    # Before any answer: the warning goes in the initial metadata.
+                    await self._warn(context, view.node_name, warning, tell=not answered)
+                answered = True
+                resumed: Shared | None = None
+                if holds:
+                    # The rounds wait for the watcher outside any turn: turns are for sending.
+                    assert turn is not None
+                    turn.end()
+                    turn = None
+                    resume = _Resume()
+                    async for ask in self._resume(
+                        requests, context, view, enc, facts, holds, resume
+                    ):
+                        yield ask
+                    if resume.ended:
+                        return
+                    resumed = resume.shared
+                    if resumed is not None and not resumed.ops:
+                        sent = facts  # the digests say the watcher holds them too
+                    else:  # a whole state, or a part of one
+                        turn = await self.first_states.take(stream.end, context.peer())
+                if resumed is not None:
+                    shared = resumed
+                else:
+                    # A first state is not remembered: its key would name every service, and a
+                    # whole state is rarely another view's (a node hosting any endpoint has its
+                    # own resolutions); FirstOps shares its framing per service instead.
+                    shared = enc.shared_ops(
+                        updated=changes.updated,
+                        deleted=changes.deleted,
+                        previous=changes.previous,
+                        remember=not first,
+                    )
                 del changes
-                if first:
+                if first and resumed is None:
                     head.append(codec.OP_RESET)
                 if facts != sent:
                     head.append(codec.op_set(NodeFactsSet, NODE_FACTS_PATH, enc.facts(facts)))
@@ -341,14 +407,13 @@ class WatchServer:
                     if triggers.V4 or triggers.V6:
                         tail.append(enc.triggers_op(triggers))
                 revision = now
-                if first and (warning := unknown_node(view.node_name, self.store.nodes)):
-                    await self._warn(context, view.node_name, warning, tell=not answered)
                 tail.append(codec.OP_SYNC)
                 self.stats.local_change_sets += 1
-                answered = True
                 # The turn is told of every write: a write that does not complete is a
                 # watcher that does not read.
-                for message in messages(ChangeSet(head, shared, tail)):
+                for index, message in enumerate(messages(ChangeSet(head, shared, tail))):
+                    if index == 0 and resumed is not None:
+                        message += _RESUMED
                     if turn is not None:
                         turn.writing()
                     yield message
@@ -368,6 +433,87 @@ class WatchServer:
             self.stats.local_watches -= 1
             if view is not None:
                 view.close()
+
+    async def _resume(
+        self,
+        requests: AsyncIterator[Any],
+        context: Any,
+        view: NodeView,
+        enc: Encoders,
+        facts: NodeFacts,
+        holds: bytes,
+        resume: _Resume,
+    ) -> AsyncIterator[bytes]:
+        """The rounds of a resuming watch: the asks to send, and in ``resume`` the ops that
+        bring what the watcher holds to ``view``'s state (None: send it whole)."""
+        facts_digest = item_digest(NODE_FACTS_PATH, enc.facts(facts))
+        ours = StateDigests.of(view.state, digest=enc.digests, facts=facts_digest)
+        if ours.node == holds:
+            resume.shared = Shared([])
+            log.debug("%s resumed %s: nothing differs", context.peer(), printable(view.node_name))
+            return
+        yield _ASK_BUCKETS
+        answer = await self._answer(requests, context)
+        if answer is None:
+            resume.ended = True
+            return
+        differing = await self._check(context, differing_buckets, ours.buckets, answer.Buckets)
+        if len(differing) > DIFFERING_BUCKETS_MAX:
+            log.debug(
+                "%s resumes %s with %d buckets differing: a whole state",
+                context.peer(),
+                printable(view.node_name),
+                len(differing),
+            )
+            return
+        yield batchv1_pb2.OpBatch(
+            Ask=batchv1_pb2.DigestAsk(ServicesIn=differing)
+        ).SerializeToString()
+        answer = await self._answer(requests, context)
+        if answer is None:
+            resume.ended = True
+            return
+        theirs = await self._check(context, answered_services, answer.Services, differing)
+        updated, deleted = differences(ours, differing, theirs)
+        state = view.state
+        # From nothing (no previous): the watcher holds what it holds of these services,
+        # and drops the endpoints of theirs it is not sent again (kpng.remote.watching).
+        resume.shared = enc.shared_ops(
+            updated={key: state[key] for key in updated},
+            deleted=deleted,
+            previous={},
+            remember=False,
+        )
+        log.debug(
+            "%s resumed %s: %d services sent, %d deleted",
+            context.peer(),
+            printable(view.node_name),
+            len(updated),
+            len(deleted),
+        )
+
+    async def _answer(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        """The watcher's answer to an ask, None if its stream ended first."""
+        try:
+            async with asyncio.timeout(self.first_request_s):
+                return await anext(requests)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer to the digest ask within {self.first_request_s:g} s",
+            )
+            raise  # abort raises; this only tells the type checker
+
+    async def _check(self, context: Any, check: Callable[..., T], *args: Any) -> T:
+        """``check(*args)``, or the stream ended with INVALID_ARGUMENT saying what is wrong."""
+        try:
+            return check(*args)
+        except BadAnswer as exc:
+            log.warning("refused a resume from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raises; this only tells the type checker
 
     async def _authorize(
         self, context: Any, *, node: str | None, identity_only: bool = False
@@ -426,7 +572,9 @@ class WatchServer:
             return change_set.batches(BATCH_BYTES)
 
         parsed = _parsed(requests, batchv1_pb2.WatchReq, context, self.first_request_s)
-        async for message in self._local_stream(parsed, encoders, context, messages):
+        async for message in self._local_stream(
+            parsed, encoders, context, messages, resumable=True
+        ):
             yield message
 
     # --- global watches

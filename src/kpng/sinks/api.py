@@ -69,8 +69,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="a stream's first request must come within this long, or the stream is ended "
-        "(default: 10)",
+        help="a stream's first request must come within this long, and a resuming watcher's "
+        "answer to each digest ask too, or the stream is ended (default: 10)",
     )
     parser.add_argument(
         "--max-streams-per-connection",

@@ -5,6 +5,7 @@
 - ``kpng.testing.states``: node-local states to feed a backend, and ``recording``: kpng in
   process with a backend that records what it is given;
 - ``echo``, ``probe`` and ``waiting``: what those are built from.
+- ``relay``: a relay that counts each connection's bytes, what a watch costs on the wire.
 
 No cluster and no API server: the project's own real-cluster harness is ``rig``, which
 the wheel does not ship.

@@ -1,0 +1,178 @@
+"""The brain's side of resuming a node watch: its digests of a node state, and the checks of
+what a watcher answers. Pure (docs/design/resume.md; the digests are kpng.api.digests')."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kpng.api.digests import (
+    ANSWERED_SERVICES_MAX,
+    BUCKETS,
+    DIGEST_BYTES,
+    bucket_digest,
+    bucket_of,
+    item_digest,
+    node_digest,
+    service_digest,
+)
+from kpng.api.ops import EncodeEndpoint, EncodeService
+from kpng.model.cluster import ServiceKey
+from kpng.model.messages import ServiceEndpoints
+from kpng.model.paths import endpoint_keys, service_path, split_service_path
+
+DIFFERING_BUCKETS_MAX = 32
+"""Buckets that may differ for a resume to ask for their services: past that (an eighth of the
+state) the whole state costs about as much, and the watcher's answer would grow with it."""
+SERVICE_PATH_MAX = 63 + 1 + 253
+"""A namespace (a DNS label), ``/``, a Service's name (a DNS subdomain)."""
+
+
+Digested = tuple[str, int, bytes]
+"""A service's path, bucket and digest."""
+
+
+class BadAnswer(ValueError):
+    """A watcher's answer to a digest ask that kpng refuses; the message says what is wrong."""
+
+
+class ServiceDigests:
+    """Service digests by resolved value, shared by every stream of one encoding.
+
+    Node views of one class share their ServiceEndpoints objects (as FirstOps relies on), so
+    5,000 watchers of one class cost one hash per service. Keyed by identity, an entry holding
+    its value; ``forget`` drops a service's entries when it changes (the server calls it at
+    each change, as for FirstOps), and the oldest go past ``size``.
+    """
+
+    def __init__(
+        self,
+        encode_service: EncodeService,
+        encode_endpoint: EncodeEndpoint,
+        size: int = 65_536,
+    ) -> None:
+        self._encode_service = encode_service
+        self._encode_endpoint = encode_endpoint
+        self._size = size
+        self._cache: OrderedDict[int, tuple[ServiceEndpoints, Digested, ServiceKey]] = OrderedDict()
+        self._by_key: dict[ServiceKey, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def forget(self, key: ServiceKey) -> None:
+        for ident in self._by_key.pop(key, ()):
+            self._cache.pop(ident, None)
+
+    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> Digested:
+        """The service's path, bucket and digest: all a node's digests need of it, so that
+        5,000 nodes' digests of a shared value cost a lookup each."""
+        entry = self._cache.get(id(value))
+        if entry is not None and entry[0] is value:
+            return entry[1]
+        path = service_path(key)
+        keyed = endpoint_keys(value.endpoints)
+        # Path order: ``ns/name`` sorts before every ``ns/name/key``.
+        items = [item_digest(path, self._encode_service(value.service))]
+        items += (
+            item_digest(f"{path}/{k}", self._encode_endpoint(keyed[k])) for k in sorted(keyed)
+        )
+        digested = (path, bucket_of(path), service_digest(items))
+        self._cache[id(value)] = (value, digested, key)
+        self._by_key.setdefault(key, set()).add(id(value))
+        if len(self._cache) > self._size:
+            ident, (*_, oldest) = self._cache.popitem(last=False)
+            idents = self._by_key.get(oldest)
+            if idents is not None:
+                idents.discard(ident)
+                if not idents:
+                    del self._by_key[oldest]
+        return digested
+
+
+@dataclass(frozen=True)
+class StateDigests:
+    """A node state's digests, as the brain computed them for a resuming watcher."""
+
+    node: bytes
+    buckets: list[bytes]
+    services: list[dict[str, bytes]]
+    """Service digests by path, by bucket."""
+
+    @classmethod
+    def of(
+        cls,
+        state: Mapping[ServiceKey, ServiceEndpoints],
+        *,
+        digest: Callable[[ServiceKey, ServiceEndpoints], Digested],
+        facts: bytes,
+    ) -> StateDigests:
+        """The digests of ``state`` whose facts item has digest ``facts``."""
+        services: list[dict[str, bytes]] = [{} for _ in range(BUCKETS)]
+        for key, value in state.items():
+            path, bucket, service = digest(key, value)
+            services[bucket][path] = service
+        buckets = [bucket_digest(members) for members in services]
+        return cls(node_digest(facts, buckets), buckets, services)
+
+
+def check_holds(holds: bytes) -> None:
+    if len(holds) != DIGEST_BYTES:
+        raise BadAnswer(f"Holds must be a {DIGEST_BYTES}-byte node digest, not {len(holds)} bytes")
+
+
+def differing_buckets(ours: Sequence[bytes], answer: bytes) -> list[int]:
+    """The buckets whose digests in ``answer`` (a watcher's Buckets) differ from ``ours``."""
+    size = BUCKETS * DIGEST_BYTES
+    if len(answer) != size:
+        raise BadAnswer(
+            f"Buckets must be {BUCKETS} digests of {DIGEST_BYTES} bytes ({size} bytes), "
+            f"not {len(answer)} bytes"
+        )
+    return [
+        index
+        for index, digest in enumerate(ours)
+        if answer[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES] != digest
+    ]
+
+
+def answered_services(answer: Sequence[Any], asked: Iterable[int]) -> dict[str, bytes]:
+    """A watcher's Services answer (ServiceDigest messages) to an ask for the services in
+    buckets ``asked``, checked: digests by path."""
+    if len(answer) > ANSWERED_SERVICES_MAX:
+        raise BadAnswer(f"Services holds {len(answer)} digests, more than {ANSWERED_SERVICES_MAX}")
+    wanted = set(asked)
+    found: dict[str, bytes] = {}
+    for entry in answer:
+        path, digest = entry.Path, entry.Digest
+        if not 0 < len(path) <= SERVICE_PATH_MAX or path.count("/") != 1:
+            shown = path[:SERVICE_PATH_MAX]
+            raise BadAnswer(f"Services path {shown!r} is not namespace/name")
+        if len(digest) != DIGEST_BYTES:
+            raise BadAnswer(
+                f"Services digest of {path} must be {DIGEST_BYTES} bytes, not {len(digest)}"
+            )
+        if bucket_of(path) not in wanted:
+            raise BadAnswer(f"Services path {path} is in no bucket asked for")
+        if path in found:
+            raise BadAnswer(f"Services path {path} is given twice")
+        found[path] = digest
+    return found
+
+
+def differences(
+    ours: StateDigests, asked: Iterable[int], theirs: Mapping[str, bytes]
+) -> tuple[list[ServiceKey], list[ServiceKey]]:
+    """The services to send whole (ours, which the watcher holds otherwise or not at all) and
+    to delete (the watcher's, which we lack), in the buckets ``asked``."""
+    updated: list[ServiceKey] = []
+    for index in asked:
+        for path, digest in ours.services[index].items():
+            if theirs.get(path) != digest:
+                updated.append(split_service_path(path))
+    deleted = [
+        split_service_path(path) for path in theirs if path not in ours.services[bucket_of(path)]
+    ]
+    return updated, deleted
