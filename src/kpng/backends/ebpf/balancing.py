@@ -12,6 +12,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._drift import Drift
@@ -72,6 +73,11 @@ PROGRAMS = (  # in the order of observing.HOOKS, kpng_counters' keys
 )
 SAMPLED_PER_MAP = 8
 """Entries of each map read back at every drift check (a syscall each)."""
+ConnectedUdp = Literal["packets", "destroy"]
+"""How a UDP socket that connects to a service is balanced (``--connected-udp``): left to the
+packets part, which DNATs it and moves its conntrack entry when its endpoint goes (kube-proxy's
+way), or translated at connect and destroyed once its endpoint is gone (``destroying``)."""
+CONNECTED_UDP: tuple[ConnectedUdp, ...] = get_args(ConnectedUdp)
 
 
 class SocketBalancer:
@@ -87,9 +93,11 @@ class SocketBalancer:
         cgroup: Path | None,
         pin_dir: Path,
         bpf_object: Path | None,
+        connected_udp: ConnectedUdp = "packets",
     ) -> None:
         self._options, self._from_node = options, from_node
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
+        self._connected_udp = connected_udp
         self._object: BpfObject | None = None
         self._destroyer: UdpDestroyer | None = None
         self._locality: LocalNamespaces | None = None
@@ -196,7 +204,14 @@ class SocketBalancer:
         else:
             # Both the destroy and local traffic detection enter the pods' namespaces.
             entering = namespaces.unavailable(cgroup)
-            self._destroyer = self._load_destroyer(cgroup, entering)
+            if self._connected_udp == "destroy":
+                self._destroyer = self._load_destroyer(cgroup, entering)
+            else:
+                log.info(
+                    "to-ebpf: connected UDP sockets are left to the nftables part and conntrack "
+                    "(--connected-udp packets): a send after their endpoint is gone reaches "
+                    "another endpoint"
+                )
             # Connected UDP translated at connect only where its sockets are destroyed later.
             rodata = struct.pack("=I", self._destroyer is not None)
             try:
@@ -288,9 +303,10 @@ class SocketBalancer:
         self._full({}, self._present(), cgroup, self._resolved)
 
     def _load_destroyer(self, cgroup: Path, entering: str | None) -> UdpDestroyer | None:
-        """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
-        allow it (``entering``: why kpng cannot enter the pods' namespaces, or None); which way
-        connected UDP sockets go is logged once."""
+        """The iterator that destroys connected UDP sockets (``--connected-udp destroy``), if
+        this kernel and kpng's privileges allow it (``entering``: why kpng cannot enter the
+        pods' namespaces, or None); which way connected UDP sockets go is logged once, as a
+        warning where the destroy was asked for and cannot be had."""
         why_not = entering
         destroyer = None
         if why_not is None:
@@ -300,8 +316,9 @@ class SocketBalancer:
             except BpfError as exc:
                 why_not = f"the socket destroy program did not load (Linux 6.5+, kernel BTF): {exc}"
         if destroyer is None:
-            log.info(
-                "to-ebpf: connected UDP sockets are left to the nftables part and conntrack: %s",
+            log.warning(
+                "to-ebpf: --connected-udp destroy cannot be had; connected UDP sockets are left "
+                "to the nftables part and conntrack: %s",
                 why_not,
             )
         else:
@@ -600,6 +617,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the compiled programs (python -m kpng.backends.ebpf.toolchain FILE makes one); "
         "default: the sockets.bpf.o shipped with kpng",
     )
+    parser.add_argument(
+        "--connected-udp",
+        choices=CONNECTED_UDP,
+        default="packets",
+        help="how a UDP socket that connects to a service is balanced. packets (default): left "
+        "untranslated, DNATed by the nftables part, its conntrack entry deleted when its "
+        "endpoint goes, so that its next datagram reaches another endpoint, as with "
+        "kube-proxy. destroy (Linux 6.5+ with the kernel's BTF, CAP_SYS_ADMIN and "
+        "CAP_SYS_PTRACE; else packets, with a warning): translated at connect, leaving no "
+        "conntrack entry, and destroyed once its endpoint is gone; this breaks applications "
+        "that keep one connected socket and do not connect again when a send fails "
+        "(EDESTADDRREQ), such as metrics clients that ignore send errors: they never deliver "
+        "again",
+    )
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -636,6 +667,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         cgroup=args.cgroup,
         pin_dir=args.pin_dir,
         bpf_object=args.bpf_object,
+        connected_udp=args.connected_udp,
     )
     backend = EbpfBackend(
         sockets=sockets,
