@@ -29,6 +29,9 @@ stale ones and only then switches the links to the new programs (BPF_LINK_UPDATE
 connections never find a half-written state, and established ones are never touched. Later
 states change only the entries of the services that changed.
 
+With ``--traffic-counters service``, the programs count the connections they translate per
+frontend and kpng adds them to what the nftables part counts, per Service port (``traffic.py``).
+
 Every ``--sync-period`` kpng checks that the pins still hold its maps, the links still run its
 programs on the cgroup, and the maps hold what it wrote (``auditing.py``); what another program
 changed is logged, reported as a divergence, and repaired as a start would.
