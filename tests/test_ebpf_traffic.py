@@ -4,6 +4,7 @@ and, in the kernel, N connections counted as N, across a restart of kpng."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,10 +13,16 @@ import pytest
 
 from kpng.backends._nftables.counting import CONNECTIONS, DROPPED, REJECTED, SERVICE_PORTS
 from kpng.backends._nftables.counting import Sample as PacketsSample
+from kpng.backends._node import FromNode, Options
+from kpng.backends.ebpf import SocketBalancer
 from kpng.backends.ebpf.toolchain import unavailable
-from kpng.backends.ebpf.traffic import FrontendTraffic, labels, merged_samples
+from kpng.backends.ebpf.traffic import FrontendTraffic, Labels, labels, merged_samples
+from kpng.client import NodeState
+from kpng.model.messages import Endpoint, ServiceEndpoints
+from kpng.testing import states
 from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port, service
 from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
+from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
 
 WEB = labels("ns", "web", "http")
@@ -45,11 +52,11 @@ def test_counts_are_summed_per_service_port_over_its_frontends() -> None:
     ids=["made-again", "frontend-gone", "changed-hands", "not-kpngs"],
 )
 def test_a_total_never_goes_down(
-    second: list[tuple[bytes, int]], owners: dict[bytes, object], expected: dict[object, int]
+    second: list[tuple[bytes, int]], owners: dict[bytes, Labels], expected: dict[Labels, int]
 ) -> None:
     t = FrontendTraffic()
     t.fold([(A, 3), (B, 4)], {A: WEB, B: WEB})
-    t.fold(second, owners)  # type: ignore[arg-type]
+    t.fold(second, owners)
     assert t.totals == expected
 
 
@@ -63,7 +70,7 @@ def test_a_service_port_with_no_frontend_left_is_gone() -> None:
     assert t.totals == {WEB: 2, DNS: 1}
 
 
-def _packets(port: tuple[tuple[str, str], ...], connections: int, rejected: int) -> list[object]:
+def _packets(port: Labels, connections: int, rejected: int) -> list[PacketsSample]:
     return [
         PacketsSample(CONNECTIONS, "", connections, counter=True, labels=port),
         PacketsSample(REJECTED, "", rejected, counter=True, labels=port),
@@ -72,7 +79,7 @@ def _packets(port: tuple[tuple[str, str], ...], connections: int, rejected: int)
 
 def test_the_programs_and_the_nftables_parts_counts_are_summed() -> None:
     packets = [*_packets(WEB, 5, 2), *_packets(DNS, 1, 1)]
-    samples = merged_samples({WEB: 10}, packets, 100)  # type: ignore[arg-type]
+    samples = merged_samples({WEB: 10}, packets, 100)
     values = {(s.name, s.labels): s.value for s in samples}
     assert values[(CONNECTIONS, WEB)] == 15
     assert values[(REJECTED, WEB)] == 2
@@ -83,7 +90,7 @@ def test_the_programs_and_the_nftables_parts_counts_are_summed() -> None:
 
 def test_past_the_limit_the_service_ports_with_the_least_connections_are_left_out() -> None:
     other = labels("ns", "other", "")
-    samples = merged_samples({WEB: 10, DNS: 1}, _packets(other, 5, 0), 2)  # type: ignore[arg-type]
+    samples = merged_samples({WEB: 10, DNS: 1}, _packets(other, 5, 0), 2)
     kept = {s.labels for s in samples if s.name == CONNECTIONS}
     assert kept == {WEB, other}
     assert [s.value for s in samples if s.name == DROPPED] == [1]
@@ -242,3 +249,77 @@ def test_what_entries_counted_before_this_process_is_left_out() -> None:
     assert t.totals == {WEB: 3 + 2, DNS: 1}
     t.fold([(A, 10), (B, 2), (C, 1)], {A: WEB, B: WEB, C: DNS})
     assert t.totals == {WEB: 5 + 2, DNS: 1}
+
+
+@kernel
+def test_the_programs_counts_survive_incremental_syncs_and_a_full_repair() -> None:
+    """kpng's sockets part in this process, read at will: connections through a ClusterIP are
+    counted once each; a state that changes web's endpoints (its frontend and sets rewritten)
+    and a repair (every entry written anew, as after a drift) leave the counts; a service
+    gone takes its entries, and its series, with it."""
+    web_ip, other_ip = "10.96.0.40", "10.96.0.41"
+    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2", "a3"]}), sockets=True) as bed:
+        node = bed.nodes["node-1"]
+        assert node.cgroup is not None
+        assert node.pin_dir is not None
+        pin_dir = node.pin_dir
+        a2, a3 = bed.pod("a2").ip4, bed.pod("a3").ip4
+        web = labels("ns", "web", "http")
+        other = labels("ns", "other", "http")
+
+        def endpoints(*ips: str) -> tuple[Endpoint, ...]:
+            return tuple(states.endpoint(ip) for ip in ips)
+
+        def state(revision: int, *web_ips: str, with_other: bool = True) -> NodeState:
+            services = {
+                ("ns", "web"): ServiceEndpoints(
+                    states.service("web", cluster_ip=web_ip), endpoints(*web_ips)
+                )
+            }
+            if with_other:
+                services[("ns", "other")] = ServiceEndpoints(
+                    states.service("other", cluster_ip=other_ip), endpoints(a3)
+                )
+            gone = [] if with_other else [("ns", "other")]
+            return keyed_state(revision, services, deleted=gone)
+
+        def connect(ip: str, n: int) -> None:
+            answers = bed.probe(bed.pod("a1").netns, "tcp", ip, 80, count=n)
+            assert [a.split()[0] in ("a2", "a3") for a in answers] == [True] * n, answers
+
+        async def scenario() -> list[dict[Labels, int]]:
+            balancer = SocketBalancer(
+                options=Options(), from_node=FromNode(), cgroup=node.cgroup,
+                pin_dir=pin_dir, bpf_object=None, traffic_counters=True,
+            )  # fmt: skip
+            seen = []
+
+            async def read() -> None:
+                await balancer.read_traffic()
+                totals = balancer.traffic_totals()
+                assert totals is not None
+                seen.append(dict(totals))
+
+            try:
+                await balancer.apply(state(1, a2))
+                await asyncio.to_thread(connect, web_ip, 5)
+                await asyncio.to_thread(connect, other_ip, 2)
+                await read()
+                await balancer.apply(state(2, a2, a3))
+                await read()
+                await balancer.repair()
+                await asyncio.to_thread(connect, web_ip, 3)
+                await read()
+                await balancer.apply(state(3, a2, a3, with_other=False))
+                await read()
+            finally:
+                balancer.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    assert seen == [
+        {web: 5, other: 2},
+        {web: 5, other: 2},
+        {web: 8, other: 2},
+        {web: 8},
+    ]

@@ -246,7 +246,12 @@ class SocketBalancer:
             )
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
-            self._traffic_fd = self._object.map_fd("kpng_traffic")
+            try:
+                self._traffic_fd = self._object.map_fd("kpng_traffic")
+            except BpfError:
+                # A --bpf-object compiled from an older source: fine unless it is to count.
+                if self._traffic is not None:
+                    raise
             self._zero_counts = bytes(
                 libbpf.per_cpu_stride(traffic.VALUE_SIZE) * libbpf.possible_cpus()
             )
