@@ -10,6 +10,10 @@ For each size (services x 10 endpoints, plus one service whose endpoint is a pod
 - **connect latency**: p50 and p99 of ``connect()`` from a pod to the ClusterIP;
 - **conntrack entries** whose original destination is the ClusterIP, after those connections.
 
+With ``--traffic-counters``, to-ebpf runs a second time counting per-Service traffic (an entry
+per frontend in ``kpng_traffic``, made with it; one more lookup per translated connect), its
+figures compared with to-ebpf's without.
+
     sudo .venv/bin/python bench/bench_ebpf.py --sizes 100,10000
 """
 
@@ -63,16 +67,18 @@ async def _measure(
 
     pin_dir = node.pin_dir
 
-    def balancer() -> SocketBalancer:
+    def balancer(counted: bool) -> SocketBalancer:
         return SocketBalancer(
             options=Options(), from_node=FromNode(), cgroup=node.cgroup,
-            pin_dir=pin_dir, bpf_object=None,
+            pin_dir=pin_dir, bpf_object=None, traffic_counters=counted,
         )  # fmt: skip
 
-    for name in ("to-nft", "to-ebpf"):
+    names = ["to-nft", "to-ebpf"] + (["to-ebpf counted"] if args.traffic_counters else [])
+    for name in names:
         f: dict[str, float] = {}
         packets = NftBackend(nft=nft, options=Options())
-        sockets = balancer() if name == "to-ebpf" else None
+        counted = name == "to-ebpf counted"
+        sockets = balancer(counted) if name != "to-nft" else None
         started = time.perf_counter()
         if sockets is not None:
             await sockets.apply(first)  # type: ignore[arg-type]
@@ -81,7 +87,7 @@ async def _measure(
         f["first sync s"] = time.perf_counter() - started
         if sockets is not None:
             sockets.close()
-            again = balancer()
+            again = balancer(counted)
             started = time.perf_counter()
             await again.apply(first)  # type: ignore[arg-type]
             f["sockets takeover s"] = time.perf_counter() - started
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,10000")
     parser.add_argument("--changes", type=int, default=15)
     parser.add_argument("--connects", type=int, default=1000)
+    parser.add_argument("--traffic-counters", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[int, dict[str, dict[str, float]]] = {}
@@ -123,6 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio = f"  (to-ebpf / to-nft {ebpf[key] / base:.2f})" if base else ""
                 shown = f"to-nft {base:10.3f}   " if base is not None else " " * 20
                 print(f"  {key:38} {shown}to-ebpf {ebpf[key]:10.3f}{ratio}")
+            counted = results[size].get("to-ebpf counted")
+            if counted is not None:
+                for key, value in counted.items():
+                    base = ebpf[key]
+                    ratio = f"  (/ to-ebpf {value / base:.2f})" if base else ""
+                    print(f"  {key:38} to-ebpf counted {value:10.3f}{ratio}")
     if len(sizes) > 1:
         small, large = min(sizes), max(sizes)
         for name in ("to-nft", "to-ebpf"):

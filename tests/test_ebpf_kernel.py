@@ -323,8 +323,9 @@ def test_translations_and_services_without_endpoints_are_counted_per_hook(
     # The node's, a1's and a2's network namespaces, all local by --cluster-cidr.
     assert after[("kpng_ebpf_network_namespaces", (("local", "true"),))] == 3
     assert after[("kpng_ebpf_network_namespaces", (("local", "false"),))] == 0
-    # No endpoint went: no connected UDP socket destroyed.
-    assert after[("kpng_ebpf_udp_sockets_destroyed_total", ())] == 0
+    # Connected UDP sockets are left to the nftables part (--connected-udp packets): none is
+    # destroyed, and the count is not reported.
+    assert ("kpng_ebpf_udp_sockets_destroyed_total", ()) not in after
 
 
 def test_the_counters_outlive_a_restart_of_kpng(metered: Cluster) -> None:
@@ -438,7 +439,7 @@ def test_the_deployed_capabilities_are_enough(udp_cluster: Cluster) -> None:
     """For the programs, and for the socket destroy in the pods' network namespaces."""
     caps = _deployed_capabilities()
     assert caps == ["bpf", "net_admin", "sys_admin", "sys_ptrace", "sys_resource"]
-    udp_cluster.start_backend("node-1", prefix=_with_only(caps))
+    udp_cluster.start_backend("node-1", "--connected-udp", "destroy", prefix=_with_only(caps))
     _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
     node = udp_cluster.bed.nodes["node-1"]
     assert node.cgroup is not None
@@ -676,14 +677,78 @@ def _log_has(cluster: Cluster, text: str, within: float = 20) -> bool:
     return poll(lambda: text in log.read_text(), within=within, interval=0.2)
 
 
+_STEADY_UDP = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(0.5)
+s.connect((sys.argv[1], int(sys.argv[2])))
+deadline, reached, failed = time.monotonic() + 40, 0, 0
+while reached < 5 and failed < 3 and time.monotonic() < deadline:
+    time.sleep(0.05)
+    try:
+        s.send(b"hello\\n")
+    except OSError as exc:
+        print("send failed:", exc.errno, flush=True)
+        failed += 1
+        continue
+    try:
+        pod = s.recv(4096).decode().split()[0]
+    except OSError as exc:
+        print("no answer:", exc.errno, flush=True)
+        continue
+    print(pod, flush=True)
+    reached += pod == sys.argv[3]
+"""
+"""A metrics client's way: one connected UDP socket, never connected again, a datagram every
+50 ms, a send's error ignored (printed); each answer's pod printed, until five came from
+``argv[3]``, three sends failed, or 40 s passed."""
+
+
+def test_a_connected_udp_socket_reaches_the_remaining_endpoint_without_a_failed_send(
+    udp_cluster: Cluster,
+) -> None:
+    """By default (--connected-udp packets), as with kube-proxy: a client that keeps sending on
+    one connected socket while a2 leaves the service (a3 taking its place) is never refused a
+    send, and its datagrams reach a3 on the same socket. The nftables part DNATs the socket (a
+    conntrack entry to the ClusterIP) and deletes that entry once a2 is gone. With the socket
+    translated at connect and destroyed instead (the old default), the sends fail."""
+    udp_cluster.start_backend("node-1")
+    assert _log_has(udp_cluster, "(--connected-udp packets)")
+    bed = udp_cluster.bed
+    udp_cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a2 10.244.1.2"])
+    _forget_flows(udp_cluster)
+    argv = [sys.executable, "-c", _STEADY_UDP, UDP_IP, "53", "a3"]
+    client = subprocess.Popen(
+        bed.command_in(bed.pods["a1"].netns, argv), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert client.stdout is not None
+        assert client.stdout.readline().strip() == "a2"
+        node = bed.nodes["node-1"].netns
+        assert _udp_conntrack(bed, node, UDP_IP) == 1
+        _serve_udp(udp_cluster, "a3")
+        out, _ = client.communicate(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    lines = out.splitlines()
+    assert [line for line in lines if line.startswith("send failed")] == [], lines
+    # a2's answers until its entry went, then only a3's: the same socket moved once.
+    assert lines[-5:] == ["a3"] * 5, lines
+    moved = lines.index("a3")
+    assert set(lines[:moved]) <= {"a2"}, lines
+    assert set(lines[moved:]) == {"a3"}, lines
+
+
 def test_a_connected_udp_socket_leaves_no_conntrack_entry_and_is_destroyed_with_its_endpoint(
     udp_cluster: Cluster,
 ) -> None:
     """Translated at connect (getpeername still says the ClusterIP): the node's conntrack sees
     the pod talk to a2, never to the ClusterIP. Once a2 no longer serves the service, kpng
     destroys the socket in a1's network namespace: its next send fails, and a new socket
-    reaches a3."""
-    udp_cluster.start_backend("node-1")
+    reaches a3 (--connected-udp destroy)."""
+    udp_cluster.start_backend("node-1", "--connected-udp", "destroy")
     _connected_udp_is_destroyed_with_its_endpoint(udp_cluster)
 
 
@@ -706,7 +771,7 @@ def _connected_udp_is_destroyed_with_its_endpoint(cluster: Cluster) -> None:
 def test_a_socket_connected_to_a_pod_ip_is_never_destroyed(udp_cluster: Cluster) -> None:
     """Only sockets kpng translated are destroyed: one connected to a2's own address keeps
     working after a2 leaves the service."""
-    udp_cluster.start_backend("node-1")
+    udp_cluster.start_backend("node-1", "--connected-udp", "destroy")
     bed = udp_cluster.bed
     udp_cluster.eventually("a1", "udp", UDP_IP, 53, lambda r: r == ["a2 10.244.1.2"])
     argv = [sys.executable, "-c", _HELD_UDP, bed.pods["a2"].ip4, "5353"]
@@ -729,8 +794,8 @@ def test_without_the_privileges_to_destroy_connected_udp_is_left_to_conntrack(
     UDP untranslated, as before the destroy existed. The nftables part DNATs it (a conntrack
     entry to the ClusterIP) and moves it when its endpoint goes: the same socket goes on, to a3."""
     caps = [c for c in _deployed_capabilities() if c != "sys_admin"]
-    udp_cluster.start_backend("node-1", prefix=_with_only(caps))
-    assert _log_has(udp_cluster, "connected UDP sockets are left to the nftables part")
+    udp_cluster.start_backend("node-1", "--connected-udp", "destroy", prefix=_with_only(caps))
+    assert _log_has(udp_cluster, "destroy cannot be had; connected UDP sockets are left")
     assert "lacks CAP_SYS_ADMIN" in (udp_cluster.logs / "node-1.log").read_text()
     bed = udp_cluster.bed
     a2 = f"src={bed.pods['a2'].ip4} "
@@ -766,7 +831,7 @@ def test_a_kernel_refusing_the_destroy_program_keeps_connected_udp_on_conntrack(
     node = udp_cluster.bed.nodes["node-1"]
     balancer = SocketBalancer(
         options=Options(), from_node=FromNode(), cgroup=node.cgroup,
-        pin_dir=node.pin_dir or Path(), bpf_object=None,
+        pin_dir=node.pin_dir or Path(), bpf_object=None, connected_udp="destroy",
     )  # fmt: skip
     se = ServiceEndpoints(
         states.service(cluster_ip=UDP_IP, port=53, protocol="UDP", target_port=5353),

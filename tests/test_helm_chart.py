@@ -174,8 +174,8 @@ def test_ebpf_mode_balances_the_hosts_cgroups_and_pins_on_its_bpffs_unprivileged
         "--cgroup=/run/kpng/host-cgroup",
     ]
     # What the kernel asks of to-ebpf's calls (tests/test_ebpf_kernel.py runs it with exactly
-    # these), not privileged; SYS_ADMIN, SYS_PTRACE and the host's PIDs to destroy connected UDP
-    # sockets in the pods' network namespaces.
+    # these), not privileged; SYS_ADMIN, SYS_PTRACE and the host's PIDs to enter the pods' network
+    # namespaces (local traffic detection, --connected-udp destroy).
     assert node["securityContext"] == {
         "capabilities": {
             "drop": ["ALL"],

@@ -43,16 +43,17 @@ programs and make the cgroup links (the kernel asks CAP_BPF for each, Linux 5.8+
 too for loading programs of the cgroup sock_addr type (a networking type) as for nftables;
 SYS_RESOURCE only on kernels before 5.11, which charge BPF maps to RLIMIT_MEMLOCK: libbpf lifts
 that limit there, and leaves it alone on later kernels, which charge the pod's memory cgroup.
-For what kpng does in the pods' network namespaces: destroy the connected UDP sockets it
-translated at connect (Linux 6.5+) once their endpoint is gone, and see each namespace as local
-traffic detection sees its traffic (Linux 5.14+): SYS_ADMIN to setns into a pod's network
-namespace, where the kernel's socket iterator runs (it also stands for PERFMON, which loading
-an iterator, a tracing program, asks for; kpng mounts nothing: bpffs and cgroup2 come from the
-host), and SYS_PTRACE to open /proc/PID/ns/net of a pod's process, which runs as another user
-or with capabilities kpng lacks (the kernel asks ptrace's read access). Without SYS_ADMIN or
-SYS_PTRACE (or the pod's hostPID) kpng says so at start, leaves connected UDP sockets to
-nftables and conntrack, as on older kernels, and translates the sockets of pods that detection
-does not count as local, which are then not masqueraded. Not privileged. */}}
+For what kpng does in the pods' network namespaces: see each namespace as local traffic
+detection sees its traffic (Linux 5.14+), and, with --connected-udp destroy, destroy the
+connected UDP sockets it translated at connect (Linux 6.5+) once their endpoint is gone:
+SYS_ADMIN to setns into a pod's network namespace, where the kernel's socket iterator runs (it
+also stands for PERFMON, which loading an iterator, a tracing program, asks for; kpng mounts
+nothing: bpffs and cgroup2 come from the host), and SYS_PTRACE to open /proc/PID/ns/net of a
+pod's process, which runs as another user or with capabilities kpng lacks (the kernel asks
+ptrace's read access). Without SYS_ADMIN or SYS_PTRACE (or the pod's hostPID) kpng says so at
+start, leaves connected UDP sockets to nftables and conntrack even with --connected-udp destroy,
+and translates the sockets of pods that detection does not count as local, which are then not
+masqueraded. Not privileged. */}}
 {{- define "kpng.nodeSecurityContext" -}}
 capabilities:
   drop: [ALL]

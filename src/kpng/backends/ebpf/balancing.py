@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import random
 import shutil
@@ -12,12 +13,14 @@ import struct
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._drift import Drift
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
+from kpng.backends._nftables.counting import READ_PERIOD_S, SERIES_LIMIT
 from kpng.backends._nftables.executing import LibNft, NetlinkBatches, default_nft
 from kpng.backends._node import (
     FromNode,
@@ -36,6 +39,7 @@ from kpng.backends.ebpf import (
     observing,
     system,
     toolchain,
+    traffic,
 )
 from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
@@ -70,8 +74,15 @@ PROGRAMS = (  # in the order of observing.HOOKS, kpng_counters' keys
     "kpng_peername4",
     "kpng_peername6",
 )
+_UNLIMITED = 2**62
+"""The nftables part's series limit: to-ebpf applies its own to the sums (``traffic.py``)."""
 SAMPLED_PER_MAP = 8
 """Entries of each map read back at every drift check (a syscall each)."""
+ConnectedUdp = Literal["packets", "destroy"]
+"""How a UDP socket that connects to a service is balanced (``--connected-udp``): left to the
+packets part, which DNATs it and moves its conntrack entry when its endpoint goes (kube-proxy's
+way), or translated at connect and destroyed once its endpoint is gone (``destroying``)."""
+CONNECTED_UDP: tuple[ConnectedUdp, ...] = get_args(ConnectedUdp)
 
 
 class SocketBalancer:
@@ -87,9 +98,18 @@ class SocketBalancer:
         cgroup: Path | None,
         pin_dir: Path,
         bpf_object: Path | None,
+        connected_udp: ConnectedUdp = "packets",
+        traffic_counters: bool = False,
     ) -> None:
         self._options, self._from_node = options, from_node
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
+        self._connected_udp = connected_udp
+        self._traffic = traffic.FrontendTraffic() if traffic_counters else None
+        self._traffic_fd: int | None = None
+        self._counted: set[bytes] = set()
+        """The frontends ``kpng_traffic`` holds an entry for, as written (``traffic.py``)."""
+        self._zero_counts = b""
+        self._reading: asyncio.Task[None] | None = None
         self._object: BpfObject | None = None
         self._destroyer: UdpDestroyer | None = None
         self._locality: LocalNamespaces | None = None
@@ -149,6 +169,8 @@ class SocketBalancer:
                 await asyncio.to_thread(self._write, changes)
             if self._looking is None and self._locality is not None and self._attached:
                 self._looking = asyncio.create_task(self._look_periodically(self._locality))
+            if self._reading is None and self._traffic is not None and self._attached:
+                self._reading = asyncio.create_task(self._read_periodically())
             if self._destroyer is not None and _may_take_endpoints(changes):
                 await asyncio.to_thread(self._sweep, self._destroyer)
         except BpfError:
@@ -196,7 +218,14 @@ class SocketBalancer:
         else:
             # Both the destroy and local traffic detection enter the pods' namespaces.
             entering = namespaces.unavailable(cgroup)
-            self._destroyer = self._load_destroyer(cgroup, entering)
+            if self._connected_udp == "destroy":
+                self._destroyer = self._load_destroyer(cgroup, entering)
+            else:
+                log.info(
+                    "to-ebpf: connected UDP sockets are left to the nftables part and conntrack "
+                    "(--connected-udp packets): a send after their endpoint is gone reaches "
+                    "another endpoint"
+                )
             # Connected UDP translated at connect only where its sockets are destroyed later.
             rodata = struct.pack("=I", self._destroyer is not None)
             try:
@@ -217,6 +246,15 @@ class SocketBalancer:
             )
             self.occupancy.capacity = {name: self._object.map_capacity(name) for name in MAPS}
             self._counters_fd = self._object.map_fd("kpng_counters")
+            try:
+                self._traffic_fd = self._object.map_fd("kpng_traffic")
+            except BpfError:
+                # A --bpf-object compiled from an older source: fine unless it is to count.
+                if self._traffic is not None:
+                    raise
+            self._zero_counts = bytes(
+                libbpf.per_cpu_stride(traffic.VALUE_SIZE) * libbpf.possible_cpus()
+            )
             self._map_ids = {
                 name: libbpf.object_id(fd) for name, (fd, _) in self._object.pinned_maps().items()
             }
@@ -288,9 +326,10 @@ class SocketBalancer:
         self._full({}, self._present(), cgroup, self._resolved)
 
     def _load_destroyer(self, cgroup: Path, entering: str | None) -> UdpDestroyer | None:
-        """The iterator that destroys connected UDP sockets, if this kernel and kpng's privileges
-        allow it (``entering``: why kpng cannot enter the pods' namespaces, or None); which way
-        connected UDP sockets go is logged once."""
+        """The iterator that destroys connected UDP sockets (``--connected-udp destroy``), if
+        this kernel and kpng's privileges allow it (``entering``: why kpng cannot enter the
+        pods' namespaces, or None); which way connected UDP sockets go is logged once, as a
+        warning where the destroy was asked for and cannot be had."""
         why_not = entering
         destroyer = None
         if why_not is None:
@@ -300,8 +339,9 @@ class SocketBalancer:
             except BpfError as exc:
                 why_not = f"the socket destroy program did not load (Linux 6.5+, kernel BTF): {exc}"
         if destroyer is None:
-            log.info(
-                "to-ebpf: connected UDP sockets are left to the nftables part and conntrack: %s",
+            log.warning(
+                "to-ebpf: --connected-udp destroy cannot be had; connected UDP sockets are left "
+                "to the nftables part and conntrack: %s",
                 why_not,
             )
         else:
@@ -369,7 +409,23 @@ class SocketBalancer:
         first state, the programs are attached only then, so that they see only whole states."""
         with collector_paused():
             changes = self.state.full(updated, present)
+        fd = self._traffic_fd
+        if fd is not None:
+            found = [
+                (key, traffic.sum_counts(values))
+                for key, values in libbpf.per_cpu_entries(fd, traffic.KEY_SIZE, traffic.VALUE_SIZE)
+            ]
+            self._counted = {key for key, _ in found}
+            if self._traffic is not None and not self._traffic.begun:
+                self._traffic.begin(found)
         self._write(changes)
+        if fd is not None:
+            # Entries of frontends no service wants, or every entry without the flag: the
+            # programs stop counting.
+            wanted = self.state.frontends if self._traffic is not None else {}
+            stale = [k for k in self._counted if k not in wanted]
+            libbpf.delete_batch(fd, "kpng_traffic", stale)
+            self._counted.difference_update(stale)
         assert self._locality is not None
         self._locality.refresh(options)
         self._needs_full = False
@@ -415,10 +471,65 @@ class SocketBalancer:
         return self._pin_dir / "links" / str(cgroup.stat().st_ino)
 
     def _write(self, changes: MapChanges) -> None:
+        fd = self._traffic_fd if self._traffic is not None else None
+        if fd is not None:
+            # Before the frontends: no connection to a new one goes uncounted.
+            new = [
+                k
+                for name, pairs in changes.updates
+                if name == "kpng_frontends"
+                for k, _ in pairs
+                if k not in self._counted
+            ]
+            libbpf.update_batch(fd, "kpng_traffic", [(k, self._zero_counts) for k in new])
+            self._counted.update(new)
         for name, pairs in changes.updates:
             libbpf.update_batch(self._fds[name], name, pairs)
         for name, keys in changes.deletes:
             libbpf.delete_batch(self._fds[name], name, keys)
+        if fd is not None:
+            gone = [
+                k
+                for name, keys in changes.deletes
+                if name == "kpng_frontends"
+                for k in keys
+                if k in self._counted
+            ]
+            libbpf.delete_batch(fd, "kpng_traffic", gone)
+            self._counted.difference_update(gone)
+
+    async def _read_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(READ_PERIOD_S)
+            try:
+                await self.read_traffic()
+            except BpfError as exc:
+                log.warning("to-ebpf: the traffic counters were not read: %s", exc)
+
+    async def read_traffic(self) -> None:
+        """Read ``kpng_traffic`` and fold it into the service ports' totals (``traffic.py``),
+        under the lock, so that the owners are those of the frontends the read saw."""
+        if self._traffic is None or self._traffic_fd is None:
+            return
+        async with self._lock:
+            await asyncio.to_thread(self._read_traffic, self._traffic, self._traffic_fd)
+
+    def _read_traffic(self, totals: traffic.FrontendTraffic, fd: int) -> None:
+        with collector_paused():
+            owners = {
+                key: traffic.labels(service[0], service[1], port)
+                for key, (service, port) in self.state.owners().items()
+            }
+        counts = [
+            (key, traffic.sum_counts(values))
+            for key, values in libbpf.per_cpu_entries(fd, traffic.KEY_SIZE, traffic.VALUE_SIZE)
+        ]
+        totals.fold(counts, owners)
+
+    def traffic_totals(self) -> Mapping[traffic.Labels, int] | None:
+        """Per service port, the connections the programs translated, as of the last read
+        (None: not counted)."""
+        return self._traffic.totals if self._traffic is not None else None
 
     def close(self) -> None:
         # The pins keep programs and maps: closing only lets go of this process's handles (and
@@ -426,11 +537,14 @@ class SocketBalancer:
         if self._looking is not None:
             self._looking.cancel()
             self._looking = None
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
         if self._destroyer is not None:
             self._destroyer.close()
             self._destroyer = None
         if self._object is not None:
-            self._counters_fd = None
+            self._counters_fd = self._traffic_fd = None
             self._object.close()
             self._object = None
             self._locality = None
@@ -458,8 +572,10 @@ class EbpfBackend:
         packets: NftBackend,
         syncs: SyncReporter | None = None,
         sync_period: float = 0.0,
+        traffic_series_limit: int = SERIES_LIMIT,
     ) -> None:
         self.sockets, self.packets = sockets, packets
+        self._series_limit = traffic_series_limit
         self._syncs = syncs or NoReporting()
         self._sync_period = sync_period
         self._revision: int | None = None
@@ -531,8 +647,15 @@ class EbpfBackend:
         return self._unrepaired
 
     def metric_samples(self) -> list[Sample]:
-        """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``)."""
-        return self.sockets.metric_samples()
+        """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``): with
+        ``--traffic-counters service``, each service port's connections, those the programs
+        translated and those the nftables part counted, summed (``traffic.py``)."""
+        samples = self.sockets.metric_samples()
+        translated = self.sockets.traffic_totals()
+        if translated is not None:
+            packets = self.packets.metric_samples()
+            samples += traffic.merged_samples(translated, packets, self._series_limit)
+        return samples
 
     async def close(self) -> None:
         if self._watching is not None:
@@ -600,6 +723,43 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the compiled programs (python -m kpng.backends.ebpf.toolchain FILE makes one); "
         "default: the sockets.bpf.o shipped with kpng",
     )
+    parser.add_argument(
+        "--connected-udp",
+        choices=CONNECTED_UDP,
+        default="packets",
+        help="how a UDP socket that connects to a service is balanced. packets (default): left "
+        "untranslated, DNATed by the nftables part, its conntrack entry deleted when its "
+        "endpoint goes, so that its next datagram reaches another endpoint, as with "
+        "kube-proxy. destroy (Linux 6.5+ with the kernel's BTF, CAP_SYS_ADMIN and "
+        "CAP_SYS_PTRACE; else packets, with a warning): translated at connect, leaving no "
+        "conntrack entry, and destroyed once its endpoint is gone; this breaks applications "
+        "that keep one connected socket and do not connect again when a send fails "
+        "(EDESTADDRREQ), such as metrics clients that ignore send errors: they never deliver "
+        "again",
+    )
+    parser.add_argument(
+        "--traffic-counters",
+        choices=("off", "service"),
+        default="off",
+        help="service: count each Service port's new connections, and those refused for want "
+        "of endpoints, for /metrics (kpng_service_connections_total, "
+        "kpng_service_rejected_total; default off): those the programs translate, in a "
+        "per-CPU BPF map, and what the nftables part serves or refuses, as to-nft counts it",
+    )
+    parser.add_argument(
+        "--traffic-series-limit",
+        type=_positive,
+        default=SERIES_LIMIT,
+        metavar="N",
+        help="the most Service ports --traffic-counters exposes: past it, those with the least "
+        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
+    )
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number, not {value!r}")
+    return int(value)
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -613,6 +773,8 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     if too_old is not None:
         raise KpngError(too_old)
     options, from_node = options_from_args(args)
+    counting = args.traffic_counters == "service"
+    options = dataclasses.replace(options, traffic_counters=counting)
     nft = default_nft()
     if not isinstance(nft, LibNft) and shutil.which("nft") is None:
         raise UsageError("to-ebpf needs libnftables or the nft command for traffic from outside")
@@ -629,6 +791,8 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         kube_proxy=kube_proxy_leftovers(nft),
         netlink=NetlinkBatches(),
         sync_period=0.0 if args.once else args.sync_period,
+        # Every service port's counts: the limit applies to their sums with the programs'.
+        traffic_series_limit=_UNLIMITED,
     )
     sockets = SocketBalancer(
         options=options,
@@ -636,12 +800,15 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         cgroup=args.cgroup,
         pin_dir=args.pin_dir,
         bpf_object=args.bpf_object,
+        connected_udp=args.connected_udp,
+        traffic_counters=counting,
     )
     backend = EbpfBackend(
         sockets=sockets,
         packets=packets,
         syncs=syncs,
         sync_period=0.0 if args.once else args.sync_period,
+        traffic_series_limit=args.traffic_series_limit,
     )
     reporter.sockets_diverged = backend.sockets_diverged
     return backend

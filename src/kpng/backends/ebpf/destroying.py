@@ -4,9 +4,11 @@ A UDP iterator walks the sockets of the network namespace its reader was in when
 was created: kpng runs one in its own namespace and in each that has a process in the cgroup the
 programs are attached to (every pod's), entering them with ``namespaces.visit``.
 
-Without the privileges that takes (``namespaces``), or on a kernel without bpf_sock_destroy,
-kpng does not load the iterator and sockets.bpf.c leaves connected UDP sockets to the nftables
-part.
+Only with ``--connected-udp destroy``: by default connected UDP sockets are left to the
+nftables part, whose conntrack entry moves when their endpoint goes, and the application's
+socket keeps working. Without the privileges the iterator takes (``namespaces``), or on a kernel
+without bpf_sock_destroy, kpng does not load it and sockets.bpf.c leaves connected UDP sockets
+to the nftables part all the same.
 """
 
 from __future__ import annotations

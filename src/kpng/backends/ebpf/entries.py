@@ -124,6 +124,8 @@ class Contribution:
     """Set id: its endpoints, ordered (the slots of a new set)."""
     checked: set[int] = field(default_factory=set)
     """The sets whose members are written: those a remembered endpoint is checked against."""
+    ports: dict[bytes, str] = field(default_factory=dict)
+    """Frontend key: the name of the service port it serves (its traffic's counter's)."""
 
 
 def contribute(
@@ -179,6 +181,7 @@ def contribute(
 
             def frontend(addr: str, number: int, scope: Scope, eps: list[EndpointValue]) -> None:
                 key = _FRONTEND_KEY.pack(address(addr), _port(number), proto)  # noqa: B023
+                out.ports[key] = port.Name  # noqa: B023
                 if not eps:
                     # Known to the programs, so that they count what finds no endpoint.
                     out.frontends[key] = NO_ENDPOINT
@@ -299,6 +302,16 @@ class SocketState:
             "kpng_slots": sum(len(slots) for slots in sets.values()),
             "kpng_members": sum(len(sets.get(s, ())) for s in self.checked),
         }
+
+    def owners(self) -> dict[bytes, tuple[ServiceKey, str]]:
+        """Each frontend written: the service whose value it holds and that service's port
+        name (what its traffic is counted for)."""
+        contributions = self.contributions
+        out = {}
+        for key, owners in self._owners.items():
+            service = min(owners)
+            out[key] = (service, contributions[service].ports.get(key, ""))
+        return out
 
     def sample(self, per_map: int, rng: random.Random) -> list[tuple[MapName, bytes, bytes]]:
         """Up to ``per_map`` entries of each map as written (map, key, value), picked at random:

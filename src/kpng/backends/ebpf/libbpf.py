@@ -394,7 +394,8 @@ def delete_batch(fd: int, name: str, keys: Sequence[bytes], chunk: int = 65536) 
 
 def keys(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> Iterator[bytes]:
     """Every key of a hash map, read in batches."""
-    for buffer, n in _batches(fd, key_size, value_size, chunk, "cannot read the keys of map fd"):
+    failure = "cannot read the keys of map fd"
+    for buffer, _, n in _batches(fd, key_size, value_size, chunk, failure):
         raw = buffer.raw
         yield from [raw[i : i + key_size] for i in range(0, n * key_size, key_size)]
 
@@ -403,14 +404,45 @@ def count(fd: int, key_size: int, value_size: int, chunk: int = 8192) -> int:
     """How many entries a hash map holds: read in batches, as ``keys``, but never split into
     keys (the kernel's copy is most of the cost)."""
     failure = "cannot count the entries of map fd"
-    return sum(n for _, n in _batches(fd, key_size, value_size, chunk, failure))
+    return sum(n for _, _, n in _batches(fd, key_size, value_size, chunk, failure))
+
+
+def possible_cpus() -> int:
+    """How many values each entry of a per-CPU map holds."""
+    cpus = int(library().libbpf_num_possible_cpus())
+    if cpus < 0:
+        raise _failure("cannot count the possible CPUs", "", cpus)
+    return cpus
+
+
+def per_cpu_stride(value_size: int) -> int:
+    """The bytes of one CPU's value in a per-CPU map's entry (the kernel pads each to 8)."""
+    return (value_size + 7) // 8 * 8
+
+
+def per_cpu_entries(
+    fd: int, key_size: int, value_size: int, chunk: int = 8192
+) -> Iterator[tuple[bytes, list[bytes]]]:
+    """Every entry of a per-CPU hash map, read in batches: its key and one value per possible
+    CPU."""
+    cpus, stride = possible_cpus(), per_cpu_stride(value_size)
+    size = stride * cpus
+    failure = "cannot read the entries of map fd"
+    for keys_buf, values_buf, n in _batches(fd, key_size, size, chunk, failure):
+        keys, values = keys_buf.raw, values_buf.raw
+        for i in range(n):
+            value = values[i * size : (i + 1) * size]
+            yield (
+                keys[i * key_size : (i + 1) * key_size],
+                [value[c : c + value_size] for c in range(0, size, stride)],
+            )
 
 
 def _batches(
     fd: int, key_size: int, value_size: int, chunk: int, failure: str
-) -> Iterator[tuple[ctypes.Array[ctypes.c_char], int]]:
-    """A hash map's entries, a batch at a time as the kernel copies them: the buffer of the
-    batch's keys (reused by the next batch) and how many it holds."""
+) -> Iterator[tuple[ctypes.Array[ctypes.c_char], ctypes.Array[ctypes.c_char], int]]:
+    """A hash map's entries, a batch at a time as the kernel copies them: the buffers of the
+    batch's keys and values (reused by the next batch) and how many it holds."""
     lib = library()
     keys_buf = ctypes.create_string_buffer(key_size * chunk)
     values_buf = ctypes.create_string_buffer(value_size * chunk)
@@ -431,7 +463,7 @@ def _batches(
         )
         if code < 0 and abs(code) != errno.ENOENT:
             raise _failure(failure, fd, code)
-        yield keys_buf, n.value
+        yield keys_buf, values_buf, n.value
         if code < 0:  # ENOENT: that was the last batch
             return
         ctypes.memmove(token_in, token_out, 8)

@@ -14,6 +14,8 @@
  *   kpng_revnat     (socket, endpoint) -> frontend, for getpeername and recvmsg (LRU)
  *   kpng_counters   hook -> translations and lookups that found no endpoint (per CPU; the
  *                   programs count, kpng sums the CPUs for /metrics)
+ *   kpng_traffic    frontend -> the connections translated to its endpoints (per CPU), for
+ *                   the frontends kpng made an entry for (--traffic-counters service)
  *   kpng_locality   0 -> the families whose sockets are translated only in the network
  *                   namespaces of kpng_local_netns (locality.py)
  *   kpng_local_netns  network namespace -> the families local traffic detection counts its
@@ -170,6 +172,26 @@ static __always_inline struct counters *counters(__u32 hook)
 	return bpf_map_lookup_elem(&kpng_counters, &hook);
 }
 
+/* kpng makes (zeroed) and deletes the entries, with the frontends they count, and only with
+ * --traffic-counters service: the programs never add one, so the map holds no more than the
+ * frontends, and without the flag a translation costs one lookup that finds nothing. Refused
+ * connections (no endpoint) are left untranslated: the nftables part counts them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct frontend_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_traffic SEC(".maps");
+
+static __always_inline void count_connection(const struct frontend_key *key)
+{
+	__u64 *n = bpf_map_lookup_elem(&kpng_traffic, key);
+	if (n)
+		(*n)++;
+}
+
 static __always_inline int l4(const struct bpf_sock_addr *ctx, __u8 *proto)
 {
 	if (ctx->protocol == IPPROTO_TCP || ctx->protocol == IPPROTO_UDP) {
@@ -261,13 +283,18 @@ static __always_inline void remember_frontend(struct bpf_sock_addr *ctx,
  * conntrack entries do. */
 #define FLOW_IDLE_NS (120 * NS_PER_S)
 
+/* A new flow (a pick) is one connection for kpng_traffic, as conntrack counts one. */
 static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 					 const struct frontend_key *key,
 					 const struct frontend *fe, struct endpoint *out)
 {
 	struct bpf_sock *sk = ctx->sk;
-	if (!sk)
-		return pick(ctx, fe, out);
+	if (!sk) {
+		if (!pick(ctx, fe, out))
+			return 0;
+		count_connection(key);
+		return 1;
+	}
 	struct flow_key fkey = {.netns = bpf_get_netns_cookie(ctx), .frontend = *key,
 				.src_port = (__u16)sk->src_port};
 	__u64 now = bpf_ktime_get_ns();
@@ -284,6 +311,7 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 		return 0;
 	struct flow started = {.ep = *out, .last_ns = now};
 	bpf_map_update_elem(&kpng_flows, &fkey, &started, BPF_ANY);
+	count_connection(key);
 	return 1;
 }
 
@@ -335,6 +363,8 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	remember_frontend(ctx, &key, &ep);
 	if (c)
 		c->translated++;
+	if (!send)
+		count_connection(&key);
 	return 1;
 }
 

@@ -92,7 +92,7 @@ KERNEL_FEATURES = (
 
 OPTIONAL_FEATURES = (
     (
-        "bpf_sock_destroy from iter/udp programs: connected UDP sockets translated at connect",
+        "bpf_sock_destroy from iter/udp programs: --connected-udp destroy",
         (6, 5),
     ),
 )
