@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.waiting import poll
@@ -266,6 +267,26 @@ def test_a_brain_killed_with_a_change_in_flight_leaves_the_node_as_a_fresh_sync(
         assert split.agent is not None
         assert split.agent.poll() is None, split.agent_log()
         assert poll(split.healthy, within=5), live.get(HEALTHZ, "/healthz")
+        # The outage as the agent's /metrics tells it: live again, one stream ended, and the
+        # second stream's first state (whole, or resumed from what the agent held).
+        watch = _watch_metrics(live)
+        assert watch["kpng_watch_up"] == 1
+        assert watch["kpng_watch_down_seconds"] == 0
+        assert sum(v for k, v in watch.items() if k.startswith("kpng_watch_failures_total")) >= 1
+        states = {k: v for k, v in watch.items() if k.startswith("kpng_watch_first_states_total")}
+        assert sum(states.values()) == 2, states
+
+
+def _watch_metrics(live: Live) -> dict[str, float]:
+    """The agent's ``kpng_watch_*`` samples, by name and labels."""
+    code, text = live.get(METRICS, "/metrics")
+    assert code == 200
+    return {
+        f"{sample.name}{sorted(sample.labels.items()) if sample.labels else ''}": sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kpng_watch_")
+    }
 
 
 def test_an_agent_restarted_while_the_brain_runs_takes_over_without_a_failed_connection(

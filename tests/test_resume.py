@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from kpng.api.digests import ANSWERED_SERVICES_MAX, DIGEST_BYTES, Holdings, buck
 from kpng.api.ops import local_ops
 from kpng.client import Api, Backoff, watch
 from kpng.model.messages import Endpoint, IPSet, PortMapping, Service, ServiceEndpoints
-from kpng.remote.watching import LocalOps, answer_ask
+from kpng.remote.watching import WATCHED, LocalOps, answer_ask
 from kpng.server.serving import ListenAddress, Serving, serve
 from kpng.sources.file import stage
 from kpng.sources.manifests import parse
@@ -234,6 +235,42 @@ def test_an_unchanged_node_fails_over_to_another_replica_for_a_few_hundred_bytes
     assert calls == []  # the backend is handed nothing, not even a sync
     assert resumed <= RESUME_BYTES_MAX, resumed
     assert whole > 20 * resumed
+
+
+def test_the_outage_and_the_resume_are_counted_on_both_sides() -> None:
+    """What ``/metrics`` shows of a fail-over: the agent's record (``kpng local``'s
+    ``kpng_watch_*``) and the brains' resume outcomes (``kpng_api_resumes_total``)."""
+    sink = _Recorder()
+
+    async def scenario() -> None:
+        async with _brains() as (a, b):
+            b.relay.accepting = False
+            async with _agent(sink, a.relay.url, b.relay.url):
+                await sink.next_sync()
+                assert WATCHED.up
+                assert WATCHED.down_for(0.0) == 0.0
+                first_states = dict(WATCHED.first_states)
+                failures = sum(WATCHED.failures.values())
+                await a.stop()
+                await eventually(lambda: not WATCHED.up, "the watch counted down", within=WAIT_S)
+                await asyncio.sleep(0.3)
+                assert WATCHED.down_for(time.monotonic()) >= 0.3
+                assert sum(WATCHED.failures.values()) > failures
+                b.relay.accepting = True
+                await eventually(lambda: WATCHED.up, "the watch live again", within=WAIT_S)
+                assert WATCHED.first_states == {
+                    "whole": first_states["whole"],
+                    "resumed": first_states["resumed"] + 1,
+                }
+                assert b.serving is not None
+                assert b.serving.watch.stats.resumes == {
+                    "unchanged": 1,
+                    "changed": 0,
+                    "whole": 0,
+                    "refused": 0,
+                }
+
+    _run(scenario())
 
 
 def test_a_change_made_while_the_agent_was_away_is_delivered_exactly_once() -> None:

@@ -253,7 +253,7 @@ def build(argv: Sequence[str]) -> Pipeline:
     ).parse_args(segments[0].args)
     if source_spec.feeds_backends is not None:
         backends_of_source, once = _backends(segments[1:], f"kpng {source_spec.name}", status)
-        runner = source_spec.feeds_backends(source_args, backends_of_source)
+        runner = source_spec.feeds_backends(source_args, backends_of_source, status)
         return Pipeline(options, _with_status(options, status, runner), once)
     if len(segments) < 2:
         raise UsageError(f"a sink is required after {segments[0].name} ({', '.join(SINKS)})")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -71,6 +72,29 @@ def answer_ask(holdings: Holdings, ask: batchv1_pb2.DigestAsk) -> batchv1_pb2.Wa
         holdings.complete = False
         raise WireError(f"an answer of {reply.ByteSize()} bytes: too big, starting over")
     return reply
+
+
+@dataclass
+class WatchRecord:
+    """What a node agent's watch went through, for its ``/metrics``: whether it is live, since
+    when it is not, how its first states came and why its streams ended."""
+
+    up: bool = False
+    """A stream delivered a change set and has not failed since."""
+    down_since: float = field(default_factory=time.monotonic)
+    """When the watch last stopped being live (monotonic): the start, if it never was."""
+    first_states: dict[str, int] = field(default_factory=lambda: {"whole": 0, "resumed": 0})
+    """Streams by how their first change set came: a whole state, or resumed from digests."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Streams that ended, by cause: a gRPC status code's name, ``ended`` (the server closed
+    it), ``wire`` (a message kpng could not read) or ``token`` (the token file)."""
+
+    def down_for(self, now: float) -> float:
+        return 0.0 if self.up else now - self.down_since
+
+
+WATCHED = WatchRecord()
+"""The node watch of this process (``kpng local`` follows one brain), as ``/metrics`` shows it."""
 
 
 @dataclass(frozen=True)
@@ -156,17 +180,18 @@ async def follow(
     backoff: Backoff | None = None,
     first_state_within: float | None = None,
     holdings: Holdings | None = None,
+    record: WatchRecord | None = None,
 ) -> None:
     """Follow a watch RPC until the handler asks to stop, reconnecting with backoff.
     ``holdings``, fed by the batched handler, let a reconnection resume instead of receiving
-    the whole state again.
+    the whole state again. ``record`` is kept up to date with the watch's outages.
 
     The batched RPC is tried first; a server without it (Go KPNG) is spoken to with the
     compatible one. ``handle(json)`` gives the op handler for payloads in JSON or protobuf. A
     sync resets the backoff. Without a first state within ``first_state_within`` seconds,
     raises NoStateError; once a state has come, outages are waited out however long.
     """
-    outage = _Outage(api.url)
+    outage = _Outage(api.url, record or WatchRecord())
     deadline = asyncio.timeout(first_state_within)
     try:
         async with deadline:
@@ -205,7 +230,7 @@ async def _reconnecting(
                 resume = holdings if rpc is batched else None
                 if await _follow_once(channel, rpc, handler, warned, metadata, resume):
                     return
-            outage.failed(f"{server.url}: the stream ended")
+            outage.failed(f"{server.url}: the stream ended", "ended")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and rpc is batched:
                 log.info("%s has no batched watch; using %s", server.url, compatible.path)
@@ -215,16 +240,16 @@ async def _reconnecting(
                 # A brain that refuses to resume from these digests (a bug on either side, or
                 # too much to vouch for): the next attempt asks for the whole state.
                 holdings.complete = False
-            outage.failed(f"{server.url}: {exc.code().name}: {exc.details()}")
+            outage.failed(f"{server.url}: {exc.code().name}: {exc.details()}", exc.code().name)
         except OSError as exc:
-            outage.failed(f"token file {server.token_file}: {exc.strerror or exc}")
+            outage.failed(f"token file {server.token_file}: {exc.strerror or exc}", "token")
         except WireError as exc:
-            outage.failed(f"{server.url}: {exc}")
+            outage.failed(f"{server.url}: {exc}", "wire")
         except asyncio.InvalidStateError:
             # grpc's asyncio call, asked for the next change set after the server ended it
             # (a brain killed between its change set and the agent's next request), says
             # so with this rather than an AioRpcError: the brain is gone, like any other.
-            outage.failed(f"{server.url}: the server ended the call")
+            outage.failed(f"{server.url}: the server ended the call", "ended")
         # The next replica, if any: a state it serves is the same, so nothing changes on the
         # node but what changed meanwhile (the full-state client compares; Sinks see no reset).
         turn += 1
@@ -237,16 +262,23 @@ class NoStateError(KpngError):
 
 
 class _Outage:
-    """Logs the start and the end of an outage once each, not every failed retry."""
+    """Logs the start and the end of an outage once each, not every failed retry, and keeps
+    ``record`` up to date."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, record: WatchRecord) -> None:
         self.url = url
+        self.record = record
         self.down = False
         self.ever_synced = False
         self.why = ""
 
-    def failed(self, why: str) -> None:
+    def failed(self, why: str, cause: str) -> None:
         self.why = why
+        record = self.record
+        record.failures[cause] = record.failures.get(cause, 0) + 1
+        if record.up:
+            record.up = False
+            record.down_since = time.monotonic()
         level = logging.DEBUG if self.down else logging.WARNING
         keeping = "the last state stays in force" if self.ever_synced else "no state yet"
         log.log(level, "watch of %s failed (%s); %s; retrying", self.url, why, keeping)
@@ -254,6 +286,7 @@ class _Outage:
 
     def synced(self) -> None:
         self.ever_synced = True
+        self.record.up = True
         if self.down:
             log.info("watch of %s is back", self.url)
             self.down = False
@@ -261,7 +294,7 @@ class _Outage:
 
 class _Resetting:
     """A sync proves the connection works: the next failure starts from a short delay again,
-    and the deadline for a first state is met."""
+    and the deadline for a first state is met. One per stream."""
 
     def __init__(
         self, backoff: Backoff, outage: _Outage, handle: OpHandler, deadline: asyncio.Timeout
@@ -271,11 +304,17 @@ class _Resetting:
         self._backoff = backoff
         self._outage = outage
         self._deadline = deadline
+        self._first: str | None = "whole"
+        """How the stream's first change set came, until its sync is counted."""
 
     def resumed(self) -> None:
         _resumed(self._handle)
+        self._first = "resumed"
 
     async def sync(self) -> bool:
+        if self._first is not None:
+            self._outage.record.first_states[self._first] += 1
+            self._first = None
         self._backoff.reset()
         self._outage.synced()
         self._deadline.reschedule(None)
@@ -534,6 +573,7 @@ async def watch_local(
         backoff=backoff,
         first_state_within=first_state_within,
         holdings=holdings,
+        record=WATCHED,
     )
 
 

@@ -16,7 +16,7 @@ import socket
 import stat
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import AsyncGeneratorType
 from typing import Any, TypeVar, cast
@@ -255,6 +255,10 @@ _RESUMED = batchv1_pb2.OpBatch(Resumed=True).SerializeToString()
 """Appended to the first OpBatch of a resumed change set (encoded messages concatenate)."""
 _ASK_BUCKETS = batchv1_pb2.OpBatch(Ask=batchv1_pb2.DigestAsk(Buckets=True)).SerializeToString()
 
+RESUME_OUTCOMES = ("unchanged", "changed", "whole", "refused")
+"""How a resume ends: nothing differed, only what differed was sent, too much differed for
+anything but a whole state, or a malformed answer ended the stream."""
+
 
 @dataclass
 class WatchStats:
@@ -267,6 +271,8 @@ class WatchStats:
     global_change_sets: int = 0
     refused: int = 0
     """Watches refused: no valid token, or a token asking for what is not its own."""
+    resumes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_OUTCOMES, 0))
+    """Node watches that said what they hold, by outcome (``RESUME_OUTCOMES``)."""
 
 
 class WatchServer:
@@ -449,6 +455,7 @@ class WatchServer:
         facts_digest = item_digest(NODE_FACTS_PATH, enc.facts(facts))
         ours = StateDigests.of(view.state, digest=enc.digests, facts=facts_digest)
         if ours.node == holds:
+            self.stats.resumes["unchanged"] += 1
             resume.shared = Shared([])
             log.debug("%s resumed %s: nothing differs", context.peer(), printable(view.node_name))
             return
@@ -459,6 +466,7 @@ class WatchServer:
             return
         differing = await self._check(context, differing_buckets, ours.buckets, answer.Buckets)
         if len(differing) > DIFFERING_BUCKETS_MAX:
+            self.stats.resumes["whole"] += 1
             log.debug(
                 "%s resumes %s with %d buckets differing: a whole state",
                 context.peer(),
@@ -475,6 +483,7 @@ class WatchServer:
             return
         theirs = await self._check(context, answered_services, answer.Services, differing)
         updated, deleted = differences(ours, differing, theirs)
+        self.stats.resumes["changed"] += 1
         state = view.state
         # From nothing (no previous): the watcher holds what it holds of these services,
         # and drops the endpoints of theirs it is not sent again (kpng.remote.watching).
@@ -511,6 +520,7 @@ class WatchServer:
         try:
             return check(*args)
         except BadAnswer as exc:
+            self.stats.resumes["refused"] += 1
             log.warning("refused a resume from %s: %s", context.peer(), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this only tells the type checker

@@ -210,6 +210,15 @@ def _samples(stats: WatchStats, turns: Turns) -> Iterator[Sample]:
             counter=True,
             labels=labels,
         )
+    for outcome, n in stats.resumes.items():
+        yield Sample(
+            "kpng_api_resumes",
+            "node watches that resumed from what they hold (batchv1 Holds), by outcome: "
+            "unchanged, changed (only what differed sent), whole, refused (a bad answer)",
+            n,
+            counter=True,
+            labels=(("outcome", outcome),),
+        )
     yield Sample(
         "kpng_api_watches_refused",
         "watches refused: no valid token, or a token asking for another node's state",

@@ -14,6 +14,7 @@ from kpng.store import Store
 
 if TYPE_CHECKING:
     from kpng.feeding import Fanout
+    from kpng.status import Status
 
 __all__ = ["Runner", "SourceSpec", "registered"]
 
@@ -32,10 +33,12 @@ class SourceSpec:
     lists_nodes: bool = False
     """Whether the source always lists every node, so that a node it does not list does not
     exist (``/healthz`` then fails for it, as kube-proxy's)."""
-    feeds_backends: Callable[[argparse.Namespace, Callable[[], Fanout]], Runner] | None = None
+    feeds_backends: Callable[[argparse.Namespace, Callable[[], Fanout], Status], Runner] | None = (
+        None
+    )
     """For a source whose output is node-local states (``local``: a remote kpng's) rather than
     the global state: no sink follows it on the command line, but backends, and this makes what
-    feeds them (instead of ``create``)."""
+    feeds them (instead of ``create``), adding what it reports to ``Status.samplers``."""
 
 
 _NOT_SOURCES = frozenset({"manifests"})

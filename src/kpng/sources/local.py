@@ -6,12 +6,19 @@ elsewhere. A source whose output goes to backends directly (``SourceSpec.feeds_b
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from kpng.client import Api, watch_state
 from kpng.feeding import Fanout, until_done
 from kpng.remote import add_arguments, api_from_args
 from kpng.sources import Runner, SourceSpec
+from kpng.status import Sample, Status
+
+if TYPE_CHECKING:
+    from kpng.remote.watching import WatchRecord
 
 
 async def run_remote(
@@ -32,14 +39,45 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, once=False)
 
 
-def _create(args: argparse.Namespace, backends: Callable[[], Fanout]) -> Runner:
+def _create(args: argparse.Namespace, backends: Callable[[], Fanout], status: Status) -> Runner:
     api = api_from_args(args)
+    from kpng.remote.watching import WATCHED  # grpc: only when a watch will run
+
+    status.samplers.append(functools.partial(_samples, WATCHED))
     return lambda: run_remote(
         api,
         node_name=args.node_name,
         backends=backends(),
         connect_timeout=args.connect_timeout or None,  # 0: wait forever
     )
+
+
+def _samples(record: WatchRecord) -> Iterator[Sample]:
+    yield Sample("kpng_watch_up", "1 while the watch of the brain is live", int(record.up))
+    yield Sample(
+        "kpng_watch_down_seconds",
+        "how long the node has been without a live watch of the brain (0 while it has one; "
+        "since the start before the first state)",
+        record.down_for(time.monotonic()),
+    )
+    for how, n in record.first_states.items():
+        yield Sample(
+            "kpng_watch_first_states",
+            "streams of the watch by how their first change set came: whole, or resumed "
+            "from what the node holds",
+            n,
+            counter=True,
+            labels=(("how", how),),
+        )
+    for cause, n in sorted(record.failures.items()):
+        yield Sample(
+            "kpng_watch_failures",
+            "streams of the watch that ended, by cause: a gRPC code, ended (by the server), "
+            "wire (an unreadable message) or token (the token file)",
+            n,
+            counter=True,
+            labels=(("cause", cause),),
+        )
 
 
 SPEC = SourceSpec(
