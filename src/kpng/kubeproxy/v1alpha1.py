@@ -1,6 +1,7 @@
 """kube-proxy's ``KubeProxyConfiguration`` (``kubeproxy.config.k8s.io/v1alpha1``, kube-proxy 1.37)
 as typed msgspec Structs, field for field, that refuse unknown fields as kube-proxy's strict
-decoding does; and the one place where msgspec's refusals become kpng's messages.
+decoding does; and the one place where msgspec's refusals (read by ``kpng.errors.field_problem``)
+become the messages ``kpng kube-proxy`` has always given.
 
 Every field kube-proxy has is here, so a misspelt one is refused wherever it is. A field is typed
 where kpng reads it whatever the mode (``mode``, ``conntrack.*``, ``iptables.localhostNodePorts``,
@@ -14,13 +15,12 @@ default, as in kube-proxy (kubeadm writes ``null`` for most of them).
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
-from kpng.errors import UsageError
+from kpng.errors import UsageError, field_problem
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
@@ -160,14 +160,8 @@ def decode_section(raw: Mapping[Any, Any], name: str, kind: type[_S], *, source:
         raise _refusal(exc, section, kind, source=source, at=f"{name}.") from None
 
 
-# "Expected `int | null`, got `str` - at `$.conntrack.min`",
-# "Object contains unknown field `minimum` - at `$.conntrack`" (at the top: no " - at"),
-# "Expected `str` - at `key` in `$.conntrack`" (a key that is no string).
-_ERROR = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>.*)`$", re.DOTALL)
-_EXPECTED = re.compile(r"^Expected `(?P<type>[a-z]+)")
 _TYPE_NAMES = {"str": "str", "int": "int", "bool": "bool", "array": "list", "object": "dict"}
-"""msgspec's names of JSON types, as Python's (today's messages say "must be a int")."""
+"""msgspec's names of JSON types, as Python's (kpng's messages have said "must be a int")."""
 
 
 def _refusal(
@@ -180,38 +174,24 @@ def _refusal(
 ) -> UsageError:
     """msgspec's error as kpng's messages: each names the field by its dotted path in the file
     (``conntrack.min``), as kube-proxy's strict decoding does."""
-    text = str(exc)
-    match = _ERROR.match(text)
-    if match is None:
-        return UsageError(f"{source}: {text}")
-    path = [p for p in (match["path"] or "").split(".") if p]
-    where = at + ".".join(path)
-    if match["key"]:
+    problem = field_problem(exc)
+    where = at + problem.dotted
+    if problem.key:
         # A key that is no string: no field kube-proxy has.
-        held = _value(raw, path)
-        keys = held if isinstance(held, dict) else {}
-        bad = next((k for k in keys if not isinstance(k, str)), "?")
+        bad = problem.bad_key(raw)
         return _unknown(f"{where}.{bad}" if where else str(bad), source)
-    unknown = _UNKNOWN.match(match["what"])
-    if unknown:
-        return _unknown(f"{where}.{unknown['name']}" if where else unknown["name"], source)
-    expected = _EXPECTED.match(match["what"])
-    if expected is None:
-        return UsageError(f'{source}: field "{where}": {match["what"]}')
-    if ".".join(path) in _sections(kind):
+    if problem.unknown is not None:
+        return _unknown(f"{where}.{problem.unknown}" if where else problem.unknown, source)
+    if problem.expected is None:
+        return UsageError(f'{source}: field "{where}": {problem.detail}')
+    if problem.dotted in _sections(kind):
         return UsageError(f'{source}: field "{where}" must be a mapping')
-    name = _TYPE_NAMES.get(expected["type"], expected["type"])
-    return UsageError(f'{source}: field "{where}" must be a {name}, not {_value(raw, path)!r}')
+    name = _TYPE_NAMES.get(problem.expected, problem.expected)
+    return UsageError(f'{source}: field "{where}" must be a {name}, not {problem.value(raw)!r}')
 
 
 def _unknown(path: str, source: str) -> UsageError:
     return UsageError(f'{source}: unknown field "{path}" (kube-proxy refuses it too)')
-
-
-def _value(raw: object, path: list[str]) -> object:
-    for name in path:
-        raw = raw.get(name) if isinstance(raw, dict) else None
-    return raw
 
 
 @functools.cache
