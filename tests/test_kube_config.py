@@ -178,3 +178,128 @@ def test_an_insecure_kubeconfig_is_warned_about_once_naming_it(
     assert len(warned) == int(insecure)
     if insecure:
         assert str(path) in warned[0]
+
+
+# What `kubectl config view --raw` shows for a minikube cluster, and every other field of
+# client-go's clientcmd/api/v1 types, some null as a hand-written file may leave them.
+EVERY_FIELD = """\
+apiVersion: v1
+kind: Config
+preferences: {colors: true, extensions: [{name: p, extension: {a: 1}}]}
+current-context: c
+extensions: [{name: top, extension: null}]
+clusters:
+- name: k
+  cluster:
+    server: https://10.0.0.1:6443
+    certificate-authority: ca.crt
+    tls-server-name: api.internal
+    proxy-url: null
+    extensions:
+    - name: cluster_info
+      extension: {last-update: 'Mon, 01 Jan 2024 00:00:00 UTC', provider: minikube.sigs.k8s.io}
+- name: other
+  cluster:
+    server: https://10.0.0.2:6443
+    certificate-authority-data: eA==
+    insecure-skip-tls-verify: false
+    disable-compression: true
+-
+contexts:
+- name: c
+  context: {cluster: k, user: u, namespace: default, extensions: [{name: e, extension: x}]}
+- name: other
+  context: {cluster: other, user: plugin}
+users:
+- name: u
+  user: {token: t, tokenFile: null}
+- name: plugin
+  user:
+    exec:
+      command: aws
+      args: [eks, get-token]
+      env: [{name: AWS_PROFILE, value: p}]
+      apiVersion: client.authentication.k8s.io/v1
+      installHint: install aws
+      provideClusterInfo: true
+      interactiveMode: Never
+    auth-provider: {name: oidc, config: {client-id: kpng, id-token: null}}
+    as: someone
+    as-uid: '1'
+    as-groups: [a, null]
+    as-user-extra: {scopes: [x]}
+    username: a
+    password: b
+    client-certificate: c.crt
+    client-certificate-data: eA==
+    client-key: k.key
+    client-key-data: eA==
+"""
+
+
+def test_a_kubeconfig_with_every_field_kubectl_knows_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "config"
+    path.write_text(EVERY_FIELD)
+    got = plain_kubeconfig(str(path), None)
+    assert got == PlainSettings(
+        host="https://10.0.0.1:6443",
+        ssl_ca_cert=str(tmp_path / "ca.crt"),
+        tls_server_name="api.internal",
+        token="t",
+    )
+    # The other context needs the library (an exec plugin): no refusal on the way.
+    assert plain_kubeconfig(str(path), "other") is None
+
+
+def _edited(old: str, new: str) -> str:
+    assert old in EVERY_FIELD
+    return EVERY_FIELD.replace(old, new, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_edited("    server: https://10.0.0.1", "    sever: https://10.0.0.1"),
+         'unknown field "clusters[0].cluster.sever" (in cluster \'k\')'),
+        (_edited("tokenFile: null", "tokenfile: /t"),
+         'unknown field "users[0].user.tokenfile" (in user \'u\')'),
+        (_edited("namespace: default", "namspace: default"),
+         'unknown field "contexts[0].context.namspace" (in context \'c\')'),
+        (_edited("      args: [eks", "      arg: [eks"),
+         'unknown field "users[1].user.exec.arg" (in user \'plugin\')'),
+        (_edited("colors: true", "colours: true"), 'unknown field "preferences.colours"'),
+        (_edited("current-context: c", "current_context: c"), 'unknown field "current_context"'),
+        (_edited("current-context: c", "1: c"), 'unknown field "1"'),
+        (_edited("insecure-skip-tls-verify: false", "insecure-skip-tls-verify: 'false'"),
+         "field \"clusters[1].cluster.insecure-skip-tls-verify\" must be true or false, not "
+         "'false' (in cluster 'other')"),
+        (_edited("    server: https://10.0.0.1:6443", "    server: 6443"),
+         "field \"clusters[0].cluster.server\" must be a string, not 6443 (in cluster 'k')"),
+        (_edited("  user: {token: t, tokenFile: null}", "  user: [token]"),
+         "field \"users[0].user\" must be a mapping, not ['token'] (in user 'u')"),
+    ],
+)  # fmt: skip
+def test_a_field_no_kubeconfig_has_is_refused_naming_it_and_its_entry(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """kubectl's decoder drops a misspelt field silently; kpng refuses it rather than run
+    against the wrong server or without credentials."""
+    path = tmp_path / "config"
+    path.write_text(text)
+    with pytest.raises(KubeConfigError) as raised:
+        plain_kubeconfig(str(path), None)
+    assert str(raised.value) == f"kubeconfig {path}: {message}"
+
+
+def test_a_misspelt_field_is_refused_in_each_file_of_a_merged_list(tmp_path: Path) -> None:
+    from kpng.kubeclient.config import load_connection
+
+    good = _kubeconfig(tmp_path / "good", SERVER, {"token": "t"})
+    bad = tmp_path / "bad"
+    bad.write_text(json.dumps({"clusters": [{"name": "x", "cluster": {"sever": "https://x"}}]}))
+    environ = {"KUBECONFIG": f"{good}{os.pathsep}{bad}"}
+    with pytest.raises(KubeConfigError) as raised:
+        asyncio.run(load_connection(environ=environ))
+    assert str(raised.value) == (
+        f"kubeconfig {bad}: unknown field \"clusters[0].cluster.sever\" (in cluster 'x')"
+    )

@@ -259,6 +259,77 @@ def test_what_kube_proxy_refuses_is_an_error_naming_the_field(config: str, messa
     assert message in str(raised.value)
 
 
+_HEAD = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+
+
+@pytest.mark.parametrize(
+    ("fragment", "message"),
+    [
+        # A misspelt field, in each section: named by its path in the file.
+        ("clusterCidr: 10.0.0.0/8", 'unknown field "clusterCidr"'),
+        ("iptables: {localhostNodeports: true}", 'unknown field "iptables.localhostNodeports"'),
+        ("nftables: {localhostNodePorts: true}", 'unknown field "nftables.localhostNodePorts"'),
+        ("ipvs: {strictArp: true}", 'unknown field "ipvs.strictArp"'),
+        ("winkernel: {enableDsr: true}", 'unknown field "winkernel.enableDsr"'),
+        ("logging: {verbose: 2}", 'unknown field "logging.verbose"'),
+        ("clientConnection: {kubeConfig: /k}", 'unknown field "clientConnection.kubeConfig"'),
+        ("detectLocal: {bridge: br0}", 'unknown field "detectLocal.bridge"'),
+        ("conntrack: {1: 2}", 'unknown field "conntrack.1"'),
+        # A value of the wrong type, named with the value.
+        ("conntrack: {maxPerCore: '5'}", "field \"conntrack.maxPerCore\" must be a int, not '5'"),
+        ("conntrack: {tcpBeLiberal: 'yes'}",
+         "field \"conntrack.tcpBeLiberal\" must be a bool, not 'yes'"),
+        ("logging: {verbosity: true}", 'field "logging.verbosity" must be a int, not True'),
+        ("hostnameOverride: 2001-01-01",
+         'field "hostnameOverride" must be a str, not datetime.date(2001, 1, 1)'),
+        ("nodePortAddresses: primary", "field \"nodePortAddresses\" must be a list, not 'primary'"),
+        ("featureGates: [A]", "field \"featureGates\" must be a dict, not ['A']"),
+        ("featureGates: {A: 'yes'}", "feature gate A: true or false, not 'yes'"),
+        ("iptables: 5", 'field "iptables" must be a mapping'),
+        ("detectLocal: [a]", 'field "detectLocal" must be a mapping'),
+        # The section the mode reads its periods and masquerade settings from.
+        ("mode: nftables\nnftables: {syncPeriod: 30}",
+         'field "nftables.syncPeriod" must be a str, not 30'),
+        ("mode: ipvs\niptables: {masqueradeBit: x}",
+         "field \"iptables.masqueradeBit\" must be a int, not 'x'"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_field_or_a_value_of_the_wrong_type_is_refused_naming_it(
+    fragment: str, message: str
+) -> None:
+    with pytest.raises(UsageError) as raised:
+        _build(["--config=config.conf"], _HEAD + fragment + "\n")
+    assert str(raised.value).startswith(f"config.conf: {message}")
+
+
+@pytest.mark.parametrize(
+    "fragment",
+    [
+        # Every field null, or every section: kube-proxy's defaults.
+        "\n".join(f"{line.split(':')[0]}: null" for line in KUBEADM.splitlines()
+                  if line[0] != " " and not line.startswith(("apiVersion", "kind"))),
+        "conntrack: {maxPerCore: null, min: null, tcpBeLiberal: null}",
+        # What kpng does not read holds any value, as before these fields were typed (kpng
+        # warns of what it does not act on, and reads the periods of the mode's section only).
+        "mode: iptables\nnftables: {syncPeriod: 30, masqueradeBit: x, masqueradeAll: 2}",
+        "mode: nftables\niptables: {syncPeriod: 30, masqueradeBit: x}\nipvs: {syncPeriod: 4}",
+        "ipvs: {scheduler: [rr], excludeCIDRs: 10.0.0.0/8, strictARP: 1}",
+        "clientConnection: {qps: '5', burst: [1]}\nwinkernel: {enableDSR: 3}",
+        "logging: {vmodule: {a: 1}, options: 3, flushFrequency: 1s}",
+        "featureGates: {1: true, SomeGate: false}",
+        "oomScoreAdj: x\nportRange: 1\nbindAddressHardFail: 3\nwindowsRunAsService: []",
+        # A big number where kube-proxy has an int32 (kpng's sysctl writer reports it).
+        "conntrack: {maxPerCore: 100000000000000000000}",
+        "nodePortAddresses: [' 10.0.0.0/8', primary]",
+    ],
+    ids=["all-null", "conntrack-null", "nftables-unread", "iptables-unread", "ipvs",
+         "not-acted-on", "logging", "gates", "others", "big-int", "nodeports"],
+)  # fmt: skip
+def test_what_kpng_accepted_before_its_fields_were_typed_is_still_accepted(fragment: str) -> None:
+    invocation = build(["--config=c"], read=lambda path: _HEAD + fragment + "\n")
+    assert kpng_argv(invocation.config)
+
+
 def test_names_that_start_with_a_dash_are_values_of_their_flags() -> None:
     """Found by tests/test_fuzz_kubeproxy_config.py: interfaceNamePrefix "-x" made
     ``--pod-interface-name-prefix -x``, which kpng's parser refused (expected one argument)."""

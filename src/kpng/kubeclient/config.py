@@ -21,7 +21,9 @@ client, some 0.33 s and 38 MiB for a proxy that uses none of it. The in-cluster 
 and a kubeconfig whose context, cluster and user hold only plain fields (a server, a CA, a
 token or token file, client certificate and key files or data) are read by kpng itself; anything
 else (merged ``$KUBECONFIG`` lists, exec plugins, auth providers, a field kpng does not read, a
-missing entry, whose error message is the library's) goes to the library.
+missing entry, whose error message is the library's) goes to the library. Every kubeconfig file
+is first decoded into the typed Structs of ``kubeconfig.py``, which refuse a field no kubeconfig
+has (a typo kubectl would drop silently), naming it.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import yaml
 
 from kpng.errors import KpngError
+from kpng.kubeclient import kubeconfig
 from kpng.kubeclient.proxies import proxy_from_environment
 
 if TYPE_CHECKING:
@@ -269,6 +273,10 @@ async def _from_kubeconfig(
     paths: str, context: str | None, environ: Mapping[str, str]
 ) -> Connection:
     source = f"kubeconfig {paths}"
+    if os.pathsep in paths:
+        # The library merges the list; a field no kubeconfig has is refused in each file too.
+        for path in paths.split(os.pathsep):
+            read_kubeconfig(path)
     plain = plain_kubeconfig(paths, context)
     if plain is not None:
         return _connection(plain, None, source, environ)
@@ -348,97 +356,103 @@ def _in_cluster(environ: Mapping[str, str]) -> Connection:
     return _connection(settings, None, "the in-cluster service account", environ)
 
 
-_PLAIN_CLUSTER = {
-    "extensions",  # tools' metadata (kind, minikube): nothing for a connection
-    "server",
-    "certificate-authority",
-    "certificate-authority-data",
-    "insecure-skip-tls-verify",
-    "tls-server-name",
-    "proxy-url",
-}
-_PLAIN_USER = {
-    "extensions",
-    "token",
-    "tokenFile",
-    "client-certificate",
-    "client-certificate-data",
-    "client-key",
-    "client-key-data",
-}
+_PLAIN_CLUSTER = frozenset(
+    {
+        "extensions",  # tools' metadata (kind, minikube): nothing for a connection
+        "server",
+        "certificate_authority",
+        "certificate_authority_data",
+        "insecure_skip_tls_verify",
+        "tls_server_name",
+        "proxy_url",
+    }
+)
+_PLAIN_USER = frozenset(
+    {
+        "extensions",
+        "token",
+        "token_file",
+        "client_certificate",
+        "client_certificate_data",
+        "client_key",
+        "client_key_data",
+    }
+)
 
 
-def plain_kubeconfig(path: str, context: str | None) -> PlainSettings | None:
-    """``path``'s context as ``PlainSettings``; None when it needs the library: a merged list
-    of files, a field kpng does not read (exec, auth-provider, username, ...), or anything
-    missing or malformed (the library's error says what)."""
-    if os.pathsep in path:
-        return None
+def read_kubeconfig(path: str) -> kubeconfig.Config | None:
+    """The kubeconfig at ``path``, typed; None if it cannot be read or holds no YAML mapping
+    (the library's error then says why). KubeConfigError if a field is unknown or holds a value
+    of the wrong type, naming it."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(doc, dict):
         return None
-    ctx = _named(doc, "contexts", "context", context or doc.get("current-context"))
+    try:
+        return kubeconfig.decode(doc)
+    except kubeconfig.KubeconfigFieldError as exc:
+        raise KubeConfigError(f"kubeconfig {path}: {exc}") from None
+
+
+def plain_kubeconfig(path: str, context: str | None) -> PlainSettings | None:
+    """``path``'s context as ``PlainSettings``; None when it needs the library: a merged list
+    of files, a field kpng does not read (exec, auth-provider, username, ...), or anything
+    missing or malformed (the library's error says what). KubeConfigError for a field that no
+    kubeconfig has (``read_kubeconfig``)."""
+    if os.pathsep in path:
+        return None
+    doc = read_kubeconfig(path)
+    if doc is None:
+        return None
+    ctx = doc.context(context)
     if ctx is None:
         return None
-    cluster = _named(doc, "clusters", "cluster", ctx.get("cluster"))
-    user = _named(doc, "users", "user", ctx.get("user"))
-    if cluster is None or user is None or set(cluster) - _PLAIN_CLUSTER or set(user) - _PLAIN_USER:
+    cluster, user = doc.cluster(ctx.cluster), doc.user(ctx.user)
+    if cluster is None or user is None or _set_beyond(cluster, _PLAIN_CLUSTER):
         return None
-    server = cluster.get("server")
-    texts = [
-        v
-        for k, v in {**cluster, **user}.items()
-        if k not in ("insecure-skip-tls-verify", "extensions")
-    ]
-    if not isinstance(server, str) or not server or not all(isinstance(v, str) for v in texts):
+    if _set_beyond(user, _PLAIN_USER) or not cluster.server:
         return None
     base = Path(path).parent
     try:
-        ca = _file(base, cluster, "certificate-authority")
-        cert = _file(base, user, "client-certificate")
-        key = _file(base, user, "client-key")
+        ca = _file(base, cluster.certificate_authority, cluster.certificate_authority_data)
+        cert = _file(base, user.client_certificate, user.client_certificate_data)
+        key = _file(base, user.client_key, user.client_key_data)
     except (binascii.Error, ValueError):
         return None
     return PlainSettings(
-        host=server,
+        host=cluster.server,
         ssl_ca_cert=ca,
-        verify_ssl=cluster.get("insecure-skip-tls-verify") is not True,
-        proxy=cluster.get("proxy-url"),
-        tls_server_name=cluster.get("tls-server-name"),
+        verify_ssl=cluster.insecure_skip_tls_verify is not True,
+        proxy=cluster.proxy_url,
+        tls_server_name=cluster.tls_server_name,
         cert_file=cert,
         key_file=key,
-        token=user.get("token"),
+        token=user.token,
         # A token wins over a token file, as in the library.
-        token_file=None if "token" in user else _path(base, user.get("tokenFile")),
+        token_file=None if user.token is not None else _path(base, user.token_file),
     )
 
 
-def _named(doc: Mapping[str, Any], section: str, field: str, name: object) -> dict[str, Any] | None:
-    """The ``field`` of the entry of ``doc[section]`` called ``name``; None if there is none."""
-    entries = doc.get(section)
-    if not isinstance(entries, list):
-        return None
-    for entry in entries:
-        if isinstance(entry, dict) and entry.get("name") == name:
-            value = entry.get(field)
-            return value if isinstance(value, dict) else None
-    return None
+def _set_beyond(fields: msgspec.Struct, plain: frozenset[str]) -> bool:
+    """Whether ``fields`` sets a field that is not in ``plain`` (null is unset, as in Go)."""
+    return any(
+        getattr(fields, name) is not None for name in fields.__struct_fields__ if name not in plain
+    )
 
 
-def _file(base: Path, section: Mapping[str, str], field: str) -> str | None:
-    """The file of ``field`` (relative to the kubeconfig's directory), or of ``field-data``
-    written to a private file removed at exit, as the library does; None if neither is set."""
-    data = section.get(f"{field}-data")
+def _file(base: Path, path: str | None, data: str | None) -> str | None:
+    """The file ``path`` (relative to the kubeconfig's directory), or ``data`` (base64, its
+    ``-data`` field) written to a private file removed at exit, as the library does; None if
+    neither is set."""
     if data is not None:
         fd, name = tempfile.mkstemp(prefix="kpng-kubeconfig-")
         with os.fdopen(fd, "wb") as out:
             out.write(base64.b64decode(data, validate=True))
         atexit.register(Path(name).unlink, missing_ok=True)
         return name
-    return _path(base, section.get(field))
+    return _path(base, path)
 
 
 def _path(base: Path, value: str | None) -> str | None:

@@ -2,10 +2,10 @@
 ``--config`` (``kubeproxy.config.k8s.io/v1alpha1``, what kubeadm writes) and kube-proxy's flags,
 with kube-proxy's defaults, turned into kpng's own command line.
 
-Every field of the file is known here. A field kube-proxy would refuse (unknown, misspelt) is an
-error naming it, as kube-proxy's strict decoding is. A field kpng does not act on is a warning
-naming it, unless it holds its default (kubeadm writes every field, most of them empty): nothing
-is ignored silently.
+Every field of the file is known (``v1alpha1``'s Structs). A field kube-proxy would refuse
+(unknown, misspelt) is an error naming it, as kube-proxy's strict decoding is. A field kpng does
+not act on is a warning naming it, unless it holds its default (kubeadm writes every field, most
+of them empty): nothing is ignored silently.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+import msgspec
 import yaml
 
 from kpng.backends._node import DETECT_LOCAL_MODES
 from kpng.durations import format_duration, parse_duration
 from kpng.errors import UsageError
+from kpng.kubeproxy import v1alpha1
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
@@ -31,78 +33,6 @@ MODES = ("", "iptables", "nftables", "ipvs")
 """kube-proxy's proxy modes on Linux; "" is its default there, iptables."""
 NODEPORT_KEYWORDS = ("primary", "all", "localhost")
 """What nodePortAddresses holds beside CIDRs (kube-proxy 1.37)."""
-
-_ANY = None
-"""A field whose value is not walked further (a map of user-chosen keys)."""
-_FIELDS: dict[str, Any] = {
-    "apiVersion": {},
-    "kind": {},
-    "featureGates": _ANY,
-    "clientConnection": {
-        "kubeconfig": {},
-        "acceptContentTypes": {},
-        "contentType": {},
-        "qps": {},
-        "burst": {},
-    },
-    "logging": {
-        "format": {},
-        "flushFrequency": {},
-        "verbosity": {},
-        "vmodule": _ANY,
-        "options": _ANY,
-    },
-    "hostnameOverride": {},
-    "bindAddress": {},
-    "healthzBindAddress": {},
-    "metricsBindAddress": {},
-    "bindAddressHardFail": {},
-    "enableProfiling": {},
-    "showHiddenMetricsForVersion": {},
-    "mode": {},
-    "iptables": {
-        "masqueradeBit": {},
-        "masqueradeAll": {},
-        "localhostNodePorts": {},
-        "syncPeriod": {},
-        "minSyncPeriod": {},
-    },
-    "ipvs": {
-        "syncPeriod": {},
-        "minSyncPeriod": {},
-        "scheduler": {},
-        "excludeCIDRs": {},
-        "strictARP": {},
-        "tcpTimeout": {},
-        "tcpFinTimeout": {},
-        "udpTimeout": {},
-    },
-    "nftables": {"masqueradeBit": {}, "masqueradeAll": {}, "syncPeriod": {}, "minSyncPeriod": {}},
-    "winkernel": {
-        "networkName": {},
-        "sourceVip": {},
-        "enableDSR": {},
-        "rootHnsEndpointName": {},
-        "forwardHealthCheckVip": {},
-    },
-    "detectLocalMode": {},
-    "detectLocal": {"bridgeInterface": {}, "interfaceNamePrefix": {}},
-    "clusterCIDR": {},
-    "nodePortAddresses": {},
-    "oomScoreAdj": {},
-    "conntrack": {
-        "maxPerCore": {},
-        "min": {},
-        "tcpEstablishedTimeout": {},
-        "tcpCloseWaitTimeout": {},
-        "tcpBeLiberal": {},
-        "udpTimeout": {},
-        "udpStreamTimeout": {},
-    },
-    "configSyncPeriod": {},
-    "portRange": {},
-    "windowsRunAsService": {},
-}
 
 _NOT_ACTED_ON: dict[str, str] = {
     "clientConnection.acceptContentTypes": "kpng's watches always read JSON",
@@ -277,26 +207,24 @@ def load(text: str, *, source: str) -> Loaded:
             f"{source}: kind {raw.get('kind')!r}, apiVersion {raw.get('apiVersion')!r}: "
             f"kpng reads {KIND} of {API_VERSION}"
         )
-    flat: dict[str, Any] = {}
-    _walk(raw, _FIELDS, "", flat, source)
-    warnings = _not_acted_on(flat)
-    return Loaded(_from_fields(flat, warnings, source), warnings)
+    config = v1alpha1.decode(raw, source=source)
+    warnings = _not_acted_on(dict(_leaves(config, "")))
+    return Loaded(_from_fields(config, raw, warnings, source), warnings)
 
 
-def _walk(
-    raw: Mapping[str, Any], known: dict[str, Any], prefix: str, out: dict[str, Any], source: str
-) -> None:
-    for key, value in raw.items():
-        path = f"{prefix}{key}"
-        if key not in known:
-            raise UsageError(f'{source}: unknown field "{path}" (kube-proxy refuses it too)')
-        sub = known[key]
-        if sub and isinstance(value, dict):
-            _walk(value, sub, f"{path}.", out, source)
-        elif sub and value is not None:
-            raise UsageError(f'{source}: field "{path}" must be a mapping')
+def _leaves(struct: msgspec.Struct, prefix: str) -> Iterator[tuple[str, object]]:
+    """Each field of ``struct`` by its dotted path in the file, and its value; a section's
+    fields in its place."""
+    # The class attributes, not msgspec.structs.fields, which resolves annotations each call.
+    for name, encoded in zip(
+        struct.__struct_fields__, struct.__struct_encode_fields__, strict=True
+    ):
+        value = getattr(struct, name)
+        path = f"{prefix}{encoded}"
+        if isinstance(value, msgspec.Struct):
+            yield from _leaves(value, f"{path}.")
         else:
-            out[path] = value
+            yield path, value
 
 
 def _zero(value: object) -> bool:
@@ -374,21 +302,15 @@ def mode_warnings(mode: str, gates: Mapping[str, object], name: str, where: str)
     ]
 
 
-def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> ProxyConfig:
-    def get(path: str, kind: type, default: Any = None) -> Any:
-        value = flat.get(path)
-        if value is None:
-            return default
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise UsageError(f'{source}: field "{path}" must be a {kind.__name__}, not {value!r}')
-        return value
-
-    def duration(path: str, default: float, *, zero_is_default: bool = True) -> float:
+def _from_fields(
+    file: v1alpha1.KubeProxyConfiguration,
+    raw: Mapping[Any, Any],
+    warnings: list[str],
+    source: str,
+) -> ProxyConfig:
+    def duration(path: str, text: str | None, default: float, *, zero_is_default: bool) -> float:
         """kube-proxy's periods take their default when 0; its conntrack timeouts, when unset
         (0 leaves the kernel's value)."""
-        text = get(path, str)
         if text is None:
             return default
         try:
@@ -397,15 +319,19 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
             raise UsageError(f'{source}: field "{path}": {exc}') from None
         return seconds or (default if zero_is_default else 0.0)
 
-    mode = get("mode", str, "")
+    def field(path: str) -> str:
+        return f'{source}: field "{path}"'
+
+    mode = file.mode or ""
     if mode not in MODES:
         raise UsageError(
             f'{source}: field "mode": one of iptables, nftables or ipvs on Linux, not {mode!r}'
         )
-    gates: dict[str, object] = get("featureGates", dict, {})
+    gates: Mapping[Any, object] = file.feature_gates or {}
     acted_on = feature_gates(gates, source)
     warnings += mode_warnings(mode, gates, 'field "mode"', f'{source}: field "mode"')
-    # kube-proxy's own choice of section for the settings every mode has.
+    # kube-proxy's own choice of section for the settings every mode has: only that section's
+    # are read, and so typed.
     section = {"nftables": "nftables", "ipvs": "ipvs"}.get(mode, "iptables")
     bits = "nftables" if mode == "nftables" else "iptables"
     if mode == "ipvs":
@@ -414,69 +340,91 @@ def _from_fields(flat: Mapping[str, Any], warnings: list[str], source: str) -> P
             "iptables.* masquerade settings apply to it, as in kube-proxy); remove kube-proxy's "
             "own rules once with `kpng cleanup kube-proxy`"
         )
-    logging_format = get("logging.format", str, "text") or "text"
+    logging = file.logging or v1alpha1.Logging()
+    logging_format = logging.format or "text"
     if logging_format not in ("text", "json"):
         raise UsageError(
             f'{source}: field "logging.format": "text" or "json", not {logging_format!r}'
         )
-    detect = get("detectLocalMode", str, "") or "ClusterCIDR"
+    detect = file.detect_local_mode or "ClusterCIDR"
     if detect not in DETECT_LOCAL_MODES:
         raise UsageError(
             f'{source}: field "detectLocalMode": one of {", ".join(DETECT_LOCAL_MODES)}, '
             f"not {detect!r}"
         )
-    ct = ConntrackConfig()
+    masquerade = v1alpha1.decode_section(raw, bits, v1alpha1.MasqueradeSettings, source=source)
+    periods = v1alpha1.decode_section(raw, section, v1alpha1.PeriodSettings, source=source)
+    ct, given = ConntrackConfig(), file.conntrack or v1alpha1.Conntrack()
+
+    def timeout(name: str, text: str | None, default: float, *, zero_is_default: bool) -> float:
+        return duration(f"conntrack.{name}", text, default, zero_is_default=zero_is_default)
+
     conntrack = ConntrackConfig(
-        max_per_core=get("conntrack.maxPerCore", int, ct.max_per_core),
-        min=get("conntrack.min", int, ct.min),
-        tcp_established_timeout_s=duration(
-            "conntrack.tcpEstablishedTimeout",
+        max_per_core=_or(given.max_per_core, ct.max_per_core),
+        min=_or(given.min, ct.min),
+        tcp_established_timeout_s=timeout(
+            "tcpEstablishedTimeout",
+            given.tcp_established_timeout,
             ct.tcp_established_timeout_s,
             zero_is_default=False,
         ),
-        tcp_close_wait_timeout_s=duration(
-            "conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout_s, zero_is_default=False
+        tcp_close_wait_timeout_s=timeout(
+            "tcpCloseWaitTimeout",
+            given.tcp_close_wait_timeout,
+            ct.tcp_close_wait_timeout_s,
+            zero_is_default=False,
         ),
-        tcp_be_liberal=get("conntrack.tcpBeLiberal", bool, False),
-        udp_timeout_s=duration("conntrack.udpTimeout", 0.0),
-        udp_stream_timeout_s=duration("conntrack.udpStreamTimeout", 0.0),
+        tcp_be_liberal=_or(given.tcp_be_liberal, False),
+        udp_timeout_s=timeout("udpTimeout", given.udp_timeout, 0.0, zero_is_default=True),
+        udp_stream_timeout_s=timeout(
+            "udpStreamTimeout", given.udp_stream_timeout, 0.0, zero_is_default=True
+        ),
     )
-
-    def field(path: str) -> str:
-        return f'{source}: field "{path}"'
-
-    cluster_cidr = get("clusterCIDR", str, "")
-    nodeport = get("nodePortAddresses", list, [])
+    nodeport = file.node_port_addresses or []
     warnings += acted_on.warnings
-    for path in ("conntrack.maxPerCore", "conntrack.min"):
-        at_least(0, flat.get(path), field(path))
+    at_least(0, given.max_per_core, field("conntrack.maxPerCore"))
+    at_least(0, given.min, field("conntrack.min"))
+    detect_local = file.detect_local or v1alpha1.DetectLocal()
+    iptables = file.iptables or v1alpha1.Iptables()
     return ProxyConfig(
-        kubeconfig=get("clientConnection.kubeconfig", str, ""),
-        hostname_override=get("hostnameOverride", str, ""),
-        bind_address=ip_address(get("bindAddress", str, "") or "0.0.0.0", field("bindAddress")),
-        healthz_bind_address=get("healthzBindAddress", str, ""),
-        metrics_bind_address=get("metricsBindAddress", str, ""),
+        kubeconfig=(file.client_connection or v1alpha1.ClientConnection()).kubeconfig or "",
+        hostname_override=file.hostname_override or "",
+        bind_address=ip_address(file.bind_address or "0.0.0.0", field("bindAddress")),
+        healthz_bind_address=file.healthz_bind_address or "",
+        metrics_bind_address=file.metrics_bind_address or "",
         log_format=logging_format,
-        verbosity=get("logging.verbosity", int, 0),
+        verbosity=_or(logging.verbosity, 0),
         mode=mode,
-        masquerade_all=get(f"{bits}.masqueradeAll", bool, False),
+        masquerade_all=_or(masquerade.masquerade_all, False),
         masquerade_bit=masquerade_bit(
-            get(f"{bits}.masqueradeBit", int, 14), field(f"{bits}.masqueradeBit")
+            _or(masquerade.masquerade_bit, 14), field(f"{bits}.masqueradeBit")
         ),
-        sync_period_s=duration(f"{section}.syncPeriod", 30.0),
-        min_sync_period_s=duration(f"{section}.minSyncPeriod", 1.0),
+        sync_period_s=duration(
+            f"{section}.syncPeriod", periods.sync_period, 30.0, zero_is_default=True
+        ),
+        min_sync_period_s=duration(
+            f"{section}.minSyncPeriod", periods.min_sync_period, 1.0, zero_is_default=True
+        ),
         detect_local_mode=detect,
-        bridge_interface=get("detectLocal.bridgeInterface", str, ""),
-        interface_name_prefix=get("detectLocal.interfaceNamePrefix", str, ""),
-        cluster_cidrs=cidrs(cluster_cidr.split(","), field("clusterCIDR")),
+        bridge_interface=detect_local.bridge_interface or "",
+        interface_name_prefix=detect_local.interface_name_prefix or "",
+        cluster_cidrs=cidrs((file.cluster_cidr or "").split(","), field("clusterCIDR")),
         nodeport_addresses=cidrs(
             [str(a) for a in nodeport], field("nodePortAddresses"), keywords=True
         ),
-        localhost_nodeports=get("iptables.localhostNodePorts", bool, None),
+        localhost_nodeports=iptables.localhost_node_ports,
         conntrack=conntrack,
         external_ips=acted_on.external_ips,
         nftables_localhost_nodeports=acted_on.nftables_localhost_nodeports,
     )
+
+
+_T = TypeVar("_T")
+
+
+def _or(value: _T | None, default: _T) -> _T:
+    """A field's value, or its default when null (kube-proxy's)."""
+    return default if value is None else value
 
 
 # kube-proxy's validation of the values kpng hands on to its backend's flags: what it refuses is

@@ -15,8 +15,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from kpng.client import ProxyMode
 from kpng.feeding import FeederStats, Histogram
 from kpng.kubeclient import metrics as kubeclient
-from kpng.status import FAMILIES, Reconciles, Status, Verdict
 from kpng.status.exposition import Family, counter, gauge, histogram, process_families, render
+from kpng.status.gathering import FAMILIES, Status
+from kpng.status.health import Verdict
+from kpng.status.reports import Reconciles
 
 
 def scrape(status: Status) -> bytes:

@@ -32,8 +32,10 @@ from kpng.api.lines import node_state_line
 from kpng.errors import KpngError, UsageError, object_name
 from kpng.http1.server import MAX_CONNECTIONS, REQUEST_S, Handler, Listener, Reply, Request
 from kpng.http1.server import serve as serve_http
-from kpng.status import ShowsRules, Status, metrics
+from kpng.status import metrics
 from kpng.status.exposition import CONTENT_TYPE
+from kpng.status.gathering import Status
+from kpng.status.reports import ShowsRules
 
 log = logging.getLogger(__name__)
 
