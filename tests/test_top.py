@@ -3,15 +3,25 @@ the endpoints' share and the table; the page's parsing; the command's usage erro
 
 from __future__ import annotations
 
+import fcntl
+import http.server
+import os
+import pty
+import select
+import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+import termios
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from kpng.backends._nftables import counting
 from kpng.top import reading
 from kpng.top.ranking import (
+    HEADER,
     PortCounts,
     Row,
     Scrape,
@@ -266,3 +276,127 @@ def test_usage_errors_name_the_flag(args: list[str], message: str) -> None:
     )
     assert done.returncode == 2
     assert message in done.stderr
+
+
+# --- the command against a served page
+
+
+class _Pages:
+    """What the local server answers: a status and a body, changed by the test."""
+
+    status = 200
+    body = PAGE.encode()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, type[_Pages]]]:
+    class Pages(_Pages):
+        pass
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(Pages.status)
+            self.send_header("Content-Length", str(len(Pages.body)))
+            self.end_headers()
+            self.wfile.write(Pages.body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", Pages
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _top(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kpng", "top", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_once_with_no_window_prints_the_totals_and_says_so(
+    served: tuple[str, type[_Pages]],
+) -> None:
+    address, _ = served
+    done = _top("--metrics-url", address, "--once", "--window", "0", "--sort", "name")
+    assert done.returncode == 0, done.stderr
+    assert [line.split() for line in done.stdout.splitlines()] == [
+        list(HEADER),
+        ["shop", "db", "-", "-", "-", "3", "3", "-", "-"],
+        ["shop", "web", "http", "-", "-", "12", "0", "1", "10.244.1.2=100%"],
+    ]
+    assert done.stderr.splitlines() == [
+        "kpng top: one scrape: totals only, no rates",
+        "kpng top: the node left 4 Service ports out, those with the least traffic "
+        "(--traffic-series-limit)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [
+        (200, b"kpng_store_revision 7\n", "has no traffic counters"),
+        (404, b"not found", "answered HTTP 404"),
+        (200, b"<html>\n", "not Prometheus text"),
+        (200, b"\xff\xfe\n", "not UTF-8 text"),
+    ],
+)
+def test_once_says_what_is_wrong_with_the_page(
+    served: tuple[str, type[_Pages]], status: int, body: bytes, message: str
+) -> None:
+    address, pages = served
+    pages.status, pages.body = status, body
+    done = _top("--metrics-url", address, "--once", "--window", "0")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_live_view_shows_the_rows_changes_its_sort_by_key_and_quits(
+    served: tuple[str, type[_Pages]],
+) -> None:
+    address, _ = served
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kpng", "top", "--metrics-url", address, "--interval", "0.2"],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        env={**os.environ, "TERM": "xterm"},
+    )
+    os.close(child)
+    screen = b""
+
+    def until_shown(text: bytes, since: int = 0) -> None:
+        nonlocal screen
+        deadline = time.monotonic() + 20
+        while text not in screen[since:]:
+            assert time.monotonic() < deadline, screen
+            if select.select([main], [], [], 0.5)[0]:
+                screen += os.read(main, 65536)
+
+    try:
+        until_shown(b"sort: conns")
+        until_shown(b"10.244.1.2=100%")
+        # curses sends the cells that changed only: the sort's name, once the key is read.
+        since = len(screen)
+        os.write(main, b"n")
+        until_shown(b"name", since)
+        os.write(main, b"q")
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main)
