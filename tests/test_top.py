@@ -18,8 +18,6 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from kpng.backends._nftables import counting
-from kpng.top import reading
 from kpng.top.ranking import (
     HEADER,
     PortCounts,
@@ -201,6 +199,8 @@ kpng_service_rejected_total{namespace="shop",service="db",port=""} 3
 kpng_endpoint_connections_total{namespace="shop",service="web",port="http",endpoint="10.244.1.2"} 12
 # TYPE kpng_service_traffic_series_dropped gauge
 kpng_service_traffic_series_dropped 4
+# TYPE kpng_endpoint_traffic_series_dropped gauge
+kpng_endpoint_traffic_series_dropped 2
 # TYPE kpng_store_revision gauge
 kpng_store_revision 7
 """
@@ -212,7 +212,12 @@ def test_a_page_gives_each_port_its_counters_skipping_samples_without_the_labels
         WEB: PortCounts(12, 0, {"10.244.1.2": 12}),
         DB: PortCounts(3, 3, {}),
     }
-    assert (scrape.at, scrape.counting, scrape.dropped) == (1.5, True, 4)
+    assert (scrape.at, scrape.counting, scrape.dropped, scrape.endpoints_dropped) == (
+        1.5,
+        True,
+        4,
+        2,
+    )
 
 
 def test_a_page_without_the_traffic_metrics_says_the_node_counts_nothing() -> None:
@@ -232,15 +237,6 @@ def test_a_page_without_the_traffic_metrics_says_the_node_counts_nothing() -> No
 def test_a_page_that_is_not_prometheus_text_is_an_error(text: str) -> None:
     with pytest.raises(ReadError, match="not Prometheus text"):
         parse(text, at=0)
-
-
-def test_the_metric_names_are_those_to_nft_exports() -> None:
-    assert (reading.CONNECTIONS, reading.REJECTED, reading.DROPPED, reading.SERVICE_PORTS) == (
-        counting.CONNECTIONS,
-        counting.REJECTED,
-        counting.DROPPED,
-        counting.SERVICE_PORTS,
-    )
 
 
 @pytest.mark.parametrize(
@@ -338,6 +334,8 @@ def test_once_with_no_window_prints_the_totals_and_says_so(
         "kpng top: one scrape: totals only, no rates",
         "kpng top: the node left 4 Service ports out, those with the least traffic "
         "(--traffic-series-limit)",
+        "kpng top: the node left 2 endpoints out, those with the least traffic: BUSIEST is of "
+        "those it exports",
     ]
 
 

@@ -270,6 +270,11 @@ def _notes(newest: Scrape, shown: View) -> list[str]:
             f"the node left {newest.dropped:.0f} Service ports out, those with the least "
             "traffic (--traffic-series-limit)"
         )
+    if newest.endpoints_dropped:
+        notes.append(
+            f"the node left {newest.endpoints_dropped:.0f} endpoints out, those with the least "
+            "traffic: BUSIEST is of those it exports"
+        )
     if len(shown.rows) < shown.matched:
         notes.append(f"{len(shown.rows)} of {shown.matched} Service ports shown")
     return notes

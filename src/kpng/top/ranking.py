@@ -47,6 +47,8 @@ class Scrape:
     """The page has the traffic metrics at all (else the node counts nothing)."""
     dropped: float = 0.0
     """Service ports the node left out past its series limit."""
+    endpoints_dropped: float = 0.0
+    """Endpoints (of a service port) the node left out past its series limit."""
 
 
 class Sort(Enum):

@@ -20,7 +20,9 @@ REJECTED = "kpng_service_rejected_total"
 ENDPOINT_CONNECTIONS = "kpng_endpoint_connections_total"
 SERVICE_PORTS = "kpng_service_traffic_service_ports"
 DROPPED = "kpng_service_traffic_series_dropped"
-"""The names the backends export (docs/reference/metrics.md); a test holds to-nft's equal."""
+ENDPOINTS_DROPPED = "kpng_endpoint_traffic_series_dropped"
+"""The names the backends export (docs/reference/metrics.md): kpng top's test against a live
+node (tests/test_top_node.py) holds them to to-nft's."""
 
 BODY_LIMIT = 64 * 1024 * 1024
 """The largest page read, decoded: 100,000 Service ports at the endpoint level take some 30
@@ -58,15 +60,17 @@ def parse(text: str, *, at: float) -> Scrape:
     connections: dict[PortKey, float] = {}
     refused: dict[PortKey, float] = {}
     endpoints: dict[PortKey, dict[str, float]] = {}
-    counting, dropped = False, 0.0
+    counting, dropped, endpoints_dropped = False, 0.0, 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name, value, labels = sample.name, sample.value, sample.labels
-                if name in (SERVICE_PORTS, DROPPED):
+                if name in (SERVICE_PORTS, DROPPED, ENDPOINTS_DROPPED):
                     counting = True
                     if name == DROPPED and math.isfinite(value):
                         dropped = value
+                    elif name == ENDPOINTS_DROPPED and math.isfinite(value):
+                        endpoints_dropped = value
                     continue
                 if name not in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
                     continue
@@ -86,7 +90,9 @@ def parse(text: str, *, at: float) -> Scrape:
         key: PortCounts(value, refused.get(key, 0.0), endpoints.get(key, {}))
         for key, value in connections.items()
     }
-    return Scrape(at, ports, counting=counting, dropped=dropped)
+    return Scrape(
+        at, ports, counting=counting, dropped=dropped, endpoints_dropped=endpoints_dropped
+    )
 
 
 def _key(labels: dict[str, str]) -> PortKey | None:
