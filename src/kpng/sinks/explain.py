@@ -9,15 +9,98 @@ every source: the API server, manifests, or another kpng's ``to-api``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kpng.errors import UsageError
 from kpng.feeding import Fanout
 from kpng.model.cluster import ServiceKey, node_zone
 from kpng.sinks import Runner, SinkSpec
-from kpng.status import Status
+from kpng.status import Sampled, Status
 from kpng.store import Store
+
+if TYPE_CHECKING:
+    from kpng.resolver.explaining import ServiceExplanation
+
+CONNECTIONS = "kpng_service_connections_total"
+REJECTED = "kpng_service_rejected_total"
+ENDPOINT_CONNECTIONS = "kpng_endpoint_connections_total"
+"""The traffic counters' names (docs/reference/metrics.md), as the backends export them."""
+
+
+@dataclass
+class PortTraffic:
+    """A Service port's traffic counters, as a backend reports them for ``/metrics``."""
+
+    connections: float = 0.0
+    refused: float = 0.0
+    endpoints: dict[str, float] = field(default_factory=dict)
+    """New connections per endpoint, by ``IP:port``."""
+
+
+Traffic = Mapping[tuple[str, str, str], PortTraffic]
+"""By namespace, service and port name."""
+
+
+def traffic_of(samples: Iterable[Sampled]) -> dict[tuple[str, str, str], PortTraffic]:
+    """The traffic counters among these samples (those of every backend that counts, summed:
+    two backends of one node each count the connections they program)."""
+    out: dict[tuple[str, str, str], PortTraffic] = {}
+    for sample in samples:
+        if sample.name not in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
+            continue
+        labels = dict(sample.labels)
+        try:
+            key = (labels["namespace"], labels["service"], labels["port"])
+        except KeyError:
+            continue
+        if not math.isfinite(sample.value):
+            continue
+        port = out.setdefault(key, PortTraffic())
+        if sample.name == CONNECTIONS:
+            port.connections += sample.value
+        elif sample.name == REJECTED:
+            port.refused += sample.value
+        elif "endpoint" in labels:
+            endpoint = labels["endpoint"]
+            port.endpoints[endpoint] = port.endpoints.get(endpoint, 0.0) + sample.value
+    return out
+
+
+def with_traffic(explanation: ServiceExplanation, traffic: Traffic) -> ServiceExplanation:
+    """The explanation with each port's counted connections, and each endpoint's where the
+    endpoints are counted; unchanged for a port not counted."""
+    import msgspec
+
+    from kpng.resolver.explaining import endpoint_name
+
+    ports = []
+    for port in explanation.ports:
+        counted = traffic.get((explanation.namespace, explanation.name, port.name))
+        if counted is None:
+            ports.append(port)
+            continue
+        endpoints = port.endpoints
+        if counted.endpoints:
+            endpoints = [
+                msgspec.structs.replace(
+                    ep,
+                    connections=int(counted.endpoints.get(endpoint_name(ep.address, ep.port), 0)),
+                )
+                for ep in port.endpoints
+            ]
+        ports.append(
+            msgspec.structs.replace(
+                port,
+                connections=int(counted.connections),
+                refused=int(counted.refused),
+                endpoints=endpoints,
+            )
+        )
+    return msgspec.structs.replace(explanation, ports=ports)
 
 
 def parse_service(text: str) -> ServiceKey:
@@ -27,8 +110,16 @@ def parse_service(text: str) -> ServiceKey:
     return namespace, name
 
 
-def explain(store: Store, *, node: str, service: ServiceKey | None, output: str) -> str:
-    """The explanation of ``service`` (every Service when None) on ``node``, from the store."""
+def explain(
+    store: Store,
+    *,
+    node: str,
+    service: ServiceKey | None,
+    output: str,
+    traffic: Traffic | None = None,
+) -> str:
+    """The explanation of ``service`` (every Service when None) on ``node``, from the store,
+    with the connections ``traffic`` counted for its ports."""
     # The resolver is imported by the sinks that resolve only (kpng.sinks.local says why).
     import msgspec
 
@@ -47,14 +138,24 @@ def explain(store: Store, *, node: str, service: ServiceKey | None, output: str)
         )
         for key in keys
     ]
+    if traffic:
+        explanations = [with_traffic(ex, traffic) for ex in explanations]
     if output == "json":
         return msgspec.json.format(msgspec.json.encode(explanations)).decode() + "\n"
     return render_text(explanations)
 
 
-def explain_json(store: Store, node: str, service: ServiceKey) -> bytes:
-    """``/debug/explain``'s answer: what ``kpng explain -o json --service`` prints."""
-    return explain(store, node=node, service=service, output="json").encode()
+def explain_json(
+    store: Store,
+    node: str,
+    service: ServiceKey,
+    *,
+    traffic: Callable[[str], Traffic] | None = None,
+) -> bytes:
+    """``/debug/explain``'s answer: what ``kpng explain -o json --service`` prints, with the
+    connections ``traffic(node)`` counted (a node's own backends' counters)."""
+    counted = traffic(node) if traffic is not None else None
+    return explain(store, node=node, service=service, output="json", traffic=counted).encode()
 
 
 async def run_explain(store: Store, *, node: str, service: ServiceKey | None, output: str) -> None:
