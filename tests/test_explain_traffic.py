@@ -1,9 +1,17 @@
-"""``/debug/explain`` with the node's traffic counters: the counts read from the backends'
-samples, put beside each port and endpoint, and the text that shows them (pure)."""
+"""``/debug/explain`` and ``kpng explain --metrics-url`` with the node's traffic counters: the
+counts read from the backends' samples, put beside each port and endpoint, and the text that
+shows them (pure); the explain sink reading a served page."""
 
 from __future__ import annotations
 
+import http.server
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
 import msgspec
+import pytest
 
 from kpng.resolver.explaining import (
     EndpointExplanation,
@@ -11,8 +19,10 @@ from kpng.resolver.explaining import (
     ServiceExplanation,
     render_text,
 )
-from kpng.sinks.explain import PortTraffic, traffic_of, with_traffic
+from kpng.scraping import PortCounts
+from kpng.sinks.explain import traffic_of, with_traffic
 from kpng.status import Sample
+from tests.conftest import EXAMPLE
 
 WEB = ("shop", "web", "http")
 
@@ -33,7 +43,7 @@ def test_the_counters_are_read_from_the_samples_summed_over_backends() -> None:
         Sample("kpng_store_revision", "", 9),
     ]
     assert traffic_of(samples) == {
-        WEB: PortTraffic(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6}),
+        WEB: PortCounts(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6}),
     }
 
 
@@ -53,7 +63,7 @@ def _explanation() -> ServiceExplanation:
 def test_each_counted_port_and_endpoint_gets_its_count_and_the_rest_none() -> None:
     counted = with_traffic(
         _explanation(),
-        {WEB: PortTraffic(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6})},
+        {WEB: PortCounts(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6})},
     )
     port, other = counted.ports
     assert (port.connections, port.refused) == (15, 2)
@@ -65,14 +75,14 @@ def test_each_counted_port_and_endpoint_gets_its_count_and_the_rest_none() -> No
 
 
 def test_a_port_counted_without_its_endpoints_leaves_them_uncounted() -> None:
-    port = with_traffic(_explanation(), {WEB: PortTraffic(15, 2)}).ports[0]
+    port = with_traffic(_explanation(), {WEB: PortCounts(15, 2)}).ports[0]
     assert port.connections == 15
     assert [ep.connections for ep in port.endpoints] == [None, None, None]
 
 
 def test_the_text_shows_the_counts_beside_the_decisions() -> None:
     counted = with_traffic(
-        _explanation(), {WEB: PortTraffic(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6})}
+        _explanation(), {WEB: PortCounts(15, 2, {"10.244.1.2:8080": 7, "[fd00::2]:8080": 6})}
     )
     lines = render_text([counted]).splitlines()
     assert lines[1] == "  port http 80/TCP -> 8080; 15 connections counted, 2 refused"
@@ -80,3 +90,64 @@ def test_the_text_shows_the_counts_beside_the_decisions() -> None:
     assert lines[3].split() == ["10.244.1.2:8080", "node-1", "yes", "yes", "7"]
     assert lines[4].split() == ["[fd00::2]:8080", "node-1", "yes", "yes", "6"]
     assert render_text([_explanation()]).splitlines()[1] == "  port http 80/TCP -> 8080"
+
+
+_WEB = 'namespace="shop",service="web",port="http"'
+PAGE = f"""\
+# TYPE kpng_service_connections_total counter
+kpng_service_connections_total{{{_WEB}}} 40
+# TYPE kpng_service_rejected_total counter
+kpng_service_rejected_total{{{_WEB}}} 1
+# TYPE kpng_endpoint_connections_total counter
+kpng_endpoint_connections_total{{{_WEB},endpoint="10.244.1.11:8080"}} 39
+"""
+
+
+@pytest.fixture
+def page() -> Iterator[tuple[str, list[bytes]]]:
+    """A served /metrics page: its address, and the body to change."""
+    body = [PAGE.encode()]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body[0])))
+            self.end_headers()
+            self.wfile.write(body[0])
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _explain(address: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "kpng", "file", "--input", str(EXAMPLE), "explain"]
+    argv += ["--node-name", "node-2", "--service", "shop/web", "--metrics-url", address]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_explain_shows_the_counts_read_from_the_nodes_metrics(
+    page: tuple[str, list[bytes]],
+) -> None:
+    done = _explain(page[0])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1] == "  port http 80/TCP -> http; 40 connections counted, 1 refused"
+    rows = {line.split()[0]: line.split()[4] for line in lines[5:8]}
+    assert rows == {"10.244.1.11:8080": "39", "10.244.2.13:8080": "0", "10.244.3.12:8080": "0"}
+
+
+def test_explain_fails_naming_a_page_without_counters(page: tuple[str, list[bytes]]) -> None:
+    address, body = page
+    body[0] = b"kpng_store_revision 7\n"
+    done = _explain(address)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "has no traffic counters" in done.stderr

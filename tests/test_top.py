@@ -18,11 +18,10 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from kpng.scraping import PortCounts, ReadError, Scrape, metrics_url, parse
 from kpng.top.ranking import (
     HEADER,
-    PortCounts,
     Row,
-    Scrape,
     Sort,
     cells,
     increase,
@@ -30,7 +29,6 @@ from kpng.top.ranking import (
     table,
     view,
 )
-from kpng.top.reading import ReadError, metrics_url, parse
 
 WEB = ("shop", "web", "http")
 DB = ("shop", "db", "")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,6 +83,7 @@ class _Node:
     netns: str
     metrics: str
     """HOST:PORT of kpng's metrics address, inside the node's namespace."""
+    manifests: Path
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Node]:
         with log.open("wb") as stderr:
             bed.spawn(netns, argv, stderr=stderr)
         assert poll(lambda: "applied a full transaction" in log.read_text(), within=30)
-        yield _Node(bed, netns, metrics)
+        yield _Node(bed, netns, metrics, manifests)
 
 
 def test_top_once_prints_each_service_ports_connections_rate_and_refused(node: _Node) -> None:
@@ -146,7 +148,8 @@ def test_top_once_prints_each_service_ports_connections_rate_and_refused(node: _
     assert done.stderr == ""
 
 
-def test_debug_explain_gives_each_port_its_counted_connections(node: _Node) -> None:
+def test_explain_gives_each_port_its_counted_connections(node: _Node) -> None:
+    """/debug/explain from the backend's samples, kpng explain --metrics-url from /metrics."""
     answers = node.bed.probe(node.netns, "tcp", API_IP, 80, count=4, timeout=1)
     assert [a.split()[0] for a in answers] == ["p1"] * 4
     url = f"http://{node.metrics}/debug/explain?service=ops/api"
@@ -164,3 +167,7 @@ def test_debug_explain_gives_each_port_its_counted_connections(node: _Node) -> N
     assert (port["name"], port["connections"], port["refused"]) == ("http", 4, 0)
     # The service level counts no endpoint: the endpoints carry no count.
     assert ["connections" in ep for ep in port["endpoints"]] == [False]
+    argv = [sys.executable, "-m", "kpng", "file", "--input", str(node.manifests), "explain"]
+    argv += ["--node-name", "node-1", "--service", "ops/api", "--metrics-url", node.metrics]
+    text = node.bed.exec(node.netns, argv)
+    assert "  port http 80/TCP -> 8080; 4 connections counted, 0 refused" in text.splitlines()

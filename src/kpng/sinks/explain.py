@@ -3,21 +3,22 @@
 ``kpng <source> ... explain --node-name NODE [--service NS/NAME] [--output json]`` prints, for
 each Service port, every endpoint kpng knows, whether cluster-wide and node-local traffic use it,
 and why (kpng.resolver.explaining). It reads the global state as any sink does, so it works on
-every source: the API server, manifests, or another kpng's ``to-api``.
+every source: the API server, manifests, or another kpng's ``to-api``. With ``--metrics-url``,
+the connections the node's traffic counters counted stand beside the decisions, read from its
+``/metrics`` (``/debug/explain`` reads its own backends' in process).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kpng.errors import UsageError
 from kpng.feeding import Fanout
 from kpng.model.cluster import ServiceKey, node_zone
+from kpng.scraping import PortCounts, PortKey, counts_of, metrics_url
 from kpng.sinks import Runner, SinkSpec
 from kpng.status import Sampled, Status
 from kpng.store import Store
@@ -25,49 +26,12 @@ from kpng.store import Store
 if TYPE_CHECKING:
     from kpng.resolver.explaining import ServiceExplanation
 
-CONNECTIONS = "kpng_service_connections_total"
-REJECTED = "kpng_service_rejected_total"
-ENDPOINT_CONNECTIONS = "kpng_endpoint_connections_total"
-"""The traffic counters' names (docs/reference/metrics.md), as the backends export them."""
+Traffic = Mapping[PortKey, PortCounts]
 
 
-@dataclass
-class PortTraffic:
-    """A Service port's traffic counters, as a backend reports them for ``/metrics``."""
-
-    connections: float = 0.0
-    refused: float = 0.0
-    endpoints: dict[str, float] = field(default_factory=dict)
-    """New connections per endpoint, by ``IP:port``."""
-
-
-Traffic = Mapping[tuple[str, str, str], PortTraffic]
-"""By namespace, service and port name."""
-
-
-def traffic_of(samples: Iterable[Sampled]) -> dict[tuple[str, str, str], PortTraffic]:
-    """The traffic counters among these samples (those of every backend that counts, summed:
-    two backends of one node each count the connections they program)."""
-    out: dict[tuple[str, str, str], PortTraffic] = {}
-    for sample in samples:
-        if sample.name not in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
-            continue
-        labels = dict(sample.labels)
-        try:
-            key = (labels["namespace"], labels["service"], labels["port"])
-        except KeyError:
-            continue
-        if not math.isfinite(sample.value):
-            continue
-        port = out.setdefault(key, PortTraffic())
-        if sample.name == CONNECTIONS:
-            port.connections += sample.value
-        elif sample.name == REJECTED:
-            port.refused += sample.value
-        elif "endpoint" in labels:
-            endpoint = labels["endpoint"]
-            port.endpoints[endpoint] = port.endpoints.get(endpoint, 0.0) + sample.value
-    return out
+def traffic_of(samples: Iterable[Sampled]) -> dict[PortKey, PortCounts]:
+    """The traffic counters among a node's samples (its backends' ``/metrics``)."""
+    return counts_of((s.name, dict(s.labels), s.value) for s in samples)
 
 
 def with_traffic(explanation: ServiceExplanation, traffic: Traffic) -> ServiceExplanation:
@@ -158,15 +122,44 @@ def explain_json(
     return explain(store, node=node, service=service, output="json", traffic=counted).encode()
 
 
-async def run_explain(store: Store, *, node: str, service: ServiceKey | None, output: str) -> None:
+async def run_explain(
+    store: Store,
+    *,
+    node: str,
+    service: ServiceKey | None,
+    output: str,
+    metrics_url: str | None = None,
+) -> None:
     subscription = store.subscribe()
     try:
         async for _ in subscription:  # the first revision comes once every source has synced
-            sys.stdout.write(explain(store, node=node, service=service, output=output))
+            traffic = await scraped_traffic(metrics_url) if metrics_url is not None else None
+            text = explain(store, node=node, service=service, output=output, traffic=traffic)
+            sys.stdout.write(text)
             sys.stdout.flush()
             return
     finally:
         subscription.close()
+
+
+async def scraped_traffic(url: str) -> Traffic:
+    """The traffic counters on the node's ``/metrics`` page at ``url``."""
+    import time
+
+    from kpng.http1.client import HttpClient
+    from kpng.scraping import TIMEOUT_S, ReadError, fetch, parse
+
+    client = HttpClient(ssl_context=None, connect_timeout=TIMEOUT_S)
+    try:
+        scrape = parse(await fetch(client, url), at=time.monotonic())
+    finally:
+        await client.close()
+    if not scrape.counting:
+        raise ReadError(
+            f"{url} has no traffic counters (kpng_service_connections_total): the node's "
+            "backend counts with --traffic-counters"
+        )
+    return scrape.ports
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,13 +170,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", "-o", choices=("table", "json"), default="table", help="default: table"
     )
+    parser.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="NODE's metrics address (HOST:PORT or an http(s) URL, as kpng top takes it): show "
+        "each port's and endpoint's connections its traffic counters counted beside the "
+        "decisions (the node runs its backend with --traffic-counters)",
+    )
 
 
 def _create(
     args: argparse.Namespace, store: Store, _: Callable[[], Fanout] | None, __: Status
 ) -> Runner:
     service = parse_service(args.service) if args.service is not None else None
-    return lambda: run_explain(store, node=args.node_name, service=service, output=args.output)
+    url = metrics_url(args.metrics_url) if args.metrics_url is not None else None
+    return lambda: run_explain(
+        store, node=args.node_name, service=service, output=args.output, metrics_url=url
+    )
 
 
 SPEC = SinkSpec(

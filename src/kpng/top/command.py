@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from kpng.errors import EXIT_ERROR, EXIT_USAGE
 from kpng.http1.client import HttpClient
-from kpng.top.ranking import Scrape, Sort, View, fresh, table, view
-from kpng.top.reading import DEFAULT_URL, TIMEOUT_S, ReadError, fetch, metrics_url, parse
+from kpng.scraping import DEFAULT_URL, TIMEOUT_S, ReadError, Scrape, fetch, metrics_url, parse
+from kpng.top.ranking import Sort, View, fresh, table, view
 
 if TYPE_CHECKING:
     import curses

@@ -18,37 +18,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
-PortKey = tuple[str, str, str]
-"""A Service port: namespace, service, port name (empty for an unnamed port)."""
-
-
-@dataclass(frozen=True)
-class PortCounts:
-    """One Service port's counters in one scrape."""
-
-    connections: float
-    """New connections, refused ones included (``kpng_service_connections_total``)."""
-    refused: float
-    """Refused for want of endpoints (``kpng_service_rejected_total``)."""
-    endpoints: Mapping[str, float] = field(default_factory=dict)
-    """New connections per endpoint (``kpng_endpoint_connections_total``), when exported."""
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """The traffic counters of one node's ``/metrics``, read at ``at`` (monotonic seconds)."""
-
-    at: float
-    ports: Mapping[PortKey, PortCounts]
-    counting: bool = True
-    """The page has the traffic metrics at all (else the node counts nothing)."""
-    dropped: float = 0.0
-    """Service ports the node left out past its series limit."""
-    endpoints_dropped: float = 0.0
-    """Endpoints (of a service port) the node left out past its series limit."""
+from kpng.scraping import PortKey, Scrape
 
 
 class Sort(Enum):

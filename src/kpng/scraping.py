@@ -1,4 +1,6 @@
-"""A node's traffic counters, read from its ``/metrics`` (Prometheus text).
+"""A node's traffic counters (``--traffic-counters``), read from its ``/metrics`` page or from
+its backends' samples: for ``kpng top`` and ``kpng explain --metrics-url`` (the page) and
+``/debug/explain`` (the samples).
 
 The page is a peer's: what is read is bounded (``BODY_LIMIT``, ``TIMEOUT_S``), prometheus_client's
 parser reads it (a malformed page is an error naming the address, not a traceback), and a
@@ -9,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from kpng.errors import KpngError
-from kpng.http1.client import HttpClient, HttpError
-from kpng.top.ranking import PortCounts, PortKey, Scrape
+
+if TYPE_CHECKING:
+    # Imported when a page is fetched: /debug/explain reads samples, and h11 need not load.
+    from kpng.http1.client import HttpClient
 
 CONNECTIONS = "kpng_service_connections_total"
 REJECTED = "kpng_service_rejected_total"
@@ -21,8 +28,8 @@ ENDPOINT_CONNECTIONS = "kpng_endpoint_connections_total"
 SERVICE_PORTS = "kpng_service_traffic_service_ports"
 DROPPED = "kpng_service_traffic_series_dropped"
 ENDPOINTS_DROPPED = "kpng_endpoint_traffic_series_dropped"
-"""The names the backends export (docs/reference/metrics.md): kpng top's test against a live
-node (tests/test_top_node.py) holds them to to-nft's."""
+"""The names the backends export (docs/reference/metrics.md): the tests against a live node
+(tests/test_top_node.py) hold them to to-nft's."""
 
 BODY_LIMIT = 64 * 1024 * 1024
 """The largest page read, decoded: 100,000 Service ports at the endpoint level take some 30
@@ -32,6 +39,62 @@ TIMEOUT_S = 10.0
 
 DEFAULT_URL = "http://127.0.0.1:10249/metrics"
 """kube-proxy's metrics address, which ``kpng kube-proxy`` and the deploy manifests keep."""
+
+
+PortKey = tuple[str, str, str]
+"""A Service port: namespace, service, port name (empty for an unnamed port)."""
+
+
+@dataclass(frozen=True)
+class PortCounts:
+    """One Service port's counters."""
+
+    connections: float
+    """New connections, refused ones included (``kpng_service_connections_total``)."""
+    refused: float
+    """Refused for want of endpoints (``kpng_service_rejected_total``)."""
+    endpoints: Mapping[str, float] = field(default_factory=dict)
+    """New connections per endpoint (``kpng_endpoint_connections_total``) by ``IP:port``, when
+    exported."""
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The traffic counters of one node's ``/metrics``, read at ``at`` (monotonic seconds)."""
+
+    at: float
+    ports: Mapping[PortKey, PortCounts]
+    counting: bool = True
+    """The page has the traffic metrics at all (else the node counts nothing)."""
+    dropped: float = 0.0
+    """Service ports the node left out past its series limit."""
+    endpoints_dropped: float = 0.0
+    """Endpoints (of a service port) the node left out past its series limit."""
+
+
+def counts_of(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> dict[PortKey, PortCounts]:
+    """Each Service port's counters among these (name, labels, value) samples, those of the
+    same series summed (two backends of one node each count what they program)."""
+    connections: dict[PortKey, float] = {}
+    refused: dict[PortKey, float] = {}
+    endpoints: dict[PortKey, dict[str, float]] = {}
+    for name, labels, value in samples:
+        if name not in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
+            continue
+        key = _key(labels)
+        if key is None or not (math.isfinite(value) and value >= 0):
+            continue
+        if name == CONNECTIONS:
+            connections[key] = connections.get(key, 0.0) + value
+        elif name == REJECTED:
+            refused[key] = refused.get(key, 0.0) + value
+        elif "endpoint" in labels:
+            counted = endpoints.setdefault(key, {})
+            counted[labels["endpoint"]] = counted.get(labels["endpoint"], 0.0) + value
+    return {
+        key: PortCounts(value, refused.get(key, 0.0), endpoints.get(key, {}))
+        for key, value in connections.items()
+    }
 
 
 class ReadError(KpngError):
@@ -57,45 +120,33 @@ def parse(text: str, *, at: float) -> Scrape:
     """The traffic counters of a page of Prometheus text, read at ``at``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    connections: dict[PortKey, float] = {}
-    refused: dict[PortKey, float] = {}
-    endpoints: dict[PortKey, dict[str, float]] = {}
+    samples: list[tuple[str, Mapping[str, str], float]] = []
     counting, dropped, endpoints_dropped = False, 0.0, 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                name, value, labels = sample.name, sample.value, sample.labels
-                if name in (SERVICE_PORTS, DROPPED, ENDPOINTS_DROPPED):
+                name, value = sample.name, sample.value
+                if name in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
+                    counting = True
+                    samples.append((name, sample.labels, value))
+                elif name in (SERVICE_PORTS, DROPPED, ENDPOINTS_DROPPED):
                     counting = True
                     if name == DROPPED and math.isfinite(value):
                         dropped = value
                     elif name == ENDPOINTS_DROPPED and math.isfinite(value):
                         endpoints_dropped = value
-                    continue
-                if name not in (CONNECTIONS, REJECTED, ENDPOINT_CONNECTIONS):
-                    continue
-                counting = True
-                key = _key(labels)
-                if key is None or not (math.isfinite(value) and value >= 0):
-                    continue
-                if name == CONNECTIONS:
-                    connections[key] = value
-                elif name == REJECTED:
-                    refused[key] = value
-                elif "endpoint" in labels:
-                    endpoints.setdefault(key, {})[labels["endpoint"]] = value
     except ValueError as exc:  # the parser's every complaint
         raise ReadError(f"not Prometheus text: {exc}") from None
-    ports = {
-        key: PortCounts(value, refused.get(key, 0.0), endpoints.get(key, {}))
-        for key, value in connections.items()
-    }
     return Scrape(
-        at, ports, counting=counting, dropped=dropped, endpoints_dropped=endpoints_dropped
+        at,
+        counts_of(samples),
+        counting=counting,
+        dropped=dropped,
+        endpoints_dropped=endpoints_dropped,
     )
 
 
-def _key(labels: dict[str, str]) -> PortKey | None:
+def _key(labels: Mapping[str, str]) -> PortKey | None:
     try:
         return (labels["namespace"], labels["service"], labels["port"])
     except KeyError:
@@ -104,6 +155,8 @@ def _key(labels: dict[str, str]) -> PortKey | None:
 
 async def fetch(client: HttpClient, url: str) -> str:
     """The page at ``url``, bounded in size and time; ReadError if it cannot be had."""
+    from kpng.http1.client import HttpError
+
     try:
         async with asyncio.timeout(TIMEOUT_S):
             async with client.request("GET", url, headers={"Accept": "text/plain"}) as response:
