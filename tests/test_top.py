@@ -25,6 +25,7 @@ from kpng.top.ranking import (
     Sort,
     cells,
     increase,
+    kept,
     span,
     table,
     view,
@@ -80,6 +81,23 @@ def test_rates_span_whole_reads_of_the_counters_when_the_window_has_two(
     scrapes: list[Scrape], window: float, expected: tuple[int, int] | None
 ) -> None:
     assert span(scrapes, window=window) == expected
+
+
+@pytest.mark.parametrize(
+    ("times", "window", "expected"),
+    [
+        ([], 30, []),
+        ([0], 30, [0]),
+        ([0, 10, 20, 30], 30, [0, 10, 20, 30]),
+        ([0, 10, 20, 30, 40], 30, [0, 10, 20, 30, 40]),  # 0: the one before 10, the oldest
+        ([0, 10, 20, 30, 40, 50], 30, [10, 20, 30, 40, 50]),
+        ([0, 2, 4], 0, [2, 4]),
+    ],
+)
+def test_the_scrapes_kept_are_the_windows_and_the_one_before(
+    times: list[float], window: float, expected: list[float]
+) -> None:
+    assert [s.at for s in kept(_steps(times, [0] * len(times)), window=window)] == expected
 
 
 def test_a_stepwise_counter_is_rated_over_whole_reads_not_the_scrapes_phase() -> None:

@@ -79,6 +79,16 @@ def span(scrapes: Sequence[Scrape], *, window: float) -> tuple[int, int] | None:
     return None
 
 
+def kept(scrapes: Sequence[Scrape], *, window: float) -> list[Scrape]:
+    """The scrapes ``span`` may still use once ``window`` has passed over the others: those of
+    the window, and the one before its oldest (which tells whether the oldest is fresh)."""
+    if not scrapes:
+        return []
+    newest = scrapes[-1].at
+    first = next(i for i, s in enumerate(scrapes) if newest - s.at <= window)
+    return list(scrapes[max(0, first - 1) :])
+
+
 def increase(values: Iterable[float]) -> float:
     """How much a counter went up over these successive values, a drop being a restart."""
     total, last = 0.0, None
