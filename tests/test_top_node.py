@@ -6,6 +6,8 @@ Each test connects to Services of its own: they share the node."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,7 +91,9 @@ class _Node:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Node]:
     tmp_path = tmp_path_factory.mktemp("top")
-    with TestBed(ClusterSpec.parse({"node-1": ["p1"]})) as bed:
+    # The namespaces' names say whose they are (top-...-node-1), and are unique to the run.
+    prefix = f"top{os.getpid() % 100000}{secrets.token_hex(2)}"
+    with TestBed(ClusterSpec.parse({"node-1": ["p1"]}), prefix=prefix) as bed:
         netns = bed.nodes["node-1"].netns
         manifests = tmp_path / "manifests"
         manifests.mkdir()
