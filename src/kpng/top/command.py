@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -105,6 +106,9 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
+        # The reader went away (``| head -3``): not a failure. Point stdout at /dev/null so
+        # the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 
@@ -118,12 +122,13 @@ class _Top:
         self.namespace: str | None = args.namespace
         self.scrapes: list[Scrape] = []
 
-    def view(self, *, fits: int | None = None) -> View:
-        """The rows, ``--limit`` of them, and no more than ``fits`` (the screen's)."""
+    def view(self, *, fits: int | None = None, window: float | None = None) -> View:
+        """The rows, ``--limit`` of them, and no more than ``fits`` (the screen's), rated over
+        ``window`` (``--window`` by default)."""
         limit = self.limit if fits is None or self.limit is None else min(self.limit, fits)
         return view(
             self.scrapes,
-            window=self.window,
+            window=self.window if window is None else window,
             sort=self.sort,
             limit=fits if limit is None else limit,
             namespace=self.namespace,
@@ -148,7 +153,8 @@ class _Top:
         if not newest.counting:
             print(f"kpng top: error: {_no_counters(self.url)}", file=sys.stderr)
             return EXIT_ERROR
-        shown = self.view()
+        # Every scrape was taken for these rates, however long the scrapes took.
+        shown = self.view(window=math.inf)
         print("\n".join(table(shown.rows)))
         for note in _notes(newest, shown):
             print(f"kpng top: {note}", file=sys.stderr)
@@ -167,7 +173,6 @@ class _Top:
                     break
                 await asyncio.sleep(min(self.interval, left))
                 self.scrapes.append(await self.scrape(client))
-            self.window = math.inf  # every scrape was taken for these rates
         finally:
             await client.close()
 
@@ -187,7 +192,8 @@ class _Top:
     def _live(self, screen: curses.window) -> int:
         import curses
 
-        curses.curs_set(0)
+        with contextlib.suppress(curses.error):  # a terminal that cannot hide its cursor
+            curses.curs_set(0)
         with asyncio.Runner() as runner:
             client = HttpClient(ssl_context=None, connect_timeout=TIMEOUT_S)
             error: str | None = None
