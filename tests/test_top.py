@@ -248,6 +248,7 @@ def test_a_page_without_the_traffic_metrics_says_the_node_counts_nothing() -> No
         'kpng_service_connections_total{namespace="a" 1\n',
         "kpng_service_connections_total{} abc\n",
         "<html>not metrics</html>\n",
+        "aE#{,\t=ToT #\\I\\#LNrPr.}cbr}n#\n_",  # prometheus_client: an IndexError
     ],
 )
 def test_a_page_that_is_not_prometheus_text_is_an_error(text: str) -> None:

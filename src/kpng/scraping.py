@@ -135,7 +135,9 @@ def parse(text: str, *, at: float) -> Scrape:
                         dropped = value
                     elif name == ENDPOINTS_DROPPED and math.isfinite(value):
                         endpoints_dropped = value
-    except ValueError as exc:  # the parser's every complaint
+    # The parser's complaints, and the IndexError some malformed lines raise in it (found by
+    # fuzzing; tests/test_top.py has one).
+    except (ValueError, IndexError) as exc:
         raise ReadError(f"not Prometheus text: {exc}") from None
     return Scrape(
         at,
