@@ -101,3 +101,17 @@ def test_kpng_kube_with_status_addresses_builds_without_aiohttp(tmp_path: Path) 
         "to-local", "--node-name", "node-1", "to-nft",
     ]  # fmt: skip
     assert json.loads(_run_python(script, *argv).stdout) == []
+
+
+def test_help_and_other_commands_do_not_import_what_kpng_top_needs() -> None:
+    """``kpng top``'s parser (prometheus_client, whose package imports http.server and more)
+    and its modules are imported when ``kpng top`` runs, not by ``kpng --help`` nor any
+    pipeline."""
+    script = (
+        "import contextlib, json, sys, kpng.cli\n"
+        "with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):\n"
+        "    kpng.cli.main(['--help'])\n"
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m.startswith(('prometheus_client', 'kpng.top')))))"
+    )
+    assert json.loads(_run_python(script).stdout) == []

@@ -32,7 +32,7 @@ from kpng.errors import EXIT_ERROR, EXIT_USAGE, KpngError, UsageError
 from kpng.feeding import Fanout, Feeder, SyncStats
 from kpng.logs import configure_logging
 from kpng.sinks import SinkSpec
-from kpng.sinks.explain import explain_json
+from kpng.sinks.explain import Traffic, explain_json, traffic_of
 from kpng.sources import Runner, SourceSpec
 from kpng.status import Status
 from kpng.stopping import until_signalled
@@ -270,7 +270,9 @@ def build(argv: Sequence[str]) -> Pipeline:
         raise UsageError(f"{sink_spec.name} takes no backend")
 
     store = status.store = Store()
-    status.explain = functools.partial(explain_json, store)
+    status.explain = functools.partial(
+        explain_json, store, traffic=functools.partial(_traffic, status)
+    )
     status.node = sink_spec.node(sink_args)
     status.nodes_listed = source_spec.lists_nodes
     assert source_spec.create is not None
@@ -280,6 +282,12 @@ def build(argv: Sequence[str]) -> Pipeline:
     if once:
         parts["sync"] = functools.partial(_fail_if_blocked, store)
     return Pipeline(options, _with_status(options, status, _concurrently(parts)), once)
+
+
+def _traffic(status: Status, node: str) -> Traffic:
+    """What this node's backends counted, for ``/debug/explain``: not for another node's
+    explanation (asked of a brain, whose backends, if any, count its own traffic)."""
+    return traffic_of(status.samples()) if node == status.node else {}
 
 
 async def _fail_if_blocked(store: Store) -> None:

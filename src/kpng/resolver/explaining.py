@@ -25,7 +25,7 @@ class Reason(msgspec.Struct, frozen=True):
     text: str
 
 
-class EndpointExplanation(msgspec.Struct):
+class EndpointExplanation(msgspec.Struct, omit_defaults=True):
     address: str
     port: int
     """The target port number, 0 when the endpoint's slice has no such port."""
@@ -43,9 +43,12 @@ class EndpointExplanation(msgspec.Struct):
     external: bool
     """Node-port, external-IP and load-balancer traffic reaches it (Scopes.External)."""
     reasons: tuple[Reason, ...]
+    connections: int | None = None
+    """New connections this node sent it, as its backend counted them (the endpoint level of
+    ``--traffic-counters``); absent when not counted."""
 
 
-class PortExplanation(msgspec.Struct):
+class PortExplanation(msgspec.Struct, omit_defaults=True):
     name: str
     protocol: str
     port: int
@@ -60,6 +63,11 @@ class PortExplanation(msgspec.Struct):
     """The families with an endpoint usable anywhere; none means connections are rejected."""
     notes: tuple[Reason, ...]
     endpoints: list[EndpointExplanation]
+    connections: int | None = None
+    """New connections to the port through this node, refused ones included, as its backend
+    counted them (``--traffic-counters``); absent when not counted."""
+    refused: int | None = None
+    """Of those, the ones refused for want of endpoints."""
 
 
 class ServiceExplanation(msgspec.Struct):
@@ -387,6 +395,13 @@ def _unused(ep: SliceEndpoint, number: int, sl: Slice, reason: Reason) -> Endpoi
     )
 
 
+def endpoint_name(address: str, port: int) -> str:
+    """``IP:port`` (``[IP]:port`` for IPv6; the address alone without a port), as the endpoint
+    level of the traffic counters labels an endpoint."""
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{port}" if port else host
+
+
 def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
@@ -401,26 +416,30 @@ def render_text(explanations: Iterable[ServiceExplanation]) -> str:
             label = f"{port.name or '<unnamed>'} {port.port}/{port.protocol} -> {port.target}"
             if port.node_port:
                 label += f", node port {port.node_port}"
+            if port.connections is not None:
+                label += f"; {port.connections} connections counted, {port.refused or 0} refused"
             out.append(f"  port {label}")
             out.extend(f"    {note.text}" for note in port.notes)
             if not port.endpoints:
                 out.append("    no endpoints")
                 continue
-            rows = [("ENDPOINT", "NODE", "CLUSTER", "LOCAL", "WHY")]
+            counted = any(ep.connections is not None for ep in port.endpoints)
+            rows = [("ENDPOINT", "NODE", "CLUSTER", "LOCAL", *(("CONNS",) if counted else ()))]
+            whys = ["WHY"]
             for ep in port.endpoints:
-                address = f"[{ep.address}]" if ":" in ep.address else ep.address
                 rows.append(
                     (
-                        f"{address}:{ep.port}" if ep.port else address,
+                        endpoint_name(ep.address, ep.port),
                         ep.node or "-",
                         _yes(ep.cluster),
                         _yes(ep.local),
-                        "; ".join(r.text for r in ep.reasons),
+                        *((str(ep.connections or 0),) if counted else ()),
                     )
                 )
-            widths = [max(len(row[i]) for row in rows) for i in range(4)]
-            for row in rows:
-                cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-                out.append("    " + "  ".join([*cells, row[4]]).rstrip())
+                whys.append("; ".join(r.text for r in ep.reasons))
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            for row, why in zip(rows, whys, strict=True):
+                cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+                out.append("    " + "  ".join([*cells, why]).rstrip())
         out.append("")
     return "\n".join(out)

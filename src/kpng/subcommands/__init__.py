@@ -1,7 +1,7 @@
-"""Subcommands: ``kpng cleanup``, ``kpng version``, ``kpng check``, ``kpng kube-proxy``. A module
-of this package that defines a ``SPEC`` is one, the command word ``SPEC.name``: the CLI finds it
-here (``registered``), as it finds sources and sinks (kpng.specs). Modules stay light: what a
-subcommand needs is imported when it runs."""
+"""Subcommands: ``kpng cleanup``, ``kpng version``, ``kpng check``, ``kpng kube-proxy``,
+``kpng top``. A module of this package that defines a ``SPEC`` is one, the command word
+``SPEC.name``: the CLI finds it here (``registered``), as it finds sources and sinks
+(kpng.specs). Modules stay light: what a subcommand needs is imported when it runs."""
 
 from __future__ import annotations
 
