@@ -39,19 +39,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sync_period(parser, checks="that kpng's table holds what kpng applied")
     parser.add_argument(
         "--traffic-counters",
-        choices=("off", "service"),
+        choices=("off", "service", "endpoint"),
         default="off",
         help="service: count each Service port's new connections, and those refused for want "
         "of endpoints, for /metrics (kpng_service_connections_total, "
-        "kpng_service_rejected_total; default off)",
+        "kpng_service_rejected_total); endpoint: those too, and each endpoint's new connections "
+        "(kpng_endpoint_connections_total, endpoint label IP:port; not for ClientIP-affinity "
+        "Service ports; default off)",
     )
     parser.add_argument(
         "--traffic-series-limit",
         type=_positive,
         default=SERIES_LIMIT,
         metavar="N",
-        help="the most Service ports --traffic-counters exposes: past it, those with the least "
-        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
+        help="the most Service ports --traffic-counters exposes, and the most endpoints with "
+        "endpoint: past it, those with the least traffic are left out "
+        "(kpng_service_traffic_series_dropped, kpng_endpoint_traffic_series_dropped; default "
+        f"{SERIES_LIMIT})",
     )
 
 
@@ -66,7 +70,8 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options = dataclasses.replace(
         options,
         localhost_nodeports=args.localhost_nodeports,
-        traffic_counters=args.traffic_counters == "service",
+        traffic_counters=args.traffic_counters != "off",
+        endpoint_counters=args.traffic_counters == "endpoint",
     )
     served = [fam for fam in FAMILIES if loopback_served(options, fam)]
     if args.localhost_nodeports and not served:
