@@ -129,37 +129,47 @@ def test_a_restarted_or_rewritten_counter_never_lowers_the_total() -> None:
         samples = traffic.samples()
         return _values(samples, CONNECTIONS), _values(samples, REJECTED)  # type: ignore[arg-type]
 
-    traffic.fold([(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 7, "empty": 3}, {"web": 0, "empty": 3})
     # Rewritten with a new endpoint count: it restarts, and has counted 6 since.
     traffic.replaced([web])
     applied[web] = ("goto pick-cluster-v4-2",)
-    traffic.fold([(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals()[0] == {"web": 13, "empty": 3}
     # Found lower than last read (rewritten by another program, say).
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals()[0] == {"web": 14, "empty": 3}
     # The empty service gets endpoints: what it refused stays refused.
     traffic.replaced([empty])
     applied[empty] = ("goto pick-cluster-v4-1",)
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A full sync: every counter restarts.
     traffic.replaced(None)
-    traffic.fold([(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A node port that goes keeps its count in the service port's total.
-    traffic.fold([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14, "empty": 7}
     # A service that goes takes its series along.
-    traffic.fold([(web, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements([(web, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14}
 
 
 def test_past_the_limit_the_service_ports_with_the_least_traffic_are_left_out() -> None:
     traffic = TrafficCounters(series_limit=2)
     keys = {f"s{i}": ("cluster-v4", (f"10.96.0.{i}", "tcp", "80")) for i in range(5)}
-    traffic.fold(
+    traffic.fold_elements(
         [(ek, int(name[1:]) * 10) for name, ek in keys.items()],
         dict.fromkeys(keys.values(), ("goto pick-cluster-v4-1",)),
         {ek: f"ns/{name}" for name, ek in keys.items()},
@@ -192,7 +202,7 @@ def test_endpoint_counts_follow_their_endpoint_across_moves_rewrites_and_restart
     }
 
     def fold(counts: list[tuple[tuple[str, tuple[str, ...]], int]]) -> dict[str, float]:
-        traffic.fold(counts, applied, comments, traffic.take_rewritten(), dispatched_by)
+        traffic.fold_elements(counts, applied, comments, traffic.take_rewritten(), dispatched_by)
         return {
             dict(s.labels)["endpoint"]: s.value
             for s in traffic.samples()
@@ -225,7 +235,7 @@ def test_the_series_limit_bounds_the_endpoints_on_their_own() -> None:
         dispatched_by[ek[0]] = "cluster-v4"
         applied[ek] = (f"10.244.1.{i}", "80")
         counts.append((ek, 10 * (i + 1)))
-    traffic.fold(counts, applied, {("cluster-v4", key): "ns/web:p"}, (), dispatched_by)
+    traffic.fold_elements(counts, applied, {("cluster-v4", key): "ns/web:p"}, (), dispatched_by)
     samples = traffic.samples()
     assert [dict(s.labels)["endpoint"] for s in samples if s.name == ENDPOINT_CONNECTIONS] == [
         "10.244.1.1:80",

@@ -504,7 +504,7 @@ class NftBackend:
             rewritten = traffic.take_rewritten()
         dispatched_by = {name: c[2] for name, c in containers.items() if c[2]}
         await asyncio.to_thread(
-            lambda: traffic.fold(
+            lambda: traffic.fold_elements(
                 _keyed(dumps, containers),
                 store.applied_elements,
                 store.applied_comments,
