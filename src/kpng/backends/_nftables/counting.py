@@ -52,6 +52,9 @@ from kpng.backends._traffic import (
     SERIES_LIMIT as SERIES_LIMIT,
 )
 from kpng.backends._traffic import (
+    SERVICE_PORTS as SERVICE_PORTS,
+)
+from kpng.backends._traffic import (
     Sample as Sample,
 )
 
