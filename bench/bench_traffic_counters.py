@@ -1,27 +1,38 @@
-"""to-nft's traffic counters (``--traffic-counters service``): what they cost a full sync and the
-kernel's memory, and what a read of them and a scrape cost.
+"""The traffic counters (``--traffic-counters off|service|endpoint``): what each level costs
+to-nft and to-iptables, in one run, with ``off`` as the baseline.
 
-For each size, in a network namespace of its own (root and nft needed), one full sync of
-``bench_nft``'s generated services into an empty table with the counters off then on: its time,
-and how much the kernel's slab and per-CPU memory grew (``/proc/meminfo``: the machine's, so
-idle is best); with them on, a read of every counter (``NftBackend.read_traffic``) and the
-exposition's size at the default series limit.
+For each backend, size and level, in a network namespace of its own (root, nft and iptables
+needed), ``bench_nft``'s generated services (10 endpoints each): the first (full) sync into an
+empty table, its time and how much the kernel's slab and per-CPU memory grew
+(``/proc/meminfo``: the machine's, so idle is best); with the counters on, a read of every
+counter (as a running kpng makes one every read period) and the exposition's size at the
+default series limit; then one change (a service's endpoint moves: an incremental sync),
+median of ``--changes``, with no periodic read running meanwhile (a sync waits for one
+holding the lock). Ratios are to ``off`` of the same backend and size. to-iptables runs
+iptables-legacy by default: iptables-nft 1.8.9 does not restore 10k services x 10 endpoints
+in minutes (``docs/design/benchmarks.md``).
 
-    sudo python bench/bench_traffic_counters.py --sizes 10000,100000
+    sudo python bench/bench_traffic_counters.py --sizes 10000 --backends nft,iptables
+    sudo python bench/bench_traffic_counters.py --sizes 100000 --backends nft
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LEVELS = ("off", "service", "endpoint")
 
 
 def _kernel_kib() -> int:
@@ -30,71 +41,145 @@ def _kernel_kib() -> int:
     return sum(int(fields[name].split()[0]) for name in ("Slab", "Percpu"))
 
 
-async def _one(services: int, counters: bool) -> str:
+@dataclasses.dataclass
+class Run:
+    first: float
+    change: float
+    memory_kib: int
+    read: float = 0.0
+    scrape_kib: float = 0.0
+
+
+def _scrape(samples: Sequence[Any]) -> bytes:
+    from kpng.status.exposition import counter, gauge, render
+
+    families: dict[str, Any] = {}
+    for sample in samples:
+        family = families.get(sample.name)
+        if family is None:
+            make = counter if sample.counter else gauge
+            labels = [name for name, _ in sample.labels]
+            family = families[sample.name] = make(sample.name, sample.help, labels=labels)
+        family.add([v for _, v in sample.labels], sample.value)
+    return render(families.values())
+
+
+async def _never(seconds: float) -> None:
+    """The backends' sleep: their periodic reads never come (the bench reads once itself)."""
+    await asyncio.Event().wait()
+
+
+async def _one(backend_name: str, services: int, level: str, changes: int, variant: str) -> Run:
     from bench_nft import _state
 
     from kpng.backends._nftables import NftBackend
     from kpng.backends._nftables.executing import NetlinkBatches, default_nft
     from kpng.backends._nftables.layout import TABLE, Options
-    from kpng.status.exposition import counter, gauge, render
+    from kpng.backends.iptables import IptablesBackend, cleanup
+    from kpng.backends.iptables.executing import Iptables, Tools
 
+    options = Options(
+        cluster_cidrs=("10.128.0.0/9",),
+        traffic_counters=level != "off",
+        endpoint_counters=level == "endpoint",
+    )
     nft = default_nft()
-    await nft.delete_table(TABLE)
-    state = _state(services, 1)
-    options = Options(cluster_cidrs=("10.128.0.0/9",), traffic_counters=counters)
-    backend = NftBackend(nft=nft, options=options, netlink=NetlinkBatches())
+    backend: NftBackend | IptablesBackend
+    if backend_name == "nft":
+        await nft.delete_table(TABLE)
+        backend = NftBackend(nft=nft, options=options, netlink=NetlinkBatches(), sleep=_never)
+    else:
+        await cleanup()
+        backend = IptablesBackend(
+            iptables=Iptables(Tools(variant)), options=options, families=("v4",), sleep=_never
+        )
     before = _kernel_kib()
     start = time.perf_counter()
-    await backend.apply(state)  # type: ignore[arg-type]
-    seconds = time.perf_counter() - start
+    await backend.apply(_state(services, 1))  # type: ignore[arg-type]
+    first = time.perf_counter() - start
     await asyncio.sleep(1)  # freed per-CPU chunks and RCU callbacks settle
-    grown = _kernel_kib() - before
-    line = f"{services:>7} services, counters {'on ' if counters else 'off'}: "
-    line += f"full sync {seconds:6.2f} s, kernel memory +{grown / 1024:6.1f} MiB"
-    if counters:
-        start = time.perf_counter()
-        await NetlinkBatches().dumps(TABLE, ["cluster-v4", "external-v4", "nodeport-v4"])
-        locked = time.perf_counter() - start
+    run = Run(first=first, change=0.0, memory_kib=_kernel_kib() - before)
+    if level != "off":
         start = time.perf_counter()
         await backend.read_traffic()
-        read = time.perf_counter() - start
-        line += f"; read {read:5.2f} s (dump under the sync lock {locked:5.2f} s)"
+        run.read = time.perf_counter() - start
+        run.scrape_kib = len(_scrape(backend.metric_samples())) / 1024
+    times = []
+    for n in range(changes):
         start = time.perf_counter()
-        families: dict[str, object] = {}
-        for sample in backend.metric_samples():
-            family = families.get(sample.name)
-            if family is None:
-                make = counter if sample.counter else gauge
-                labels = [name for name, _ in sample.labels]
-                family = families[sample.name] = make(sample.name, sample.help, labels=labels)
-            family.add([v for _, v in sample.labels], sample.value)  # type: ignore[attr-defined]
-        text = render(families.values())  # type: ignore[arg-type]
-        scrape = time.perf_counter() - start
-        line += f", scrape {scrape * 1000:5.1f} ms, {len(text) / 1024:6.0f} KiB"
+        await backend.apply(_state(services, n + 2, changed=n))  # type: ignore[arg-type]
+        times.append(time.perf_counter() - start)
+    run.change = statistics.median(times)
     await backend.close()
-    await nft.delete_table(TABLE)
-    return line
+    if backend_name == "nft":
+        await nft.delete_table(TABLE)
+    else:
+        await cleanup()
+    return run
 
 
-def inside(sizes: Sequence[int]) -> int:
-    for services in sizes:
-        for counters in (False, True):
-            print(asyncio.run(_one(services, counters)), flush=True)
+def inside(
+    sizes: Sequence[int],
+    backends: Sequence[str],
+    changes: int,
+    variant: str,
+    rounds: int,
+    levels: Sequence[str] = LEVELS,
+) -> int:
+    print(
+        f"{'backend':<11} {'services':>8} {'level':<9} {'first sync s':>12} {'ratio':>6} "
+        f"{'change ms':>9} {'ratio':>6} {'kernel MiB':>10} {'read s':>7} {'scrape KiB':>10}"
+    )
+    for backend in backends:
+        for services in sizes:
+            # Levels interleaved, ``rounds`` times, the best of each kept: a shared machine's
+            # noise otherwise lands on one level.
+            best: dict[str, Run] = {}
+            for _ in range(rounds):
+                for level in levels:
+                    run = asyncio.run(_one(backend, services, level, changes, variant))
+                    print(f"# {backend} {services} {level}: {run}", file=sys.stderr, flush=True)
+                    kept = best.setdefault(level, run)
+                    kept.first = min(kept.first, run.first)
+                    kept.change = min(kept.change, run.change)
+                    kept.read = min(kept.read, run.read)
+            base = best[levels[0]]
+            for level in levels:
+                run = best[level]
+                print(
+                    f"{'to-' + backend:<11} {services:>8} {level:<9} {run.first:>12.2f} "
+                    f"{run.first / base.first:>6.2f} {run.change * 1000:>9.1f} "
+                    f"{run.change / base.change:>6.2f} {run.memory_kib / 1024:>+10.1f} "
+                    f"{run.read:>7.2f} {run.scrape_kib:>10.0f}",
+                    flush=True,
+                )
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", default="10000", help="comma-separated service counts")
+    parser.add_argument("--backends", default="nft,iptables", help="nft, iptables or both")
+    parser.add_argument("--changes", type=int, default=5, help="changes timed (median)")
+    parser.add_argument("--iptables-variant", default="legacy", choices=("legacy", "nft"))
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each level (best kept)")
+    parser.add_argument(
+        "--levels", default=",".join(LEVELS), help="the levels run (ratios to the first)"
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(v) for v in args.sizes.split(",")]
+    backends = args.backends.split(",")
     if args.inside:
-        return inside(sizes)
+        levels = args.levels.split(",")
+        return inside(sizes, backends, args.changes, args.iptables_variant, args.rounds, levels)
     netns = f"kpng-bench-counters-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
     try:
         cmd = [sys.executable, __file__, "--inside", "--sizes", args.sizes]
+        cmd += ["--backends", args.backends, "--changes", str(args.changes)]
+        cmd += ["--iptables-variant", args.iptables_variant, "--rounds", str(args.rounds)]
+        cmd += ["--levels", args.levels]
         return subprocess.run(["ip", "netns", "exec", netns, *cmd], check=False).returncode
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)

@@ -1,5 +1,6 @@
-"""to-nft's per-Service traffic counters (``--traffic-counters service``): the layout with and
-without them, what the drift check makes of them, their reading, and the kernel's counts."""
+"""to-nft's per-Service and per-endpoint traffic counters (``--traffic-counters service`` and
+``endpoint``): the layout with and without them, what the drift check makes of them, their
+reading, and the kernel's counts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.counting import (
     CONNECTIONS,
     DROPPED,
+    ENDPOINT_CONNECTIONS,
+    ENDPOINTS_DROPPED,
     REJECTED,
     TrafficCounters,
 )
@@ -58,7 +61,8 @@ class _Sink:
 def _dry_run(options: Options) -> str:
     sink = _Sink()
     backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=sink)  # type: ignore[arg-type]
-    services = {WEB: ServiceEndpoints(_service("web", index=1), (_ep("10.244.1.2"),))}
+    web = _service("web", index=1, node_port=30080, external_ips=("192.0.2.1",))
+    services = {WEB: ServiceEndpoints(web, (_ep("10.244.1.2"),))}
     asyncio.run(backend.apply(keyed_state(1, services)))
     return sink.text
 
@@ -87,6 +91,23 @@ def test_the_counted_maps_and_the_cluster_mark_change_only_with_the_flag() -> No
     assert not any("counter" in line for line in off)
 
 
+def test_the_endpoint_level_counts_the_counted_kinds_endpoint_maps_alone() -> None:
+    cidrs = ("10.244.0.0/16",)
+    service = _dry_run(Options(cluster_cidrs=cidrs, traffic_counters=True)).splitlines()
+    endpoint = _dry_run(
+        Options(cluster_cidrs=cidrs, traffic_counters=True, endpoint_counters=True)
+    ).splitlines()
+    assert sorted(set(endpoint) - set(service)) == [
+        "add map inet kpng cluster-eps-v4-0 { type ipv4_addr . inet_proto . inet_service : "
+        "ipv4_addr . inet_service ; counter ; }",
+        "add map inet kpng external-eps-v4-0 { type ipv4_addr . inet_proto . inet_service : "
+        "ipv4_addr . inet_service ; counter ; }",
+        "add map inet kpng nodeport-eps-v4-0 { type inet_proto . inet_service : "
+        "ipv4_addr . inet_service ; counter ; }",
+    ]
+    assert len(endpoint) == len(service)
+
+
 # --- reading
 
 
@@ -108,37 +129,47 @@ def test_a_restarted_or_rewritten_counter_never_lowers_the_total() -> None:
         samples = traffic.samples()
         return _values(samples, CONNECTIONS), _values(samples, REJECTED)  # type: ignore[arg-type]
 
-    traffic.fold([(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 5), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 7, "empty": 3}, {"web": 0, "empty": 3})
     # Rewritten with a new endpoint count: it restarts, and has counted 6 since.
     traffic.replaced([web])
     applied[web] = ("goto pick-cluster-v4-2",)
-    traffic.fold([(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 6), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals()[0] == {"web": 13, "empty": 3}
     # Found lower than last read (rewritten by another program, say).
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 1), (nodeport, 2), (empty, 3)], applied, comments, traffic.take_rewritten()
+    )
     assert totals()[0] == {"web": 14, "empty": 3}
     # The empty service gets endpoints: what it refused stays refused.
     traffic.replaced([empty])
     applied[empty] = ("goto pick-cluster-v4-1",)
-    traffic.fold([(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 1), (nodeport, 2), (empty, 4)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A full sync: every counter restarts.
     traffic.replaced(None)
-    traffic.fold([(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements(
+        [(web, 0), (nodeport, 0), (empty, 0)], applied, comments, traffic.take_rewritten()
+    )
     assert totals() == ({"web": 14, "empty": 7}, {"web": 0, "empty": 3})
     # A node port that goes keeps its count in the service port's total.
-    traffic.fold([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements([(web, 0), (empty, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14, "empty": 7}
     # A service that goes takes its series along.
-    traffic.fold([(web, 0)], applied, comments, traffic.take_rewritten())
+    traffic.fold_elements([(web, 0)], applied, comments, traffic.take_rewritten())
     assert totals()[0] == {"web": 14}
 
 
 def test_past_the_limit_the_service_ports_with_the_least_traffic_are_left_out() -> None:
     traffic = TrafficCounters(series_limit=2)
     keys = {f"s{i}": ("cluster-v4", (f"10.96.0.{i}", "tcp", "80")) for i in range(5)}
-    traffic.fold(
+    traffic.fold_elements(
         [(ek, int(name[1:]) * 10) for name, ek in keys.items()],
         dict.fromkeys(keys.values(), ("goto pick-cluster-v4-1",)),
         {ek: f"ns/{name}" for name, ek in keys.items()},
@@ -147,6 +178,71 @@ def test_past_the_limit_the_service_ports_with_the_least_traffic_are_left_out() 
     samples = traffic.samples()
     assert _values(samples, CONNECTIONS) == {"s4": 40, "s3": 30}  # type: ignore[arg-type]
     assert [s.value for s in samples if s.name == DROPPED] == [3]
+
+
+def test_endpoint_counts_follow_their_endpoint_across_moves_rewrites_and_restarts() -> None:
+    traffic = TrafficCounters(endpoints=True)
+    key = ("10.96.0.1", "tcp", "80")
+    np_key = ("tcp", "30080")
+    web, np = ("cluster-v4", key), ("nodeport-v4", np_key)
+    e0, e1 = ("cluster-eps-v4-0", key), ("cluster-eps-v4-1", key)
+    n0 = ("nodeport-eps-v4-0", np_key)
+    dispatched_by = {
+        "cluster-eps-v4-0": "cluster-v4",
+        "cluster-eps-v4-1": "cluster-v4",
+        "nodeport-eps-v4-0": "nodeport-v4",
+    }
+    comments = {web: "ns/web:p", np: "ns/web:p"}
+    applied = {
+        web: ("goto pick-cluster-v4-2",),
+        np: ("goto pick-nodeport-v4-1",),
+        e0: ("10.244.1.2", "8080"),
+        e1: ("10.244.2.2", "8080"),
+        n0: ("fd00::2", "8080"),
+    }
+
+    def fold(counts: list[tuple[tuple[str, tuple[str, ...]], int]]) -> dict[str, float]:
+        traffic.fold_elements(counts, applied, comments, traffic.take_rewritten(), dispatched_by)
+        return {
+            dict(s.labels)["endpoint"]: s.value
+            for s in traffic.samples()
+            if s.name == ENDPOINT_CONNECTIONS
+        }
+
+    a, b, c = "10.244.1.2:8080", "10.244.2.2:8080", "[fd00::2]:8080"
+    assert fold([(web, 9), (np, 1), (e0, 4), (e1, 5), (n0, 1)]) == {a: 4, b: 5, c: 1}
+    # Another endpoint goes before a: a moves to index 1 (its element written again), b to 0.
+    traffic.replaced([e0, e1])
+    applied[e0], applied[e1] = applied[e1], applied[e0]
+    assert fold([(web, 9), (np, 1), (e0, 2), (e1, 3), (n0, 1)]) == {a: 7, b: 7, c: 1}
+    # Found lower than last read, and then a full sync: nothing lowers.
+    assert fold([(web, 9), (np, 1), (e0, 0), (e1, 3), (n0, 1)]) == {a: 7, b: 7, c: 1}
+    traffic.replaced(None)
+    assert fold([(web, 0), (np, 0), (e0, 0), (e1, 0), (n0, 0)]) == {a: 7, b: 7, c: 1}
+    # The node port goes: its endpoint's series with it; the service port's count stays.
+    assert fold([(web, 1), (e0, 1), (e1, 0)]) == {a: 7, b: 8}
+    assert _values(traffic.samples(), CONNECTIONS) == {"web": 11}  # type: ignore[arg-type]
+
+
+def test_the_series_limit_bounds_the_endpoints_on_their_own() -> None:
+    traffic = TrafficCounters(series_limit=2, endpoints=True)
+    key: tuple[str, ...] = ("10.96.0.1", "tcp", "80")
+    counts = [(("cluster-v4", key), 60)]
+    applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {("cluster-v4", key): ("x",)}
+    dispatched_by = {}
+    for i in range(3):
+        ek = (f"cluster-eps-v4-{i}", key)
+        dispatched_by[ek[0]] = "cluster-v4"
+        applied[ek] = (f"10.244.1.{i}", "80")
+        counts.append((ek, 10 * (i + 1)))
+    traffic.fold_elements(counts, applied, {("cluster-v4", key): "ns/web:p"}, (), dispatched_by)
+    samples = traffic.samples()
+    assert [dict(s.labels)["endpoint"] for s in samples if s.name == ENDPOINT_CONNECTIONS] == [
+        "10.244.1.1:80",
+        "10.244.1.2:80",
+    ]
+    assert [s.value for s in samples if s.name in (DROPPED, ENDPOINTS_DROPPED)] == [0, 1]
+    assert not any(s.name == ENDPOINT_CONNECTIONS for s in TrafficCounters().samples())
 
 
 def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
@@ -240,3 +336,86 @@ def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs
     }
     assert seen[2] == seen[1]
     assert seen[3][CONNECTIONS] == {"web": 11, "empty": 3, "other": 0}
+
+
+@pytest.mark.skipif(available() is not None, reason=str(available()))
+def test_kernel_counts_each_endpoints_connections_across_syncs() -> None:
+    """N connections to a Service with two endpoints are counted per endpoint as they went
+    (summing to N); an incremental sync adding an endpoint, and a full resync repairing
+    drift, lower nothing."""
+    with TestBed(ClusterSpec.parse({"node-1": ["p1", "p2", "p3"]})) as bed:
+        node = bed.nodes["node-1"]
+        pods = {name: bed.pod(name) for name in ("p1", "p2", "p3")}
+        web_ip, other_ip = "10.96.0.20", "10.96.0.21"
+        web = _service("web", cluster_ip=web_ip)
+        other = ServiceEndpoints(_service("other", cluster_ip=other_ip), (_ep(pods["p3"].ip4),))
+        services = {
+            WEB: ServiceEndpoints(web, (_ep(pods["p1"].ip4, 8080), _ep(pods["p2"].ip4, 8080))),
+            OTHER: other,
+        }
+        options = Options(
+            cluster_cidrs=("10.244.0.0/16",), traffic_counters=True, endpoint_counters=True
+        )
+        # Every endpoint's count, zeros included (the kernel's are there from the start).
+        answered = {f"{pods[name].ip4}:8080": 0 for name in ("p1", "p2")}
+        split: dict[str, int] = {}
+
+        async def scenario() -> list[dict[str, float]]:
+            backend = NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
+                options=options,
+                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
+                sync_period=30,
+            )
+            seen = []
+
+            async def read() -> None:
+                await backend.read_traffic()
+                samples = backend.metric_samples()
+                endpoints = {
+                    dict(s.labels)["endpoint"]: s.value
+                    for s in samples
+                    if s.name == ENDPOINT_CONNECTIONS and dict(s.labels)["service"] == "web"
+                }
+                seen.append({**endpoints, "web": _values(samples, CONNECTIONS)["web"]})  # type: ignore[arg-type]
+
+            def connect(count: int) -> None:
+                for answer in bed.probe(node.netns, "tcp", web_ip, 80, count=count, timeout=1):
+                    name = answer.split()[0]
+                    address = f"{pods[name].ip4}:8080"
+                    answered[address] = answered.get(address, 0) + 1
+
+            await backend.apply(keyed_state(1, services))
+            connect(20)
+            split.update(answered)
+            await read()
+            # An incremental sync: web gets a third endpoint (its dispatch element and a new
+            # endpoint element are written).
+            services[WEB] = ServiceEndpoints(
+                web, (*services[WEB].endpoints, _ep(pods["p3"].ip4, 8080))
+            )
+            await backend.apply(keyed_state(2, services, updated=[WEB]))
+            answered[f"{pods['p3'].ip4}:8080"] = 0
+            await read()
+            connect(10)
+            await read()
+            assert await backend.check_kernel(full=True) is None
+            # Another program deletes an element of kpng's: the drift check repairs it with a
+            # full resync, which writes every counter again.
+            bed.exec(
+                node.netns,
+                ["nft", "delete", "element", "inet", "kpng", "cluster-v4",
+                 f"{{ {other_ip} . tcp . 80 }}"],
+            )  # fmt: skip
+            assert await backend.check_kernel(full=True) is not None
+            await read()
+            await backend.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    assert {k: v for k, v in seen[0].items() if k != "web"} == split
+    assert sum(split.values()) == 20 == seen[0]["web"]
+    assert seen[1] == {**seen[0], f"{pods['p3'].ip4}:8080": 0}
+    assert {k: v for k, v in seen[2].items() if k != "web"} == answered
+    assert seen[2]["web"] == 30
+    assert seen[3] == seen[2]

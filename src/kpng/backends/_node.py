@@ -66,6 +66,9 @@ class Options:
     traffic_counters: bool = False
     """to-nft: count each service port's new connections and those refused for want of
     endpoints (``--traffic-counters service``)."""
+    endpoint_counters: bool = False
+    """to-nft, with ``traffic_counters``: count each endpoint's new connections too
+    (``--traffic-counters endpoint``)."""
 
     def cidrs(self, values: Iterable[str], fam: Fam) -> list[str]:
         want = 4 if fam == "v4" else 6

@@ -20,7 +20,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack
@@ -50,6 +50,7 @@ from kpng.backends._nftables.layout import (
     FromNode,
     Options,
     contribute,
+    counted_endpoint_map,
 )
 from kpng.backends._nftables.localhost import LocalhostProxy, listeners
 from kpng.backends._nftables.netlink import (
@@ -142,7 +143,11 @@ class NftBackend:
         self._sync_period = sync_period
         self._full_check_period = full_check_period
         self._monitor: asyncio.Task[None] | None = None
-        self._traffic = TrafficCounters(traffic_series_limit) if options.traffic_counters else None
+        self._traffic = (
+            TrafficCounters(traffic_series_limit, endpoints=options.endpoint_counters)
+            if options.traffic_counters
+            else None
+        )
         self._traffic_reader: asyncio.Task[None] | None = None
         self._generation: int | None = None
         """The ruleset's generation after kpng's last commit or drift check (None: unknown)."""
@@ -174,6 +179,7 @@ class NftBackend:
         # Exact doubling (no jitter spread): one node's kernel, no crowd to spread out.
         self.store = TableState(options)
         self._options = options
+        self._count_endpoints = options.traffic_counters and options.endpoint_counters
         self._from_node = from_node or FromNode()
         self._min_sync_period = min_sync_period
         self._last_sync = -math.inf
@@ -260,7 +266,9 @@ class NftBackend:
             self._recorded[key] = se
             self._refused.pop(key, None)
             try:
-                contribution: Contribution | None = contribute(se, self._node_ips)
+                contribution: Contribution | None = contribute(
+                    se, self._node_ips, count_endpoints=self._count_endpoints
+                )
             except Exception:
                 # A service kpng cannot render is one service lost, not the node's rules.
                 log.exception("service %s: cannot render its rules (skipped)", object_name(*key))
@@ -490,12 +498,18 @@ class NftBackend:
         if traffic is None or netlink is None:
             return
         async with self._lock:
-            dumps = await netlink.dumps(TABLE, list(_COUNTED))
+            store = self.store
+            containers = _counted(store.applied_maps if traffic.endpoints else ())
+            dumps = await netlink.dumps(TABLE, list(containers))
             rewritten = traffic.take_rewritten()
-        store = self.store
+        dispatched_by = {name: c[2] for name, c in containers.items() if c[2]}
         await asyncio.to_thread(
-            lambda: traffic.fold(
-                _keyed(dumps), store.applied_elements, store.applied_comments, rewritten
+            lambda: traffic.fold_elements(
+                _keyed(dumps, containers),
+                store.applied_elements,
+                store.applied_comments,
+                rewritten,
+                dispatched_by,
             )
         )
 
@@ -626,12 +640,26 @@ class NftBackend:
             await self._localhost.close()
 
 
-_COUNTED = {
-    f"{kind}-{fam}": (fam, kind.startswith("nodeport"))
+_Counted = tuple[str, bool, str]
+"""A counted map's family, whether its keys are ``proto . port`` alone, and for an endpoint
+map the dispatch map its keys are found in ("" for a dispatch map)."""
+_COUNTED: dict[str, _Counted] = {
+    f"{kind}-{fam}": (fam, kind.startswith("nodeport"), "")
     for kind in COUNTED_KINDS
     for fam in FAMILIES
 }
-"""The counted maps: each one's family, and whether its keys are ``proto . port`` alone."""
+"""The counted dispatch maps."""
+
+
+def _counted(maps: Iterable[str]) -> dict[str, _Counted]:
+    """The counted dispatch maps, and those of ``maps`` that are counted endpoint maps."""
+    out = dict(_COUNTED)
+    for name in maps:
+        found = counted_endpoint_map(name)
+        if found is not None:
+            dispatch, fam, port_only = found
+            out[name] = (fam, port_only, dispatch)
+    return out
 
 
 def _rewritten(plan: Plan, store: TableState) -> list[ElementKey]:
@@ -641,17 +669,19 @@ def _rewritten(plan: Plan, store: TableState) -> list[ElementKey]:
     return [
         ek
         for ek, value in plan.elements.items()
-        if ek[0] in _COUNTED
+        if (ek[0] in _COUNTED or counted_endpoint_map(ek[0]) is not None)
         and ek in applied
         and (applied[ek] != value or comments.get(ek, "") != plan.comments.get(ek, ""))
     ]
 
 
-def _keyed(dumps: list[tuple[str, list[bytes]]]) -> list[tuple[ElementKey, int]]:
+def _keyed(
+    dumps: list[tuple[str, list[bytes]]], containers: Mapping[str, _Counted]
+) -> list[tuple[ElementKey, int]]:
     """The counters of the elements dumped, by the keys kpng wrote."""
     out = []
     for container, messages in dumps:
-        fam, port_only = _COUNTED[container]
+        fam, port_only, _ = containers[container]
         for message in messages:
             for element in elements_in(message):
                 read = counted(element)

@@ -28,7 +28,12 @@ With ``--traffic-counters service``, the ``cluster``, ``external`` and ``nodepor
 each element a counter (``COUNTED_KINDS``): the nat hooks see a connection's first packet only,
 so an element counts its new connections, refused or dropped ones too when its verdict is
 ``goto reject`` or ``drop``. Nothing is added to the packet path but that counter, and nothing
-to a sync: the counters are part of the elements kpng writes anyway (``counting.py``).
+to a sync: the counters are part of the elements kpng writes anyway (``counting.py``). With
+``--traffic-counters endpoint`` those kinds' endpoint maps count too: a pick chain looks up one
+endpoint map per new connection (the ``numgen`` match before it fails for the others), so each
+endpoint element counts the connections DNATed to its endpoint. A ClientIP-affinity service
+port DNATs from rules of its own chain, not an endpoint map: its endpoints are not counted (its
+service port is).
 
 A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
 after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
@@ -336,16 +341,19 @@ def skeleton(options: Options) -> tuple[list[Chain | Set | Map], list[Rule], lis
 
 
 @functools.cache
-def pick_chain(kind: Kind, fam: Fam, count: int) -> tuple[Chain, tuple[Rule, ...], tuple[Map, ...]]:
+def pick_chain(
+    kind: Kind, fam: Fam, count: int, counted: bool = False
+) -> tuple[Chain, tuple[Rule, ...], tuple[Map, ...]]:
     """The chain choosing one of ``count`` endpoints for every service port of ``kind``, and the
-    endpoint maps it reads (cached: thousands of services share a handful of these)."""
+    endpoint maps it reads, with element counters if ``counted`` (cached: thousands of services
+    share a handful of these)."""
     name = f"pick-{kind}-{fam}-{count}"
     port_only = kind in _PORT_ONLY
     lookup = "meta l4proto . th dport" if port_only else _tuple(fam)
     key = "inet_proto . inet_service" if port_only else f"{_ADDR[fam]} . inet_proto . inet_service"
     ip = _IP[fam]
     maps = tuple(
-        Map(endpoint_map(kind, fam, i), f"{_ADDR[fam]} . inet_service", type=key)
+        Map(endpoint_map(kind, fam, i), f"{_ADDR[fam]} . inet_service", type=key, counter=counted)
         for i in range(count)
     )
     rules = tuple(
@@ -366,6 +374,17 @@ def endpoint_map(kind: Kind, fam: Fam, index: int) -> str:
     return f"{kind}-eps-{fam}-{index}"
 
 
+def counted_endpoint_map(name: str) -> tuple[str, Fam, bool] | None:
+    """For an endpoint map of a counted kind (``--traffic-counters endpoint``): the dispatch map
+    its keys are found in, its family, and whether its keys are ``proto . port`` alone; else
+    None."""
+    kind, sep, rest = name.partition("-eps-")
+    fam, _, index = rest.partition("-")
+    if not sep or kind not in COUNTED_KINDS or fam not in FAMILIES or not index.isdigit():
+        return None
+    return f"{kind}-{fam}", fam, kind in _PORT_ONLY
+
+
 @dataclass
 class Contribution:
     """What one service puts into the table."""
@@ -383,9 +402,12 @@ class Contribution:
     empty for a node port (flows to any address on that port)."""
 
 
-def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contribution:
+def contribute(
+    se: ServiceEndpoints, node_ips: Sequence[str] = (), *, count_endpoints: bool = False
+) -> Contribution:
     """Every element, chain and map that ``se`` needs on a node with these primary IPs (pure;
-    unsupported ports are reported in ``problems`` and left out)."""
+    unsupported ports are reported in ``problems`` and left out); with ``count_endpoints``, the
+    counted kinds' endpoint maps count (``--traffic-counters endpoint``)."""
     out = Contribution()
     service = se.service
     ips = service.IPs
@@ -436,7 +458,8 @@ def contribute(se: ServiceEndpoints, node_ips: Sequence[str] = ()) -> Contributi
                 if sticky is not None and eps:  # noqa: B023
                     _remember(out, sticky, kind, ek, eps)  # noqa: B023
                     return
-                _dispatch(out, kind, fam=fam, ek=ek, eps=eps, usable=usable)  # noqa: B023
+                counted = count_endpoints and kind in COUNTED_KINDS
+                _dispatch(out, kind, fam=fam, ek=ek, eps=eps, usable=usable, counted=counted)  # noqa: B023
 
             for cip in cluster_ips:
                 dispatch("cluster", (cip, proto, p), internal)
@@ -493,11 +516,13 @@ def _dispatch(
     ek: ElementKey,
     eps: list[EndpointValue],
     usable: bool,
+    counted: bool,
 ) -> None:
-    """Send ``ek`` (an element of ``kind``'s dispatch map) to its endpoints ``eps``."""
+    """Send ``ek`` (an element of ``kind``'s dispatch map) to its endpoints ``eps``, through
+    endpoint maps that count if ``counted``."""
     elements = out.elements
     if eps:
-        chain, rules, maps = pick_chain(kind, fam, len(eps))
+        chain, rules, maps = pick_chain(kind, fam, len(eps), counted)
         out.chains[chain.name] = (chain, rules)
         elements[ek] = _goto(chain.name)
         key = ek[1]

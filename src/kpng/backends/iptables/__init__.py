@@ -9,7 +9,8 @@ are deleted. Every sync period the jumps are checked, as kube-proxy's canary, an
 each of kpng's chains holds (from the same iptables-save): a flushed chain or a foreign rule is
 rewritten then, reported as a divergence until it is. A refused
 restore changes nothing (iptables-restore commits a table whole or not at all), fails
-``apply``, and kpng's Feeder retries with a full sync.
+``apply``, and kpng's Feeder retries with a full sync. With ``--traffic-counters``, the rules'
+own packet counters are read for ``/metrics`` (``counting.py``).
 """
 
 from kpng.backends.iptables.syncing import FULL_SYNC_PERIOD_S, SPEC, IptablesBackend, cleanup

@@ -121,12 +121,25 @@ class Iptables:
                     rules.add((chain, rule))
         return Saved(table, chains, rules, counts)
 
-    async def save_text(self, fam: Fam, table: str) -> str:
-        """``iptables-save -t TABLE`` as it prints it."""
-        rc, out, err = await _run([*self._command(fam, "save"), "-t", table])
+    async def save_text(self, fam: Fam, table: str, *, counters: bool = False) -> str:
+        """``iptables-save -t TABLE`` as it prints it; with ``counters``, each rule's packet
+        and byte counters first (``-c``)."""
+        argv = [*self._command(fam, "save"), *(["-c"] if counters else []), "-t", table]
+        rc, out, err = await _run(argv)
         if rc != 0:
             command = self.tools.command(fam, "save")
             raise IptablesError(f"{command} -t {table} failed: {err.strip()}")
+        return out
+
+    async def list_counted(self, fam: Fam, table: str, chain: str) -> str:
+        """The rules of one chain with their counters (``iptables -S CHAIN -v``): iptables-nft
+        reads that chain alone, where ``iptables-save`` reads every rule of the family (1.4 s
+        for a filter table of 1,000 lines beside a nat table of 40,000, 0.09 s so)."""
+        argv = [*self._command(fam), "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain, "-v"]
+        rc, out, err = await _run(argv)
+        if rc != 0:
+            command = self.tools.command(fam)
+            raise IptablesError(f"{command} -t {table} -S {chain} -v failed: {err.strip()}")
         return out
 
     async def ensure_route_localnet(self) -> bool:

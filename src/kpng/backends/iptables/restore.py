@@ -48,6 +48,8 @@ class Plan:
     rules: int
     shared: dict[ChainKey, tuple[str, ...]] = field(default_factory=dict)
     """The shared chains the input rewrites, with their rules."""
+    declared: frozenset[ChainKey] = frozenset()
+    """Every chain the input flushes (rewrites or deletes): their rules' counters restart."""
 
 
 @dataclass
@@ -103,7 +105,15 @@ class FamilyTables:
             shared = {k: rules for k, rules in shared.items() if self.shared.get(k) != rules}
         order = jumps(self.options, self.fam)
         text, rules = _render(shared, write, delete, [j for j in order if j in missing_jumps])
-        return Plan(text, full, written=len(write), deleted=len(delete), rules=rules, shared=shared)
+        return Plan(
+            text,
+            full,
+            written=len(write),
+            deleted=len(delete),
+            rules=rules,
+            shared=shared,
+            declared=frozenset((*shared, *write, *delete)),
+        )
 
     def commit(
         self, new: Mapping[ServiceKey, Contribution | None], plan: Plan | None = None

@@ -162,6 +162,9 @@ class Contribution:
     udp_frontends: dict[tuple[str, str], frozenset[EndpointValue]] = field(default_factory=dict)
     """As to-nft's: UDP (service address or "" for a node port, port) -> the endpoints serving
     it anywhere."""
+    endpoint_chains: dict[str, str] = field(default_factory=dict)
+    """Its KUBE-SEP chains' service port (``namespace/name:port``), whose traffic their DNAT
+    rule counts (``counting.py``; their rules have no comment in large cluster mode)."""
 
     def add(self, table: str, chain: str, rule: str) -> None:
         self.shared.setdefault((table, chain), []).append(rule)
@@ -344,6 +347,7 @@ def _port(
             rules.append(f"{ep_comment}{chance if i < n - 1 else ''}-j {sep(ep)}")
             address, target = ep
             remember = f" -m recent --name {sep(ep)} --rsource --set" if timeout else ""
+            out.endpoint_chains[sep(ep)] = port_id
             out.chains[(NAT, sep(ep))] = (
                 f"{ep_comment}-s {_host(address)} -j KUBE-MARK-MASQ",
                 f"{ep_comment}{match}{remember} -j DNAT --to-destination {_to(address, target)}",

@@ -11,7 +11,6 @@ import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TextIO
 
 from kpng.backends._conntrack import Conntrack
@@ -29,6 +28,15 @@ from kpng.backends._node import (
     node_options,
     options_from_args,
 )
+from kpng.backends._traffic import READ_PERIOD_S, SERIES_LIMIT, Sample, TrafficCounters
+from kpng.backends._traffic import add_arguments as add_traffic_arguments
+from kpng.backends.iptables.counting import (
+    REFUSING_CHAINS,
+    Key,
+    counted_chain,
+    counted_rules,
+    saved_from_listing,
+)
 from kpng.backends.iptables.executing import (
     MODES,
     ROUTE_LOCALNET,
@@ -37,9 +45,11 @@ from kpng.backends.iptables.executing import (
     Tools,
     tools,
 )
-from kpng.backends.iptables.restore import FamilyTables, put_all, udp_frontends
+from kpng.backends.iptables.restore import FamilyTables, Plan, put_all, udp_frontends
 from kpng.backends.iptables.rules import (
+    FILTER,
     LARGE_CLUSTER_ENDPOINTS,
+    NAT,
     TABLES,
     ChainKey,
     Contribution,
@@ -79,18 +89,6 @@ NFACCT_METRICS = {
 """kube-proxy's series of each nfacct object, with its help text."""
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One value for ``/metrics``: the fields of ``kpng.status.Sample`` (backends do not import
-    kpng's status)."""
-
-    name: str
-    help: str
-    value: float
-    counter: bool = False
-    labels: tuple[tuple[str, str], ...] = ()
-
-
 class IptablesBackend:
     """Programs the node-local state with iptables-restore, one family at a time.
 
@@ -99,6 +97,12 @@ class IptablesBackend:
     leftovers. ``nfacct``, if given, holds the counters of the INVALID drops and the localhost
     node ports (made at each full sync, read by ``metric_samples``), in the namespace
     ``iptables`` writes to.
+
+    With ``options.traffic_counters``, the counted rules' packet counters (``counting.py``)
+    are read every ``READ_PERIOD_S`` (one ``iptables-save -c`` per table and family, under the
+    sync lock) for ``metric_samples``, at most ``traffic_series_limit`` service ports (and
+    endpoints) of them; and a restore that rewrites counted chains of a table the last read
+    saw is preceded by a read of that table, so that what its rules counted is not lost.
     """
 
     def __init__(
@@ -120,10 +124,17 @@ class IptablesBackend:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         kube_proxy: KubeProxyLeftovers | None = None,
         nfacct: Nfacct | None = None,
+        traffic_series_limit: int = SERIES_LIMIT,
     ) -> None:
         self._iptables = iptables
         self._nfacct = nfacct if iptables is not None else None
         self._nfacct_refused = False
+        self._traffic = (
+            TrafficCounters(traffic_series_limit, endpoints=options.endpoint_counters)
+            if options.traffic_counters and iptables is not None
+            else None
+        )
+        self._traffic_reader: asyncio.Task[None] | None = None
         self._kube_proxy = kube_proxy
         self._options = options
         self._from_node = from_node or FromNode()
@@ -185,6 +196,8 @@ class IptablesBackend:
                 await self._warn_about_kube_proxy()
         if self._sync_period > 0 and self._iptables is not None and self._monitor is None:
             self._monitor = asyncio.create_task(self._watch_rules(), name="iptables-monitor")
+        if self._traffic is not None and self._traffic_reader is None:
+            self._traffic_reader = asyncio.create_task(self._read_traffic(), name="ipt-counters")
         return done
 
     async def _warn_about_kube_proxy(self) -> None:
@@ -267,11 +280,10 @@ class IptablesBackend:
         if frozenset(made) != self._options.nfacct:
             self._options = dataclasses.replace(self._options, nfacct=frozenset(made))
 
-    def metric_samples(self) -> list[Sample]:
+    def _nfacct_samples(self) -> list[Sample]:
         """kube-proxy's iptables mode's nfacct series, read from the kernel now (a netlink
         request per object: microseconds, on the scrape's thread), for the objects the last
-        full sync made; none if a read fails, as kube-proxy skips it
-        (``kpng.status.ReportsSamples``)."""
+        full sync made; none if a read fails, as kube-proxy skips it."""
         if self._nfacct is None:
             return []
         samples = []
@@ -435,7 +447,9 @@ class IptablesBackend:
             missing = await self._iptables.missing_jumps(fam, nat, jumps(tables.options, fam))
         plan = tables.plan(changes, present=present, missing_jumps=missing)
         if plan.text:
+            await self._count_before(self._iptables, fam, plan)
             await self._iptables.restore(fam, plan.text)
+            self._restart_counters(fam, plan)
         tables.commit(changes, plan)
         log.debug(
             "%s: a %s restore of %d rules (%d service chains written, %d deleted)",
@@ -445,6 +459,85 @@ class IptablesBackend:
             plan.written,
             plan.deleted,
         )
+
+    async def _read_traffic(self) -> None:
+        # iptables-legacy reads a whole table per save (0.8 s for 10k services' nat table):
+        # reads are spaced to hold the sync lock a tenth of the time at most.
+        period = READ_PERIOD_S
+        while True:
+            await self._sleep(period)
+            started = time.monotonic()
+            try:
+                await self.read_traffic()
+            except IptablesError as exc:
+                log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
+            period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
+
+    async def read_traffic(self) -> None:
+        """Read the counted rules' counters (``counting.py``) of every family and table."""
+        if self._traffic is None or self._iptables is None:
+            return
+        async with self._lock:
+            await self._count(self._iptables, [(f, t) for f in self._families for t in TABLES])
+
+    async def _count(self, iptables: Iptables, tables: list[tuple[Fam, str]]) -> None:
+        """One read of ``tables`` (family, table), the others' last reads kept."""
+        saved = [(f, t, await iptables.save_text(f, t, counters=True)) for f, t in tables]
+        scope = set(tables)
+        self._fold(saved, lambda key: key[:2] in scope)
+
+    def _fold(self, saved: list[tuple[Fam, str, str]], within: Callable[[Key], bool]) -> None:
+        """Fold what ``saved`` (family, table, as ``iptables-save -c`` prints it) counted:
+        ``within``, the counters it covers."""
+        traffic = self._traffic
+        assert traffic is not None
+        counts: list[tuple[Key, tuple[str, str], int]] = []
+        for fam, table, text in saved:
+            chains = {
+                chain: port
+                for contribution in self.tables[fam].contributions.values()
+                for chain, port in contribution.endpoint_chains.items()
+            }
+            counts += counted_rules(fam, table, text, chains, endpoints=traffic.endpoints)
+        traffic.fold(counts, within=within)  # type: ignore[arg-type]
+
+    async def _count_before(self, iptables: Iptables, fam: Fam, plan: Plan) -> None:
+        """Read what ``plan`` is about to restart, if a read saw it: before a full restore,
+        every counter (rare: at start nothing was read yet, then hourly or after drift); before
+        a partial one, the shared chains counting refused connections that it rewrites (any
+        Service added or gone rewrites them). Not a service's own KUBE-SEP chains: a read of
+        them is one of the whole nat table (seconds at 10k services), and a service's own
+        changes lose at most a read period's worth, as to-nft's elements."""
+        traffic = self._traffic
+        if traffic is None or not traffic.counted():
+            return
+        if plan.full:
+            await self._count(iptables, [(fam, NAT), (fam, FILTER)])
+            return
+        chains = sorted(REFUSING_CHAINS & plan.declared)
+        listed = [
+            (fam, t, saved_from_listing(await iptables.list_counted(fam, t, c))) for t, c in chains
+        ]
+        if listed:
+            scope = {(fam, t, c) for t, c in chains}
+            self._fold(listed, lambda key: key[:3] in scope)
+
+    def _restart_counters(self, fam: Fam, plan: Plan) -> None:
+        """The kernel took ``plan``: the counters of the chains it flushed restarted."""
+        traffic = self._traffic
+        if traffic is None:
+            return
+        declared = {(t, c) for t, c in plan.declared if counted_chain((t, c))}
+        traffic.restarted(
+            [key for key in traffic.counted() if key[0] == fam and key[1:3] in declared]  # type: ignore[index]
+        )
+
+    def metric_samples(self) -> list[Sample]:
+        """What kpng's ``/metrics`` adds for to-iptables (``kpng.status.ReportsSamples``): the
+        nfacct series, and each service port's new and refused connections (and each
+        endpoint's) as of the last read (none unless ``--traffic-counters``)."""
+        traffic = self._traffic.samples() if self._traffic is not None else []
+        return [*self._nfacct_samples(), *traffic]
 
     def _touched_frontends(
         self, changes: Mapping[Fam, Mapping[ServiceKey, Contribution | None]]
@@ -471,10 +564,11 @@ class IptablesBackend:
         await self._conntrack.clean_stale(frontends, only)
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._monitor, self._traffic_reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._health is not None:
             await self._health.close()
 
@@ -525,6 +619,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "mode when nf_conntrack_tcp_be_liberal is set (conntrack.tcpBeLiberal)",
     )
     add_sync_period(parser, checks="that kpng's jumps are still in the built-in chains")
+    add_traffic_arguments(
+        parser,
+        where="from the packet counters of the KUBE-SEP chains' DNAT rules and the "
+        "filter table's REJECT and DROP rules",
+    )
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -533,7 +632,11 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     loopback = not (from_node.primary_nodeports and not options.nodeport_addresses)
     localhost = args.localhost_nodeports and loopback
     options = dataclasses.replace(
-        options, drop_invalid=not args.no_drop_invalid, localhost_nodeports=localhost
+        options,
+        drop_invalid=not args.no_drop_invalid,
+        localhost_nodeports=localhost,
+        traffic_counters=args.traffic_counters != "off",
+        endpoint_counters=args.traffic_counters == "endpoint",
     )
     if args.localhost_nodeports and not localhost_nodeports(options, "v4"):
         log.warning(
@@ -555,6 +658,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         syncs=syncs,
         kube_proxy=None if args.dry_run else KubeProxyLeftovers(),
         nfacct=None if args.dry_run else Nfacct(),
+        traffic_series_limit=args.traffic_series_limit,
     )
 
 

@@ -14,12 +14,12 @@ import sys
 from kpng.backends._conntrack import Conntrack
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, cleanup, has_nft, kube_proxy_leftovers
-from kpng.backends._nftables.counting import SERIES_LIMIT
 from kpng.backends._nftables.executing import KernelNft, LibNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import loopback_served
 from kpng.backends._nftables.localhost import LocalhostProxy
 from kpng.backends._nftables.nftables import Nft
 from kpng.backends._node import FAMILIES, add_arguments, add_sync_period, options_from_args
+from kpng.backends._traffic import add_arguments as add_traffic_arguments
 from kpng.client import Backend, BackendSpec, SyncReporter, UsageError, register
 
 log = logging.getLogger(__name__)
@@ -37,28 +37,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "served so (UDP, SCTP; TCP in the other families) are refused",
     )
     add_sync_period(parser, checks="that kpng's table holds what kpng applied")
-    parser.add_argument(
-        "--traffic-counters",
-        choices=("off", "service"),
-        default="off",
-        help="service: count each Service port's new connections, and those refused for want "
-        "of endpoints, for /metrics (kpng_service_connections_total, "
-        "kpng_service_rejected_total; default off)",
+    add_traffic_arguments(
+        parser,
+        where="from the counters of the elements kpng writes (endpoints: not those of "
+        "ClientIP-affinity Service ports)",
     )
-    parser.add_argument(
-        "--traffic-series-limit",
-        type=_positive,
-        default=SERIES_LIMIT,
-        metavar="N",
-        help="the most Service ports --traffic-counters exposes: past it, those with the least "
-        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
-    )
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive number, not {value!r}")
-    return int(value)
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -66,7 +49,8 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     options = dataclasses.replace(
         options,
         localhost_nodeports=args.localhost_nodeports,
-        traffic_counters=args.traffic_counters == "service",
+        traffic_counters=args.traffic_counters != "off",
+        endpoint_counters=args.traffic_counters == "endpoint",
     )
     served = [fam for fam in FAMILIES if loopback_served(options, fam)]
     if args.localhost_nodeports and not served:
