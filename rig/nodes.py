@@ -178,25 +178,27 @@ def _make_cgroup(name: str) -> None:
                 (path / knob).write_text((hierarchy / knob).read_text())
 
 
+def _cgroup_dirs(root: Path) -> list[Path]:
+    """``root`` and the cgroups under it, deepest first. os.walk, not Path.rglob: a container
+    exiting meanwhile removes its cgroup, which rglob raises on (seen stopping a cluster)."""
+    found = [Path(directory) for directory, _, _ in os.walk(root)]
+    return sorted(found, key=lambda p: -len(p.parts))
+
+
 def _cgroup_pids(name: str) -> set[int]:
     pids: set[int] = set()
     for hierarchy in _hierarchies():
-        for procs in (hierarchy / name).rglob("cgroup.procs"):
+        for directory in _cgroup_dirs(hierarchy / name):
             with contextlib.suppress(OSError):
-                pids.update(int(p) for p in procs.read_text().split())
+                pids.update(int(p) for p in (directory / "cgroup.procs").read_text().split())
     return pids
 
 
 def _remove_cgroup(name: str) -> None:
     for hierarchy in _hierarchies():
-        root = hierarchy / name
-        if not root.exists():
-            continue
-        for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for path in _cgroup_dirs(hierarchy / name):
             with contextlib.suppress(OSError):
                 path.rmdir()
-        with contextlib.suppress(OSError):
-            root.rmdir()
 
 
 # --- processes and mounts left by containers
