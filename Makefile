@@ -82,10 +82,12 @@ compat: $(DEV)
 # per node) or central (brains in a Deployment, a backend per node).
 # MODE: kube-proxy's mode in both proxies' configuration (nftables or iptables), or ebpf: kpng
 # with to-ebpf, judged against kube-proxy's nftables mode.
+# DUAL_STACK=1: upstream's [Feature:IPv6DualStack] tests instead, on a dual-stack cluster.
 SHAPE ?= daemonset
 MODE ?= nftables
+DUAL_STACK ?=
 e2e: $(DEV)
-	$(BIN)/python -m rig.e2e --shape $(SHAPE) --mode $(MODE) --report-dir e2e-results
+	$(BIN)/python -m rig.e2e --shape $(SHAPE) --mode $(MODE) $(if $(DUAL_STACK),--dual-stack-suite )--report-dir e2e-results
 
 # kpng's image as an OCI archive, built without a registry (see deploy/build-image).
 image: $(DEV)

@@ -82,7 +82,7 @@ def deploy_kpng(
     as an operator would; returns once every node's kpng pod (and every brain) is Ready."""
     given = chart.values(
         api_server=cluster.server,
-        cluster_cidr=CLUSTER_CIDR,
+        cluster_cidr=",".join(cluster.cluster_cidrs),
         image=image,
         shape=shape,
         mode=mode,
@@ -161,7 +161,7 @@ def kpng_manifest(cluster: RealCluster, image: str, *, mode: str = "nftables") -
     node selector), where deploy_kpng installs the chart."""
     values = {
         "KPNG_API_SERVER": cluster.server,
-        "KPNG_CLUSTER_CIDR": CLUSTER_CIDR,
+        "KPNG_CLUSTER_CIDR": ",".join(cluster.cluster_cidrs),
         "KPNG_IMAGE": image,
     }
     manifest = render(_deploy_file(SHAPES["daemonset"]), values)
@@ -205,14 +205,17 @@ def wait_rollout(cluster: RealCluster, workload: str, timeout_s: int) -> None:
     cluster.kubectl("-n", "kube-system", "rollout", "status", workload, f"--timeout={timeout_s}s")
 
 
-def kube_proxy_manifests(server: str, image: str, mode: str = "nftables") -> str:
+def kube_proxy_manifests(
+    server: str, image: str, mode: str = "nftables", cluster_cidr: str = CLUSTER_CIDR
+) -> str:
     """kubeadm's kube-proxy add-on, in ``mode``: its ServiceAccount and RBAC, a ConfigMap with a
-    KubeProxyConfiguration and a kubeconfig, and a privileged DaemonSet."""
+    KubeProxyConfiguration and a kubeconfig, and a privileged DaemonSet. ``cluster_cidr``: the
+    pod CIDRs, comma-separated (both families' on a dual-stack cluster)."""
     config = {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
         "mode": mode,
-        "clusterCIDR": CLUSTER_CIDR,
+        "clusterCIDR": cluster_cidr,
         "clientConnection": {"kubeconfig": "/var/lib/kube-proxy/kubeconfig.conf"},
         "healthzBindAddress": "0.0.0.0:10256",
         "metricsBindAddress": "127.0.0.1:10249",
@@ -325,7 +328,9 @@ def kube_proxy_manifests(server: str, image: str, mode: str = "nftables") -> str
 def deploy_kube_proxy(
     cluster: RealCluster, image: str, *, mode: str = "nftables", timeout_s: int = 180
 ) -> None:
-    manifest = kube_proxy_manifests(cluster.server, image, mode)
+    manifest = kube_proxy_manifests(
+        cluster.server, image, mode, cluster_cidr=",".join(cluster.cluster_cidrs)
+    )
     cluster.kubectl("apply", "-f", "-", input=manifest)
     wait_rollout(cluster, "daemonset/kube-proxy", timeout_s)
 

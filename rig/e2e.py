@@ -5,6 +5,7 @@
     python -m rig.e2e --mode iptables      # kube-proxy's iptables mode, to-iptables
     python -m rig.e2e --shape sidecar      # kpng as a brain and a backend per node
     python -m rig.e2e --shape central      # kpng's brains in a Deployment
+    python -m rig.e2e --dual-stack-suite   # [Feature:IPv6DualStack] on a dual-stack cluster
 
 Each run starts a ``RealCluster`` (``rig.nodes``), imports the locally built images into
 its nodes, deploys the proxy and CoreDNS, runs ``e2e.test`` (built from ``k8s.io/kubernetes``'
@@ -50,6 +51,14 @@ checks that go through Services, and the proxy's own tests."""
 PROXY_SKIP = r"\[Disruptive\]|\[Feature:|\[Flaky\]"
 """Disruptive tests restart nodes over SSH; Feature tests need a feature gate or a cloud.
 Tests that need a cloud load balancer skip themselves (the provider is ``skeleton``)."""
+
+DUAL_STACK_FOCUS = r"\[Feature:IPv6DualStack\]"
+"""test/e2e/network/dual_stack.go: dual-stack Nodes, pods and Services, and the Services
+granular checks through each Service's secondary (IPv6) ClusterIP and the nodes' IPv6 node
+ports."""
+
+DUAL_STACK_SKIP = r"\[Disruptive\]|\[Flaky\]|\[Feature:SCTPConnectivity\]"
+"""Every dual-stack test but SCTP's, which needs its own feature too (as in ``PROXY_SKIP``)."""
 
 SMOKE_FOCUS = (
     r"\[sig-network\] Services should (serve a basic endpoint from pods|"
@@ -171,16 +180,18 @@ def start_cluster(
     mode: str = "nftables",
     shape: str = "daemonset",
     with_dns: bool = True,
+    dual_stack: bool = False,
 ) -> RealCluster:
     """A started cluster with ``proxy`` (and CoreDNS) deployed and Ready, in kube-proxy's
     ``mode`` (kpng: to-nft for nftables, to-iptables for iptables), kpng in ``shape``
-    (``addons.SHAPES``)."""
+    (``addons.SHAPES``), IPv4 or ``dual_stack``."""
     archives = images.node_images(with_kube_proxy=proxy == "kube-proxy")
     cluster = RealCluster(
         nodes=nodes,
         images=archives,
         pause_image=images.pause_reference(),
         cgroup2=proxy == "kpng" and mode == "ebpf",
+        dual_stack=dual_stack,
     )
     cluster.start()
     try:
@@ -255,9 +266,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backend container per node (deploy/kpng-sidecar.yaml), or brains in a Deployment "
         "serving a backend on every node (deploy/kpng-central.yaml)",
     )
-    parser.add_argument("--focus", default=PROXY_FOCUS, help="ginkgo focus regexp")
-    parser.add_argument("--skip", default=PROXY_SKIP, help="ginkgo skip regexp")
-    parser.add_argument("--smoke", action="store_true", help=f"focus on {SMOKE_FOCUS!r}")
+    parser.add_argument(
+        "--dual-stack",
+        action="store_true",
+        help="a dual-stack cluster: IPv6 beside IPv4 on nodes, pods and services (IPv4 primary)",
+    )
+    parser.add_argument("--focus", help=f"ginkgo focus regexp (default {PROXY_FOCUS!r})")
+    parser.add_argument("--skip", help=f"ginkgo skip regexp (default {PROXY_SKIP!r})")
+    suites = parser.add_mutually_exclusive_group()
+    suites.add_argument("--smoke", action="store_true", help=f"focus on {SMOKE_FOCUS!r}")
+    suites.add_argument(
+        "--dual-stack-suite",
+        action="store_true",
+        help=f"upstream's dual-stack tests on a dual-stack cluster: focus {DUAL_STACK_FOCUS!r}, "
+        f"skip {DUAL_STACK_SKIP!r} (implies --dual-stack)",
+    )
     parser.add_argument("--report-dir", type=Path, default=Path("e2e-results"))
     parser.add_argument("--timeout", type=int, default=3 * 3600, help="seconds for the suite")
     parser.add_argument(
@@ -265,7 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    focus = SMOKE_FOCUS if args.smoke else args.focus
+    focus, skip = PROXY_FOCUS, PROXY_SKIP
+    if args.smoke:
+        focus = SMOKE_FOCUS
+    elif args.dual_stack_suite:
+        focus, skip = DUAL_STACK_FOCUS, DUAL_STACK_SKIP
+    focus, skip = args.focus or focus, args.skip or skip
+    dual_stack = args.dual_stack or args.dual_stack_suite
     # A SIGTERM (a timeout, a CI runner) unwinds like Ctrl-C, so the cluster is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     reports = []
@@ -274,14 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = f"kpng-{args.shape}" if proxy == "kpng" and args.shape != "daemonset" else proxy
             if proxy == "kpng" and args.mode == "ebpf":
                 name = "kpng-ebpf"
-            log.info("e2e with %s in %s mode: starting a cluster", name, args.mode)
-            cluster = start_cluster(proxy, mode=args.mode, shape=args.shape)
+            stack = "dual-stack" if dual_stack else "IPv4"
+            log.info("e2e with %s in %s mode: starting a %s cluster", name, args.mode, stack)
+            cluster = start_cluster(proxy, mode=args.mode, shape=args.shape, dual_stack=dual_stack)
             try:
                 report = run_suite(
                     cluster,
                     proxy=name,
                     focus=focus,
-                    skip=args.skip,
+                    skip=skip,
                     report_dir=args.report_dir / name,
                     timeout_s=args.timeout,
                     procs=args.procs,

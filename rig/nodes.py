@@ -26,6 +26,13 @@ Addresses: the bridge ``kpngn0`` is ``10.253.0.1/24`` in the machine's namespace
 route everything else to the bridge address, where the machine does not forward it
 (``net.ipv4.conf.kpngn0.forwarding=0``): no packet of the cluster leaves the machine.
 
+``dual_stack=True`` adds IPv6 beside it, IPv4 staying the primary family: ``fd00:10:253::1/64``
+on the bridge, ``fd00:10:253::(10+i)`` on node *i* (kubelet's ``--node-ip`` names both), pods
+from ``fd00:10:245::/56`` too (a /64 per node) and services from ``fd00:10:96::/112`` too. Nodes
+forward IPv6 (``net.ipv6.conf.all.forwarding=1``, checked) and route only the cluster's own
+``fd00:10::/32`` to the bridge, with no IPv6 default route: IPv6 for anywhere else never leaves a
+node.
+
 One cluster at a time per machine (the bridge has a fixed name); ``stop()`` (and ``python -m
 rig.nodes down``) kills every process of the nodes, containers included, unmounts,
 and removes namespaces, cgroups and files, also after a crash of the process that started it.
@@ -77,6 +84,12 @@ BRIDGE = "kpngn0"
 BRIDGE_NETWORK = ipaddress.ip_network("10.253.0.0/24")
 HOST_IP = "10.253.0.1"
 CLUSTER_CIDR = "10.245.0.0/16"
+BRIDGE_NETWORK6 = ipaddress.ip_network("fd00:10:253::/64")
+HOST_IP6 = "fd00:10:253::1"
+CLUSTER_CIDR6 = "fd00:10:245::/56"
+SERVICE_CIDR6 = "fd00:10:96::/112"
+CLUSTER_NETWORK6 = "fd00:10::/32"
+"""Every IPv6 address of a dual-stack cluster (bridge, pods, services): all a node routes."""
 CLUSTER_DOMAIN = "cluster.local"
 CLUSTER_DNS = str(ipaddress.ip_network(SERVICE_CIDR)[10])
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -165,25 +178,27 @@ def _make_cgroup(name: str) -> None:
                 (path / knob).write_text((hierarchy / knob).read_text())
 
 
+def _cgroup_dirs(root: Path) -> list[Path]:
+    """``root`` and the cgroups under it, deepest first. os.walk, not Path.rglob: a container
+    exiting meanwhile removes its cgroup, which rglob raises on (seen stopping a cluster)."""
+    found = [Path(directory) for directory, _, _ in os.walk(root)]
+    return sorted(found, key=lambda p: -len(p.parts))
+
+
 def _cgroup_pids(name: str) -> set[int]:
     pids: set[int] = set()
     for hierarchy in _hierarchies():
-        for procs in (hierarchy / name).rglob("cgroup.procs"):
+        for directory in _cgroup_dirs(hierarchy / name):
             with contextlib.suppress(OSError):
-                pids.update(int(p) for p in procs.read_text().split())
+                pids.update(int(p) for p in (directory / "cgroup.procs").read_text().split())
     return pids
 
 
 def _remove_cgroup(name: str) -> None:
     for hierarchy in _hierarchies():
-        root = hierarchy / name
-        if not root.exists():
-            continue
-        for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for path in _cgroup_dirs(hierarchy / name):
             with contextlib.suppress(OSError):
                 path.rmdir()
-        with contextlib.suppress(OSError):
-            root.rmdir()
 
 
 # --- processes and mounts left by containers
@@ -233,6 +248,7 @@ class NodeLayout:
     name: str
     index: int
     workdir: Path
+    dual_stack: bool = False
 
     @property
     def netns(self) -> str:
@@ -241,6 +257,15 @@ class NodeLayout:
     @property
     def ip(self) -> str:
         return str(BRIDGE_NETWORK[10 + self.index])
+
+    @property
+    def ip6(self) -> str:
+        return str(BRIDGE_NETWORK6[10 + self.index])
+
+    @property
+    def ips(self) -> tuple[str, ...]:
+        """The node's addresses, the primary (IPv4) first: kubelet's ``--node-ip``."""
+        return (self.ip, self.ip6) if self.dual_stack else (self.ip,)
 
     @property
     def uts(self) -> Path:
@@ -351,7 +376,9 @@ def kubelet_config(node: NodeLayout, ca_cert: Path) -> dict[str, Any]:
     }
 
 
-def cni_config(pod_cidr: str) -> dict[str, Any]:
+def cni_config(pod_cidrs: Sequence[str]) -> dict[str, Any]:
+    """ptp with a host-local range and a default route per family of the node's ``pod_cidrs``."""
+    families = [ipaddress.ip_network(cidr).version for cidr in pod_cidrs]
     return {
         "cniVersion": "0.4.0",
         "name": "kpng-nodes",
@@ -362,8 +389,8 @@ def cni_config(pod_cidr: str) -> dict[str, Any]:
                 "mtu": 1500,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{"subnet": pod_cidr}]],
-                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "ranges": [[{"subnet": cidr}] for cidr in pod_cidrs],
+                    "routes": [{"dst": "0.0.0.0/0" if v == 4 else "::/0"} for v in families],
                 },
             },
             # hostPort, as kind's CNI configuration has it (e2e's CLOSE_WAIT test uses one).
@@ -379,6 +406,7 @@ class RealNode:
         self.layout = layout
         self.name = layout.name
         self.ip = layout.ip
+        self.ip6 = layout.ip6 if layout.dual_stack else None
         self._detach = detach
         self.containerd: Daemon | None = None
         self.kubelet: Daemon | None = None
@@ -409,6 +437,24 @@ class RealNode:
             ["sysctl", "-qw", "net.ipv4.ip_forward=1"],
         ):
             self.exec(*argv)
+        if n.dual_stack:
+            self._add_ipv6()
+
+    def _add_ipv6(self) -> None:
+        n = self.layout
+        # nodad: the address is ours alone on the bridge, and a tentative one would refuse
+        # kubelet's bind for a second or two.
+        prefix = BRIDGE_NETWORK6.prefixlen
+        self.exec("ip", "-6", "addr", "add", f"{n.ip6}/{prefix}", "dev", "eth0", "nodad")
+        self.exec("ip", "-6", "route", "add", CLUSTER_NETWORK6, "via", HOST_IP6)
+        # all: forwarding on every interface, pods' veths made later included; default: what a
+        # new interface starts with, as kube-proxy's and kpng's checks read it.
+        forwarding = ("net.ipv6.conf.all.forwarding", "net.ipv6.conf.default.forwarding")
+        for key in forwarding:
+            self.exec("sysctl", "-qw", f"{key}=1")
+        read = [self.exec("sysctl", "-n", key).strip() for key in forwarding]
+        if read != ["1", "1"]:
+            raise NodeError(f"{n.name}: {', '.join(forwarding)} read {read} after setting 1")
 
     def start_containerd(self, containerd: str, pause_image: str) -> None:
         n = self.layout
@@ -450,7 +496,7 @@ class RealNode:
                 f"--kubeconfig={kubeconfig}",
                 f"--root-dir={n.kubelet_dir}",
                 f"--hostname-override={n.name}",
-                f"--node-ip={n.ip}",
+                f"--node-ip={','.join(n.ips)}",
                 "--v=1",
             ]
         )
@@ -470,9 +516,16 @@ class RealNode:
             self.kubelet.stop()
         self._spawn_kubelet()
 
-    def write_cni_config(self, pod_cidr: str) -> None:
+    def write_cni_config(self, pod_cidrs: Sequence[str]) -> None:
         path = self.layout.cni_conf_dir / "10-kpng-nodes.conflist"
-        path.write_text(json.dumps(cni_config(pod_cidr), indent=2) + "\n")
+        path.write_text(json.dumps(cni_config(pod_cidrs), indent=2) + "\n")
+
+    def address_of(self, cidr: str) -> str:
+        """The node's address of ``cidr``'s family: the next hop to pods there."""
+        if ipaddress.ip_network(cidr).version == 6:
+            assert self.ip6 is not None, f"{cidr} on a node without IPv6"
+            return self.ip6
+        return self.ip
 
     def pids(self) -> list[int]:
         return [d.pid for d in (self.kubelet, self.containerd) if d is not None]
@@ -552,7 +605,8 @@ def missing_requirements() -> str:
 class RealCluster:
     """A control plane, controllers and ``nodes`` real nodes; a context manager that removes
     everything on exit. ``images`` are imported into every node before kubelet starts;
-    ``pause_image`` (one of them) is containerd's sandbox image."""
+    ``pause_image`` (one of them) is containerd's sandbox image. ``dual_stack``: IPv6 beside
+    IPv4 everywhere (bridge, nodes, pods, services; see the module's docstring)."""
 
     def __init__(
         self,
@@ -563,11 +617,13 @@ class RealCluster:
         workdir: Path | None = None,
         detach: bool = False,
         cgroup2: bool = False,
+        dual_stack: bool = False,
     ) -> None:
         if not 1 <= nodes <= 200:
             raise NodeError(f"{nodes} nodes: between 1 and 200")
         self._detach = detach
         self._cgroup2 = cgroup2
+        self.dual_stack = dual_stack
         """Whether the nodes get cgroup2 directories of their own (``mount_cgroup2``)."""
         self._own_workdir = workdir is None
         # Not /tmp's default: containerd's overlay snapshots need a real file system, and the
@@ -576,7 +632,8 @@ class RealCluster:
         self.images = list(images)
         self.pause_image = pause_image
         self.layouts = [
-            NodeLayout(f"node-{i}", i, self.workdir / f"node-{i}") for i in range(1, nodes + 1)
+            NodeLayout(f"node-{i}", i, self.workdir / f"node-{i}", dual_stack)
+            for i in range(1, nodes + 1)
         ]
         self.nodes = [RealNode(layout, detach=detach) for layout in self.layouts]
         self.plane: ControlPlane | None = None
@@ -593,6 +650,15 @@ class RealCluster:
     def server(self) -> str:
         assert self.plane is not None, "start() the cluster first"
         return self.plane.server
+
+    @property
+    def cluster_cidrs(self) -> tuple[str, ...]:
+        """The pod CIDRs, the primary first: a proxy's ``clusterCIDR``, comma-joined."""
+        return (CLUSTER_CIDR, CLUSTER_CIDR6) if self.dual_stack else (CLUSTER_CIDR,)
+
+    @property
+    def service_cidrs(self) -> tuple[str, ...]:
+        return (SERVICE_CIDR, SERVICE_CIDR6) if self.dual_stack else (SERVICE_CIDR,)
 
     # Lifecycle.
 
@@ -617,7 +683,11 @@ class RealCluster:
                 detach=self._detach,
                 address=HOST_IP,
                 pki=self.pki,
-                apiserver_args=self._apiserver_args(*kubelet_client),
+                apiserver_args=[
+                    *self._apiserver_args(*kubelet_client),
+                    # Replaces ControlPlane's single-stack flag of the same name.
+                    *self._service_range_args(),
+                ],
             )
             self.plane.start()
             self._start_controllers()
@@ -724,6 +794,22 @@ class RealCluster:
             "--enable-priority-and-fairness=true",
         ]
 
+    def _service_range_args(self) -> list[str]:
+        if not self.dual_stack:
+            return []
+        return [f"--service-cluster-ip-range={','.join(self.service_cidrs)}"]
+
+    def _node_cidr_args(self) -> list[str]:
+        """kube-controller-manager's node IPAM: a /24 per node, and a /64 too if dual-stack
+        (where the single-stack ``--node-cidr-mask-size`` is refused)."""
+        if not self.dual_stack:
+            return [f"--cluster-cidr={CLUSTER_CIDR}", "--node-cidr-mask-size=24"]
+        return [
+            f"--cluster-cidr={','.join(self.cluster_cidrs)}",
+            "--node-cidr-mask-size-ipv4=24",
+            "--node-cidr-mask-size-ipv6=64",
+        ]
+
     def _create_bridge(self) -> None:
         # A previous run killed hard may have left nodes behind.
         for layout in self.layouts:
@@ -734,6 +820,9 @@ class RealCluster:
         _run(["ip", "link", "set", BRIDGE, "up"])
         # Nodes route what is not theirs here; the machine must not forward it anywhere.
         _run(["sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.forwarding=0"])
+        if self.dual_stack:
+            prefix = BRIDGE_NETWORK6.prefixlen
+            _run(["ip", "-6", "addr", "add", f"{HOST_IP6}/{prefix}", "dev", BRIDGE, "nodad"])
 
     def _write_cert(self, stem: str, common_name: str, organization: str) -> tuple[Path, Path]:
         cert = issue_client_cert(
@@ -785,9 +874,8 @@ class RealCluster:
                     f"--cluster-signing-cert-file={pki.ca_cert}",
                     f"--cluster-signing-key-file={pki.ca_key}",
                     "--allocate-node-cidrs=true",
-                    f"--cluster-cidr={CLUSTER_CIDR}",
-                    "--node-cidr-mask-size=24",
-                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    *self._node_cidr_args(),
+                    f"--service-cluster-ip-range={','.join(self.service_cidrs)}",
                     "--controllers=*,bootstrapsigner,tokencleaner",
                     "--v=1",
                 ],
@@ -814,26 +902,29 @@ class RealCluster:
         )
 
     def _connect_pod_networks(self) -> None:
-        """Once kube-controller-manager gave each Node a podCIDR: each node's CNI configuration,
-        and routes to every pod CIDR from the other nodes and from the machine."""
-        cidrs: dict[str, str] = {}
+        """Once kube-controller-manager gave each Node its podCIDRs (one per family): each node's
+        CNI configuration, and routes to every pod CIDR from the other nodes and from the
+        machine."""
+        cidrs: dict[str, list[str]] = {}
+        families = len(self.cluster_cidrs)
 
         def allocated() -> bool:
             for controller in self._controllers:
                 controller.check_alive()
             for item in self.get("nodes")["items"]:
-                cidr = item["spec"].get("podCIDR")
-                if cidr:
-                    cidrs[item["metadata"]["name"]] = cidr
+                given = item["spec"].get("podCIDRs") or []
+                if len(given) == families:
+                    cidrs[item["metadata"]["name"]] = given
             return set(cidrs) >= {n.name for n in self.nodes}
 
-        _wait_for("a podCIDR for every node", allocated)
+        _wait_for("a podCIDR of each family for every node", allocated)
         for node in self.nodes:
             node.write_cni_config(cidrs[node.name])
-            for other in self.nodes:
-                if other is not node:
-                    node.exec("ip", "route", "replace", cidrs[other.name], "via", other.ip)
-            _run(["ip", "route", "replace", cidrs[node.name], "via", node.ip])
+            for cidr in cidrs[node.name]:
+                for other in self.nodes:
+                    if other is not node:
+                        other.exec("ip", "route", "replace", cidr, "via", node.address_of(cidr))
+                _run(["ip", "route", "replace", cidr, "via", node.address_of(cidr)])
 
 
 # --- the command
@@ -854,6 +945,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     up = sub.add_parser("up", help="start in the background; prints `export KUBECONFIG=...`")
     up.add_argument("--nodes", type=int, default=2)
+    up.add_argument(
+        "--dual-stack",
+        action="store_true",
+        help="IPv6 beside IPv4 on the bridge, nodes, pods and services (IPv4 primary)",
+    )
     sub.add_parser("env", help="print `export KUBECONFIG=...` of the running cluster")
     sub.add_parser("down", help="stop everything `up` started and remove it")
     parser.add_argument("--dir", type=Path, help="state directory (default /var/tmp/kpng-nodes)")
@@ -889,11 +985,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pause_image=images.pause_reference(),
                 workdir=directory,
                 detach=True,
+                dual_stack=args.dual_stack,
             )
             cluster.start()
             state = {"pids": cluster.pids(), "nodes": args.nodes, "server": cluster.server}
             state_file.write_text(json.dumps(state) + "\n")
-            print(f"{args.nodes} nodes Ready; API server {cluster.server}")
+            stack = " (dual-stack)" if args.dual_stack else ""
+            print(f"{args.nodes} nodes Ready{stack}; API server {cluster.server}")
             print(f"export KUBECONFIG={cluster.kubeconfig}")
         elif args.command == "env":
             if not state_file.exists():
