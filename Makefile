@@ -107,7 +107,7 @@ protos: $(DEV)
 
 # Recompiles to-ebpf's programs into the object kpng ships (src/kpng/backends/ebpf/sockets.bpf.o)
 # and its manifest, after a change to sockets.bpf.c: needs clang and libbpf-dev, which nothing
-# else does (tests/test_ebpf_object.py fails until this is run and the result committed).
+# else does (tests/packaging/test_ebpf_object.py fails until this is run and the result committed).
 bpf-object: $(BIN)/kpng
 	$(BIN)/python -m kpng.backends.ebpf.toolchain --regenerate
 
@@ -115,7 +115,7 @@ bench: $(DEV)
 	$(BIN)/python bench/run_all.py
 
 # docs/ as a site in site/ (mkdocs.yml has the nav by audience); `make test` builds it too
-# (tests/test_docs.py), so that a broken link fails. `.venv/bin/mkdocs serve` to read it.
+# (tests/packaging/test_docs.py), so that a broken link fails. `.venv/bin/mkdocs serve` to read it.
 docs: $(DEV)
 	$(BIN)/mkdocs build --strict --site-dir site
 
