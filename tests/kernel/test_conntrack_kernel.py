@@ -14,9 +14,6 @@ import pytest
 from kpng.backends import _conntrack, _ctnetlink
 from kpng.backends._conntrack import Conntrack, Frontends, Reconciled
 from kpng.backends._netlink import NLM_F_DUMP, messages, nested_attributes
-from kpng.testing.netns import available
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 GONE, STAYS = "10.244.1.2", "10.244.1.3"
 GONE6, STAYS6 = "fd00:244::2", "fd00:244::3"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.netns import ClusterSpec, TestBed, available
+from kpng.testing.netns import ClusterSpec, TestBed
 from kpng.testing.waiting import poll
 from tests.kernel.nft_faults import (
     CLUSTER_IP,
@@ -38,8 +38,6 @@ from tests.kernel.nft_faults import (
     with_node_port,
 )
 from tests.kernel.test_nft_kernel import _manifest, _table
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 KPNG = [sys.executable, "-m", "kpng"]
 NODE = "node-1"

@@ -16,15 +16,12 @@ from collections.abc import Iterator
 import pytest
 
 from kpng.testing import netns
-from kpng.testing.netns import ClusterSpec, TestBed, available
+from kpng.testing.netns import ClusterSpec, TestBed
 from kpng.testing.waiting import poll
 from tests.kernel.nft_faults import CLUSTER_IP, HEALTHZ, METRICS, Live, with_node_port
 from tests.kernel.test_nft_kernel import _manifest
 
-pytestmark = [
-    pytest.mark.skipif(available() is not None, reason=str(available())),
-    pytest.mark.skipif(shutil.which("iptables-nft") is None, reason="no iptables-nft"),
-]
+pytestmark = pytest.mark.skipif(shutil.which("iptables-nft") is None, reason="no iptables-nft")
 
 
 def _saved(live: Live) -> list[str]:

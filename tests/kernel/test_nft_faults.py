@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpng.testing.netns import ClusterSpec, TestBed, available
+from kpng.testing.netns import ClusterSpec, TestBed
 from kpng.testing.waiting import poll
 from tests.kernel.nft_faults import (
     CLUSTER_IP,
@@ -27,8 +27,6 @@ from tests.kernel.nft_faults import (
     with_node_port,
 )
 from tests.kernel.test_nft_kernel import _manifest, _table
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 
 @pytest.fixture(scope="module")

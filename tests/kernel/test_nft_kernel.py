@@ -46,12 +46,10 @@ from kpng.model.messages import (
     ServiceIPs,
 )
 from kpng.testing import states
-from kpng.testing.netns import ClusterSpec, TestBed, available
+from kpng.testing.netns import ClusterSpec, TestBed
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
 from tests.nft_services import churn, generate
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 ALL = EndpointScopes(Internal=True, External=True, Cluster=True)
 WEB: ServiceKey = ("ns", "web")

@@ -8,19 +8,11 @@ loopback) and a pod behind it running the echo server.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from kpng.testing.netns import available
-
-pytestmark = [
-    pytest.mark.skipif(available() is not None, reason=str(available())),
-    pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft"),
-]
 
 NODE_PORT = 30080
 POD = "10.99.0.2"

@@ -11,10 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from kpng.testing.netns import available
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
-
 SERVICE = """\
 apiVersion: v1
 kind: Service

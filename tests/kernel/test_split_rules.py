@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from kpng.backends.ebpf.toolchain import unavailable as ebpf_unavailable
-from kpng.testing.netns import ClusterSpec, TestBed, available
-
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+from kpng.testing.netns import ClusterSpec, TestBed
 
 KPNG = [sys.executable, "-m", "kpng"]
 NODE = "node-1"

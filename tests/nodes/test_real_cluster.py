@@ -23,13 +23,9 @@ import pytest
 from kpng.testing.waiting import until
 from rig import addons, images
 from rig import kubeapi as k
-from rig.nodes import RealCluster, missing_requirements
+from rig.nodes import RealCluster
 
-pytestmark = [
-    pytest.mark.realcluster,
-    pytest.mark.skipif(bool(missing_requirements()), reason=missing_requirements() or "-"),
-    pytest.mark.timeout(900),
-]
+pytestmark = pytest.mark.timeout(900)
 
 
 @contextlib.contextmanager

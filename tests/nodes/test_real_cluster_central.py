@@ -15,7 +15,7 @@ import pytest
 
 from kpng.testing.waiting import until
 from rig import addons, images
-from rig.nodes import RealCluster, RealNode, missing_requirements
+from rig.nodes import RealCluster, RealNode
 from tests.nodes.test_real_cluster import (
     Traffic,
     _answers,
@@ -25,11 +25,7 @@ from tests.nodes.test_real_cluster import (
     serve_web,
 )
 
-pytestmark = [
-    pytest.mark.realcluster,
-    pytest.mark.skipif(bool(missing_requirements()), reason=missing_requirements() or "-"),
-    pytest.mark.timeout(900),
-]
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from kpng.testing.waiting import until
 from rig import images
-from rig.nodes import RealCluster, missing_requirements
+from rig.nodes import RealCluster
 from tests.nodes.test_real_cluster import (
     Traffic,
     _answers,
@@ -24,11 +24,7 @@ from tests.nodes.test_real_cluster import (
     serve_web,
 )
 
-pytestmark = [
-    pytest.mark.realcluster,
-    pytest.mark.skipif(bool(missing_requirements()), reason=missing_requirements() or "-"),
-    pytest.mark.timeout(900),
-]
+pytestmark = pytest.mark.timeout(900)
 
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -33,14 +33,10 @@ import pytest
 from kpng.testing.waiting import until
 from rig import addons, images
 from rig import kubeapi as k
-from rig.nodes import RealCluster, RealNode, missing_requirements
+from rig.nodes import RealCluster, RealNode
 from tests.nodes.test_real_cluster import Traffic, _answers, _node_port_service
 
-pytestmark = [
-    pytest.mark.realcluster,
-    pytest.mark.skipif(bool(missing_requirements()), reason=missing_requirements() or "-"),
-    pytest.mark.timeout(600),
-]
+pytestmark = pytest.mark.timeout(600)
 
 LABEL = "kpng.io/proxy"
 FAMILIES = ("iptables", "ip6tables")

@@ -11,9 +11,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from kpng.testing.netns import available
 from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
 from tests.pure.test_status import _get as get
@@ -117,24 +114,3 @@ def test_explain_of_a_brain_needs_the_node(tmp_path: Path, subprocess_env: dict[
         (explained,) = json.loads(body)
         assert explained["node"] == "node-3"
         assert explained["zone"] == "zone-b"
-
-
-@pytest.mark.skipif(available() is not None, reason=str(available()))
-def test_rules_are_what_the_kernel_holds(
-    tmp_path: Path, subprocess_env: dict[str, str], netns: str
-) -> None:
-    argv = [
-        "--metrics-bind-address", "127.0.0.1:10249",
-        "file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-2", "to-nft",
-    ]  # fmt: skip
-    url = "http://127.0.0.1:10249/debug/rules"
-    with _kpng(argv, subprocess_env, tmp_path / "kpng.log", netns=netns):
-        # Until the first sync is in: its elements (before it, the answer says there is no table).
-        until(lambda: 'comment "shop/web:http"' in _get(url, netns=netns)[1], within=WAIT_S)
-        code, rules = _get(url, netns=netns)
-        listed = subprocess.run(
-            ["ip", "netns", "exec", netns, "nft", "list", "table", "inet", "kpng"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        assert code == 200
-        assert rules == f"# to-nft\n{listed}"

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 
-import pytest
-
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.counting import (
     CONNECTIONS,
@@ -15,14 +13,12 @@ from kpng.backends._nftables.counting import (
     REJECTED,
     TrafficCounters,
 )
-from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
 from kpng.backends._nftables.netlink import counted, dispatch_key
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
-from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 
 _service = functools.partial(states.service, port_name="p", target_port=0)
@@ -164,79 +160,3 @@ def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
 
 
 # --- the kernel
-
-
-@pytest.mark.skipif(available() is not None, reason=str(available()))
-def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs() -> None:
-    """N connections to a Service (from the node, through its ClusterIP, and from outside,
-    through a node port) and M to a Service with no endpoint are counted as such; an unrelated
-    incremental sync and one rewriting the Service's elements lower nothing; the drift checks
-    see no drift in counters that moved."""
-    with TestBed(ClusterSpec.parse({"node-1": ["p1", "p2"]})) as bed:
-        node = bed.nodes["node-1"]
-        p1, p2 = bed.pod("p1"), bed.pod("p2")
-        web_ip, empty_ip = "10.96.0.10", "10.96.0.11"
-        services = {
-            WEB: ServiceEndpoints(
-                _service("web", cluster_ip=web_ip, node_port=30080), (_ep(p1.ip4, 8080),)
-            ),
-            EMPTY: ServiceEndpoints(_service("empty", cluster_ip=empty_ip, usable=False), ()),
-        }
-        options = Options(cluster_cidrs=("10.244.0.0/16",), traffic_counters=True)
-
-        async def scenario() -> list[dict[str, dict[str, float]]]:
-            backend = NftBackend(
-                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
-                options=options,
-                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
-                sync_period=30,
-            )
-            seen = []
-
-            async def read() -> None:
-                await backend.read_traffic()
-                samples = backend.metric_samples()
-                seen.append(
-                    {
-                        name: _values(samples, name)  # type: ignore[arg-type]
-                        for name in (CONNECTIONS, REJECTED)
-                    }
-                )
-
-            def probe(netns: str, host: str, port: int, count: int) -> list[str]:
-                return bed.probe(netns, "tcp", host, port, count=count, timeout=1)
-
-            await backend.apply(keyed_state(1, services))
-            assert [r.split()[0] for r in probe(node.netns, web_ip, 80, 5)] == ["p1"] * 5
-            assert bed.external is not None
-            assert len(probe(bed.external.netns, node.ip4, 30080, 2)) == 2
-            refused = probe(node.netns, empty_ip, 80, 3)
-            assert not any(r.startswith("p1") for r in refused)
-            await read()
-            # An unrelated service comes: an incremental sync.
-            other = ServiceEndpoints(_service("other", cluster_ip="10.96.0.12"), (_ep(p2.ip4),))
-            await backend.apply(keyed_state(2, {**services, OTHER: other}, updated=[OTHER]))
-            await read()
-            # web gets a second endpoint: its elements are written again.
-            services[WEB] = ServiceEndpoints(
-                services[WEB].service, (_ep(p1.ip4, 8080), _ep(p2.ip4, 8080))
-            )
-            await backend.apply(keyed_state(3, {**services, OTHER: other}, updated=[WEB]))
-            await read()
-            assert len(probe(node.netns, web_ip, 80, 4)) == 4
-            await read()
-            assert await backend.check_kernel(full=True) is None
-            await backend.close()
-            return seen
-
-        seen = asyncio.run(scenario())
-    assert seen[0] == {
-        CONNECTIONS: {"web": 7, "empty": 3},
-        REJECTED: {"web": 0, "empty": 3},
-    }
-    assert seen[1] == {
-        CONNECTIONS: {"web": 7, "empty": 3, "other": 0},
-        REJECTED: {"web": 0, "empty": 3, "other": 0},
-    }
-    assert seen[2] == seen[1]
-    assert seen[3][CONNECTIONS] == {"web": 11, "empty": 3, "other": 0}

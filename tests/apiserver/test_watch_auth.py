@@ -18,42 +18,12 @@ from kpng.errors import KpngError
 from kpng.kubeclient.client import ApiClient
 from kpng.kubeclient.config import load_connection
 from kpng.remote.watching import _follow_once, global_rpcs
-from kpng.server.auth import Identity, Refused, TokenReviews, WatchAuth, decide
+from kpng.server.auth import TokenReviews, WatchAuth
 from kpng.server.serving import ListenAddress, Serving, TlsFiles, serve
 from kpng.store import Store
 from rig import kubeapi as k
 from rig.cluster import ControlPlane, make_pki
 from rig.kubeapi import KubeApi
-
-AGENT = "system:serviceaccount:kube-system:kpng-node"
-RELAY = "system:serviceaccount:kube-system:kpng-relay"
-
-
-@pytest.mark.parametrize(
-    ("identity", "node", "refused"),
-    [
-        (Identity(AGENT, "node-1"), "node-1", None),
-        (Identity(AGENT, "node-1"), "node-2", "runs on node node-1 and may not watch node node-2"),
-        (Identity(AGENT, ""), "node-1", "runs on no node"),  # a token bound to no pod
-        (Identity("system:serviceaccount:default:web", "node-1"), "node-1", "not a kpng node"),
-        (None, "node-1", "no valid token"),
-        (Identity(RELAY), None, None),
-        (Identity(AGENT, "node-1"), None, "may not watch the global state"),
-        (None, None, "no valid token"),
-    ],
-)
-def test_who_may_watch_what(
-    identity: Identity | None, node: str | None, refused: str | None
-) -> None:
-    if refused is None:
-        decide(identity, node=node, node_users=frozenset({AGENT}), global_users=frozenset({RELAY}))
-        return
-    with pytest.raises(Refused, match=refused) as caught:
-        decide(identity, node=node, node_users=frozenset({AGENT}), global_users=frozenset({RELAY}))
-    assert caught.value.unauthenticated == (identity is None)
-
-
-# --- against a real API server
 
 
 def _token(api: KubeApi, namespace: str, account: str, *, audience: str, pod: Any = None) -> str:
