@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs bpf-object \
+.PHONY: example dev check test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs bpf-object \
 	system-packages system-packages-as-root compat
 
 # Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
@@ -49,7 +49,13 @@ system-packages-as-root:
 	@if [ "$$(id -u)" = 0 ]; then tools/install-system-packages; \
 	else echo "not root: the tests that need system packages will be skipped (see the summary)"; fi
 
-# The whole suite: lint, types, layer contracts, tests.
+# The pure tier alone (tests/pure: no root, no network namespace, no API server, nothing built
+# with Go): the quick loop while editing. tests/<tier>/conftest.py says what each tier needs.
+check: $(DEV)
+	@$(COMPILE)
+	$(BIN)/pytest tests/pure
+
+# The whole suite: lint, types, layer contracts, tests (every tier).
 test: lint typecheck unit
 
 lint: $(DEV)

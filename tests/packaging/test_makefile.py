@@ -46,7 +46,7 @@ def test_example_installs_the_runtime_only(tmp_path: Path) -> None:
     assert not any("dev" in c for c in installs), installs
 
 
-@pytest.mark.parametrize("target", ["test", "lint", "typecheck", "unit", "dev"])
+@pytest.mark.parametrize("target", ["check", "test", "lint", "typecheck", "unit", "dev"])
 def test_the_development_targets_install_the_tools_on_a_fresh_machine(
     tmp_path: Path, target: str
 ) -> None:
