@@ -1,3 +1,7 @@
+"""What every tier shares: the kpng command's fixtures, the rig's pytest plugin (the control plane
+fixtures, the ``apiserver`` and ``realcluster`` markers) and the end-of-run summary of what did not
+run. Each tier's own tests/<tier>/conftest.py says what the tier needs (tests/tiers.py)."""
+
 from __future__ import annotations
 
 import os
