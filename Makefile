@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: example dev test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs bpf-object \
+.PHONY: example dev check test lint typecheck unit control-plane real-nodes protos bench e2e image clean docs bpf-object \
 	system-packages system-packages-as-root compat
 
 # Two stamps, so that `make example` installs what kpng needs to run (120 MB) and no more:
@@ -49,7 +49,13 @@ system-packages-as-root:
 	@if [ "$$(id -u)" = 0 ]; then tools/install-system-packages; \
 	else echo "not root: the tests that need system packages will be skipped (see the summary)"; fi
 
-# The whole suite: lint, types, layer contracts, tests.
+# The pure tier alone (tests/pure: no root, no network namespace, no API server, nothing built
+# with Go): the quick loop while editing. tests/<tier>/conftest.py says what each tier needs.
+check: $(DEV)
+	@$(COMPILE)
+	$(BIN)/pytest tests/pure
+
+# The whole suite: lint, types, layer contracts, tests (every tier).
 test: lint typecheck unit
 
 lint: $(DEV)
@@ -109,7 +115,7 @@ protos: $(DEV)
 
 # Recompiles to-ebpf's programs into the object kpng ships (src/kpng/backends/ebpf/sockets.bpf.o)
 # and its manifest, after a change to sockets.bpf.c: needs clang and libbpf-dev, which nothing
-# else does (tests/test_ebpf_object.py fails until this is run and the result committed).
+# else does (tests/packaging/test_ebpf_object.py fails until this is run and the result committed).
 bpf-object: $(BIN)/kpng
 	$(BIN)/python -m kpng.backends.ebpf.toolchain --regenerate
 
@@ -117,7 +123,7 @@ bench: $(DEV)
 	$(BIN)/python bench/run_all.py
 
 # docs/ as a site in site/ (mkdocs.yml has the nav by audience); `make test` builds it too
-# (tests/test_docs.py), so that a broken link fails. `.venv/bin/mkdocs serve` to read it.
+# (tests/packaging/test_docs.py), so that a broken link fails. `.venv/bin/mkdocs serve` to read it.
 docs: $(DEV)
 	$(BIN)/mkdocs build --strict --site-dir site
 

@@ -250,6 +250,20 @@ def _read_manifest(directory: Path) -> Binaries | None:
     return binaries
 
 
+def _binaries_directory(kube: str, etcd: str | None) -> Path:
+    return cache_root() / (kube if etcd is None else f"{kube}-etcd-{etcd}")
+
+
+def cached_binaries(
+    kubernetes_version: str | None = None, etcd_version: str | None = None
+) -> Binaries | None:
+    """The binaries ``ensure_binaries`` returns without building, or None if they are not built
+    yet: whether a control plane can start here without Go."""
+    kube = kubernetes_release(kubernetes_version)
+    etcd = _version_from_env("KPNG_ETCD_VERSION", etcd_version)
+    return _read_manifest(_binaries_directory(kube, etcd))
+
+
 def ensure_binaries(
     kubernetes_version: str | None = None, etcd_version: str | None = None
 ) -> Binaries:
@@ -257,7 +271,7 @@ def ensure_binaries(
     (else ``KUBERNETES_VERSION``) and $KPNG_ETCD_VERSION (else what kubernetes requires)."""
     kube = kubernetes_release(kubernetes_version)
     etcd = _version_from_env("KPNG_ETCD_VERSION", etcd_version)
-    directory = cache_root() / (kube if etcd is None else f"{kube}-etcd-{etcd}")
+    directory = _binaries_directory(kube, etcd)
     found = _read_manifest(directory)
     if found is not None:
         return found

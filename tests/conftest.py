@@ -1,13 +1,16 @@
+"""What every tier shares: the kpng command's fixtures, the rig's pytest plugin (the control plane
+fixtures, the ``apiserver`` and ``realcluster`` markers) and the end-of-run summary of what did not
+run. Each tier's own tests/<tier>/conftest.py says what the tier needs (tests/tiers.py)."""
+
 from __future__ import annotations
 
 import os
-import secrets
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.tiers import Summary
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cluster.yaml"
@@ -24,32 +27,6 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture
-def namespaces() -> Iterator[Callable[[], str]]:
-    """Makes new, empty network namespaces (loopback up), all deleted afterwards whatever
-    happens. Needs root and iproute2."""
-    made: list[str] = []
-
-    def make() -> str:
-        name = f"kpng-kt-{secrets.token_hex(3)}"
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        made.append(name)
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        return name
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-@pytest.fixture
-def netns(namespaces: Callable[[], str]) -> str:
-    """One such namespace."""
-    return namespaces()
-
-
 pytest_plugins = ["rig.fixtures"]
 
 
@@ -59,21 +36,30 @@ OPT_IN = ("KPNG_",)
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """End with what did not run and why, loudly: a machine without nft or root passes the
-    suite while skipping every data-plane test, which must not look like a full pass."""
-    reasons: dict[str, int] = {}
+    suite while skipping every data-plane test, which must not look like a full pass. A tier
+    none of whose tests ran is one line that names the tier (tests/<tier>/conftest.py says what
+    it needs); the other skips are counted by reason."""
+    outcomes: dict[str, str | None] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-        reason = reason.removeprefix("Skipped: ")
-        reasons[reason] = reasons.get(reason, 0) + 1
-    if not reasons:
+        outcomes[report.nodeid] = reason.removeprefix("Skipped: ")
+    for category in ("passed", "failed", "error", "xfailed", "xpassed"):
+        for report in terminalreporter.stats.get(category, []):
+            outcomes[report.nodeid] = None
+    summary = Summary(outcomes)
+    if not summary.tiers and not summary.reasons:
         return
-    missing = {r: n for r, n in reasons.items() if not any(k in r for k in OPT_IN)}
-    total = sum(missing.values())
-    if missing:
+    missing = {r: n for r, n in summary.reasons.items() if not any(k in r for k in OPT_IN)}
+    total = sum(missing.values()) + sum(count for count, _ in summary.tiers.values())
+    if total:
         terminalreporter.section(
             f"{total} TESTS DID NOT RUN: this machine lacks what they need", sep="!", red=True
         )
+        for tier, (count, reason) in summary.tiers.items():
+            terminalreporter.write_line(
+                f"{count:5} tests/{tier}, the whole tier: {reason}", red=True
+            )
         for reason, count in sorted(missing.items(), key=lambda item: -item[1]):
             terminalreporter.write_line(f"{count:5} {reason}", red=True)
         terminalreporter.write_line(
@@ -81,6 +67,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             "the data-plane and conformance tests need root, nftables and conntrack.",
             bold=True,
         )
-    optional = {r: n for r, n in reasons.items() if r not in missing}
+    optional = {r: n for r, n in summary.reasons.items() if r not in missing}
     for reason, count in optional.items():
         terminalreporter.write_line(f"opt-in, not run: {count} ({reason})")

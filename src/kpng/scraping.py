@@ -29,7 +29,7 @@ SERVICE_PORTS = "kpng_service_traffic_service_ports"
 DROPPED = "kpng_service_traffic_series_dropped"
 ENDPOINTS_DROPPED = "kpng_endpoint_traffic_series_dropped"
 """The names the backends export (docs/reference/metrics.md): the tests against a live node
-(tests/test_top_node.py) hold them to to-nft's."""
+(tests/kernel/test_top_node.py) hold them to to-nft's."""
 
 BODY_LIMIT = 64 * 1024 * 1024
 """The largest page read, decoded: 100,000 Service ports at the endpoint level take some 30
@@ -136,7 +136,7 @@ def parse(text: str, *, at: float) -> Scrape:
                     elif name == ENDPOINTS_DROPPED and math.isfinite(value):
                         endpoints_dropped = value
     # The parser's complaints, and the IndexError some malformed lines raise in it (found by
-    # fuzzing; tests/test_top.py has one).
+    # fuzzing; tests/pure/test_top.py has one).
     except (ValueError, IndexError) as exc:
         raise ReadError(f"not Prometheus text: {exc}") from None
     return Scrape(

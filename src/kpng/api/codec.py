@@ -1,6 +1,6 @@
 """The model's msgspec Structs to protobuf wire bytes and back, and the framing of watch ops.
 
-The Structs mirror the proto messages field for field (``tests/test_wire_model.py``), so one
+The Structs mirror the proto messages field for field (``tests/pure/test_wire_model.py``), so one
 generic codec per message type, planned once from the descriptors, converts either way. Ops are
 framed by hand: an OpItem or OpBatch is a few length-delimited fields around a payload that is
 encoded once and shared by every stream that sends it.
@@ -108,7 +108,8 @@ def _each(convert: Callable[[Any], Any]) -> Callable[[Iterable[Any]], tuple[Any,
     return lambda values: tuple(convert(v) for v in values)
 
 
-# Every model Struct with its proto message (tests/test_wire_model.py holds them to each other).
+# Every model Struct with its proto message (tests/pure/test_wire_model.py holds them to each
+# other).
 PAIRS: list[tuple[type[msgspec.Struct], type[Message]]] = [
     # leaves first: each codec needs the codecs of its fields' messages
     (messages.IPSet, localv1_pb2.IPSet),

@@ -4,8 +4,8 @@ These mirror ``kpng/api/localv1.proto`` and ``kpng/api/globalv1.proto`` field fo
 proto field names, so that ``msgspec.json.encode`` of a Struct is the message in protobuf's
 canonical JSON mapping (proto3 leaves default values out, and so does ``omit_defaults``). kpng
 computes with these rather than with the generated protobuf classes: they compare and encode in C,
-and building them costs a fraction of a protobuf message. ``tests/test_wire_model.py`` holds the
-two definitions to each other.
+and building them costs a fraction of a protobuf message. ``tests/pure/test_wire_model.py`` holds
+the two definitions to each other.
 """
 
 from __future__ import annotations

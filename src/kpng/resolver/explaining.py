@@ -5,7 +5,7 @@ builds its answer from) and words them: which set each endpoint landed in (the c
 sets, topology and fallbacks), and the scopes the node-local state gives it. Nothing here decides
 again; a reason is only ever the wording of a decision already taken, so explain cannot drift
 from what backends are served
-(tests/test_explain.py checks that on every semantics table).
+(tests/pure/test_explain.py checks that on every semantics table).
 """
 
 from __future__ import annotations

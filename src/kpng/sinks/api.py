@@ -63,7 +63,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "then the in-cluster service account, then ~/.kube/config)",
     )
     # Defaults: kpng.server.serving's and kpng.server.auth's, not imported (grpc and protobuf
-    # cost every command 0.1 s); tests/test_status.py holds them equal.
+    # cost every command 0.1 s); tests/pure/test_status.py holds them equal.
     parser.add_argument(
         "--first-request-timeout",
         type=float,

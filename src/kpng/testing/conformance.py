@@ -17,7 +17,7 @@ Run it against a backend (root, nft and iproute2 needed)::
 cgroup and bpffs directory, for to-ebpf: see ``kpng.testing.netns``; one case restarts a node's
 backend with kube-proxy's ``--nodeport-addresses`` appended), or the ``backend_command`` fixture
 of a module that imports the suite, which may also list the cases it cannot pass
-(``known_failures``). ``make test`` runs it for ``to-nft`` (``tests/test_conformance.py``),
+(``known_failures``). ``make test`` runs it for ``to-nft`` (``tests/kernel/test_conformance.py``),
 ``to-ebpf`` and ``to-iptables`` with both iptables variants.
 Every wait is bounded.
 """

@@ -5,7 +5,7 @@ Each object is compiled once, by whoever changes its source (``make bpf-object``
 ``python -m kpng.backends.ebpf.toolchain --regenerate``), and committed with
 ``sockets.bpf.json``: each source's digest, each object's and the compiler that made them. The
 wheel and the image carry them, so that no node, no image build and no ``pip install`` needs
-clang; ``tests/test_ebpf_object.py`` fails while an object is older than its source.
+clang; ``tests/packaging/test_ebpf_object.py`` fails while an object is older than its source.
 
 Why committed rather than compiled by a setuptools build step: a build step would put clang and
 libbpf-dev on every machine that builds a wheel or installs kpng from its sdist, and the image's

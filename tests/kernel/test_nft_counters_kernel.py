@@ -1,0 +1,184 @@
+"""to-nft's traffic counters in the kernel: new and refused connections per service port, and
+each endpoint's, counted across syncs in a network-namespace cluster (the counters' logic:
+tests/pure/test_nft_counters.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables.counting import (
+    CONNECTIONS,
+    ENDPOINT_CONNECTIONS,
+    REJECTED,
+)
+from kpng.backends._nftables.executing import KernelNft, NetlinkBatches
+from kpng.backends._nftables.layout import Options
+from kpng.model.messages import ServiceEndpoints
+from kpng.testing.netns import ClusterSpec, TestBed
+from kpng.testing.states import keyed_state
+from tests.pure.test_nft_counters import (
+    EMPTY,
+    OTHER,
+    WEB,
+    _ep,
+    _service,
+    _values,
+)
+
+
+def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs() -> None:
+    """N connections to a Service (from the node, through its ClusterIP, and from outside,
+    through a node port) and M to a Service with no endpoint are counted as such; an unrelated
+    incremental sync and one rewriting the Service's elements lower nothing; the drift checks
+    see no drift in counters that moved."""
+    with TestBed(ClusterSpec.parse({"node-1": ["p1", "p2"]})) as bed:
+        node = bed.nodes["node-1"]
+        p1, p2 = bed.pod("p1"), bed.pod("p2")
+        web_ip, empty_ip = "10.96.0.10", "10.96.0.11"
+        services = {
+            WEB: ServiceEndpoints(
+                _service("web", cluster_ip=web_ip, node_port=30080), (_ep(p1.ip4, 8080),)
+            ),
+            EMPTY: ServiceEndpoints(_service("empty", cluster_ip=empty_ip, usable=False), ()),
+        }
+        options = Options(cluster_cidrs=("10.244.0.0/16",), traffic_counters=True)
+
+        async def scenario() -> list[dict[str, dict[str, float]]]:
+            backend = NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
+                options=options,
+                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
+                sync_period=30,
+            )
+            seen = []
+
+            async def read() -> None:
+                await backend.read_traffic()
+                samples = backend.metric_samples()
+                seen.append(
+                    {
+                        name: _values(samples, name)  # type: ignore[arg-type]
+                        for name in (CONNECTIONS, REJECTED)
+                    }
+                )
+
+            def probe(netns: str, host: str, port: int, count: int) -> list[str]:
+                return bed.probe(netns, "tcp", host, port, count=count, timeout=1)
+
+            await backend.apply(keyed_state(1, services))
+            assert [r.split()[0] for r in probe(node.netns, web_ip, 80, 5)] == ["p1"] * 5
+            assert bed.external is not None
+            assert len(probe(bed.external.netns, node.ip4, 30080, 2)) == 2
+            refused = probe(node.netns, empty_ip, 80, 3)
+            assert not any(r.startswith("p1") for r in refused)
+            await read()
+            # An unrelated service comes: an incremental sync.
+            other = ServiceEndpoints(_service("other", cluster_ip="10.96.0.12"), (_ep(p2.ip4),))
+            await backend.apply(keyed_state(2, {**services, OTHER: other}, updated=[OTHER]))
+            await read()
+            # web gets a second endpoint: its elements are written again.
+            services[WEB] = ServiceEndpoints(
+                services[WEB].service, (_ep(p1.ip4, 8080), _ep(p2.ip4, 8080))
+            )
+            await backend.apply(keyed_state(3, {**services, OTHER: other}, updated=[WEB]))
+            await read()
+            assert len(probe(node.netns, web_ip, 80, 4)) == 4
+            await read()
+            assert await backend.check_kernel(full=True) is None
+            await backend.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    assert seen[0] == {
+        CONNECTIONS: {"web": 7, "empty": 3},
+        REJECTED: {"web": 0, "empty": 3},
+    }
+    assert seen[1] == {
+        CONNECTIONS: {"web": 7, "empty": 3, "other": 0},
+        REJECTED: {"web": 0, "empty": 3, "other": 0},
+    }
+    assert seen[2] == seen[1]
+    assert seen[3][CONNECTIONS] == {"web": 11, "empty": 3, "other": 0}
+
+
+def test_kernel_counts_each_endpoints_connections_across_syncs() -> None:
+    """N connections to a Service with two endpoints are counted per endpoint as they went
+    (summing to N); an incremental sync adding an endpoint, and a full resync repairing
+    drift, lower nothing."""
+    with TestBed(ClusterSpec.parse({"node-1": ["p1", "p2", "p3"]})) as bed:
+        node = bed.nodes["node-1"]
+        pods = {name: bed.pod(name) for name in ("p1", "p2", "p3")}
+        web_ip, other_ip = "10.96.0.20", "10.96.0.21"
+        web = _service("web", cluster_ip=web_ip)
+        other = ServiceEndpoints(_service("other", cluster_ip=other_ip), (_ep(pods["p3"].ip4),))
+        services = {
+            WEB: ServiceEndpoints(web, (_ep(pods["p1"].ip4, 8080), _ep(pods["p2"].ip4, 8080))),
+            OTHER: other,
+        }
+        options = Options(
+            cluster_cidrs=("10.244.0.0/16",), traffic_counters=True, endpoint_counters=True
+        )
+        # Every endpoint's count, zeros included (the kernel's are there from the start).
+        answered = {f"{pods[name].ip4}:8080": 0 for name in ("p1", "p2")}
+        split: dict[str, int] = {}
+
+        async def scenario() -> list[dict[str, float]]:
+            backend = NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
+                options=options,
+                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
+                sync_period=30,
+            )
+            seen = []
+
+            async def read() -> None:
+                await backend.read_traffic()
+                samples = backend.metric_samples()
+                endpoints = {
+                    dict(s.labels)["endpoint"]: s.value
+                    for s in samples
+                    if s.name == ENDPOINT_CONNECTIONS and dict(s.labels)["service"] == "web"
+                }
+                seen.append({**endpoints, "web": _values(samples, CONNECTIONS)["web"]})  # type: ignore[arg-type]
+
+            def connect(count: int) -> None:
+                for answer in bed.probe(node.netns, "tcp", web_ip, 80, count=count, timeout=1):
+                    name = answer.split()[0]
+                    address = f"{pods[name].ip4}:8080"
+                    answered[address] = answered.get(address, 0) + 1
+
+            await backend.apply(keyed_state(1, services))
+            connect(20)
+            split.update(answered)
+            await read()
+            # An incremental sync: web gets a third endpoint (its dispatch element and a new
+            # endpoint element are written).
+            services[WEB] = ServiceEndpoints(
+                web, (*services[WEB].endpoints, _ep(pods["p3"].ip4, 8080))
+            )
+            await backend.apply(keyed_state(2, services, updated=[WEB]))
+            answered[f"{pods['p3'].ip4}:8080"] = 0
+            await read()
+            connect(10)
+            await read()
+            assert await backend.check_kernel(full=True) is None
+            # Another program deletes an element of kpng's: the drift check repairs it with a
+            # full resync, which writes every counter again.
+            bed.exec(
+                node.netns,
+                ["nft", "delete", "element", "inet", "kpng", "cluster-v4",
+                 f"{{ {other_ip} . tcp . 80 }}"],
+            )  # fmt: skip
+            assert await backend.check_kernel(full=True) is not None
+            await read()
+            await backend.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    assert {k: v for k, v in seen[0].items() if k != "web"} == split
+    assert sum(split.values()) == 20 == seen[0]["web"]
+    assert seen[1] == {**seen[0], f"{pods['p3'].ip4}:8080": 0}
+    assert {k: v for k, v in seen[2].items() if k != "web"} == answered
+    assert seen[2]["web"] == 30
+    assert seen[3] == seen[2]
