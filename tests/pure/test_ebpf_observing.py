@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kpng.backends._samples import Sample as BackendSample
 from kpng.backends.ebpf import PROGRAMS, observing
 from kpng.backends.ebpf.observing import COUNTERS, Occupancy
 from kpng.status import Sample, Status
@@ -80,7 +81,7 @@ class _Reporting:
     def __init__(self, occupancy: Occupancy) -> None:
         self.occupancy = occupancy
 
-    def metric_samples(self) -> list[observing.Sample]:
+    def metric_samples(self) -> list[BackendSample]:
         sums = {"connect4": (5, 2), "recvmsg4": (1, 0)}
         return observing.counter_samples(sums) + self.occupancy.samples()
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+
+from kpng.backends._samples import Sample
 
 READ_PERIOD_S = 10.0
 """How often the kernel's counters are read: a scrape shows them as of the last read."""
@@ -50,18 +52,6 @@ is its ``IP:port``, which neither can be)."""
 
 Series = tuple[str, str]
 Key = Hashable
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One value for ``/metrics``: the fields of ``kpng.status.Sample`` (backends do not import
-    kpng's status)."""
-
-    name: str
-    help: str
-    value: float
-    counter: bool = False
-    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -179,51 +169,8 @@ class TrafficCounters:
         return self._samples
 
     def _exposed(self) -> list[Sample]:
-        totals = self._totals
-        if len(totals) > self.series_limit:
-            kept = heapq.nlargest(self.series_limit, totals, key=lambda p: sum(totals[p]))
-        else:
-            kept = list(totals)
-        out = []
-        for port in sorted(kept):
-            labels = _labels(port)
-            served, refused = totals[port]
-            out.append(
-                Sample(
-                    CONNECTIONS,
-                    "new connections to a Service port (its ClusterIPs, external and "
-                    "load-balancer IPs and node ports), refused ones included",
-                    served + refused,
-                    counter=True,
-                    labels=labels,
-                )
-            )
-            out.append(
-                Sample(
-                    REJECTED,
-                    "new connections to a Service port refused (rejected or dropped) for want of "
-                    "endpoints",
-                    refused,
-                    counter=True,
-                    labels=labels,
-                )
-            )
-        out.append(
-            Sample(
-                SERVICE_PORTS,
-                "Service ports whose traffic kpng counts (--traffic-counters)",
-                len(totals),
-            )
-        )
-        out.append(
-            Sample(
-                DROPPED,
-                "Service ports left out of kpng_service_connections_total and "
-                "kpng_service_rejected_total (--traffic-series-limit), those with the least "
-                "traffic",
-                len(totals) - len(kept),
-            )
-        )
+        totals = {_labels(port): (s + r, r) for port, (s, r) in self._totals.items()}
+        out = service_port_samples(totals, self.series_limit)
         if self.endpoints:
             out += self._endpoint_samples()
         return out
@@ -270,6 +217,58 @@ def _add(offsets: dict[Series, int], read: _Read) -> None:
 def endpoint_label(address: str, port: str) -> str:
     """An endpoint as the ``endpoint`` label: ``IP:port``, ``[IP]:port`` for IPv6."""
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def service_port_samples(
+    totals: Mapping[tuple[tuple[str, str], ...], tuple[int, int]], series_limit: int
+) -> list[Sample]:
+    """The two counters of each of the ``series_limit`` service ports with the most
+    connections, then how many service ports are counted and how many were left out.
+    ``totals``: each service port's labels, with its connections (refused ones included) and
+    its refused connections."""
+    if len(totals) > series_limit:
+        kept = heapq.nlargest(series_limit, totals, key=lambda p: totals[p][0])
+    else:
+        kept = list(totals)
+    out = []
+    for labels in sorted(kept):
+        connections, refused = totals[labels]
+        out.append(
+            Sample(
+                CONNECTIONS,
+                "new connections to a Service port (its ClusterIPs, external and "
+                "load-balancer IPs and node ports), refused ones included",
+                connections,
+                counter=True,
+                labels=labels,
+            )
+        )
+        out.append(
+            Sample(
+                REJECTED,
+                "new connections to a Service port refused (rejected or dropped) for want of "
+                "endpoints",
+                refused,
+                counter=True,
+                labels=labels,
+            )
+        )
+    out.append(
+        Sample(
+            SERVICE_PORTS,
+            "Service ports whose traffic kpng counts (--traffic-counters)",
+            len(totals),
+        )
+    )
+    out.append(
+        Sample(
+            DROPPED,
+            "Service ports left out of kpng_service_connections_total and "
+            "kpng_service_rejected_total (--traffic-series-limit), those with the least traffic",
+            len(totals) - len(kept),
+        )
+    )
+    return out
 
 
 def _labels(port: str) -> tuple[tuple[str, str], ...]:

@@ -24,6 +24,7 @@ from collections.abc import Collection, Iterable, Mapping
 
 from kpng.backends import _traffic
 from kpng.backends._nftables.layout import REFUSING, ElementKey
+from kpng.backends._samples import Sample as Sample
 from kpng.backends._traffic import (
     CONNECTIONS as CONNECTIONS,
 )
@@ -53,9 +54,6 @@ from kpng.backends._traffic import (
 )
 from kpng.backends._traffic import (
     SERVICE_PORTS as SERVICE_PORTS,
-)
-from kpng.backends._traffic import (
-    Sample as Sample,
 )
 
 

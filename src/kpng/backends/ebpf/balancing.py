@@ -30,6 +30,7 @@ from kpng.backends._node import (
     node_options,
     options_from_args,
 )
+from kpng.backends._samples import Sample
 from kpng.backends.ebpf import (
     auditing,
     entries,
@@ -45,7 +46,7 @@ from kpng.backends.ebpf.destroying import UdpDestroyer
 from kpng.backends.ebpf.entries import LAYOUT_VERSION, MAPS, Contribution, MapChanges, SocketState
 from kpng.backends.ebpf.libbpf import BpfError, BpfObject
 from kpng.backends.ebpf.locality import LocalNamespaces
-from kpng.backends.ebpf.observing import Occupancy, Sample
+from kpng.backends.ebpf.observing import Occupancy
 from kpng.client import (
     Backend,
     BackendSpec,

@@ -19,6 +19,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kpng.backends._samples import Sample
+
 log = logging.getLogger("kpng.backends.ebpf")
 
 HOOKS = (
@@ -52,17 +54,6 @@ UDP_DESTROYED = "kpng_ebpf_udp_sockets_destroyed"
 NAMESPACES = "kpng_ebpf_network_namespaces"
 METRICS = (TRANSLATIONS, NO_ENDPOINT, MAP_ENTRIES, MAP_CAPACITY, UDP_DESTROYED, NAMESPACES)
 """The metric families to-ebpf adds (the counters' samples end in ``_total``)."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One value for ``/metrics``: the fields of ``kpng.status.Sample``."""
-
-    name: str
-    help: str
-    value: float
-    counter: bool = False
-    labels: tuple[tuple[str, str], ...] = ()
 
 
 def counter_sums(per_hook: Mapping[str, Iterable[bytes]]) -> dict[str, tuple[int, int]]:

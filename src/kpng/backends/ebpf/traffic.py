@@ -26,14 +26,12 @@ series with it, as in to-nft.
 
 from __future__ import annotations
 
-import heapq
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kpng.backends._nftables.counting import CONNECTIONS, DROPPED, REJECTED, SERVICE_PORTS
-from kpng.backends._nftables.counting import Sample as PacketsSample
-from kpng.backends.ebpf.observing import Sample
+from kpng.backends._samples import Sample
+from kpng.backends._traffic import CONNECTIONS, REJECTED, service_port_samples
 
 KEY_SIZE = 20
 """``struct frontend_key``."""
@@ -119,7 +117,7 @@ def _add(offsets: dict[Labels, int], read: _Read) -> None:
 
 
 def merged_samples(
-    translated: Mapping[Labels, int], packets: Iterable[PacketsSample], series_limit: int
+    translated: Mapping[Labels, int], packets: Iterable[Sample], series_limit: int
 ) -> list[Sample]:
     """The service ports' series of kpng's ``/metrics``: the programs' ``translated``
     connections added to the nftables part's counts (its samples, every service port's: it
@@ -131,46 +129,4 @@ def merged_samples(
             totals.setdefault(sample.labels, [0, 0])[0] += int(sample.value)
         elif sample.name == REJECTED:
             totals.setdefault(sample.labels, [0, 0])[1] += int(sample.value)
-    if len(totals) > series_limit:
-        kept = heapq.nlargest(series_limit, totals, key=lambda p: totals[p][0])
-    else:
-        kept = list(totals)
-    out = []
-    for port in sorted(kept):
-        connections, refused = totals[port]
-        out.append(
-            Sample(
-                CONNECTIONS,
-                "new connections to a Service port (its ClusterIPs, external and load-balancer "
-                "IPs and node ports), refused ones included",
-                connections,
-                counter=True,
-                labels=port,
-            )
-        )
-        out.append(
-            Sample(
-                REJECTED,
-                "new connections to a Service port refused (rejected or dropped) for want of "
-                "endpoints",
-                refused,
-                counter=True,
-                labels=port,
-            )
-        )
-    out.append(
-        Sample(
-            SERVICE_PORTS,
-            "Service ports whose traffic kpng counts (--traffic-counters)",
-            len(totals),
-        )
-    )
-    out.append(
-        Sample(
-            DROPPED,
-            "Service ports left out of kpng_service_connections_total and "
-            "kpng_service_rejected_total (--traffic-series-limit), those with the least traffic",
-            len(totals) - len(kept),
-        )
-    )
-    return out
+    return service_port_samples({port: (c, r) for port, (c, r) in totals.items()}, series_limit)

@@ -28,7 +28,8 @@ from kpng.backends._node import (
     node_options,
     options_from_args,
 )
-from kpng.backends._traffic import READ_PERIOD_S, SERIES_LIMIT, Sample, TrafficCounters
+from kpng.backends._samples import Sample
+from kpng.backends._traffic import READ_PERIOD_S, SERIES_LIMIT, TrafficCounters
 from kpng.backends._traffic import add_arguments as add_traffic_arguments
 from kpng.backends.iptables.counting import (
     REFUSING_CHAINS,
