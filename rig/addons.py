@@ -13,6 +13,7 @@ import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -80,18 +81,8 @@ def deploy_kpng(
 ) -> None:
     """kpng's Helm chart in ``shape`` and ``mode``, rendered with ``helm template`` and applied
     as an operator would; returns once every node's kpng pod (and every brain) is Ready."""
-    given = chart.values(
-        api_server=cluster.server,
-        cluster_cidr=",".join(cluster.cluster_cidrs),
-        image=image,
-        shape=shape,
-        mode=mode,
-        brains=_prepare_brains(cluster) if shape == "central" else (),
-    )
-    # Nodes are network namespaces of one machine, where only the first may size the machine's
-    # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
-    given["conntrack"] = {"maxPerCore": 0}
-    manifest = chart.template(given)
+    brains = _prepare_brains(cluster) if shape == "central" else ()
+    manifest = chart.template(chart_values(cluster, image, mode=mode, shape=shape, brains=brains))
     daemonsets = ["kpng"]
     if mode == "ebpf":
         manifest, daemonsets = ebpf_per_node(manifest, cluster)
@@ -102,6 +93,29 @@ def deploy_kpng(
         wait_rollout(cluster, "deployment/kpng-brain", timeout_s)
     for name in daemonsets:
         wait_rollout(cluster, f"daemonset/{name}", timeout_s)
+
+
+def chart_values(
+    cluster: RealCluster,
+    image: str,
+    *,
+    mode: str = "nftables",
+    shape: str = "daemonset",
+    brains: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The chart's values for ``cluster`` (its operator's ``kpng-values.yaml``)."""
+    given = chart.values(
+        api_server=cluster.server,
+        cluster_cidr=",".join(cluster.cluster_cidrs),
+        image=image,
+        shape=shape,
+        mode=mode,
+        brains=brains,
+    )
+    # Nodes are network namespaces of one machine, where only the first may size the machine's
+    # conntrack table (as for the kube-proxy baseline below); the timeouts are per namespace.
+    given["conntrack"] = {"maxPerCore": 0}
+    return given
 
 
 def ebpf_per_node(manifest: str, cluster: RealCluster) -> tuple[str, list[str]]:

@@ -6,7 +6,8 @@ cached beside the Kubernetes programs (``~/.cache/kpng/control-plane/go/``), as 
 builds it, in about two minutes on two cores, and later calls find it at once.
 
 ``template`` renders the chart as ``helm template`` does for ``kubectl apply`` (the real-node
-tests deploy kpng that way); ``lint`` runs ``helm lint``. Both run helm with homes of their
+tests deploy kpng that way); ``lint`` runs ``helm lint``; ``install`` and ``uninstall`` manage a
+release in a cluster, as the migration runbook's Helm path does. All run helm with homes of their
 own, so that an operator's helm configuration, repositories and plugins change nothing.
 """
 
@@ -79,13 +80,19 @@ def values(
     return result
 
 
-def _helm(args: Sequence[str], given: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
+def _helm(args: Sequence[str], *given: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
+    """helm with ``args`` and one values file per mapping of ``given``, in that order (later
+    files override earlier ones, as ``-f`` does)."""
     if not (CHART_DIR / "Chart.yaml").is_file():
         raise ChartError(f"{CHART_DIR} is missing: the chart is in kpng's source checkout")
     with tempfile.TemporaryDirectory(prefix="kpng-helm-") as tmp:
         home = Path(tmp)
-        # JSON is YAML: the values exactly as given, no --set parsing of commas or dots.
-        (home / "values.yaml").write_text(json.dumps(dict(given)))
+        files: list[str] = []
+        for index, mapping in enumerate(given):
+            path = home / f"values-{index}.yaml"
+            # JSON is YAML: the values exactly as given, no --set parsing of commas or dots.
+            path.write_text(json.dumps(dict(mapping)))
+            files += ["--values", str(path)]
         env = {
             **os.environ,
             "HELM_CONFIG_HOME": str(home / "config"),
@@ -93,7 +100,7 @@ def _helm(args: Sequence[str], given: Mapping[str, Any]) -> subprocess.Completed
             "HELM_DATA_HOME": str(home / "data"),
         }
         return subprocess.run(
-            [str(ensure_helm()), *args, "--values", str(home / "values.yaml")],
+            [str(ensure_helm()), *args, *files],
             capture_output=True,
             text=True,
             env=env,
@@ -118,6 +125,28 @@ def objects(given: Mapping[str, Any], *, namespace: str = NAMESPACE) -> list[dic
 def lint(given: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
     """``helm lint --strict``: its output says what is wrong, its status whether anything is."""
     return _helm(["lint", "--strict", str(CHART_DIR), "--namespace", NAMESPACE], given)
+
+
+def install(
+    kubeconfig: Path,
+    *given: Mapping[str, Any],
+    namespace: str = NAMESPACE,
+    release: str = "kpng",
+) -> None:
+    """``helm install`` of the chart into the cluster of ``kubeconfig``, with one values file per
+    mapping of ``given`` (``-f`` after ``-f``)."""
+    args = ["install", release, str(CHART_DIR), "--namespace", namespace]
+    proc = _helm([*args, "--kubeconfig", str(kubeconfig)], *given)
+    if proc.returncode != 0:
+        raise ChartError(f"helm install failed: {proc.stderr.strip()}")
+
+
+def uninstall(kubeconfig: Path, *, namespace: str = NAMESPACE, release: str = "kpng") -> None:
+    """``helm uninstall``: the release's objects deleted from the cluster of ``kubeconfig``."""
+    args = ["uninstall", release, "--namespace", namespace, "--kubeconfig", str(kubeconfig)]
+    proc = _helm(args)
+    if proc.returncode != 0:
+        raise ChartError(f"helm uninstall failed: {proc.stderr.strip()}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

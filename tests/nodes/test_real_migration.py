@@ -3,7 +3,9 @@ with kube-proxy's add-on in iptables mode; the runbook's step 1 deploys kpng (to
 node yet; each node is moved to kpng (step 2: its label, kpng's warning, ``kpng cleanup
 kube-proxy`` from ``kubectl debug node``), then rolled back ("Rolling back": the label removed,
 kpng's mark chain removed), then the whole cluster is (step 1's patch undone, kpng's DaemonSet
-deleted).
+deleted). It runs twice, once per way the runbook deploys kpng: deploy/kpng.yaml with its node
+selector uncommented, and the Helm chart installed with that selector in its values (``helm
+uninstall`` then removes it).
 
 Meanwhile a client pod on each node opens a new connection after another to the Service's
 ClusterIP and to both nodes' node ports, and the machine keeps one connection alive to a node
@@ -31,7 +33,7 @@ from typing import Any
 import pytest
 
 from kpng.testing.waiting import until
-from rig import addons, images
+from rig import addons, chart, images
 from rig import kubeapi as k
 from rig.nodes import RealCluster, RealNode
 from tests.nodes.test_real_cluster import Traffic, _answers, _node_port_service
@@ -44,6 +46,10 @@ FAMILIES = ("iptables", "ip6tables")
 BUILT_IN_CHAINS = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
 SELECTOR_LINE = "# kpng.io/proxy: kpng"
 """The line of deploy/kpng.yaml that the runbook's step 1 uncomments (with sed)."""
+MIGRATION_VALUES = {"nodeSelector": {LABEL: "kpng"}}
+"""The runbook's ``kpng-migration.yaml``, given to ``helm install`` after the cluster's values."""
+DEPLOYS = ("manifest", "chart")
+"""How the runbook deploys kpng: deploy/kpng.yaml (with ``envsubst`` and ``sed``), or the chart."""
 KUBE_PROXY_AFFINITY = {
     "spec": {
         "template": {
@@ -115,8 +121,9 @@ def cluster() -> Iterator[RealCluster]:
 class Runbook:
     """docs/operators/migration.md's commands, each noted with the time it ran."""
 
-    def __init__(self, cluster: RealCluster) -> None:
+    def __init__(self, cluster: RealCluster, deploy: str) -> None:
         self.cluster = cluster
+        self.deploy = deploy
         self.timeline: list[str] = []
 
     def note(self, what: str) -> None:
@@ -156,14 +163,21 @@ class Runbook:
         patch = json.dumps(KUBE_PROXY_AFFINITY)
         self.kube_system("patch", "daemonset", "kube-proxy", "--type", "merge", "-p", patch)
         addons.wait_rollout(self.cluster, "daemonset/kube-proxy", 180)
-        self.cluster.kubectl("apply", "-f", "-", input=addons.rbac_manifest())
         # kube-proxy's ConfigMap, copied: its mode; clusterCIDR is the cluster's in both.
-        manifest = addons.kpng_manifest(self.cluster, images.KPNG_REFERENCE, mode="iptables")
-        assert SELECTOR_LINE in manifest
-        manifest = manifest.replace(SELECTOR_LINE, SELECTOR_LINE.removeprefix("# "))
-        self.cluster.kubectl("apply", "-f", "-", input=manifest)
+        if self.deploy == "chart":
+            cluster_values = addons.chart_values(
+                self.cluster, images.KPNG_REFERENCE, mode="iptables"
+            )
+            chart.install(self.cluster.kubeconfig, cluster_values, MIGRATION_VALUES)
+        else:
+            self.cluster.kubectl("apply", "-f", "-", input=addons.rbac_manifest())
+            manifest = addons.kpng_manifest(self.cluster, images.KPNG_REFERENCE, mode="iptables")
+            assert SELECTOR_LINE in manifest
+            manifest = manifest.replace(SELECTOR_LINE, SELECTOR_LINE.removeprefix("# "))
+            self.cluster.kubectl("apply", "-f", "-", input=manifest)
         daemonset = self.cluster.get("daemonset", "-n", "kube-system", "kpng")
-        assert daemonset["spec"]["template"]["spec"]["nodeSelector"][LABEL] == "kpng"
+        selector = daemonset["spec"]["template"]["spec"]["nodeSelector"]
+        assert selector == {LABEL: "kpng", "kubernetes.io/os": "linux"}, selector
         assert daemonset["status"].get("desiredNumberScheduled", 0) == 0
         self.note("step 1 done")
 
@@ -214,7 +228,10 @@ class Runbook:
         self.note("rolling back the cluster: step 1 undone")
         unpatch = json.dumps([{"op": "remove", "path": "/spec/template/spec/affinity"}])
         self.kube_system("patch", "daemonset", "kube-proxy", "--type", "json", "-p", unpatch)
-        self.kube_system("delete", "daemonset", "kpng")
+        if self.deploy == "chart":
+            chart.uninstall(self.cluster.kubeconfig)
+        else:
+            self.kube_system("delete", "daemonset", "kpng")
         addons.wait_rollout(self.cluster, "daemonset/kube-proxy", 180)
         self.note("rolling back the cluster: done")
 
@@ -289,11 +306,12 @@ def _stop_clients(cluster: RealCluster) -> list[ClientResult]:
     return results
 
 
+@pytest.mark.parametrize("deploy", DEPLOYS)
 def test_each_node_moves_to_kpng_and_back_as_the_runbook_says_without_a_failed_connection(
-    cluster: RealCluster,
+    cluster: RealCluster, deploy: str
 ) -> None:
     cluster_ip, node_port = _serve(cluster)
-    runbook = Runbook(cluster)
+    runbook = Runbook(cluster, deploy)
     _start_clients(cluster, cluster_ip, node_port)
     runbook.note("clients started")
     max_requests = 20000
