@@ -2,10 +2,12 @@
 
 Two brain replicas, ``kpng file --input DIR to-api --listen tcp://127.0.0.1:PORT`` in
 subprocesses, read the same ``synthetic.py`` cluster (``--services`` x ``--endpoints``, split
-over ``--files`` List files). ``--nodes`` node agents run in ``--processes`` spawned processes:
-each is kpng's own ``kpng.remote.watching.watch_local`` with a Sink that counts its calls, and
-an ``--api`` listing both replicas, A first; so each holds the digests of its state and resumes
-exactly as ``kpng local`` does. Each node has a TCP connection of its own, as real nodes have
+over ``--files`` List files, the endpoints spread over ``--cluster-nodes``, by default
+``--nodes``: how many services a node hosts an endpoint of, and so resolves for itself alone).
+``--nodes`` node agents run in ``--processes`` spawned processes: each is kpng's own
+``kpng.remote.watching.watch_local`` with a Sink that counts its calls, and an ``--api``
+listing both replicas, A first; so each holds the digests of its state and resumes exactly as
+``kpng local`` does. Each node has a TCP connection of its own, as real nodes have
 (gRPC's local subchannel pool: without it the nodes of a process would share one connection,
 and its cap of 100 streams).
 
@@ -30,9 +32,9 @@ Calls that end are counted by cause from kpng's own ``WatchRecord`` (``kpng_watc
 in 2 and 3 each node's call to the killed brain ends once (UNAVAILABLE or ``ended``); anything
 beyond that is a call that ended early.
 
-Each full agent holds a digest per item of its state (about 0.2 KB an item:
+Each full agent holds a digest per item of its state (about 0.25 KB an item:
 docs/design/resume.md), so the nodes' memory is some ``nodes x services x (endpoints + 1) x
-0.2 KB``; the bench refuses a size whose estimate passes ``--memory-gb`` rather than push the
+0.25 KB``; the bench refuses a size whose estimate passes ``--memory-gb`` rather than push the
 machine into swap or the OOM killer. Missed targets are reported, not failed; the exit status is
 non-zero only if something crashed or a step passed ``--timeout``.
 
@@ -60,7 +62,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import synthetic
 from bench_abuse import Clients, _raise_nofile, _split
@@ -68,8 +69,9 @@ from bench_api import BenchError, ClusterFile, FileChanges, KpngProcess, kpng_co
 
 TARGET_S = 60.0
 TARGET_BYTES = 1024
-ITEM_BYTES = 200
-"""An agent's memory per item of its state (digest, path, dicts): measured 19 MB at 110,000."""
+ITEM_BYTES = 250
+"""An agent's memory per item of its state (digests, paths, dicts, its share of buffers):
+measured 26.8 MB a node at 110,000 items."""
 POLL_S = 1.0
 SETTLE_S = 3.0
 """After the change reached every node: a second delivery would show within this."""
@@ -199,7 +201,10 @@ def _agents(api: str, first: int, count: int, pipe: Connection) -> None:
 
     # One TCP connection per node, as on real nodes (gRPC shares one between equal channels of
     # a process otherwise).
-    address.KEEPALIVE = (*address.KEEPALIVE, ("grpc.use_local_subchannel_pool", 1))
+    address.KEEPALIVE = (  # type: ignore[assignment]  # one more option than kpng's
+        *address.KEEPALIVE,
+        ("grpc.use_local_subchannel_pool", 1),
+    )
     _raise_nofile(65536)
     nodes = [Node() for _ in range(count)]
     log = logging.getLogger("kpng.remote.watching")
@@ -405,10 +410,10 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
     synthetic.ENDPOINTS_PER_SERVICE = args.endpoints
     print(
         f"generating {args.services} services x {args.endpoints} endpoints over "
-        f"{args.nodes} nodes ...",
+        f"{args.cluster_nodes} nodes, {args.nodes} of them watching ...",
         flush=True,
     )
-    cluster = ClusterFile(workdir, args.services, nodes=args.nodes, files=args.files)
+    cluster = ClusterFile(workdir, args.services, nodes=args.cluster_nodes, files=args.files)
     print(f"  {cluster.size_mb:.1f} MB of manifests in {args.files} files", flush=True)
     a = Brain(cluster.path, args.port_a, workdir / "a.log")
     b = Brain(cluster.path, args.port_b, workdir / "b.log")
@@ -567,6 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=5000, help="node agents (default: 5000)")
     parser.add_argument("--services", type=int, default=10_000)
     parser.add_argument("--endpoints", type=int, default=10, help="per service (default: 10)")
+    parser.add_argument(
+        "--cluster-nodes",
+        type=int,
+        help="the cluster's nodes, over which its endpoints are spread (default: --nodes)",
+    )
     parser.add_argument("--processes", type=int, default=4, help="the agents' processes")
     parser.add_argument("--files", type=int, default=100, help="List files of the manifests")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds, in all")
@@ -574,6 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--memory-gb", type=float, default=12.0, help="the agents' estimated memory, at most"
     )
     args = parser.parse_args(argv)
+    args.cluster_nodes = args.cluster_nodes or args.nodes
+    if args.cluster_nodes < args.nodes:
+        parser.error("--cluster-nodes: at least --nodes (each agent is one of the cluster's nodes)")
     if min(args.nodes, args.services, args.endpoints, args.processes, args.files) < 1:
         parser.error("sizes are at least 1")
     estimate_gb = args.nodes * args.services * (args.endpoints + 1) * ITEM_BYTES / 1e9
