@@ -32,14 +32,15 @@ Calls that end are counted by cause from kpng's own ``WatchRecord`` (``kpng_watc
 in 2 and 3 each node's call to the killed brain ends once (UNAVAILABLE or ``ended``); anything
 beyond that is a call that ended early.
 
-Each full agent holds a digest per item of its state (about 0.25 KB an item:
-docs/design/resume.md), so the nodes' memory is some ``nodes x services x (endpoints + 1) x
-0.25 KB``; the bench refuses a size whose estimate passes ``--memory-gb`` rather than push the
-machine into swap or the OOM killer. Missed targets are reported, not failed; the exit status is
-non-zero only if something crashed or a step passed ``--timeout``.
+Each full agent holds a digest per item of its state, so the nodes' memory is some ``nodes x
+(1 MB + services x (endpoints + 1) x 0.25 KB)`` (measured: 3.9 MB a node at 1,000 services,
+26.8 MB at 10,000; 5,000 nodes of 10,000 services would need some 140 GB). The bench refuses a
+size whose estimate passes ``--memory-gb`` rather than push the machine into the OOM killer.
+Missed targets are reported, not failed; the exit status is non-zero only if something crashed
+or a step passed ``--timeout``.
 
     python bench/bench_failover.py [--nodes 5000] [--services 10000] [--endpoints 10]
-        [--processes 4] [--files 100] [--timeout 1200] [--memory-gb 12]
+        [--cluster-nodes N] [--processes 4] [--files 100] [--timeout 1200] [--memory-gb 12]
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ from bench_api import BenchError, ClusterFile, FileChanges, KpngProcess, kpng_co
 TARGET_S = 60.0
 TARGET_BYTES = 1024
 ITEM_BYTES = 250
-"""An agent's memory per item of its state (digests, paths, dicts, its share of buffers):
-measured 26.8 MB a node at 110,000 items."""
+"""An agent's memory per item of its state (digests, paths, dicts, its share of buffers)."""
+NODE_BYTES = 1_000_000
+"""An agent's memory besides its state (its channel, its connection's buffers, its task)."""
 POLL_S = 1.0
 SETTLE_S = 3.0
 """After the change reached every node: a second delivery would show within this."""
@@ -589,12 +591,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--cluster-nodes: at least --nodes (each agent is one of the cluster's nodes)")
     if min(args.nodes, args.services, args.endpoints, args.processes, args.files) < 1:
         parser.error("sizes are at least 1")
-    estimate_gb = args.nodes * args.services * (args.endpoints + 1) * ITEM_BYTES / 1e9
+    items = args.services * (args.endpoints + 1)
+    estimate_gb = args.nodes * (NODE_BYTES + items * ITEM_BYTES) / 1e9
     if estimate_gb > args.memory_gb:
         parser.error(
             f"{args.nodes} full agents of {args.services} services x {args.endpoints} "
-            f"endpoints hold some {estimate_gb:.0f} GB of digests (about {ITEM_BYTES} bytes "
-            f"an item each), past --memory-gb {args.memory_gb:g}"
+            f"endpoints need some {estimate_gb:.0f} GB (1 MB each and {ITEM_BYTES} bytes "
+            f"an item), past --memory-gb {args.memory_gb:g}"
         )
     from kpng.testing.ports import free_port
 
