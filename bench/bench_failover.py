@@ -128,8 +128,9 @@ class Node:
 
     first: float | None = None
     """When its sink had its first Sync (monotonic: one clock for every process)."""
-    calls: list[str] = field(default_factory=list)
-    """Its sink's calls since the phase began."""
+    calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Its sink's calls since the phase began, by kind (counted, not listed: a first state is
+    110,000 calls, which a status would otherwise go through every second)."""
     synced: float | None = None
     """Its sink's first Sync since the phase began."""
     back: float | None = None
@@ -143,23 +144,23 @@ class CountingSink:
         self.node = node
 
     def reset(self) -> None:
-        self.node.calls.append("reset")
+        self.node.calls["reset"] += 1
 
     def set_service(self, service: object) -> None:
-        self.node.calls.append("set_service")
+        self.node.calls["set_service"] += 1
 
     def delete_service(self, namespace: str, name: str) -> None:
-        self.node.calls.append("delete_service")
+        self.node.calls["delete_service"] += 1
 
     def set_endpoint(self, namespace: str, service: str, key: str, endpoint: object) -> None:
-        self.node.calls.append("set_endpoint")
+        self.node.calls["set_endpoint"] += 1
 
     def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
-        self.node.calls.append("delete_endpoint")
+        self.node.calls["delete_endpoint"] += 1
 
     def sync(self) -> bool:
         node = self.node
-        node.calls.append("sync")
+        node.calls["sync"] += 1
         now = time.monotonic()
         if node.first is None:
             node.first = now
@@ -182,9 +183,8 @@ class _Back(logging.Handler):
                 self.nodes[i].back = time.monotonic()
 
 
-def _pattern(calls: list[str]) -> str:
-    counts = collections.Counter(calls)
-    return ", ".join(f"{counts[k]} {k}" for k in sorted(counts)) or "nothing"
+def _pattern(calls: collections.Counter[str]) -> str:
+    return ", ".join(f"{calls[k]} {k}" for k in sorted(calls)) or "nothing"
 
 
 def _rss_mb() -> float:
@@ -242,7 +242,7 @@ def _agents(api: str, first: int, count: int, pipe: Connection) -> None:
                     return
                 if command == "mark":
                     for node in nodes:
-                        node.calls, node.synced, node.back = [], None, None
+                        node.calls, node.synced, node.back = collections.Counter(), None, None
                     failures = counts(record.failures)
                     first_states = counts(record.first_states)
                     pipe.send({"step": "mark"})
