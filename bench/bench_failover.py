@@ -378,6 +378,8 @@ class Phase:
     name: str
     seconds: float = 0.0
     cpu_s: float = 0.0
+    agents_cpu_s: float = 0.0
+    """The agents' processes' CPU over the phase, summed."""
     connections: int = 0
     up: int = 0
     down: int = 0
@@ -464,11 +466,13 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
         two = Phase("2. A killed, unchanged")
         clients.tell("mark")
         clients.gather("mark", 60)
+        agents_cpu = status(clients).cpu_s
         cpu = b.cpu_s()
         start = time.monotonic()
         a.kill()
         now = until(clients, lambda s: s.back == args.nodes, "nodes back on B", deadline, every)
         two.cpu_s = b.cpu_s() - cpu
+        two.agents_cpu_s = now.cpu_s - agents_cpu
         two.seconds = now.back_last - start
         two.connections, two.up, two.down, two.most = socket_bytes(b.port)
         two.applied, two.patterns = now.applied, now.patterns
@@ -478,7 +482,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
             f"2. A SIGKILLed: {now.back} nodes back on B in {two.seconds:.1f} s; "
             f"{(two.up + two.down) / args.nodes:,.0f} bytes per node ({two.up:,} up, "
             f"{two.down:,} down on {two.connections} connections, at most {two.most:,} on "
-            f"one); {two.applied} nodes' sinks handed anything; B's CPU {two.cpu_s:.2f} s; "
+            f"one); {two.applied} nodes' sinks handed anything; B's CPU {two.cpu_s:.2f} s, the "
+            f"agents' {two.agents_cpu_s:.1f} s; "
             f"first states {dict(two.first_states)}; calls ended {dict(two.failures)}",
             flush=True,
         )
@@ -492,6 +497,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
         time.sleep(SETTLE_S)
         clients.tell("mark")
         clients.gather("mark", 60)
+        agents_cpu = status(clients).cpu_s
         cpu = a.cpu_s()
         start = time.monotonic()
         b.kill()
@@ -504,6 +510,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
             every,
         )
         three.cpu_s = a.cpu_s() - cpu
+        three.agents_cpu_s = now.cpu_s - agents_cpu
         three.seconds = max(now.back_last, now.synced_last) - start
         three.connections, three.up, three.down, three.most = socket_bytes(a.port)
         time.sleep(SETTLE_S)
@@ -514,9 +521,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
         print(
             f"3. B SIGKILLed, {changed} changed: every node back on A with it in "
             f"{three.seconds:.1f} s; {(three.up + three.down) / args.nodes:,.0f} bytes per "
-            f"node; A's CPU {three.cpu_s:.2f} s; the sinks' calls: "
-            f"{dict(three.patterns)}; first states {dict(three.first_states)}; calls ended "
-            f"{dict(three.failures)}",
+            f"node; A's CPU {three.cpu_s:.2f} s, the agents' {three.agents_cpu_s:.1f} s; "
+            f"the sinks' calls: {dict(three.patterns)}; first states "
+            f"{dict(three.first_states)}; calls ended {dict(three.failures)}",
             flush=True,
         )
     except BaseException:
