@@ -275,3 +275,31 @@ def test_objects_deleted_with_the_rules_are_made_again_by_the_repair(bed: Bed) -
     _send_invalid(bed, 2)
     assert _invalid_drops(bed) == 2
     assert Nfacct(netns).packets(INVALID_DROPPED) == 2
+
+
+RULES_TOTAL = "kubeproxy_sync_proxy_rules_iptables_total"
+RULES_LAST = "kubeproxy_sync_proxy_rules_iptables_last"
+
+
+def test_the_rule_counts_are_the_rules_kpng_holds_in_the_kernel(bed: Bed) -> None:
+    """kube-proxy's ``sync_proxy_rules_iptables_total`` and ``_last`` per table and family: what
+    kpng's own chains hold in the kernel after a full sync, which wrote them all."""
+    backend = _backend(bed.node)
+    _apply(backend)
+    status = Status(timeout=60.0)
+    status.track(Fanout([Feeder("to-iptables", backend)]))
+    series: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(scrape(status).decode()):
+        for sample in family.samples:
+            if sample.name in (RULES_TOTAL, RULES_LAST):
+                assert family.type == "gauge"
+                labels = sample.labels
+                series[(sample.name, labels["table"], labels["ip_family"])] = sample.value
+    for table in ("filter", "nat"):
+        saved = _in(bed.node, "iptables-nft-save", "-t", table).splitlines()
+        # kpng's chains are KUBE-*; the jumps into them from the built-in chains are kept, not
+        # counted (as kube-proxy's natRules and filterRules hold its chains' rules only).
+        held = sum(1 for line in saved if line.startswith("-A KUBE-"))
+        assert held > 0
+        assert series[(RULES_TOTAL, table, "IPv4")] == held, (table, saved)
+        assert series[(RULES_LAST, table, "IPv4")] == held  # a full sync writes them all

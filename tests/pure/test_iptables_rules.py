@@ -25,6 +25,7 @@ from kpng.backends.iptables.rules import (
     skeleton,
     tail,
 )
+from kpng.backends.iptables.syncing import rules_by_table
 from kpng.model.messages import EndpointScopes, IPFilter, IPSet, ServiceEndpoints, ServiceIPs
 from kpng.testing import states
 
@@ -386,3 +387,21 @@ def test_a_full_plan_with_localhost_node_ports_writes_the_guard_and_inserts_its_
     assert "KUBE-FIREWALL" not in off.text
     tables.commit({}, off)
     assert (FILTER, "KUBE-FIREWALL") not in tables.shared
+
+
+@pytest.mark.parametrize(
+    ("restore_input", "counts"),
+    [
+        ("", {}),
+        ("*filter\n:KUBE-FORWARD - [0:0]\n-A KUBE-FORWARD -j ACCEPT\nCOMMIT\n", {"filter": 1}),
+        (
+            "*filter\n-A KUBE-A -j DROP\nCOMMIT\n*nat\n:KUBE-SVC-X - [0:0]\n-X KUBE-SVC-Y\n"
+            "-A KUBE-SVC-X -j KUBE-SEP-Z\n-A KUBE-SEP-Z -j DNAT\nCOMMIT\n",
+            {"filter": 1, "nat": 2},
+        ),
+    ],
+)
+def test_the_rules_a_restore_writes_are_counted_per_table(
+    restore_input: str, counts: dict[str, int]
+) -> None:
+    assert rules_by_table(restore_input) == counts

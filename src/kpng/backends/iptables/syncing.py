@@ -130,6 +130,8 @@ class IptablesBackend:
         self._iptables = iptables
         self._nfacct = nfacct if iptables is not None else None
         self._nfacct_refused = False
+        self._last_rules: dict[Fam, dict[str, int]] = {}
+        """Per family, the rules each table got in the last restore (none written: none)."""
         self._traffic = (
             TrafficCounters(traffic_series_limit, endpoints=options.endpoint_counters)
             if options.traffic_counters and iptables is not None
@@ -452,6 +454,7 @@ class IptablesBackend:
             await self._iptables.restore(fam, plan.text)
             self._restart_counters(fam, plan)
         tables.commit(changes, plan)
+        self._last_rules[fam] = rules_by_table(plan.text)
         log.debug(
             "%s: a %s restore of %d rules (%d service chains written, %d deleted)",
             fam,
@@ -535,10 +538,31 @@ class IptablesBackend:
 
     def metric_samples(self) -> list[Sample]:
         """What kpng's ``/metrics`` adds for to-iptables (``kpng.status.ReportsSamples``): the
-        nfacct series, and each service port's new and refused connections (and each
-        endpoint's) as of the last read (none unless ``--traffic-counters``)."""
+        rule counts and nfacct series of kube-proxy's iptables mode, and each service port's
+        new and refused connections (and each endpoint's) as of the last read (none unless
+        ``--traffic-counters``)."""
         traffic = self._traffic.samples() if self._traffic is not None else []
-        return [*self._nfacct_samples(), *traffic]
+        return [*self._rule_samples(), *self._nfacct_samples(), *traffic]
+
+    def _rule_samples(self) -> list[Sample]:
+        """kube-proxy's counts of the rules it owns and of those its last restore wrote, per
+        table and family (its filter table's rules are all rewritten at each sync, kpng's
+        only when they change: ``_last`` is what kpng's last restore wrote)."""
+        samples = []
+        for fam, written in sorted(self._last_rules.items()):
+            family = "IPv4" if fam == "v4" else "IPv6"
+            owned: dict[str, int] = {}
+            for (table, _), count in _expected_counts(self.tables[fam]).items():
+                owned[table] = owned.get(table, 0) + count
+            for table in ("filter", "nat"):
+                labels = (("table", table), ("ip_family", family))
+                samples.append(
+                    Sample(RULES_TOTAL, RULES_TOTAL_HELP, owned.get(table, 0), labels=labels)
+                )
+                samples.append(
+                    Sample(RULES_LAST, RULES_LAST_HELP, written.get(table, 0), labels=labels)
+                )
+        return samples
 
     def _touched_frontends(
         self, changes: Mapping[Fam, Mapping[ServiceKey, Contribution | None]]
@@ -572,6 +596,24 @@ class IptablesBackend:
                     await task
         if self._health is not None:
             await self._health.close()
+
+
+RULES_TOTAL = "kubeproxy_sync_proxy_rules_iptables_total"
+RULES_TOTAL_HELP = "Total number of iptables rules owned by kube-proxy"
+RULES_LAST = "kubeproxy_sync_proxy_rules_iptables_last"
+RULES_LAST_HELP = "Number of iptables rules written by kube-proxy in last sync"
+
+
+def rules_by_table(restore_input: str) -> dict[str, int]:
+    """How many rules (``-A`` lines) an iptables-restore input appends to each table."""
+    counts: dict[str, int] = {}
+    table = ""
+    for line in restore_input.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        elif line.startswith("-A "):
+            counts[table] = counts.get(table, 0) + 1
+    return counts
 
 
 def _expected_counts(tables: FamilyTables) -> dict[ChainKey, int]:
