@@ -9,7 +9,14 @@ import socket
 import pytest
 
 from kpng.backends._nftables.layout import Options
-from kpng.backends._nftables.localhost import Listener, ListenerKey, LocalhostProxy, listeners
+from kpng.backends._nftables.localhost import (
+    FAILURES,
+    LISTENERS,
+    Listener,
+    ListenerKey,
+    LocalhostProxy,
+    listeners,
+)
 from kpng.model.messages import EndpointScopes, ServiceEndpoints
 from kpng.testing import states
 
@@ -111,6 +118,15 @@ def test_the_relay_carries_a_connection_both_ways_until_its_port_goes() -> None:
     asyncio.run(scenario())
 
 
+def _series(proxy: LocalhostProxy) -> dict[tuple[str, str], float]:
+    """The proxy's samples for IPv4, by name and family."""
+    return {
+        (sample.name, dict(sample.labels)["ip_family"]): sample.value
+        for sample in proxy.samples()
+        if dict(sample.labels)["ip_family"] == "IPv4"
+    }
+
+
 def test_a_port_held_by_another_program_is_skipped_and_taken_once_free() -> None:
     async def scenario() -> None:
         held = socket.socket()
@@ -122,9 +138,12 @@ def test_a_port_held_by_another_program_is_skipped_and_taken_once_free() -> None
         try:
             await proxy.sync(wanted)
             assert proxy.active == frozenset()
+            assert _series(proxy) == {(LISTENERS, "IPv4"): 0, (FAILURES, "IPv4"): 1}
             held.close()
             await proxy.sync(wanted)
             assert proxy.active == {("v4", port)}
+            # kube-proxy's series: one listener bound, the failed bind still counted.
+            assert _series(proxy) == {(LISTENERS, "IPv4"): 1, (FAILURES, "IPv4"): 1}
         finally:
             held.close()
             await proxy.close()

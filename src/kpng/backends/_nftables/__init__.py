@@ -514,10 +514,13 @@ class NftBackend:
         )
 
     def metric_samples(self) -> list[Sample]:
-        """Each service port's new and refused connections, as of the last read (none unless
-        ``--traffic-counters service``): what kpng's ``/metrics`` adds for to-nft
-        (``kpng.status.ReportsSamples``)."""
-        return self._traffic.samples() if self._traffic is not None else []
+        """What kpng's ``/metrics`` adds for to-nft (``kpng.status.ReportsSamples``): each
+        service port's new and refused connections, as of the last read (none unless
+        ``--traffic-counters``), and kube-proxy's series of the localhost node ports' listeners
+        (with ``--localhost-nodeports``)."""
+        traffic = self._traffic.samples() if self._traffic is not None else []
+        listeners = self._localhost.samples() if self._localhost is not None else []
+        return [*traffic, *listeners]
 
     async def applied_rules(self) -> str:
         """kpng's table as the kernel holds it: what the last applied transaction left."""

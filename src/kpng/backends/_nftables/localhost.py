@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kpng.backends._endpoints import EndpointValue, affinity_timeout, endpoints_by_scope
 from kpng.backends._nftables.layout import Options, loopback_served
 from kpng.backends._node import FAMILIES, Fam
+from kpng.backends._samples import Sample
 from kpng.client import ServiceEndpoints, ServiceKey
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class LocalhostProxy:
         self._active: dict[ListenerKey, _Relay] = {}
         self._failed: set[ListenerKey] = set()
         """Listeners that could not bind, warned of once (until they bind)."""
+        self._failures: dict[Fam, int] = {}
+        """Failed binds by family, every attempt (kube-proxy's creation failures)."""
 
     @property
     def active(self) -> frozenset[ListenerKey]:
@@ -112,6 +115,7 @@ class LocalhostProxy:
             try:
                 await relay.listen(self._addresses[fam], port)
             except OSError as exc:
+                self._failures[fam] = self._failures.get(fam, 0) + 1
                 if key not in self._failed:
                     self._failed.add(key)
                     log.warning(
@@ -121,8 +125,30 @@ class LocalhostProxy:
             self._failed.discard(key)
             self._active[key] = relay
 
+    def samples(self) -> list[Sample]:
+        """kube-proxy's series of its localhost node port listeners, per family: those bound
+        now, and the binds that failed."""
+        samples = []
+        for fam, family in _FAMILY_NAMES.items():
+            if fam not in self._addresses:
+                continue
+            labels = (("ip_family", family),)
+            active = sum(1 for key in self._active if key[0] == fam)
+            samples.append(Sample(LISTENERS, LISTENERS_HELP, active, labels=labels))
+            failed = self._failures.get(fam, 0)
+            samples.append(Sample(FAILURES, FAILURES_HELP, failed, counter=True, labels=labels))
+        return samples
+
     async def close(self) -> None:
         await self.sync({})
+
+
+_FAMILY_NAMES: dict[Fam, str] = {"v4": "IPv4", "v6": "IPv6"}
+"""kube-proxy's ``ip_family`` label of each family."""
+LISTENERS = "kubeproxy_nftables_localhost_nodeport_listeners"
+LISTENERS_HELP = "Number of active localhost NodePort userspace proxy listeners."
+FAILURES = "kubeproxy_nftables_localhost_nodeport_listener_creation_failures"
+FAILURES_HELP = "Number of localhost NodePort userspace proxy listener creation failures."
 
 
 class _Relay:
