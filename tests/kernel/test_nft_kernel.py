@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kpng.backends import _nftables as nft_backend
 from kpng.backends._nftables import NftBackend
+from kpng.backends._nftables import syncing as nft_backend
 from kpng.backends._nftables.auditing import probes
 from kpng.backends._nftables.diffing import TableState, Touched
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches

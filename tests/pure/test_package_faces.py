@@ -12,6 +12,25 @@ from pathlib import Path
 import pytest
 
 FACES = {
+    "kpng.backends.ebpf": {
+        "DEFAULT_PIN_DIR",
+        "EbpfBackend",
+        "PROGRAMS",
+        "SPEC",
+        "SocketBalancer",
+        "cleanup",
+        "remove_pins",
+    },
+    "kpng.backends.iptables": {"FULL_SYNC_PERIOD_S", "IptablesBackend", "SPEC", "cleanup"},
+    "kpng.backends._nftables": {
+        "FULL_CHECK_PERIOD_S",
+        "LeftoverTables",
+        "NftBackend",
+        "cleanup",
+        "has_nft",
+        "kube_proxy_leftovers",
+        "options_from_args",
+    },
     "kpng.status": {
         "FAMILIES",
         "FeedsOthers",
