@@ -47,3 +47,23 @@ def test_every_room_of_kpng_has_a_layer() -> None:
     layered = set().union(*_contract_layers())
     assert rooms - layered == set()
     assert layered - rooms == set()
+
+
+def test_every_repeated_file_name_has_its_reason_in_the_docs() -> None:
+    """``docs/design/architecture.md``'s Words: a file name repeats in ``src/kpng`` only where
+    the doc names each of its modules."""
+    doc = (ROOT / "docs" / "design" / "architecture.md").read_text()
+    reasons = doc[doc.index("A file name repeats") :]
+    kpng = ROOT / "src" / "kpng"
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(kpng.rglob("*.py")):
+        if path.name != "__init__.py" and "_pb2" not in path.name:
+            by_name.setdefault(path.name, []).append(str(path.relative_to(kpng)))
+    unexplained = [
+        module
+        for modules in by_name.values()
+        if len(modules) > 1
+        for module in modules
+        if f"`{module}`" not in reasons
+    ]
+    assert unexplained == []
