@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from kpng.api import codec
 from kpng.api.localv1_pb2 import EndpointsSet, ServicesSet
@@ -16,33 +17,36 @@ from kpng.model.cluster import ServiceKey
 from kpng.model.messages import Endpoint, Service, ServiceEndpoints
 from kpng.model.paths import NODE_FACTS_PATH, endpoint_keys, service_path
 
-__all__ = ["NODE_FACTS_PATH", "EncodeEndpoint", "EncodeService", "FirstOps", "local_ops"]
+__all__ = [
+    "NODE_FACTS_PATH",
+    "EncodeEndpoint",
+    "EncodeService",
+    "FirstOps",
+    "ResolvedMemo",
+    "local_ops",
+]
+
+T = TypeVar("T")
 
 EncodeService = Callable[[Service], bytes]
 EncodeEndpoint = Callable[[Endpoint], bytes]
 
 
-class FirstOps:
-    """The ops that add one service from nothing, framed once per resolved value.
+class ResolvedMemo(Generic[T]):
+    """What is computed once per resolved value of a service (``_compute``), for every watcher.
 
-    Node views of one class share their ServiceEndpoints objects, so every new watcher of a
-    thousand reuses the framing of the first: its initial state costs a list concatenation per
-    service. Keyed by identity; an entry holds its value, so an id is not reused while cached.
-
-    ``forget`` drops a service's entries once its values are replaced or it is gone (the
-    server calls it at each change of the service): else every value a churning cluster ever
-    resolved stayed until the size bound, 65,536 of them, many times the live state (a soak of
-    1,000 to 5,000 services grew a brain by 220 %/hour).
+    Node views of one class share their ServiceEndpoints objects, so a thousand watchers of
+    one class cost one computation per service. Keyed by identity; an entry holds its value, so
+    an id is not reused while cached. ``forget`` drops a service's entries once its values are
+    replaced or it is gone (the server calls it at each change of the service): else every
+    value a churning cluster ever resolved stayed until ``size``, many times the live state (a
+    soak of 1,000 to 5,000 services grew a brain by 220 %/hour); past ``size`` the oldest go.
     """
 
-    def __init__(self, encode_service: EncodeService, encode_endpoint: EncodeEndpoint) -> None:
-        self._encode_service = encode_service
-        self._encode_endpoint = encode_endpoint
-        self._cache: OrderedDict[int, tuple[ServiceEndpoints, bytes, list[bytes], ServiceKey]] = (
-            OrderedDict()
-        )
+    def __init__(self, size: int = 65_536) -> None:
+        self._size = size
+        self._cache: OrderedDict[int, tuple[ServiceEndpoints, T, ServiceKey]] = OrderedDict()
         self._by_key: dict[ServiceKey, set[int]] = {}
-        self._size = 65_536
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -52,18 +56,12 @@ class FirstOps:
         for ident in self._by_key.pop(key, ()):
             self._cache.pop(ident, None)
 
-    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> tuple[bytes, list[bytes]]:
+    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> T:
         entry = self._cache.get(id(value))
         if entry is not None and entry[0] is value:
-            return entry[1], entry[2]
-        path = service_path(key)
-        service_op = codec.op_set(ServicesSet, path, self._encode_service(value.service))
-        keyed = endpoint_keys(value.endpoints)
-        endpoint_ops = [
-            codec.op_set(EndpointsSet, f"{path}/{k}", self._encode_endpoint(keyed[k]))
-            for k in sorted(keyed)
-        ]
-        self._cache[id(value)] = (value, service_op, endpoint_ops, key)
+            return entry[1]
+        computed = self._compute(key, value)
+        self._cache[id(value)] = (value, computed, key)
         self._by_key.setdefault(key, set()).add(id(value))
         if len(self._cache) > self._size:
             ident, (*_, oldest) = self._cache.popitem(last=False)
@@ -72,6 +70,30 @@ class FirstOps:
                 idents.discard(ident)
                 if not idents:
                     del self._by_key[oldest]
+        return computed
+
+    def _compute(self, key: ServiceKey, value: ServiceEndpoints) -> T:
+        raise NotImplementedError
+
+
+class FirstOps(ResolvedMemo[tuple[bytes, list[bytes]]]):
+    """The ops that add one service from nothing, framed once per resolved value: every new
+    watcher of a thousand reuses the framing of the first, and its initial state costs a list
+    concatenation per service."""
+
+    def __init__(self, encode_service: EncodeService, encode_endpoint: EncodeEndpoint) -> None:
+        super().__init__()
+        self._encode_service = encode_service
+        self._encode_endpoint = encode_endpoint
+
+    def _compute(self, key: ServiceKey, value: ServiceEndpoints) -> tuple[bytes, list[bytes]]:
+        path = service_path(key)
+        service_op = codec.op_set(ServicesSet, path, self._encode_service(value.service))
+        keyed = endpoint_keys(value.endpoints)
+        endpoint_ops = [
+            codec.op_set(EndpointsSet, f"{path}/{k}", self._encode_endpoint(keyed[k]))
+            for k in sorted(keyed)
+        ]
         return service_op, endpoint_ops
 
 

@@ -3,7 +3,6 @@ what a watcher answers. Pure (docs/design/resume.md; the digests are kpng.api.di
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from kpng.api.digests import (
     node_digest,
     service_digest,
 )
-from kpng.api.ops import EncodeEndpoint, EncodeService
+from kpng.api.ops import EncodeEndpoint, EncodeService, ResolvedMemo
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.model.paths import endpoint_keys, service_path, split_service_path
@@ -38,14 +37,9 @@ class BadAnswer(ValueError):
     """A watcher's answer to a digest ask that kpng refuses; the message says what is wrong."""
 
 
-class ServiceDigests:
-    """Service digests by resolved value, shared by every stream of one encoding.
-
-    Node views of one class share their ServiceEndpoints objects (as FirstOps relies on), so
-    5,000 watchers of one class cost one hash per service. Keyed by identity, an entry holding
-    its value; ``forget`` drops a service's entries when it changes (the server calls it at
-    each change, as for FirstOps), and the oldest go past ``size``.
-    """
+class ServiceDigests(ResolvedMemo[Digested]):
+    """Service digests by resolved value, shared by every stream of one encoding: 5,000
+    watchers of one class cost one hash per service (``ResolvedMemo``)."""
 
     def __init__(
         self,
@@ -53,25 +47,13 @@ class ServiceDigests:
         encode_endpoint: EncodeEndpoint,
         size: int = 65_536,
     ) -> None:
+        super().__init__(size)
         self._encode_service = encode_service
         self._encode_endpoint = encode_endpoint
-        self._size = size
-        self._cache: OrderedDict[int, tuple[ServiceEndpoints, Digested, ServiceKey]] = OrderedDict()
-        self._by_key: dict[ServiceKey, set[int]] = {}
 
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    def forget(self, key: ServiceKey) -> None:
-        for ident in self._by_key.pop(key, ()):
-            self._cache.pop(ident, None)
-
-    def __call__(self, key: ServiceKey, value: ServiceEndpoints) -> Digested:
+    def _compute(self, key: ServiceKey, value: ServiceEndpoints) -> Digested:
         """The service's path, bucket and digest: all a node's digests need of it, so that
         5,000 nodes' digests of a shared value cost a lookup each."""
-        entry = self._cache.get(id(value))
-        if entry is not None and entry[0] is value:
-            return entry[1]
         path = service_path(key)
         keyed = endpoint_keys(value.endpoints)
         # Path order: ``ns/name`` sorts before every ``ns/name/key``.
@@ -79,17 +61,7 @@ class ServiceDigests:
         items += (
             item_digest(f"{path}/{k}", self._encode_endpoint(keyed[k])) for k in sorted(keyed)
         )
-        digested = (path, bucket_of(path), service_digest(items))
-        self._cache[id(value)] = (value, digested, key)
-        self._by_key.setdefault(key, set()).add(id(value))
-        if len(self._cache) > self._size:
-            ident, (*_, oldest) = self._cache.popitem(last=False)
-            idents = self._by_key.get(oldest)
-            if idents is not None:
-                idents.discard(ident)
-                if not idents:
-                    del self._by_key[oldest]
-        return digested
+        return (path, bucket_of(path), service_digest(items))
 
 
 @dataclass(frozen=True)
