@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kpng.backends._samples import Sample
@@ -217,6 +219,27 @@ def _add(offsets: dict[Series, int], read: _Read) -> None:
 def endpoint_label(address: str, port: str) -> str:
     """An endpoint as the ``endpoint`` label: ``IP:port``, ``[IP]:port`` for IPv6."""
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+async def read_paced(
+    read: Callable[[], Awaitable[None]],
+    *,
+    sleep: Callable[[float], Awaitable[None]],
+    failure: type[Exception],
+    log: logging.Logger,
+) -> None:
+    """Call ``read`` every ``READ_PERIOD_S``, or ten times as long as the last read took, so
+    that reads (under a backend's sync lock) hold it a tenth of the time at most; a ``failure``
+    is logged and the read tried again at the next period. Until cancelled."""
+    period = READ_PERIOD_S
+    while True:
+        await sleep(period)
+        started = time.monotonic()
+        try:
+            await read()
+        except failure as exc:
+            log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
+        period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
 
 
 def service_port_samples(

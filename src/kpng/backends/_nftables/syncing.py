@@ -30,7 +30,7 @@ from kpng.backends._nftables.auditing import (
     missing_elements,
     probes,
 )
-from kpng.backends._nftables.counting import READ_PERIOD_S, SERIES_LIMIT, Sample, TrafficCounters
+from kpng.backends._nftables.counting import SERIES_LIMIT, Sample, TrafficCounters
 from kpng.backends._nftables.diffing import Plan, TableState, Touched, check_transaction
 from kpng.backends._nftables.executing import KernelNft, NetlinkBatches, default_nft
 from kpng.backends._nftables.layout import (
@@ -54,6 +54,7 @@ from kpng.backends._nftables.netlink import (
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
 from kpng.backends._node import FAMILIES, node_options
 from kpng.backends._node import options_from_args as options_from_args
+from kpng.backends._traffic import read_paced
 from kpng.client import (
     NodeState,
     NoReporting,
@@ -471,15 +472,7 @@ class NftBackend:
         # The kernel dumps a map's elements in O(n^2) (each part of the dump walks past what
         # went before): 2.7 s under the sync lock at 100k services, so reads are spaced to
         # hold it a tenth of the time at most.
-        period = READ_PERIOD_S
-        while True:
-            await self._sleep(period)
-            started = time.monotonic()
-            try:
-                await self.read_traffic()
-            except NftError as exc:
-                log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
-            period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
+        await read_paced(self.read_traffic, sleep=self._sleep, failure=NftError, log=log)
 
     async def read_traffic(self) -> None:
         """Read the dispatch maps' counters (``counting.py``). The dump under the lock, so

@@ -29,7 +29,7 @@ from kpng.backends._node import (
     options_from_args,
 )
 from kpng.backends._samples import Sample
-from kpng.backends._traffic import READ_PERIOD_S, SERIES_LIMIT, TrafficCounters
+from kpng.backends._traffic import SERIES_LIMIT, TrafficCounters, read_paced
 from kpng.backends._traffic import add_arguments as add_traffic_arguments
 from kpng.backends.iptables.counting import (
     REFUSING_CHAINS,
@@ -467,15 +467,7 @@ class IptablesBackend:
     async def _read_traffic(self) -> None:
         # iptables-legacy reads a whole table per save (0.8 s for 10k services' nat table):
         # reads are spaced to hold the sync lock a tenth of the time at most.
-        period = READ_PERIOD_S
-        while True:
-            await self._sleep(period)
-            started = time.monotonic()
-            try:
-                await self.read_traffic()
-            except IptablesError as exc:
-                log.warning("the traffic counters were not read: %s; again in %gs", exc, period)
-            period = max(READ_PERIOD_S, 10 * (time.monotonic() - started))
+        await read_paced(self.read_traffic, sleep=self._sleep, failure=IptablesError, log=log)
 
     async def read_traffic(self) -> None:
         """Read the counted rules' counters (``counting.py``) of every family and table."""
