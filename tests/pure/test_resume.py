@@ -29,6 +29,7 @@ from kpng.testing.relay import Relay
 from kpng.testing.waiting import eventually
 from tests.conftest import EXAMPLE
 from tests.pure import wire
+from tests.pure.recording import RecordingSink
 
 T = TypeVar("T")
 WAIT_S = 20.0
@@ -156,41 +157,8 @@ async def _brains(
         await b.close()
 
 
-class _Recorder:
-    """An incremental Sink that records every call, sync included."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.synced = asyncio.Event()
-
-    def reset(self) -> None:
-        self.calls.append(("reset",))
-
-    def set_service(self, service: Service) -> None:
-        self.calls.append(("set_service", service.Namespace, service.Name))
-
-    def delete_service(self, namespace: str, name: str) -> None:
-        self.calls.append(("delete_service", namespace, name))
-
-    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Any) -> None:
-        self.calls.append(("set_endpoint", namespace, service, key))
-
-    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
-        self.calls.append(("delete_endpoint", namespace, service, key))
-
-    def sync(self) -> None:
-        self.calls.append(("sync",))
-        self.synced.set()
-
-    async def next_sync(self) -> list[tuple[Any, ...]]:
-        await asyncio.wait_for(self.synced.wait(), WAIT_S)
-        self.synced.clear()
-        calls, self.calls = self.calls, []
-        return calls
-
-
 @contextlib.asynccontextmanager
-async def _agent(sink: _Recorder, *urls: str) -> AsyncIterator[asyncio.Task[None]]:
+async def _agent(sink: RecordingSink, *urls: str) -> AsyncIterator[asyncio.Task[None]]:
     """kpng's node agent (the client library's ``watch``), failing over along ``urls``."""
     api = Api.parse(",".join(urls))
     task = asyncio.create_task(
@@ -217,7 +185,7 @@ async def _failed_over(a: _Brain, b: _Brain) -> int:
 def test_an_unchanged_node_fails_over_to_another_replica_for_a_few_hundred_bytes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[int, int, list[Any]]:
         async with _brains() as (a, b), _agent(sink, a.relay.url, b.relay.url):
@@ -240,7 +208,7 @@ def test_an_unchanged_node_fails_over_to_another_replica_for_a_few_hundred_bytes
 def test_the_outage_and_the_resume_are_counted_on_both_sides() -> None:
     """What ``/metrics`` shows of a fail-over: the agent's record (``kpng local``'s
     ``kpng_watch_*``) and the brains' resume outcomes (``kpng_api_resumes_total``)."""
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> None:
         async with _brains() as (a, b):
@@ -274,7 +242,7 @@ def test_the_outage_and_the_resume_are_counted_on_both_sides() -> None:
 
 
 def test_a_change_made_while_the_agent_was_away_is_delivered_exactly_once() -> None:
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[list[Any], list[Any], int, int]:
         async with _brains() as (a, b):
@@ -303,7 +271,7 @@ def test_a_change_made_while_the_agent_was_away_is_delivered_exactly_once() -> N
 
 
 def test_a_service_added_changed_and_deleted_while_away_reaches_the_sink_as_those_changes() -> None:
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[list[Any], int, int]:
         async with _brains() as (a, b):
@@ -372,7 +340,7 @@ class _Forgetful:
 
 
 def test_a_brain_that_ignores_holds_sends_a_whole_state_the_agent_takes_as_a_difference() -> None:
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[list[Any], int]:
         async with _brains() as (a, b):
@@ -401,7 +369,7 @@ def test_a_brain_that_ignores_holds_sends_a_whole_state_the_agent_takes_as_a_dif
 
 
 def test_a_go_kpng_style_client_still_gets_a_whole_state_beside_a_resuming_agent() -> None:
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[list[wire.Op], int]:
         async with _brains() as (a, b), _agent(sink, a.relay.url, b.relay.url):
@@ -442,7 +410,7 @@ async def _held(channel: grpc.aio.Channel) -> Holdings:
     """The digests of a whole state read from the brain, as kpng's agent keeps them."""
     call = _raw_batched(channel)
     holdings = Holdings()
-    ops = LocalOps(_Recorder(), json=False, url="test", warned=set(), holdings=holdings)
+    ops = LocalOps(RecordingSink(), json=False, url="test", warned=set(), holdings=holdings)
     await call.write(batchv1_pb2.WatchReq(NodeName=NODE))
     while not holdings.complete:
         message = await asyncio.wait_for(call.read(), WAIT_S)
@@ -591,7 +559,7 @@ def test_a_resumed_change_set_reaches_the_sink_as_the_items_that_differ() -> Non
         ("ns", "b"): value("b", "10.0.1.1"),
         ("ns", "c"): value("c", "10.0.2.1"),
     }
-    sink = _Recorder()
+    sink = RecordingSink()
     holdings = Holdings()
     ops = LocalOps(sink, json=True, url="test", warned=set(), holdings=holdings)
     _apply(ops, [codec.OP_RESET, *ops_of(held, [])])
@@ -625,7 +593,7 @@ def test_a_resumed_change_set_reaches_the_sink_as_the_items_that_differ() -> Non
     }
     fresh = Holdings()
     _apply(
-        LocalOps(_Recorder(), json=True, url="test", warned=set(), holdings=fresh),
+        LocalOps(RecordingSink(), json=True, url="test", warned=set(), holdings=fresh),
         ops_of(after, []),
     )
     assert holdings.digest() == fresh.digest()

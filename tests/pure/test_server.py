@@ -20,7 +20,6 @@ import pytest
 from kpng.api import codec, localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.errors import KpngError
-from kpng.model.messages import Service
 from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.hub import Turns
@@ -33,6 +32,7 @@ from kpng.testing.waiting import eventually
 from rig.cluster import make_pki
 from tests.conftest import EXAMPLE
 from tests.pure import wire
+from tests.pure.recording import RecordingSink
 
 T = TypeVar("T")
 WAIT_S = 20.0
@@ -288,44 +288,11 @@ def test_malformed_request_and_vanished_client_cost_the_server_nothing(tmp_path:
     assert ops > 2
 
 
-class _Recorder:
-    """An incremental Sink that records every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.synced = asyncio.Event()
-
-    def reset(self) -> None:
-        self.calls.append(("reset",))
-
-    def set_service(self, service: Service) -> None:
-        self.calls.append(("set_service", service.Namespace, service.Name))
-
-    def delete_service(self, namespace: str, name: str) -> None:
-        self.calls.append(("delete_service", namespace, name))
-
-    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Any) -> None:
-        self.calls.append(("set_endpoint", namespace, service, key))
-
-    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
-        self.calls.append(("delete_endpoint", namespace, service, key))
-
-    def sync(self) -> None:
-        self.calls.append(("sync",))
-        self.synced.set()
-
-    async def next_sync(self) -> list[tuple[Any, ...]]:
-        await asyncio.wait_for(self.synced.wait(), WAIT_S)
-        self.synced.clear()
-        calls, self.calls = self.calls, []
-        return calls
-
-
 def test_server_restart_resyncs_and_the_backend_sees_only_what_changed(tmp_path: Path) -> None:
     """An outage longer than the connect timeout is waited out: it bounds the first state only."""
     store, handle = _example_store()
     urls = _urls(tmp_path, "unix")
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> tuple[list[Any], list[Any]]:
         client: asyncio.Task[None] | None = None
@@ -386,7 +353,7 @@ def test_a_watcher_of_an_unknown_node_is_told_once(
 
 def test_watch_once_returns_after_the_first_sync(tmp_path: Path) -> None:
     store, _ = _example_store()
-    sink = _Recorder()
+    sink = RecordingSink()
 
     async def scenario() -> None:
         async with _serving(store, _urls(tmp_path, "unix")) as serving:
@@ -410,7 +377,7 @@ def test_no_first_state_within_the_connect_timeout_is_an_error(
 
     async def scenario(url: str) -> None:
         with pytest.raises(KpngError, match=f"no state from {re.escape(url)} within 0.5 s"):
-            await watch(_Recorder(), api=url, node_name="n", connect_timeout=CONNECT_TIMEOUT_S)
+            await watch(RecordingSink(), api=url, node_name="n", connect_timeout=CONNECT_TIMEOUT_S)
 
     async def against_unsynced_server() -> None:
         async with _serving(store, _urls(tmp_path, transport)) as serving:
@@ -637,7 +604,7 @@ def test_a_node_agent_whose_calls_a_busy_brain_cancels_resumes_with_backoff_and_
         )
         server.add_insecure_port(f"unix:{tmp_path}/busy.sock")
         await server.start()
-        sink = _Recorder()
+        sink = RecordingSink()
         client = asyncio.create_task(
             watch(
                 sink,
