@@ -10,6 +10,7 @@ partial; the programs' counters and the maps' occupancy reach kpng's /metrics.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -254,10 +255,18 @@ recvmsg4 (recvfrom asks for it)."""
 
 @pytest.fixture
 def metered(tmp_path: Path) -> Iterator[Cluster]:
-    """kpng on node-1 serving /metrics in the node's namespace; web (TCP, on a2), dns (UDP, on
-    a2) and empty (no endpoint)."""
+    with metered_cluster(tmp_path) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def metered_cluster(tmp_path: Path, *flags: str) -> Iterator[Cluster]:
+    """kpng (to-ebpf with ``flags``) on node-1 serving /metrics in the node's namespace; web
+    (TCP, on a2), dns (UDP, on a2) and empty (no endpoint)."""
     cidrs = ",".join(CLUSTER_CIDRS)
-    backend = f"to-ebpf --cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}}"
+    backend = " ".join(
+        ("to-ebpf", f"--cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}}", *flags)
+    )
     (tmp_path / "manifests").mkdir()
     with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed:
         flags = ("--metrics-bind-address", METRICS)
@@ -276,7 +285,7 @@ def metered(tmp_path: Path) -> Iterator[Cluster]:
         yield c
 
 
-def _metrics(cluster: Cluster) -> Samples:
+def scraped(cluster: Cluster) -> Samples:
     """A scrape of the running kpng's /metrics, from inside the node's namespace."""
     netns = cluster.bed.nodes["node-1"].netns
     text = cluster.bed.exec(netns, [sys.executable, "-c", _GET, f"http://{METRICS}/metrics"])
@@ -298,14 +307,14 @@ def test_translations_and_services_without_endpoints_are_counted_per_hook(
     ClusterIP, N at sendmsg4 and their N answers N at recvmsg4; N connections to a service
     without endpoints, N at no_endpoint (and no translation). The counters are the kernel's,
     summed over CPUs, scraped from the running kpng."""
-    before = _metrics(metered)
+    before = scraped(metered)
     n = 7
     assert metered.probe("a1", "tcp", IP, 80, count=n) == ["a2 10.244.1.2"] * n
     a1 = metered.bed.pods["a1"].netns
     udp = metered.bed.exec(a1, [sys.executable, "-c", _UDP, DNS_IP, "53", str(n)])
     assert udp.splitlines() == [f"{DNS_IP} 53 a2 10.244.1.2"] * n
     assert metered.probe("a1", "tcp", EMPTY_IP, 80, count=n) == ["refused"] * n
-    after = _metrics(metered)
+    after = scraped(metered)
 
     def grew(name: str, hook: str) -> float:
         return after[_hook(name, hook)] - before[_hook(name, hook)]
@@ -333,20 +342,20 @@ def test_the_counters_outlive_a_restart_of_kpng(metered: Cluster) -> None:
     before, as the kernel's own counters (kube-proxy's rules' counters) outlive kube-proxy."""
     # The fixture's first probe may have gone out before the programs were attached.
     assert metered.probe("a1", "tcp", IP, 80, count=3) == ["a2 10.244.1.2"] * 3
-    before = _metrics(metered)[_hook("translations", "connect4")]
+    before = scraped(metered)[_hook("translations", "connect4")]
     assert before >= 3
     metered.start_backend("node-1")
     got: Samples = {}
 
-    def scraped() -> bool:
+    def reported() -> bool:
         nonlocal got
         try:
-            got = _metrics(metered)
+            got = scraped(metered)
         except Exception:  # not listening yet
             return False
         return _hook("translations", "connect4") in got
 
-    assert poll(scraped, within=15, interval=0.2)
+    assert poll(reported, within=15, interval=0.2)
     assert got[_hook("translations", "connect4")] >= before
 
 

@@ -20,10 +20,11 @@ from kpng.backends.ebpf.traffic import FrontendTraffic, Labels, labels, merged_s
 from kpng.client import NodeState
 from kpng.model.messages import Endpoint, ServiceEndpoints
 from kpng.testing import states
-from kpng.testing.conformance import Cluster, endpoint_slice, node_object, port, service
-from kpng.testing.netns import CLUSTER_CIDRS, ClusterSpec, TestBed, available
+from kpng.testing.conformance import Cluster, endpoint_slice, port, service
+from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
+from tests.kernel.test_ebpf_kernel import DNS_IP, EMPTY_IP, IP, metered_cluster, scraped
 
 WEB = labels("ns", "web", "http")
 DNS = labels("ns", "dns", "")
@@ -98,9 +99,6 @@ def test_past_the_limit_the_service_ports_with_the_least_connections_are_left_ou
 
 # --- in the kernel
 
-METRICS = "127.0.0.1:10249"
-IP, EMPTY_IP, DNS_IP = "10.96.0.30", "10.96.0.31", "10.96.0.32"
-_GET = "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1]).read().decode())"
 _UDP = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -119,40 +117,16 @@ kernel = pytest.mark.skipif(
 
 @pytest.fixture
 def counted(tmp_path: Path) -> Iterator[Cluster]:
-    cidrs = ",".join(CLUSTER_CIDRS)
-    backend = (
-        f"to-ebpf --cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}} "
-        "--traffic-counters service"
-    )
-    (tmp_path / "manifests").mkdir()
-    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed:
-        flags = ("--metrics-bind-address", METRICS)
-        c = Cluster(bed, tmp_path / "manifests", tmp_path, backend, flags=flags)
-        c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
-        c.write("web", service("web", IP, [port("http", 80)]), endpoint_slice(c, "web", ["a2"]))
-        dns = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
-        c.write(
-            "dns",
-            service("dns", DNS_IP, [port("dns", 53, 5353, "UDP")]),
-            endpoint_slice(c, "dns", ["a2"], ports=dns),
-        )
-        c.write("empty", service("empty", EMPTY_IP, [port("http", 80)]))
-        c.start_backend("node-1")
-        c.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
-        yield c
+    with metered_cluster(tmp_path, "--traffic-counters service") as cluster:
+        yield cluster
 
 
 def _series(cluster: Cluster) -> dict[tuple[str, str], float]:
     """kpng's service traffic series, by (metric, service), scraped in the node's namespace."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    netns = cluster.bed.nodes["node-1"].netns
-    text = cluster.bed.exec(netns, [sys.executable, "-c", _GET, f"http://{METRICS}/metrics"])
     return {
-        (s.name, s.labels["service"]): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in (CONNECTIONS, REJECTED)
+        (name, dict(labels)["service"]): value
+        for (name, labels), value in scraped(cluster).items()
+        if name in (CONNECTIONS, REJECTED)
     }
 
 
