@@ -20,8 +20,8 @@ from kpng.backends._nftables import layout
 from kpng.backends._node import Options
 from kpng.backends.ebpf import entries
 from kpng.backends.iptables import rules
-from kpng.collector import collector_paused
 from kpng.feeding import no_local_endpoints
+from kpng.gcpause import collector_paused
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
 from kpng.model.messages import IPSet, PortMapping, Service, ServiceEndpoints, ServiceIPs
 from kpng.resolver.resolving import resolve_service

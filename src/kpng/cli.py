@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from kpng import heap, sinks, sources, subcommands
+from kpng import malloc, sinks, sources, subcommands
 from kpng.backends import registry
 from kpng.backends._conntrack import RECONCILED
 from kpng.backends.registry import BackendSpec
@@ -401,7 +401,9 @@ def _feeds_backends(name: str) -> bool:
 
 
 async def _run_until_signalled(pipeline: Runner) -> None:
-    await until_signalled(_concurrently({"pipeline": pipeline, "heap": heap.trim_periodically})())
+    await until_signalled(
+        _concurrently({"pipeline": pipeline, "malloc": malloc.trim_periodically})()
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -419,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     configure_logging(pipeline.options.log_level, pipeline.options.log_format)
     _raise_open_files_limit()
-    heap.configure()
+    malloc.configure()
     try:
         asyncio.run(_run_until_signalled(pipeline.run))
     except KpngError as exc:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kpng.backends.registry import Backend, NodeState
-from kpng.collector import collector_paused
 from kpng.feeding import Fanout, until_done
+from kpng.gcpause import collector_paused
 from kpng.model.cluster import unknown_node
 from kpng.model.messages import NO_TRIGGERS, NodeFacts, Service
 from kpng.sinks import Runner, SinkSpec

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from kpng.collector import collector_paused
 from kpng.durations import format_duration, parse_duration
 from kpng.errors import InputError, object_name
+from kpng.gcpause import collector_paused
 from kpng.model.cluster import ServiceCIDR, Slice
 from kpng.model.messages import Node, Service
 from kpng.sources import Runner, SourceSpec

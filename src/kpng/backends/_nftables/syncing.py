@@ -63,7 +63,7 @@ from kpng.client import (
     SyncReporter,
     object_name,
 )
-from kpng.collector import collector_paused
+from kpng.gcpause import collector_paused
 
 log = logging.getLogger(__name__)
 

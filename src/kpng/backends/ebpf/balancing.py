@@ -60,7 +60,7 @@ from kpng.client import (
     object_name,
     register,
 )
-from kpng.collector import collector_paused
+from kpng.gcpause import collector_paused
 
 log = logging.getLogger(__name__)
 

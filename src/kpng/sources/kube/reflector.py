@@ -41,7 +41,7 @@ from typing import Generic, Protocol, TypeVar
 import msgspec
 
 from kpng.backoff import Backoff
-from kpng.collector import collector_paused
+from kpng.gcpause import collector_paused
 from kpng.kubeclient.client import (
     ApiClient,
     ApiStatus,

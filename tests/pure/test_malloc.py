@@ -1,4 +1,4 @@
-"""kpng.heap: large buffers kept out of the heap, and free memory scattered between live chunks
+"""kpng.malloc: large buffers kept out of the heap, and free memory scattered between live chunks
 given back to the kernel."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from kpng import heap
+from kpng import malloc
 
 _FRAGMENTED = """
 import sys
-from kpng import heap
+from kpng import malloc
 
 def rss_kib():
     for line in open("/proc/self/status"):
@@ -25,12 +25,12 @@ chunks = [bytes(2048) for _ in range(100_000)]
 kept = chunks[::10]
 del chunks
 before = rss_kib()
-assert heap.trim()
+assert malloc.trim()
 print(before, rss_kib(), len(kept))
 """
 
 
-@pytest.mark.skipif(heap._malloc_trim() is None, reason="this C library has no malloc_trim")
+@pytest.mark.skipif(malloc._malloc_trim() is None, reason="this C library has no malloc_trim")
 def test_trim_gives_scattered_free_memory_back() -> None:
     out = subprocess.run(
         [sys.executable, "-c", _FRAGMENTED], capture_output=True, text=True, check=True
@@ -42,7 +42,7 @@ def test_trim_gives_scattered_free_memory_back() -> None:
 
 _LARGE_BUFFERS = """
 import sys
-from kpng import heap
+from kpng import malloc
 
 def rss_kib():
     for line in open("/proc/self/status"):
@@ -50,7 +50,7 @@ def rss_kib():
             return int(line.split()[1])
 
 if sys.argv[1] == "configured":
-    assert heap.configure()
+    assert malloc.configure()
 # A large buffer freed: glibc's default then serves buffers up to its size from the heap.
 buffer = bytearray(8 << 20)
 del buffer
@@ -64,7 +64,7 @@ print(before, rss_kib())
 """
 
 
-@pytest.mark.skipif(heap._function("mallopt", []) is None, reason="this C library has no mallopt")
+@pytest.mark.skipif(malloc._function("mallopt", []) is None, reason="this C library has no mallopt")
 @pytest.mark.parametrize("configured", [False, True])
 def test_freed_large_buffers_go_back_to_the_kernel_once_configured(configured: bool) -> None:
     """Without ``configure``, the 1 MiB buffers come from the heap, between chunks that stay,

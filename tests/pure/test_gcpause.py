@@ -12,7 +12,7 @@ import pytest
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
-from kpng.collector import FREEZE_AFTER, collector_paused
+from kpng.gcpause import FREEZE_AFTER, collector_paused
 from tests.nft_services import churn
 
 
