@@ -50,10 +50,12 @@ system-packages-as-root:
 	else echo "not root: the tests that need system packages will be skipped (see the summary)"; fi
 
 # The pure tier alone (tests/pure: no root, no network namespace, no API server, nothing built
-# with Go): the quick loop while editing. tests/<tier>/conftest.py says what each tier needs.
+# with Go): the quick loop while editing, over every core, without its `slow` tests (fuzzing,
+# thousands of generated services), which `make test` runs. tests/<tier>/conftest.py says what
+# each tier needs.
 check: $(DEV)
 	@$(COMPILE)
-	$(BIN)/pytest tests/pure
+	$(BIN)/pytest tests/pure -n auto -m "not slow"
 
 # The whole suite: lint, types, layer contracts, tests (every tier).
 test: lint typecheck unit

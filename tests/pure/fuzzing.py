@@ -46,7 +46,8 @@ def fuzz_settings(examples: int, *, deadline_ms: int = 500) -> Callable[[F], F]:
     timeout = pytest.mark.timeout(0 if _CAMPAIGN else 120)
 
     def bounded(test: F) -> F:
-        return timeout(bounds(test))  # type: ignore[no-any-return]
+        # Fuzzing is a third of the pure tier's time: `make check` leaves it to `make test`.
+        return pytest.mark.slow(timeout(bounds(test)))  # type: ignore[no-any-return]
 
     return bounded
 

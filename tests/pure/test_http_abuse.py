@@ -170,6 +170,7 @@ def test_past_the_cap_the_longest_idle_connection_makes_room_else_the_new_one_is
 IDLE_CLIENTS = 5_000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_healthz_answers_with_thousands_of_idle_connections_open(
     capsys: pytest.CaptureFixture[str],

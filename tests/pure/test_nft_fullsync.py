@@ -22,6 +22,9 @@ from kpng.model.messages import ServiceEndpoints
 from kpng.testing.states import keyed_state
 from tests.nft_services import churn, generate
 
+# Thousands of generated services a test: `make check` leaves them to `make test`.
+pytestmark = pytest.mark.slow
+
 OPTIONS = Options(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
 
 

@@ -117,6 +117,7 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 def test_watchers_that_never_read_cannot_grow_the_servers_memory(tmp_path: Path) -> None:
     store = Store()
     handle = store.source("churn")

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
+import pytest
 
 from kpng.api import batchv1_pb2
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
@@ -129,6 +130,7 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 def test_watchers_that_never_read_do_not_hold_back_an_honest_first_state() -> None:
     store = _store()
 

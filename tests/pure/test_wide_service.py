@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kpng.model.cluster import Slice, SliceEndpoint, SlicePort
 from kpng.model.messages import IPSet, PortMapping, Service, ServiceIPs
 from kpng.resolver.resolving import resolve_service
@@ -81,6 +83,7 @@ def _healthz(port: int) -> tuple[float, bytes]:
     return time.monotonic() - start, answer
 
 
+@pytest.mark.slow
 def test_the_health_port_answers_while_a_wide_service_is_programmed(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     _manifest(tmp_path / "in" / "wide.json")
