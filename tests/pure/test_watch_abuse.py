@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
+import re
 import subprocess
 import time
 import tracemalloc
@@ -33,7 +35,7 @@ from kpng.server.serving import (
 )
 from kpng.store import SourceHandle, Store
 from kpng.testing import states
-from kpng.testing.waiting import until
+from kpng.testing.waiting import eventually, until
 from tests.conftest import EXAMPLE
 
 T = TypeVar("T")
@@ -311,3 +313,51 @@ def test_the_first_request_timeout_and_streams_per_connection_are_flags(
         kpng.terminate()
         kpng.wait(timeout=10)
     assert kpng.returncode == 0, log.read_text()
+
+
+def test_every_watch_ending_is_counted_by_code_and_early_ones_logged_with_their_waits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Calls the brain ends (two that never asked) are counted by code and logged at warning
+    level, once in ``ENDINGS_LOG_S`` for a storm's thousands, with how long each waited and
+    who it was; a watcher that ends its own is counted, not warned of."""
+    store = Store()
+    store.source("s").mark_synced()
+
+    async def scenario() -> dict[str, int]:
+        sock = tmp_path / "kpng.sock"
+        async with (
+            _serving(store, f"unix://{sock}", first_request_s=0.5) as serving,
+            grpc.aio.insecure_channel(f"unix:{sock}") as channel,
+        ):
+            for method in ("Watch", "WatchGlobal"):
+                silent = _raw(channel, method)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(silent.read(), 5)
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            served = _raw(channel, "Watch")
+            await served.write(batchv1_pb2.WatchReq(NodeName="node-1").SerializeToString())
+            assert isinstance(await asyncio.wait_for(served.read(), 5), bytes)
+            served.cancel()
+            stats = serving.watch.stats
+            await eventually(lambda: stats.calls_ended["OK"] == 1, "the cancelled watch")
+            return dict(stats.calls_ended)
+
+    with caplog.at_level(logging.DEBUG, logger="kpng.server.serving"):
+        ended = _run(scenario())
+    # The watcher's own ending: its requests end, and so does the handler (OK).
+    assert ended["DEADLINE_EXCEEDED"] == 2
+    assert ended["OK"] == 1
+    assert sum(ended.values()) == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert re.fullmatch(
+        r"ended a watch from unix:\S* with DEADLINE_EXCEEDED \(no request within 0\.5 s\), "
+        r"0\.\d s after the brain took it; first request none, first state none",
+        warned[0],
+    ), warned[0]
+    endings = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(
+        re.search(r"ended OK, .* first request after 0\.\d s, first state after 0\.\d s", m)
+        for m in endings
+    ), endings

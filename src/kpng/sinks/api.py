@@ -219,6 +219,15 @@ def _samples(stats: WatchStats, turns: Turns) -> Iterator[Sample]:
             counter=True,
             labels=(("outcome", outcome),),
         )
+    for code, n in stats.calls_ended.items():
+        yield Sample(
+            "kpng_api_calls_ended",
+            "watch calls ended, by status code: OK (the watcher ended its stream), "
+            "CANCELLED (it vanished), or the brain's reason to end it",
+            n,
+            counter=True,
+            labels=(("code", code),),
+        )
     yield Sample(
         "kpng_api_watches_refused",
         "watches refused: no valid token, or a token asking for another node's state",
