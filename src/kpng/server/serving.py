@@ -68,8 +68,20 @@ T = TypeVar("T")
 # watcher at 256 KiB, 1.27 MB at 1 MiB (and 1.48 MB at 64 KiB, where messages are many).
 BATCH_BYTES = 1 << 18
 _JSON = msgspec.json.Encoder()
-FIRST_REQUEST_S = 10.0
-"""How long a new stream may take to send its first request (kpng's watchers send it at once)."""
+FIRST_REQUEST_S = 60.0
+"""How long a new stream may take to send its first request, counted from when the brain takes
+the call (its handler begins; the wait in gRPC's queue before is not counted), and a resuming
+watcher to answer each digest ask.
+
+kpng's watchers send their request at once, but in a mass connect "at once" is late: in a
+5,000-node fail-over on two shared cores the agents' first requests reached the brain's socket
+up to 28 s after the stream's HEADERS (their processes were saturated; the brain advertised a
+4 MiB window, so nothing held them back), and the brain read them up to 6 s after that. At
+10 s, 2,000 of 5,000 streams were ended DEADLINE_EXCEEDED (INTERNAL, if the agent was writing)
+and retried, which made the storm longer. 60 s, the fleet's fail-over target, is longer than
+any such wait measured, and a stream that never asks still costs the brain little meanwhile:
+its token is checked before the wait, and a connection holds at most
+``STREAMS_PER_CONNECTION`` (docs/design/mass-connect.md)."""
 STREAMS_PER_CONNECTION = 100
 """Streams one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)."""
 PENDING_CALLS = 20_000

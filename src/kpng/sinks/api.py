@@ -67,10 +67,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-request-timeout",
         type=float,
-        default=10.0,
+        default=60.0,
         metavar="SECONDS",
-        help="a stream's first request must come within this long, and a resuming watcher's "
-        "answer to each digest ask too, or the stream is ended (default: 10)",
+        help="a stream's first request must come within this long of the brain taking the "
+        "call, and a resuming watcher's answer to each digest ask too, or the stream is ended "
+        "(default: 60, longer than a mass connect's slowest watcher)",
     )
     parser.add_argument(
         "--max-streams-per-connection",
