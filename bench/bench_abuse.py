@@ -19,7 +19,7 @@ figure is compared with a baseline measured in the same run.
 2. **streams** (``--streams``, ``--per-connection``, ``--auth``): a brain, ``kpng file --input DIR
    to-api --listen unix://SOCK`` over the same small cluster; ``--streams`` localv1 Watch streams
    opened and never sent a request, ``--per-connection`` a connection (the server allows 100),
-   from ``--clients`` processes. The server ends such a stream after 10 s (FIRST_REQUEST_S);
+   from ``--clients`` processes. The server ends such a stream after 10 s (set: STREAM_END_S);
    with ``--token-audience`` it refuses one without a token from its metadata at once. Variants
    (``--auth``): ``none`` (no auth), ``anonymous`` (auth, streams without a token), ``token``
    (auth, streams with a valid token but no request). A fresh brain per variant. Per variant: the
@@ -94,7 +94,9 @@ PROBE_TIMEOUT_S = 5.0
 CONNECT_BATCH = 50
 """Idle connections opened at once: at most the listening socket's backlog, past which a
 connection waits for the kernel's SYN retry (a second) and the waves would measure that."""
-STREAM_END_S = 10.0  # kpng.server.serving.FIRST_REQUEST_S
+STREAM_END_S = 10.0
+"""The brain's ``--first-request-timeout`` here: its silent streams end this soon (kpng's default,
+60 s, would make each round wait a minute for them)."""
 AFTER_END_S = 15.0
 AFTER_CLOSE_S = 5.0
 WORKER_S = 300.0  # one step of a client process: opening, ending, first states
@@ -570,7 +572,7 @@ def _brain(
         ("file", "--input", str(cluster)),
         workdir / f"{name}.sock",
         workdir / f"{name}.log",
-        sink_options=sink_options,
+        sink_options=("--first-request-timeout", f"{STREAM_END_S:g}", *sink_options),
         command=command,
     )
     try:

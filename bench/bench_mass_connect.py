@@ -3,10 +3,11 @@
 A brain, ``kpng file --input DIR to-api --listen unix://SOCK``, is sent ``--streams`` localv1
 Watch streams at once, ``--per-connection`` to a connection, from ``--clients`` processes
 (``bench_abuse``'s request-less streams). Every stream that reaches kpng's handler is ended by
-it after 10 s without a request, DEADLINE_EXCEEDED "no request within 10 s"; any other ending
-(CANCELLED, INTERNAL, UNAVAILABLE) is a call that ended before kpng's code saw it. With
-``--watches N``, then N real authorized watches to their first state (``bench_abuse``'s third
-measurement, 4 processes), counting the retries they needed, by status.
+it after 10 s without a request (``bench_abuse`` sets the brain's bound so), DEADLINE_EXCEEDED
+"no request within 10 s"; any other ending (CANCELLED, INTERNAL, UNAVAILABLE) is a call that
+ended before kpng's code saw it. With ``--watches N``, then N real authorized watches to their
+first state (``bench_abuse``'s third measurement, 4 processes), counting the retries they
+needed, by status.
 
 Each is run against the brain twice (``--limits``): ``kpng``, as it is, and ``grpc``, the same
 brain with gRPC's default limits of calls waiting in its core for the server to take them

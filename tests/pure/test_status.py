@@ -484,6 +484,15 @@ def test_to_api_reports_its_watches(
         client.terminate()
         client.wait(timeout=WAIT_S)
         until(lambda: _metrics(f"{base}/metrics")[watches] == 0, "the watch to close")
+        # The agent ended its stream while the brain waited for a change to send it (CANCELLED):
+        # counted, and none ended early.
+        ended = {
+            labels[0][1]: n
+            for (name, labels), n in _metrics(f"{base}/metrics").items()
+            if name == "kpng_api_calls_ended_total"
+        }
+        assert ended["CANCELLED"] == 1, ended
+        assert sum(ended.values()) == 1, ended
     finally:
         if client.poll() is None:
             client.kill()

@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
+import re
 import subprocess
 import time
 import tracemalloc
@@ -33,7 +35,7 @@ from kpng.server.serving import (
 )
 from kpng.store import SourceHandle, Store
 from kpng.testing import states
-from kpng.testing.waiting import until
+from kpng.testing.waiting import eventually, until
 from tests.conftest import EXAMPLE
 
 T = TypeVar("T")
@@ -242,6 +244,34 @@ def test_a_stream_that_never_sends_its_request_is_ended(tmp_path: Path) -> None:
     assert _run(scenario()) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_a_watcher_whose_first_request_comes_late_in_a_storm_is_served(tmp_path: Path) -> None:
+    """In a 5,000-node fail-over the agents' first requests came up to 28 s after their streams
+    opened (docs/design/mass-connect.md): the brain's default waits for that, where 10 s ended
+    2,000 streams and sent their agents round again."""
+    store = Store()
+    store.source("s").mark_synced()
+    late_s = 12.0  # past the old bound, 10 s
+    assert late_s < FIRST_REQUEST_S
+
+    async def scenario() -> bytes:
+        sock = tmp_path / "kpng.sock"
+        async with (
+            _serving(store, f"unix://{sock}") as serving,
+            grpc.aio.insecure_channel(f"unix:{sock}") as channel,
+        ):
+            late = _raw(channel, "Watch")
+            await asyncio.sleep(late_s)
+            await late.write(batchv1_pb2.WatchReq(NodeName="node-1").SerializeToString())
+            first = await asyncio.wait_for(late.read(), 10)
+            assert serving.watch.stats.calls_ended["DEADLINE_EXCEEDED"] == 0
+            late.cancel()
+            return cast(bytes, first)
+
+    first = _run(scenario())
+    assert isinstance(first, bytes)  # its first state, not the end of the stream
+    assert first
+
+
 class _Posts:
     """An API client whose TokenReviews say every token is unknown, counted."""
 
@@ -312,3 +342,51 @@ def test_the_first_request_timeout_and_streams_per_connection_are_flags(
         kpng.terminate()
         kpng.wait(timeout=10)
     assert kpng.returncode == 0, log.read_text()
+
+
+def test_every_watch_ending_is_counted_by_code_and_early_ones_logged_with_their_waits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Calls the brain ends (two that never asked) are counted by code and logged at warning
+    level, once in ``ENDINGS_LOG_S`` for a storm's thousands, with how long each waited and
+    who it was; a watcher that ends its own is counted, not warned of."""
+    store = Store()
+    store.source("s").mark_synced()
+
+    async def scenario() -> dict[str, int]:
+        sock = tmp_path / "kpng.sock"
+        async with (
+            _serving(store, f"unix://{sock}", first_request_s=0.5) as serving,
+            grpc.aio.insecure_channel(f"unix:{sock}") as channel,
+        ):
+            for method in ("Watch", "WatchGlobal"):
+                silent = _raw(channel, method)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(silent.read(), 5)
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            served = _raw(channel, "Watch")
+            await served.write(batchv1_pb2.WatchReq(NodeName="node-1").SerializeToString())
+            assert isinstance(await asyncio.wait_for(served.read(), 5), bytes)
+            served.cancel()
+            stats = serving.watch.stats
+            await eventually(lambda: stats.calls_ended["OK"] == 1, "the cancelled watch")
+            return dict(stats.calls_ended)
+
+    with caplog.at_level(logging.DEBUG, logger="kpng.server.serving"):
+        ended = _run(scenario())
+    # The watcher's own ending: its requests end, and so does the handler (OK).
+    assert ended["DEADLINE_EXCEEDED"] == 2
+    assert ended["OK"] == 1
+    assert sum(ended.values()) == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert re.fullmatch(
+        r"ended a watch from unix:\S* with DEADLINE_EXCEEDED \(no request within 0\.5 s\), "
+        r"0\.\d s after the brain took it; first request none, first state none",
+        warned[0],
+    ), warned[0]
+    endings = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(
+        re.search(r"ended OK, .* first request after 0\.\d s, first state after 0\.\d s", m)
+        for m in endings
+    ), endings

@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import stat
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -67,8 +68,20 @@ T = TypeVar("T")
 # watcher at 256 KiB, 1.27 MB at 1 MiB (and 1.48 MB at 64 KiB, where messages are many).
 BATCH_BYTES = 1 << 18
 _JSON = msgspec.json.Encoder()
-FIRST_REQUEST_S = 10.0
-"""How long a new stream may take to send its first request (kpng's watchers send it at once)."""
+FIRST_REQUEST_S = 60.0
+"""How long a new stream may take to send its first request, counted from when the brain takes
+the call (its handler begins; the wait in gRPC's queue before is not counted), and a resuming
+watcher to answer each digest ask.
+
+kpng's watchers send their request at once, but in a mass connect "at once" is late: in a
+5,000-node fail-over on two shared cores the agents' first requests reached the brain's socket
+up to 28 s after the stream's HEADERS (their processes were saturated; the brain advertised a
+4 MiB window, so nothing held them back), and the brain read them up to 6 s after that. At
+10 s, 2,000 of 5,000 streams were ended DEADLINE_EXCEEDED (INTERNAL, if the agent was writing)
+and retried, which made the storm longer. 60 s, the fleet's fail-over target, is longer than
+any such wait measured, and a stream that never asks still costs the brain little meanwhile:
+its token is checked before the wait, and a connection holds at most
+``STREAMS_PER_CONNECTION`` (docs/design/mass-connect.md)."""
 STREAMS_PER_CONNECTION = 100
 """Streams one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)."""
 PENDING_CALLS = 20_000
@@ -182,7 +195,11 @@ def _encode_info_protobuf(info: msgspec.Struct) -> bytes:
 
 
 async def _parsed(
-    requests: AsyncIterator[bytes], message: Any, context: Any, first_request_s: float
+    requests: AsyncIterator[bytes],
+    message: Any,
+    context: Any,
+    first_request_s: float,
+    call: _Call,
 ) -> AsyncIterator[Any]:
     """Requests parsed here rather than by gRPC, so a malformed one is answered with
     INVALID_ARGUMENT and a clear message instead of a server-side traceback. The first must come
@@ -198,6 +215,7 @@ async def _parsed(
             grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {first_request_s:g} s"
         )
         return
+    call.first_request = time.monotonic()
     while True:
         if first is not None:
             data, first = first, None
@@ -215,6 +233,48 @@ async def _parsed(
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.full_name}"
             )
+
+
+@dataclass
+class _Call:
+    """One watch call as the brain saw it, for the log line and the count of its ending: who,
+    and when its handler began (the brain took it), its first request came and its first state
+    was written (``time.monotonic``). The peer is read at the start: a generator closed after
+    its call ended may no longer ask gRPC."""
+
+    peer: str
+    began: float
+    first_request: float | None = None
+    first_state: float | None = None
+
+    def waits(self, now: float) -> str:
+        def since(at: float | None) -> str:
+            return "none" if at is None else f"after {at - self.began:.1f} s"
+
+        return (
+            f"{now - self.began:.1f} s after the brain took it; first request "
+            f"{since(self.first_request)}, first state {since(self.first_state)}"
+        )
+
+
+CALL_CODES = (
+    "OK",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "UNKNOWN",
+)
+"""How the brain's watch calls end: the codes ``kpng_api_calls_ended_total`` always shows."""
+QUIET_CODES = frozenset({"OK", "CANCELLED"})
+"""Endings that are the watcher's own doing (a node agent switching replicas or stopping),
+logged at debug level only: OK, it ended its stream while the brain read it; CANCELLED, while
+the brain waited for a change to send or wrote one."""
+ENDINGS_LOG_S = 10.0
+"""Calls the brain ends early are logged once in this long, with how many more: a storm ends
+them by the thousand."""
 
 
 class _Stream:
@@ -273,6 +333,8 @@ class WatchStats:
     """Watches refused: no valid token, or a token asking for what is not its own."""
     resumes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_OUTCOMES, 0))
     """Node watches that said what they hold, by outcome (``RESUME_OUTCOMES``)."""
+    calls_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CALL_CODES, 0))
+    """Watch calls ended, by the status code they ended with (``CALL_CODES``, and any other)."""
 
 
 class WatchServer:
@@ -294,6 +356,8 @@ class WatchServer:
         self._warned: OrderedDict[tuple[str, int], None] = OrderedDict()
         """Unknown node names warned about, the newest ``WARNED_NODES``, each as its first
         ``NODE_NAME_MAX`` characters and its length: a name may be megabytes."""
+        self._endings_quiet_until = 0.0
+        self._endings_unlogged = 0
         self._encoders: dict[int, Encoders] = {
             batchv1_pb2.PROTOBUF: Encoders.protobuf(),
             batchv1_pb2.JSON: Encoders.json(),
@@ -301,6 +365,58 @@ class WatchServer:
         for encoders in self._encoders.values():
             self.hub.cluster.on_change.append(encoders.first_ops.forget)
             self.hub.cluster.on_change.append(encoders.digests.forget)
+
+    # --- every call's ending
+
+    async def _counted(
+        self, call: _Call, context: Any, body: AsyncGenerator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """``body``'s messages; its ending counted by code and logged with ``call``'s waits."""
+        code: str | None = None
+        try:
+            async with contextlib.aclosing(body):
+                async for message in body:
+                    yield message
+        except grpc.aio.AbortError:
+            raise  # the code is the one the context was given
+        except (asyncio.CancelledError, GeneratorExit):
+            # The watcher ended its stream while the handler waited or wrote (gRPC cancels the
+            # handler, or drops this generator mid-write), or the server is stopping.
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "UNKNOWN"  # what gRPC answers an exception with
+            raise
+        finally:
+            if code is None:
+                given = context.code()
+                code = "OK" if given is None else given.name
+            self._ended(call, code, context.details() or "")
+
+    def _ended(self, call: _Call, code: str, details: str) -> None:
+        ended = self.stats.calls_ended
+        ended[code] = ended.get(code, 0) + 1
+        now = time.monotonic()
+        if code in QUIET_CODES or now < self._endings_quiet_until:
+            if code not in QUIET_CODES:
+                self._endings_unlogged += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("a watch from %s ended %s, %s", call.peer, code, call.waits(now))
+            return
+        more = self._endings_unlogged
+        log.warning(
+            "ended a watch from %s with %s (%s), %s%s",
+            call.peer,
+            code,
+            details,
+            call.waits(now),
+            f" ({more} more ended early since the last report)" if more else "",
+        )
+        self._endings_quiet_until = now + ENDINGS_LOG_S
+        self._endings_unlogged = 0
+
+    def _call(self, context: Any) -> _Call:
+        return _Call(peer=context.peer(), began=time.monotonic())
 
     # --- node-local watches
 
@@ -310,13 +426,14 @@ class WatchServer:
         encoders: Callable[[Any], Encoders],
         context: Any,
         messages: Callable[[ChangeSet], Iterable[bytes]],
+        call: _Call,
         *,
         resumable: bool = False,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes]:
         """The messages of a node-local watch, in a stream its first state's turn can end;
         ``resumable``: its first request may say what the watcher holds (batchv1's Holds)."""
         stream = _Stream(context)
-        body = self._local_messages(requests, encoders, context, messages, stream, resumable)
+        body = self._local_messages(requests, encoders, context, messages, stream, resumable, call)
         stream.body = cast(AsyncGeneratorType[bytes, None], body)
         try:
             while True:
@@ -336,6 +453,7 @@ class WatchServer:
         messages: Callable[[ChangeSet], Iterable[bytes]],
         stream: _Stream,
         resumable: bool,
+        call: _Call,
     ) -> AsyncGenerator[bytes]:
         # Who it is, from the stream's metadata, before anything else: whether it may watch
         # the node it names is checked at each request (the review is cached).
@@ -433,6 +551,8 @@ class WatchServer:
                 if turn is not None:  # every message of the first state is written
                     turn.end()
                     turn = None
+                if call.first_state is None:
+                    call.first_state = time.monotonic()
         finally:
             if turn is not None:
                 turn.end()
@@ -568,8 +688,10 @@ class WatchServer:
         def encoders(_: Any) -> Encoders:
             return self._encoders[batchv1_pb2.PROTOBUF]
 
-        parsed = _parsed(requests, localv1_pb2.WatchReq, context, self.first_request_s)
-        async for message in self._local_stream(parsed, encoders, context, ChangeSet.ops):
+        call = self._call(context)
+        parsed = _parsed(requests, localv1_pb2.WatchReq, context, self.first_request_s, call)
+        body = self._local_stream(parsed, encoders, context, ChangeSet.ops, call)
+        async for message in self._counted(call, context, body):
             yield message
 
     async def watch_local_batched(
@@ -581,16 +703,20 @@ class WatchServer:
         def messages(change_set: ChangeSet) -> Iterable[bytes]:
             return change_set.batches(BATCH_BYTES)
 
-        parsed = _parsed(requests, batchv1_pb2.WatchReq, context, self.first_request_s)
-        async for message in self._local_stream(
-            parsed, encoders, context, messages, resumable=True
-        ):
+        call = self._call(context)
+        parsed = _parsed(requests, batchv1_pb2.WatchReq, context, self.first_request_s, call)
+        body = self._local_stream(parsed, encoders, context, messages, call, resumable=True)
+        async for message in self._counted(call, context, body):
             yield message
 
     # --- global watches
 
     async def _global_changesets(
-        self, requests: AsyncIterator[Any], encoding: Callable[[Any], int], context: Any
+        self,
+        requests: AsyncIterator[Any],
+        encoding: Callable[[Any], int],
+        context: Any,
+        call: _Call,
     ) -> AsyncIterator[list[bytes]]:
         await self._authorize(context, node=None)
         subscription = self.store.subscribe()
@@ -623,6 +749,8 @@ class WatchServer:
                 ops.append(codec.OP_SYNC)
                 self.stats.global_change_sets += 1
                 yield ops
+                if call.first_state is None:
+                    call.first_state = time.monotonic()
         finally:
             self.stats.global_watches -= 1
             subscription.close()
@@ -630,16 +758,34 @@ class WatchServer:
     async def watch_global(
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context, self.first_request_s)
-        async for ops in self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF, context):
+        call = self._call(context)
+        parsed = _parsed(requests, globalv1_pb2.GlobalWatchReq, context, self.first_request_s, call)
+        async for message in self._counted(call, context, self._global_ops(parsed, context, call)):
+            yield message
+
+    async def _global_ops(
+        self, parsed: AsyncIterator[Any], context: Any, call: _Call
+    ) -> AsyncGenerator[bytes]:
+        changesets = self._global_changesets(parsed, lambda _: batchv1_pb2.PROTOBUF, context, call)
+        async for ops in changesets:
             for op in ops:
                 yield op
 
     async def watch_global_batched(
         self, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context, self.first_request_s)
-        async for ops in self._global_changesets(parsed, lambda r: int(r.Encoding), context):
+        call = self._call(context)
+        parsed = _parsed(requests, batchv1_pb2.GlobalWatchReq, context, self.first_request_s, call)
+        async for message in self._counted(
+            call, context, self._global_batches(parsed, context, call)
+        ):
+            yield message
+
+    async def _global_batches(
+        self, parsed: AsyncIterator[Any], context: Any, call: _Call
+    ) -> AsyncGenerator[bytes]:
+        changesets = self._global_changesets(parsed, lambda r: int(r.Encoding), context, call)
+        async for ops in changesets:
             for batch in batches(ops, BATCH_BYTES):
                 yield batch
 

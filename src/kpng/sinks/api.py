@@ -67,10 +67,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-request-timeout",
         type=float,
-        default=10.0,
+        default=60.0,
         metavar="SECONDS",
-        help="a stream's first request must come within this long, and a resuming watcher's "
-        "answer to each digest ask too, or the stream is ended (default: 10)",
+        help="a stream's first request must come within this long of the brain taking the "
+        "call, and a resuming watcher's answer to each digest ask too, or the stream is ended "
+        "(default: 60, longer than a mass connect's slowest watcher)",
     )
     parser.add_argument(
         "--max-streams-per-connection",
@@ -218,6 +219,15 @@ def _samples(stats: WatchStats, turns: Turns) -> Iterator[Sample]:
             n,
             counter=True,
             labels=(("outcome", outcome),),
+        )
+    for code, n in stats.calls_ended.items():
+        yield Sample(
+            "kpng_api_calls_ended",
+            "watch calls ended, by status code: OK (the watcher ended its stream), "
+            "CANCELLED (it vanished), or the brain's reason to end it",
+            n,
+            counter=True,
+            labels=(("code", code),),
         )
     yield Sample(
         "kpng_api_watches_refused",
