@@ -6,7 +6,7 @@ import pytest
 
 from rig.tcpinfo import Connection, parse
 
-INFO = "\t cubic wscale:7,7 rto:204 bytes_sent:{sent} bytes_acked:{up} bytes_received:{down} segs_out:4"
+INFO = "\t cubic rto:204 bytes_sent:{sent} bytes_acked:{up} bytes_received:{down} segs_out:4"
 
 
 @pytest.mark.parametrize(
