@@ -52,10 +52,8 @@ import contextlib
 import contextvars
 import logging
 import os
-import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +65,8 @@ from pathlib import Path
 import synthetic
 from bench_abuse import Clients, _raise_nofile, _split
 from bench_api import BenchError, ClusterFile, FileChanges, KpngProcess, kpng_command, verdict
+
+from rig import tcpinfo
 
 TARGET_S = 60.0
 TARGET_BYTES = 1024
@@ -348,29 +348,13 @@ def until(
         time.sleep(POLL_S)
 
 
-_BYTES = re.compile(r"bytes_(acked|received):(\d+)")
-
-
 def socket_bytes(port: int) -> tuple[int, int, int, int]:
     """(connections, bytes up, bytes down, the most on one) of established TCP connections to
-    ``port`` on loopback, from the kernel's tcp_info (``ss -ti``)."""
-    out = subprocess.run(
-        ["ss", "-tinH", "state", "established", "dst", f"127.0.0.1:{port}"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    connections = up = down = most = 0
-    for line in out.splitlines():
-        if not line.startswith((" ", "\t")):  # a connection's addresses (gRPC's sockets are
-            connections += 1  # dual-stack: the peer shows as [::ffff:127.0.0.1]:PORT)
-            continue
-        found = dict(_BYTES.findall(line))
-        if found:
-            sent, received = int(found.get("acked", 0)), int(found.get("received", 0))
-            up, down, most = up + sent, down + received, max(most, sent + received)
-    return connections, up, down, most
+    ``port`` on loopback, from the kernel's tcp_info (``rig.tcpinfo``)."""
+    connections = tcpinfo.established(f"127.0.0.1:{port}")
+    up = sum(c.up for c in connections)
+    down = sum(c.down for c in connections)
+    return len(connections), up, down, max((c.up + c.down for c in connections), default=0)
 
 
 @dataclass

@@ -69,6 +69,8 @@ renders each exactly. to-ebpf's differs in more than a word (its command line, c
 host paths), so it has its own."""
 
 BRAIN_PORT = 12090
+BRAIN_METRICS_PORT = BRAIN_PORT + 2
+"""The chart's brains serve /metrics on loopback, two ports above their watches."""
 
 
 def deploy_kpng(
