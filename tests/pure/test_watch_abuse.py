@@ -244,6 +244,7 @@ def test_a_stream_that_never_sends_its_request_is_ended(tmp_path: Path) -> None:
     assert _run(scenario()) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+@pytest.mark.slow  # 12 s of waiting
 def test_a_watcher_whose_first_request_comes_late_in_a_storm_is_served(tmp_path: Path) -> None:
     """In a 5,000-node fail-over the agents' first requests came up to 28 s after their streams
     opened (docs/design/mass-connect.md): the brain's default waits for that, where 10 s ended
