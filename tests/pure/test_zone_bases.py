@@ -19,7 +19,7 @@ from kpng.model.messages import (
     ServiceIPs,
     TopologyInfo,
 )
-from kpng.resolver.resolving import ClusterResolver, NodeView, resolve_service
+from kpng.resolver.resolving import ClusterResolver, NodeResolver, NodeView, resolve_service
 from kpng.server.resuming import BaseDigests, ServiceDigests, StateDigests
 
 ZONES = {"n0": "a", "n1": "a", "n2": "a", "n3": "b", "n4": "b", "nz": ""}
@@ -349,3 +349,15 @@ def test_views_and_digests_from_zone_bases_match_a_walk_through_random_changes(
     for brain in brains:
         assert brain._bases == {}
         assert brain._base_stale == {}
+
+
+def test_a_node_s_own_resolver_keeps_no_index_of_the_cluster_s_nodes() -> None:
+    """It has one view, never shared: an entry per node and service would be memory for
+    nothing, on every node."""
+    resolver = NodeResolver("n0")
+    for kind in KINDS:
+        for sl in KINDS[kind][1]:
+            resolver.set_slice((sl.namespace, sl.name), sl)
+    assert resolver._cluster._node_services == {}
+    cluster, _ = _cluster(["plain"])
+    assert set(cluster.relevant_services("n0")) == {("ns", "plain")}

@@ -314,7 +314,11 @@ class ClusterResolver:
     per changed service, not a thousand.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = True) -> None:
+        """``shared``: views may read their zone's base (False: each holds its whole state, and
+        the index that shared views start from is not kept: a node's own resolver has one
+        view, and would hold an entry for every node of the cluster)."""
+        self._shared = shared
         self._services: dict[ServiceKey, Service] = {}
         self._slices: dict[SliceKey, Slice] = {}
         self._slices_by_service: dict[ServiceKey, dict[SliceKey, Slice]] = {}
@@ -410,6 +414,8 @@ class ClusterResolver:
     def _index_nodes(self, sl: Slice, step: int) -> None:
         """Count (``step`` 1) or uncount (-1) the node names ``sl`` makes its service relevant
         to, as ``_ServiceResults.node_relevant`` reads them."""
+        if not self._shared:
+            return
         key = sl.service_key
         for ep in sl.endpoints:
             self._count_node(ep.node, key, step)
@@ -486,6 +492,8 @@ class ClusterResolver:
     def view(self, node_name: str, *, shared: bool = True) -> NodeView:
         """A new node-local state; its first ``resolve`` yields every service. ``shared``: its
         state reads its zone's base (False: a whole dict of its own, faster to read)."""
+        if shared and not self._shared:
+            raise ValueError("a ClusterResolver made with shared=False has no shared views")
         view = NodeView(self, node_name, self._log_start + len(self._log), shared=shared)
         self._views.add(view)
         if view._position == self._log_start:
@@ -841,7 +849,7 @@ class NodeResolver:
 
     def __init__(self, node_name: str) -> None:
         self.node_name = node_name
-        self._cluster = ClusterResolver()
+        self._cluster = ClusterResolver(shared=False)
         self._view = self._cluster.view(node_name, shared=False)  # one view: nothing to share
 
     @property
