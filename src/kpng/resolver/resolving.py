@@ -314,7 +314,11 @@ class ClusterResolver:
     per changed service, not a thousand.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = True) -> None:
+        """``shared``: views may read their zone's base (False: each holds its whole state, and
+        the index that shared views start from is not kept: a node's own resolver has one
+        view, and would hold an entry for every node of the cluster)."""
+        self._shared = shared
         self._services: dict[ServiceKey, Service] = {}
         self._slices: dict[SliceKey, Slice] = {}
         self._slices_by_service: dict[ServiceKey, dict[SliceKey, Slice]] = {}
@@ -329,9 +333,19 @@ class ClusterResolver:
         # view holds only the services it sees otherwise (NodeView).
         self._bases: dict[str, dict[ServiceKey, ServiceEndpoints]] = {}
         self._zone_views: dict[str, set[NodeView]] = {}
+        # Zones whose base is complete (a value for every service the zone's nodes share:
+        # ``_current_base``), with the services changed since it was last brought up to date.
+        self._base_stale: dict[str, set[ServiceKey]] = {}
+        # Per node name, the services it is relevant to (it hosts one of their endpoints or a
+        # hint names it), with how many endpoints and hints say so: the services a new view
+        # resolves for itself, all others being its zone's base (``NodeView._resolve_first``).
+        self._node_services: dict[str, dict[ServiceKey, int]] = {}
         self.on_change: list[Callable[[ServiceKey], None]] = []
         """Called with each service key whose resolutions are dropped (changed or deleted):
         caches of values resolved before go stale then."""
+        self.on_base_change: list[Callable[[str, ServiceKey | None], None]] = []
+        """Called with a zone and a service key whose value in the zone's base changed (None:
+        the zone's base is dropped): what caches of a base's values (its digests) follow."""
         # Views still at the log's start: only when the last of them moves on can the log be
         # trimmed, so each read costs O(1) and not a pass over every view (5,000 watchers of
         # one change would otherwise cost 25 million steps).
@@ -346,6 +360,12 @@ class ClusterResolver:
 
     def _changed(self, key: ServiceKey) -> None:
         self._results.pop(key, None)
+        for zone, stale in list(self._base_stale.items()):
+            stale.add(key)
+            if len(stale) > max(_MIN_LOG, 2 * len(self._services)):
+                # Services made and deleted by the thousand while no view came to the zone: a
+                # complete pass at its next view costs less than keeping their names.
+                del self._base_stale[zone]
         for listener in self.on_change:
             listener(key)
         if self._views:
@@ -378,16 +398,44 @@ class ClusterResolver:
     def set_slice(self, key: SliceKey, sl: Slice | None) -> None:
         old = self._slices.pop(key, None)
         if old is not None:
+            self._index_nodes(old, -1)
             siblings = self._slices_by_service[old.service_key]
             del siblings[key]
             if not siblings:
                 del self._slices_by_service[old.service_key]
             self._changed(old.service_key)
         if sl is not None:
+            self._index_nodes(sl, 1)
             self._slices[key] = sl
             self._slices_by_service.setdefault(sl.service_key, {})[key] = sl
             if old is None or old.service_key != sl.service_key:
                 self._changed(sl.service_key)
+
+    def _index_nodes(self, sl: Slice, step: int) -> None:
+        """Count (``step`` 1) or uncount (-1) the node names ``sl`` makes its service relevant
+        to, as ``_ServiceResults.node_relevant`` reads them."""
+        if not self._shared:
+            return
+        key = sl.service_key
+        for ep in sl.endpoints:
+            self._count_node(ep.node, key, step)
+            for hinted in ep.node_hints:
+                self._count_node(hinted, key, step)
+
+    def _count_node(self, node: str, key: ServiceKey, step: int) -> None:
+        services = self._node_services.setdefault(node, {})
+        count = services.get(key, 0) + step
+        if count:
+            services[key] = count
+        else:
+            del services[key]
+            if not services:
+                del self._node_services[node]
+
+    def relevant_services(self, node: str) -> Iterable[ServiceKey]:
+        """The services ``node`` may see otherwise than its zone's other nodes: those with an
+        endpoint on it or a hint naming it (some may have no Service)."""
+        return self._node_services.get(node, {}).keys()
 
     def set_node(self, name: str, node: Node | None) -> None:
         """A node's object: its zone drives topology-aware routing for that node."""
@@ -409,14 +457,26 @@ class ClusterResolver:
     def _resolve_classed(self, key: ServiceKey, node: str) -> tuple[ServiceEndpoints | None, bool]:
         """``resolve``, and whether the result is the one every node of ``node``'s zone that is
         not relevant to the service shares (its zone's base holds it); a deletion is shared."""
+        resolved, cls = self._resolve_for(key, node, self._zones.get(node, ""))
+        return resolved, cls[0] == _ELSEWHERE
+
+    def _resolve_shared(self, key: ServiceKey, zone: str) -> ServiceEndpoints | None:
+        """Service ``key`` as every node of ``zone`` sees it that it is not relevant to: the
+        value of the zone's base."""
+        return self._resolve_for(key, _ELSEWHERE, zone)[0]
+
+    def _resolve_for(
+        self, key: ServiceKey, node: str, zone: str
+    ) -> tuple[ServiceEndpoints | None, tuple[str, str]]:
+        """Service ``key`` as node ``node`` of ``zone`` sees it, and that node's class."""
         service = self._services.get(key)
         if service is None:
-            return None, True
+            return None, (_ELSEWHERE, "")
         slices = self._slices_by_service.get(key, {}).values()
         results = self._results.get(key)
         if results is None:
             results = self._results[key] = _ServiceResults(slices)
-        cls = results.class_of(node, self._zones.get(node, ""))
+        cls = results.class_of(node, zone)
         resolved = results.results.get(cls)
         if resolved is None:
             resolved = resolve_service(service, slices, node=cls[0], zone=cls[1])
@@ -427,11 +487,13 @@ class ClusterResolver:
                 # a few kB less for each of some 20 services per node, times 5,000 nodes.
                 resolved = _sharing(resolved, like)
             results.results[cls] = resolved
-        return resolved, cls[0] == _ELSEWHERE
+        return resolved, cls
 
     def view(self, node_name: str, *, shared: bool = True) -> NodeView:
         """A new node-local state; its first ``resolve`` yields every service. ``shared``: its
         state reads its zone's base (False: a whole dict of its own, faster to read)."""
+        if shared and not self._shared:
+            raise ValueError("a ClusterResolver made with shared=False has no shared views")
         view = NodeView(self, node_name, self._log_start + len(self._log), shared=shared)
         self._views.add(view)
         if view._position == self._log_start:
@@ -479,6 +541,31 @@ class ClusterResolver:
             if not views:  # the last view of the zone: its base goes with it
                 del self._zone_views[zone]
                 self._bases.pop(zone, None)
+                self._base_stale.pop(zone, None)
+                for listener in self.on_base_change:
+                    listener(zone, None)
+
+    def _current_base(self, zone: str, view: NodeView) -> dict[ServiceKey, ServiceEndpoints]:
+        """Zone ``zone``'s base, complete and up to date: the value of every service as the
+        zone's nodes that it is not relevant to see it; ``view`` now one of those reading it.
+
+        Made complete once per zone (a pass over every service), then kept so by re-resolving
+        only the services changed since (a lookup each when the zone's views resolved them
+        already): a new view of the zone then costs only the services it is relevant to.
+        """
+        base = self._base_of(zone, view)
+        stale = self._base_stale.get(zone)
+        if stale is None:
+            keys: Iterable[ServiceKey] = [
+                *self._services,
+                *(k for k in base if k not in self._services),
+            ]
+        else:
+            keys = stale
+        for key in keys:
+            self._set_base(zone, key, self._resolve_shared(key, zone), view)
+        self._base_stale[zone] = set()
+        return base
 
     def _set_base(
         self, zone: str, key: ServiceKey, value: ServiceEndpoints | None, writer: NodeView
@@ -502,6 +589,8 @@ class ClusterResolver:
             del base[key]
         else:
             base[key] = value
+        for listener in self.on_base_change:
+            listener(zone, key)
 
 
 # A never-mutated empty base: that of views reading no zone's base.
@@ -546,6 +635,8 @@ class NodeView:
     def resolve(self) -> Changes:
         """Bring the state up to date; return what changed since the previous call."""
         cluster = self._cluster
+        if self._everything_dirty and self._shared and self._zone is None and not self._overlay:
+            return self._resolve_first()
         if self._everything_dirty:
             self._everything_dirty = False
             cluster._read_log(self)
@@ -562,6 +653,40 @@ class NodeView:
             # Emptied since it grew (pins, or a first state): a table of its size again.
             self._overlay = dict(self._overlay)
         return changes
+
+    def _resolve_first(self) -> Changes:
+        """The first ``resolve`` of a shared view: its zone's base, made up to date, and the
+        services it is relevant to (``ClusterResolver.relevant_services``) resolved for it. So
+        a new watcher of 10,000 services costs some 20 resolutions and a copy of the base,
+        not 10,000 resolutions (a fleet's fail-over opens 5,000 at once)."""
+        cluster = self._cluster
+        node = self.node_name
+        self._everything_dirty = False
+        cluster._read_log(self)
+        zone = cluster.zone(node)
+        base = cluster._current_base(zone, self)
+        overlay: dict[ServiceKey, ServiceEndpoints | None] = {}
+        for key in cluster.relevant_services(node):
+            resolved, shared = cluster._resolve_classed(key, node)
+            if resolved is not None and not shared:
+                overlay[key] = resolved
+        self._zone, self._base, self._overlay = zone, base, overlay
+        updated = dict(base)
+        updated.update(overlay)  # type: ignore[arg-type]  # no None: made just above
+        return Changes(updated=updated, deleted=frozenset())
+
+    def layers(
+        self,
+    ) -> tuple[
+        Mapping[ServiceKey, ServiceEndpoints],
+        str | None,
+        Mapping[ServiceKey, ServiceEndpoints | None],
+    ]:
+        """The state as its zone's base, that zone (None: no base, the overlay is the whole
+        state) and the view's overlay over it (None: a service the state lacks). Read-only, and
+        live: the base moves as other views of the zone resolve (the overlay then keeps the
+        values this view still has)."""
+        return self._base, self._zone, self._overlay
 
     def _resolve_whole(self, keys: Iterable[ServiceKey]) -> Changes:
         """``resolve`` of a state held whole in the overlay; onto the zone's base after, if
@@ -724,7 +849,7 @@ class NodeResolver:
 
     def __init__(self, node_name: str) -> None:
         self.node_name = node_name
-        self._cluster = ClusterResolver()
+        self._cluster = ClusterResolver(shared=False)
         self._view = self._cluster.view(node_name, shared=False)  # one view: nothing to share
 
     @property

@@ -90,6 +90,112 @@ class StateDigests:
         return cls(node_digest(facts, buckets), buckets, services)
 
 
+class _ZoneDigests:
+    """The digests of one zone's base: its services' by bucket, and the buckets'."""
+
+    __slots__ = ("buckets", "services", "stale")
+
+    def __init__(self) -> None:
+        self.services: list[dict[str, bytes]] = [{} for _ in range(BUCKETS)]
+        """Never changed once made: a changed bucket is a new dict, so that the StateDigests
+        a resume holds across its rounds are not moved under it."""
+        self.buckets: list[bytes | None] = [None] * BUCKETS
+        """None: not computed since the bucket changed."""
+        self.stale: set[ServiceKey] | None = None
+        """Services whose value in the base changed since (None: every one, not yet made)."""
+
+
+class BaseDigests:
+    """The digests of node states read over their zone's base (``NodeView.layers``), shared by
+    every stream of one encoding: a zone's base is digested once, and each node's digest is
+    its zone's with the buckets of the services it holds otherwise replaced. A resume then
+    costs the node's own services and 257 hashes, not a lookup per service of the cluster;
+    the digests are those of ``StateDigests.of`` the node's whole state, so replicas agree.
+
+    Follows the bases through ``changed`` (a ``ClusterResolver.on_base_change`` listener)."""
+
+    def __init__(self, digest: Callable[[ServiceKey, ServiceEndpoints], Digested]) -> None:
+        self._digest = digest
+        self._zones: dict[str, _ZoneDigests] = {}
+
+    def changed(self, zone: str, key: ServiceKey | None) -> None:
+        """Service ``key`` changed in ``zone``'s base (None: the base is dropped)."""
+        if key is None:
+            self._zones.pop(zone, None)
+            return
+        entry = self._zones.get(zone)
+        if entry is not None and entry.stale is not None:
+            entry.stale.add(key)
+
+    def of(
+        self,
+        *,
+        base: Mapping[ServiceKey, ServiceEndpoints],
+        zone: str | None,
+        overlay: Mapping[ServiceKey, ServiceEndpoints | None],
+        facts: bytes,
+    ) -> StateDigests:
+        """The digests of the state ``overlay`` over ``zone``'s ``base`` (None in the overlay:
+        a service the state lacks), whose facts item has digest ``facts``. No zone: the
+        overlay is the whole state."""
+        if zone is None:
+            whole = {key: value for key, value in overlay.items() if value is not None}
+            return StateDigests.of(whole, digest=self._digest, facts=facts)
+        entry = self._current(zone, base)
+        services = list(entry.services)
+        buckets: list[bytes] = entry.buckets  # type: ignore[assignment]  # all computed
+        own: dict[int, dict[str, bytes]] = {}
+        for key, value in overlay.items():
+            path = service_path(key)
+            index = bucket_of(path)
+            members = own.get(index)
+            if members is None:
+                members = own[index] = dict(services[index])
+            if value is None:
+                members.pop(path, None)
+            else:
+                members[path] = self._digest(key, value)[2]
+        if own:
+            buckets = list(buckets)
+            for index, members in own.items():
+                services[index] = members
+                buckets[index] = bucket_digest(members)
+        return StateDigests(node_digest(facts, buckets), list(buckets), services)
+
+    def _current(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> _ZoneDigests:
+        """``zone``'s digests, brought up to its base."""
+        entry = self._zones.get(zone)
+        if entry is None:
+            entry = self._zones[zone] = _ZoneDigests()
+        if entry.stale is None:
+            entry.services = [{} for _ in range(BUCKETS)]
+            for key, value in base.items():
+                path, index, digest = self._digest(key, value)
+                entry.services[index][path] = digest
+            entry.buckets = [None] * BUCKETS
+        else:
+            changed: dict[int, dict[str, bytes]] = {}
+            for key in entry.stale:
+                path = service_path(key)
+                index = bucket_of(path)
+                members = changed.get(index)
+                if members is None:
+                    members = changed[index] = dict(entry.services[index])
+                now = base.get(key)
+                if now is None:
+                    members.pop(path, None)
+                else:
+                    members[path] = self._digest(key, now)[2]
+            for index, members in changed.items():
+                entry.services[index] = members
+                entry.buckets[index] = None
+        entry.stale = set()
+        for index, computed in enumerate(entry.buckets):
+            if computed is None:
+                entry.buckets[index] = bucket_digest(entry.services[index])
+        return entry
+
+
 def check_holds(holds: bytes) -> None:
     if len(holds) != DIGEST_BYTES:
         raise BadAnswer(f"Holds must be a {DIGEST_BYTES}-byte node digest, not {len(holds)} bytes")

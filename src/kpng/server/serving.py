@@ -49,8 +49,8 @@ from kpng.server.hub import Hub, PayloadCache, Turn, Turns
 from kpng.server.resuming import (
     DIFFERING_BUCKETS_MAX,
     BadAnswer,
+    BaseDigests,
     ServiceDigests,
-    StateDigests,
     answered_services,
     check_holds,
     differences,
@@ -150,6 +150,8 @@ class Encoders:
     shared_ops: SharedOps
     digests: ServiceDigests
     """Service digests for resuming watchers (batchv1's Holds), over this encoding's bytes."""
+    base_digests: BaseDigests
+    """Node digests from their zone base's, over ``digests``."""
 
     @classmethod
     def protobuf(cls) -> Encoders:
@@ -164,7 +166,8 @@ class Encoders:
             _triggers_op(codec.CHANGE_TRIGGERS.encode),
             first_ops,
             SharedOps(service, endpoint, first_ops),
-            ServiceDigests(service, endpoint),
+            digests := ServiceDigests(service, endpoint),
+            BaseDigests(digests),
         )
 
     @classmethod
@@ -179,7 +182,8 @@ class Encoders:
             _triggers_op(encode),
             first_ops,
             SharedOps(encode, encode, first_ops),
-            ServiceDigests(encode, encode),
+            digests := ServiceDigests(encode, encode),
+            BaseDigests(digests),
         )
 
 
@@ -365,6 +369,7 @@ class WatchServer:
         for encoders in self._encoders.values():
             self.hub.cluster.on_change.append(encoders.first_ops.forget)
             self.hub.cluster.on_change.append(encoders.digests.forget)
+            self.hub.cluster.on_base_change.append(encoders.base_digests.changed)
 
     # --- every call's ending
 
@@ -573,7 +578,8 @@ class WatchServer:
         """The rounds of a resuming watch: the asks to send, and in ``resume`` the ops that
         bring what the watcher holds to ``view``'s state (None: send it whole)."""
         facts_digest = item_digest(NODE_FACTS_PATH, enc.facts(facts))
-        ours = StateDigests.of(view.state, digest=enc.digests, facts=facts_digest)
+        base, zone, overlay = view.layers()
+        ours = enc.base_digests.of(base=base, zone=zone, overlay=overlay, facts=facts_digest)
         if ours.node == holds:
             self.stats.resumes["unchanged"] += 1
             resume.shared = Shared([])
