@@ -54,11 +54,12 @@ class _Sink:
         pass
 
 
-def _dry_run(options: Options) -> str:
+def _dry_run(options: Options, *, affinity: int = 0, endpoints: int = 1) -> str:
     sink = _Sink()
     backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=sink)  # type: ignore[arg-type]
-    web = _service("web", index=1, node_port=30080, external_ips=("192.0.2.1",))
-    services = {WEB: ServiceEndpoints(web, (_ep("10.244.1.2"),))}
+    web = _service("web", index=1, node_port=30080, external_ips=("192.0.2.1",), affinity=affinity)
+    eps = tuple(_ep(f"10.244.1.{2 + i}") for i in range(endpoints))
+    services = {WEB: ServiceEndpoints(web, eps)}
     asyncio.run(backend.apply(keyed_state(1, services)))
     return sink.text
 
@@ -102,6 +103,37 @@ def test_the_endpoint_level_counts_the_counted_kinds_endpoint_maps_alone() -> No
         "ipv4_addr . inet_service ; counter ; }",
     ]
     assert len(endpoint) == len(service)
+
+
+def test_the_endpoint_level_sends_client_ip_affinity_through_the_counted_endpoint_maps() -> None:
+    """Counted, a sticky service port has an affinity chain per counted kind, each DNAT through
+    that kind's endpoint map (whose element counts it); the service level keeps one chain,
+    literal DNATs."""
+    cidrs = ("10.244.0.0/16",)
+
+    def dnats(options: Options) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for line in _dry_run(options, affinity=60, endpoints=2).splitlines():
+            if line.startswith("add rule inet kpng affinity-"):
+                chain = line.split()[4].split("-", 2)[2]
+                out.setdefault(chain, []).append(line.split(" dnat ", 1)[1])
+        return {chain: sorted(lines) for chain, lines in out.items()}
+
+    assert dnats(Options(cluster_cidrs=cidrs, traffic_counters=True)) == {
+        "v4-internal": ["ip to 10.244.1.2:8080"] * 2 + ["ip to 10.244.1.3:8080"] * 2,
+    }
+    endpoint = Options(cluster_cidrs=cidrs, traffic_counters=True, endpoint_counters=True)
+    tuple_ = "ip daddr . meta l4proto . th dport"
+    assert dnats(endpoint) == {
+        f"v4-by-{kind}": [
+            f"ip addr . port to {lookup} map @{kind}-eps-v4-{i}" for i in (0, 0, 1, 1)
+        ]
+        for kind, lookup in (
+            ("cluster", tuple_),
+            ("external", tuple_),
+            ("nodeport", "meta l4proto . th dport"),
+        )
+    }
 
 
 # --- reading
