@@ -14,11 +14,14 @@ from kpng.backends._nftables.counting import (
     ENDPOINT_CONNECTIONS,
     ENDPOINTS_DROPPED,
     REJECTED,
+    SERIES_LIMIT,
+    SERVICE_PORTS,
     TrafficCounters,
 )
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
 from kpng.backends._nftables.netlink import counted, dispatch_key
+from kpng.backends._traffic import ENDPOINTS
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
@@ -285,3 +288,44 @@ def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
     )
     assert dispatch_key(bytes([99, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=True) is None
     assert counted(b"") is None
+
+
+def test_the_series_limit_holds_at_100k_service_ports_and_their_endpoints() -> None:
+    """100,000 service ports and their endpoints, read as to-nft reads them: the default limit
+    exposes the 10,000 busiest service ports and the 10,000 busiest endpoints, and the gauges
+    count the rest as dropped."""
+    n = 100_000
+    traffic = TrafficCounters(endpoints=True)
+    applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+    comments = {}
+    counts = []
+    for i in range(n):
+        key = (f"10.{96 + i // 65536}.{i // 256 % 256}.{i % 256}", "tcp", "80")
+        dispatch = ("cluster-v4", key)
+        comments[dispatch] = f"ns/s{i}:p"
+        applied[dispatch] = ("goto pick-cluster-v4-1",)
+        endpoint = ("cluster-eps-v4-0", key)
+        applied[endpoint] = (f"10.{244 + i // 65536}.{i // 256 % 256}.{i % 256}", "8080")
+        # Service port i took i + 1 connections, all to its endpoint.
+        counts += [(dispatch, i + 1), (endpoint, i + 1)]
+    dispatched_by = {"cluster-eps-v4-0": "cluster-v4"}
+
+    traffic.fold_elements(counts, applied, comments, None, dispatched_by)
+    series: dict[str, list[float]] = {}
+    gauges = {}
+    for s in traffic.samples():
+        if s.counter:
+            series.setdefault(s.name, []).append(s.value)
+        else:
+            gauges[s.name] = s.value
+    limit = SERIES_LIMIT
+    # Each value belongs to one service port (or endpoint): the busiest are those kept.
+    assert sorted(series[CONNECTIONS]) == [i + 1 for i in range(n - limit, n)]
+    assert series[REJECTED] == [0] * limit
+    assert sorted(series[ENDPOINT_CONNECTIONS]) == [i + 1 for i in range(n - limit, n)]
+    assert gauges == {
+        SERVICE_PORTS: n,
+        DROPPED: n - limit,
+        ENDPOINTS: n,
+        ENDPOINTS_DROPPED: n - limit,
+    }
