@@ -297,7 +297,7 @@ def test_the_series_limit_holds_at_100k_service_ports_and_their_endpoints() -> N
     n = 100_000
     traffic = TrafficCounters(endpoints=True)
     applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
-    comments = {}
+    comments: dict[tuple[str, tuple[str, ...]], str] = {}
     counts = []
     for i in range(n):
         key = (f"10.{96 + i // 65536}.{i // 256 % 256}.{i % 256}", "tcp", "80")
