@@ -14,6 +14,16 @@ in minutes (``docs/design/benchmarks.md``).
 
     sudo python bench/bench_traffic_counters.py --sizes 10000 --backends nft,iptables
     sudo python bench/bench_traffic_counters.py --sizes 100000 --backends nft
+
+With ``--connect-latency``, to-nft's connect latency instead, as ``bench_ebpf.py`` measures it:
+on a test bed with a node per level (each with a client and a server pod), the sizes' generated
+services and one at ``bench_nft.TARGET_IP`` served by the node's server pod, programmed at the
+node's level; then ``--connects`` connections from each node's client pod to that ClusterIP in
+turn, each timed (``connect()`` to the server's answer), ``--rounds`` times; the samples of a
+level pooled, p50 and p99 with their ratios to ``off``.
+
+    sudo python bench/bench_traffic_counters.py --connect-latency --sizes 1000 --rounds 20 \
+        --connects 50
 """
 
 from __future__ import annotations
@@ -156,6 +166,62 @@ def inside(
     return 0
 
 
+def connect_latency(
+    sizes: Sequence[int], levels: Sequence[str], rounds: int, connects: int, prefix: str | None
+) -> int:
+    """to-nft's connect latency at each level (the module's docstring)."""
+    import json
+
+    from bench_nft import TARGET_IP, _state
+    from stats import nearest_rank
+
+    from kpng.backends._nftables import NftBackend
+    from kpng.backends._nftables.executing import KernelNft
+    from kpng.backends._nftables.layout import Options
+    from kpng.testing.netns import ClusterSpec, TestBed
+
+    # A node per level, alike but for it: the levels' connections then alternate every
+    # ``connects``, and a shared machine's noise falls on all of them, not on one level's turn.
+    nodes = {level: f"node-{i}" for i, level in enumerate(levels, start=1)}
+    spec = ClusterSpec.parse({node: [f"server{node}", f"client{node}"] for node in nodes.values()})
+    with TestBed(spec, prefix=prefix) if prefix else TestBed(spec) as bed:
+        print(f"{'services':>8} {'level':<9} {'p50 us':>8} {'ratio':>6} {'p99 us':>8} {'ratio':>6}")
+        for size in sizes:
+            for level, node in nodes.items():
+                netns = bed.nodes[node].netns
+                options = Options(
+                    cluster_cidrs=("10.244.0.0/16",),
+                    traffic_counters=level != "off",
+                    endpoint_counters=level == "endpoint",
+                )
+                bed.exec(netns, ["nft", "delete", "table", "inet", "kpng"], check=False)
+                backend = NftBackend(
+                    nft=KernelNft(("ip", "netns", "exec", netns, "nft")), options=options
+                )
+                state = _state(size, 1, target=bed.pod(f"server{node}").ip4)
+                asyncio.run(backend.apply(state))  # type: ignore[arg-type]
+                bed.exec(netns, ["conntrack", "-F"], check=False)
+            probe = [sys.executable, "-m", "kpng.testing.probe", "tcp", TARGET_IP, "80"]
+            probe += ["--count", str(connects), "--timeout", "1"]
+            seconds: dict[str, list[float]] = {level: [] for level in levels}
+            for _ in range(rounds):
+                for level, node in nodes.items():
+                    out = json.loads(bed.exec(bed.pod(f"client{node}").netns, probe))
+                    failed = [r for r in out["results"] if not r.startswith("server")]
+                    if failed:
+                        raise SystemExit(f"connections failed at {level}: {failed[:3]}")
+                    seconds[level] += out["seconds"]
+            base = {q: nearest_rank(seconds[levels[0]], q) for q in (0.5, 0.99)}
+            for level in levels:
+                p50, p99 = (nearest_rank(seconds[level], q) for q in (0.5, 0.99))
+                print(
+                    f"{size:>8} {level:<9} {p50 * 1e6:>8.0f} {p50 / base[0.5]:>6.2f} "
+                    f"{p99 * 1e6:>8.0f} {p99 / base[0.99]:>6.2f}",
+                    flush=True,
+                )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", default="10000", help="comma-separated service counts")
@@ -166,10 +232,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--levels", default=",".join(LEVELS), help="the levels run (ratios to the first)"
     )
+    parser.add_argument(
+        "--connect-latency",
+        action="store_true",
+        help="to-nft's connect latency to a Service at each level instead (needs a test bed)",
+    )
+    parser.add_argument(
+        "--connects", type=int, default=1000, help="connections timed per level and round"
+    )
+    parser.add_argument(
+        "--netns-prefix", help="the test bed's network namespace names' prefix (default: its own)"
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(v) for v in args.sizes.split(",")]
     backends = args.backends.split(",")
+    if args.connect_latency:
+        levels = args.levels.split(",")
+        return connect_latency(sizes, levels, args.rounds, args.connects, args.netns_prefix)
     if args.inside:
         levels = args.levels.split(",")
         return inside(sizes, backends, args.changes, args.iptables_variant, args.rounds, levels)

@@ -5,6 +5,8 @@ tests/pure/test_nft_counters.py)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
+from collections import Counter
 
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.counting import (
@@ -182,3 +184,82 @@ def test_kernel_counts_each_endpoints_connections_across_syncs() -> None:
     assert {k: v for k, v in seen[2].items() if k != "web"} == answered
     assert seen[2]["web"] == 30
     assert seen[3] == seen[2]
+
+
+EXTERNAL_IP = "10.251.0.30"
+"""In the bed's VIP range: the external client routes it to the node."""
+
+
+def test_kernel_counts_client_ip_affinity_connections_on_the_endpoint_they_stick_to() -> None:
+    """A ClientIP-affinity Service's connections are counted on the endpoint that took them:
+    N from one client through its ClusterIP, all to one endpoint, count N there (none on the
+    other); M from another client through its node port count on the endpoint that client
+    sticks to, and so do K more from it through an external IP. Its dispatch elements count them
+    all. An incremental sync taking an endpoint away lowers nothing of the other's."""
+    with TestBed(
+        ClusterSpec.parse({"node-1": ["p1", "p2"]}), prefix=f"ktlocalcount{secrets.token_hex(2)}"
+    ) as bed:
+        node = bed.nodes["node-1"]
+        pods = {name: bed.pod(name).ip4 for name in ("p1", "p2")}
+        web_ip = "10.96.0.30"
+        web = _service(
+            "web", cluster_ip=web_ip, node_port=30081, external_ips=(EXTERNAL_IP,), affinity=60
+        )
+        services = {
+            WEB: ServiceEndpoints(web, tuple(_ep(ip, 8080) for ip in pods.values())),
+        }
+        options = Options(
+            cluster_cidrs=("10.244.0.0/16",), traffic_counters=True, endpoint_counters=True
+        )
+        answered: Counter[str] = Counter()
+        first: Counter[str] = Counter()
+        """``answered`` as of the first read."""
+
+        def connect(netns: str, host: str, port: int, count: int) -> set[str]:
+            names = {a.split()[0] for a in bed.probe(netns, "tcp", host, port, count=count)}
+            answered.update({f"{pods[name]}:8080": count for name in names})
+            return names
+
+        async def scenario() -> list[dict[str, float]]:
+            backend = NftBackend(
+                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
+                options=options,
+                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
+                sync_period=30,
+            )
+            seen = []
+
+            async def read() -> None:
+                await backend.read_traffic()
+                samples = backend.metric_samples()
+                endpoints = {
+                    dict(s.labels)["endpoint"]: s.value
+                    for s in samples
+                    if s.name == ENDPOINT_CONNECTIONS
+                }
+                seen.append({**endpoints, "web": _values(samples, CONNECTIONS)["web"]})  # type: ignore[arg-type]
+
+            await backend.apply(keyed_state(1, services))
+            assert len(connect(node.netns, web_ip, 80, 12)) == 1  # it sticks
+            assert bed.external is not None
+            outside = connect(bed.external.netns, node.ip4, 30081, 5)
+            assert len(outside) == 1
+            # The same client through an external IP (another kind, another chain) sticks too.
+            assert connect(bed.external.netns, EXTERNAL_IP, 80, 3) == outside
+            assert await backend.check_kernel(full=True) is None
+            await read()
+            first.update(answered)
+            # An incremental sync takes p2 away: its clients pick p1, p1's count goes on.
+            services[WEB] = ServiceEndpoints(web, (_ep(pods["p1"], 8080),))
+            await backend.apply(keyed_state(2, services, updated=[WEB]))
+            assert await backend.check_kernel(full=True) is None
+            assert connect(node.netns, web_ip, 80, 4) == {"p1"}
+            await read()
+            await backend.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    p1, p2 = (f"{pods[name]}:8080" for name in ("p1", "p2"))
+    assert seen[0] == {p1: first[p1], p2: first[p2], "web": 20}
+    assert seen[1] == {p1: answered[p1], "web": 24}
+    assert answered[p1] == first[p1] + 4

@@ -14,11 +14,14 @@ from kpng.backends._nftables.counting import (
     ENDPOINT_CONNECTIONS,
     ENDPOINTS_DROPPED,
     REJECTED,
+    SERIES_LIMIT,
+    SERVICE_PORTS,
     TrafficCounters,
 )
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
 from kpng.backends._nftables.netlink import counted, dispatch_key
+from kpng.backends._traffic import ENDPOINTS
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
@@ -54,11 +57,12 @@ class _Sink:
         pass
 
 
-def _dry_run(options: Options) -> str:
+def _dry_run(options: Options, *, affinity: int = 0, endpoints: int = 1) -> str:
     sink = _Sink()
     backend = NftBackend(nft=FakeNft(), options=options, dry_run=True, output=sink)  # type: ignore[arg-type]
-    web = _service("web", index=1, node_port=30080, external_ips=("192.0.2.1",))
-    services = {WEB: ServiceEndpoints(web, (_ep("10.244.1.2"),))}
+    web = _service("web", index=1, node_port=30080, external_ips=("192.0.2.1",), affinity=affinity)
+    eps = tuple(_ep(f"10.244.1.{2 + i}") for i in range(endpoints))
+    services = {WEB: ServiceEndpoints(web, eps)}
     asyncio.run(backend.apply(keyed_state(1, services)))
     return sink.text
 
@@ -102,6 +106,37 @@ def test_the_endpoint_level_counts_the_counted_kinds_endpoint_maps_alone() -> No
         "ipv4_addr . inet_service ; counter ; }",
     ]
     assert len(endpoint) == len(service)
+
+
+def test_the_endpoint_level_sends_client_ip_affinity_through_the_counted_endpoint_maps() -> None:
+    """Counted, a sticky service port has an affinity chain per counted kind, each DNAT through
+    that kind's endpoint map (whose element counts it); the service level keeps one chain,
+    literal DNATs."""
+    cidrs = ("10.244.0.0/16",)
+
+    def dnats(options: Options) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for line in _dry_run(options, affinity=60, endpoints=2).splitlines():
+            if line.startswith("add rule inet kpng affinity-"):
+                chain = line.split()[4].split("-", 2)[2]
+                out.setdefault(chain, []).append(line.split(" dnat ", 1)[1])
+        return {chain: sorted(lines) for chain, lines in out.items()}
+
+    assert dnats(Options(cluster_cidrs=cidrs, traffic_counters=True)) == {
+        "v4-internal": ["ip to 10.244.1.2:8080"] * 2 + ["ip to 10.244.1.3:8080"] * 2,
+    }
+    endpoint = Options(cluster_cidrs=cidrs, traffic_counters=True, endpoint_counters=True)
+    tuple_ = "ip daddr . meta l4proto . th dport"
+    assert dnats(endpoint) == {
+        f"v4-by-{kind}": [
+            f"ip addr . port to {lookup} map @{kind}-eps-v4-{i}" for i in (0, 0, 1, 1)
+        ]
+        for kind, lookup in (
+            ("cluster", tuple_),
+            ("external", tuple_),
+            ("nodeport", "meta l4proto . th dport"),
+        )
+    }
 
 
 # --- reading
@@ -253,3 +288,44 @@ def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
     )
     assert dispatch_key(bytes([99, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=True) is None
     assert counted(b"") is None
+
+
+def test_the_series_limit_holds_at_100k_service_ports_and_their_endpoints() -> None:
+    """100,000 service ports and their endpoints, read as to-nft reads them: the default limit
+    exposes the 10,000 busiest service ports and the 10,000 busiest endpoints, and the gauges
+    count the rest as dropped."""
+    n = 100_000
+    traffic = TrafficCounters(endpoints=True)
+    applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+    comments: dict[tuple[str, tuple[str, ...]], str] = {}
+    counts = []
+    for i in range(n):
+        key = (f"10.{96 + i // 65536}.{i // 256 % 256}.{i % 256}", "tcp", "80")
+        dispatch = ("cluster-v4", key)
+        comments[dispatch] = f"ns/s{i}:p"
+        applied[dispatch] = ("goto pick-cluster-v4-1",)
+        endpoint = ("cluster-eps-v4-0", key)
+        applied[endpoint] = (f"10.{244 + i // 65536}.{i // 256 % 256}.{i % 256}", "8080")
+        # Service port i took i + 1 connections, all to its endpoint.
+        counts += [(dispatch, i + 1), (endpoint, i + 1)]
+    dispatched_by = {"cluster-eps-v4-0": "cluster-v4"}
+
+    traffic.fold_elements(counts, applied, comments, None, dispatched_by)
+    series: dict[str, list[float]] = {}
+    gauges = {}
+    for s in traffic.samples():
+        if s.counter:
+            series.setdefault(s.name, []).append(s.value)
+        else:
+            gauges[s.name] = s.value
+    limit = SERIES_LIMIT
+    # Each value belongs to one service port (or endpoint): the busiest are those kept.
+    assert sorted(series[CONNECTIONS]) == [i + 1 for i in range(n - limit, n)]
+    assert series[REJECTED] == [0] * limit
+    assert sorted(series[ENDPOINT_CONNECTIONS]) == [i + 1 for i in range(n - limit, n)]
+    assert gauges == {
+        SERVICE_PORTS: n,
+        DROPPED: n - limit,
+        ENDPOINTS: n,
+        ENDPOINTS_DROPPED: n - limit,
+    }

@@ -5,8 +5,9 @@ The counters are those of the dispatch maps' elements (``layout.COUNTED_KINDS``)
 counts the new connections to its frontend (a ClusterIP, external or LB IP, or node port, with
 protocol and port), which its verdict either sends to endpoints or refuses (``goto reject`` or
 ``drop``). With ``endpoint``, the same kinds' endpoint maps count too: an endpoint map's element
-is looked up by the one DNAT of a pick chain that a new connection to its frontend takes, so it
-counts the connections sent to its endpoint. kpng reads them with one netlink dump per counted
+is looked up by the one DNAT of a pick chain (or of a ClientIP-affinity chain, ``layout.py``)
+that a new connection to its frontend takes, so it counts the connections sent to its
+endpoint. kpng reads them with one netlink dump per counted
 map (``READ_PERIOD_S``, under the sync lock, in a thread) and sums them per service port, named
 by the dispatch element's comment, which kpng writes anyway (``namespace/name:port``), and per
 endpoint of a service port (``IP:port``, ``[IP]:port`` for IPv6: what the connection was DNATed

@@ -32,8 +32,8 @@ to a sync: the counters are part of the elements kpng writes anyway (``counting.
 ``--traffic-counters endpoint`` those kinds' endpoint maps count too: a pick chain looks up one
 endpoint map per new connection (the ``numgen`` match before it fails for the others), so each
 endpoint element counts the connections DNATed to its endpoint. A ClientIP-affinity service
-port DNATs from rules of its own chain, not an endpoint map: its endpoints are not counted (its
-service port is).
+port's chains DNAT through the same counted endpoint maps then (below), so that its endpoints
+count too.
 
 A new connection to a ClusterIP on a port no service defines is rejected too, as in kube-proxy:
 after DNAT (chains ``filter-forward``, for pods, and ``filter-output-post-dnat``, for the node),
@@ -81,6 +81,14 @@ endpoint it was sent to); past that, new clients are not remembered until entrie
 the one thing a full sync keeps: the table is never deleted and recreated, so affinity survives a
 restart, a takeover and a refused transaction, as in kube-proxy. An endpoint that goes leaves
 its entries to expire; if it comes back before they do, its former clients stick to it again.
+
+With ``--traffic-counters endpoint``, a sticky service port's counted kinds (``COUNTED_KINDS``)
+get an affinity chain each, ``affinity-<id>-<f>-by-<kind>``, whose rule for endpoint i DNATs
+through endpoint map ``<kind>-eps-<f>-<i>`` (keyed by the frontend, as a pick chain's) instead
+of to a literal address: each new connection passes one DNAT, remembered or picked, so the
+endpoint element counts it, as it does for a pick chain. The memory is the same, so a client
+still sticks to its endpoint whichever kind it comes by. Without the flag, literal DNATs: no
+lookup added to the packet path.
 
 Masquerade (the mark bit ``Options.masquerade_bit`` set in the ``services`` chain, SNAT in
 ``masquerading``): traffic to a ClusterIP from outside ``--cluster-cidr`` (or from elsewhere than
@@ -455,10 +463,10 @@ def contribute(
             def dispatch(kind: Kind, key: tuple[str, ...], eps: list[EndpointValue]) -> None:
                 ek = (_container(kind, fam), key)  # noqa: B023
                 out.comments[ek] = name  # noqa: B023
-                if sticky is not None and eps:  # noqa: B023
-                    _remember(out, sticky, kind, ek, eps)  # noqa: B023
-                    return
                 counted = count_endpoints and kind in COUNTED_KINDS
+                if sticky is not None and eps:  # noqa: B023
+                    _remember(out, sticky, kind, ek, eps, counted=counted)  # noqa: B023
+                    return
                 _dispatch(out, kind, fam=fam, ek=ek, eps=eps, usable=usable, counted=counted)  # noqa: B023
 
             for cip in cluster_ips:
@@ -593,9 +601,10 @@ class _Affinity:
     fam: Fam
     proto: str
     timeout: int
-    chains: dict[tuple[EndpointValue, ...], str] = field(default_factory=dict)
+    chains: dict[tuple[str, tuple[EndpointValue, ...]], str] = field(default_factory=dict)
     """The chain of each list of endpoints: kinds of traffic with the same endpoints (all of
-    them, without traffic policies) share one."""
+    them, without traffic policies) share one; a counted kind (its own endpoint maps) has its
+    own, keyed by its name (else "")."""
 
     def key(self, endpoint: EndpointValue) -> str:
         """The memory's key for a client sent to ``endpoint`` of this service port."""
@@ -612,29 +621,45 @@ def _remember(
     kind: Kind,
     ek: ElementKey,
     eps: list[EndpointValue],
+    *,
+    counted: bool,
 ) -> None:
     """Dispatch ``ek``'s ``kind`` traffic to the service port's affinity chain for ``eps``, the
     endpoints of that kind: a client remembered with one of them goes there again, any other
-    gets a new pick, and either is remembered."""
+    gets a new pick, and either is remembered. ``counted``: through ``kind``'s endpoint maps,
+    whose elements for ``ek`` count (``--traffic-counters endpoint``)."""
     fam, ip, proto = sticky.fam, _IP[sticky.fam], sticky.proto
     memory = AFFINITY_SETS[fam]
     timeout = f"timeout {sticky.timeout}s"
     endpoints = tuple(eps)
-    name = sticky.chains.get(endpoints)
+    maps: tuple[Map, ...] = ()
+    if counted:
+        maps = pick_chain(kind, fam, len(endpoints), True)[2]
+        for m, ep in zip(maps, endpoints, strict=True):
+            out.maps[m.name] = m
+            out.elements[(m.name, ek[1])] = ep
+    chain_key = (kind if counted else "", endpoints)
+    name = sticky.chains.get(chain_key)
     if name is None:
-        name = sticky.chains[endpoints] = f"affinity-{sticky.id}-{fam}-{_SCOPES[kind]}"
+        suffix = f"by-{kind}" if counted else _SCOPES[kind]
+        name = sticky.chains[chain_key] = f"affinity-{sticky.id}-{fam}-{suffix}"
         out.maps[memory.name] = memory
+        lookup = "meta l4proto . th dport" if kind in _PORT_ONLY else _tuple(fam)
         remembered, picks = [], []
         for i, ep in enumerate(endpoints):
             client = sticky.key(ep)
             address, port = ep
             to = f"[{address}]:{port}" if fam == "v6" else f"{address}:{port}"
+            if maps:
+                to = f"{lookup} map @{maps[i].name}"
+                dnat = f"dnat {ip} addr . port to"
+            else:
+                dnat = f"dnat {ip} to"
             # The timeout in the rule rather than the set: each service has its own, and a new
             # timeoutSeconds is then new rules, the clients remembered so far kept. Refreshed
             # by every new connection, as kube-proxy does.
             then = (
-                f"meta l4proto {proto} update @{memory.name} {{ {client} {timeout} }} "
-                f"dnat {ip} to {to}"
+                f"meta l4proto {proto} update @{memory.name} {{ {client} {timeout} }} {dnat} {to}"
             )
             # A client remembered with two endpoints (a pick among another kind's endpoints)
             # goes to the first, as with kube-proxy.
