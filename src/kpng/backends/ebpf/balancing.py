@@ -20,7 +20,7 @@ from kpng.backends._drift import Drift
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
-from kpng.backends._nftables.counting import READ_PERIOD_S, SERIES_LIMIT
+from kpng.backends._nftables.counting import SERIES_LIMIT
 from kpng.backends._nftables.executing import LibNft, NetlinkBatches, default_nft
 from kpng.backends._node import (
     FromNode,
@@ -32,6 +32,7 @@ from kpng.backends._node import (
 )
 from kpng.backends._samples import Sample
 from kpng.backends._traffic import add_arguments as add_traffic_arguments
+from kpng.backends._traffic import read_paced
 from kpng.backends.ebpf import (
     auditing,
     entries,
@@ -550,12 +551,9 @@ class SocketBalancer:
             libbpf.delete_batch(efd, "kpng_endpoint_traffic", left_keys)
 
     async def _read_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(READ_PERIOD_S)
-            try:
-                await self.read_traffic()
-            except BpfError as exc:
-                log.warning("to-ebpf: the traffic counters were not read: %s", exc)
+        # Paced as to-nft's reads: a read of every endpoint's per-CPU entry takes seconds at
+        # 100,000 of them (bench_ebpf.py), under the lock that syncs take.
+        await read_paced(self.read_traffic, sleep=asyncio.sleep, failure=BpfError, log=log)
 
     async def read_traffic(self) -> None:
         """Read ``kpng_traffic`` (and ``kpng_endpoint_traffic``) and fold it into the service
