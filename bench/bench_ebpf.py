@@ -10,9 +10,11 @@ For each size (services x 10 endpoints, plus one service whose endpoint is a pod
 - **connect latency**: p50 and p99 of ``connect()`` from a pod to the ClusterIP;
 - **conntrack entries** whose original destination is the ClusterIP, after those connections.
 
-With ``--traffic-counters``, to-ebpf runs a second time counting per-Service traffic (an entry
-per frontend in ``kpng_traffic``, made with it; one more lookup per translated connect), its
-figures compared with to-ebpf's without.
+With ``--traffic-counters service``, to-ebpf runs a second time counting per-Service traffic
+(an entry per frontend in ``kpng_traffic``, made with it; one more lookup per translated
+connect), its figures compared with to-ebpf's without; with ``endpoint``, a third time counting
+per endpoint too (an entry per endpoint of each set in ``kpng_endpoint_traffic``, made with
+its slot; one more lookup per translated connect).
 
     sudo .venv/bin/python bench/bench_ebpf.py --sizes 100,10000
 """
@@ -67,17 +69,19 @@ async def _measure(
 
     pin_dir = node.pin_dir
 
-    def balancer(counted: bool) -> SocketBalancer:
+    def balancer(level: str) -> SocketBalancer:
         return SocketBalancer(
             options=Options(), from_node=FromNode(), cgroup=node.cgroup,
-            pin_dir=pin_dir, bpf_object=None, traffic_counters=counted,
+            pin_dir=pin_dir, bpf_object=None, traffic_counters=level != "off",
+            endpoint_counters=level == "endpoint",
         )  # fmt: skip
 
-    names = ["to-nft", "to-ebpf"] + (["to-ebpf counted"] if args.traffic_counters else [])
+    levels = {"off": [], "service": ["service"], "endpoint": ["service", "endpoint"]}
+    names = ["to-nft", "to-ebpf"] + [f"to-ebpf {lv}" for lv in levels[args.traffic_counters]]
     for name in names:
         f: dict[str, float] = {}
         packets = NftBackend(nft=nft, options=Options())
-        counted = name == "to-ebpf counted"
+        counted = name.removeprefix("to-ebpf ") if name.startswith("to-ebpf ") else "off"
         sockets = balancer(counted) if name != "to-nft" else None
         started = time.perf_counter()
         if sockets is not None:
@@ -116,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,10000")
     parser.add_argument("--changes", type=int, default=15)
     parser.add_argument("--connects", type=int, default=1000)
-    parser.add_argument("--traffic-counters", action="store_true")
+    parser.add_argument("--traffic-counters", choices=("off", "service", "endpoint"), default="off")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[int, dict[str, dict[str, float]]] = {}
@@ -130,12 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio = f"  (to-ebpf / to-nft {ebpf[key] / base:.2f})" if base else ""
                 shown = f"to-nft {base:10.3f}   " if base is not None else " " * 20
                 print(f"  {key:38} {shown}to-ebpf {ebpf[key]:10.3f}{ratio}")
-            counted = results[size].get("to-ebpf counted")
-            if counted is not None:
+            for level in ("service", "endpoint"):
+                counted = results[size].get(f"to-ebpf {level}")
+                if counted is None:
+                    continue
                 for key, value in counted.items():
                     base = ebpf[key]
                     ratio = f"  (/ to-ebpf {value / base:.2f})" if base else ""
-                    print(f"  {key:38} to-ebpf counted {value:10.3f}{ratio}")
+                    print(f"  {key:38} to-ebpf {level:8} {value:10.3f}{ratio}")
     if len(sizes) > 1:
         small, large = min(sizes), max(sizes)
         for name in ("to-nft", "to-ebpf"):

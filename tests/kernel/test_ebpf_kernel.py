@@ -260,15 +260,18 @@ def metered(tmp_path: Path) -> Iterator[Cluster]:
 
 
 @contextlib.contextmanager
-def metered_cluster(tmp_path: Path, *flags: str) -> Iterator[Cluster]:
-    """kpng (to-ebpf with ``flags``) on node-1 serving /metrics in the node's namespace; web
-    (TCP, on a2), dns (UDP, on a2) and empty (no endpoint)."""
+def metered_cluster(
+    tmp_path: Path, *flags: str, pods: tuple[str, ...] = ("a1", "a2")
+) -> Iterator[Cluster]:
+    """kpng (to-ebpf with ``flags``) on node-1 (with ``pods``, a1 and a2 among them) serving
+    /metrics in the node's namespace; web (TCP, on a2), dns (UDP, on a2) and empty (no
+    endpoint)."""
     cidrs = ",".join(CLUSTER_CIDRS)
     backend = " ".join(
         ("to-ebpf", f"--cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}}", *flags)
     )
     (tmp_path / "manifests").mkdir()
-    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2"]}), sockets=True) as bed:
+    with TestBed(ClusterSpec.parse({"node-1": list(pods)}), sockets=True) as bed:
         flags = ("--metrics-bind-address", METRICS)
         c = Cluster(bed, tmp_path / "manifests", tmp_path, backend, flags=flags)
         c.write("nodes", *(node_object(n) for n in bed.nodes.values()))

@@ -1,12 +1,19 @@
 """to-ebpf's per-Service traffic counters (``--traffic-counters service``): the programs'
 per-frontend counts folded into totals that never go down, summed with the nftables part's,
-and, in the kernel, N connections counted as N, across a restart of kpng."""
+and, in the kernel, N connections counted as N, across a restart of kpng. The endpoint level
+(``--traffic-counters endpoint``): one entry per endpoint of each set, made and deleted with
+the endpoints, never written again while it stays; in the kernel, N connections split between
+the endpoints as the servers saw them, the counts never lower across an incremental sync, a
+relayout of the slots and a drift repair."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +21,18 @@ import pytest
 from kpng.backends._nftables.counting import CONNECTIONS, DROPPED, REJECTED, SERVICE_PORTS
 from kpng.backends._nftables.counting import Sample as PacketsSample
 from kpng.backends._node import FromNode, Options
+from kpng.backends._traffic import ENDPOINT_CONNECTIONS, ENDPOINTS, ENDPOINTS_DROPPED
 from kpng.backends.ebpf import SocketBalancer
+from kpng.backends.ebpf.entries import LAYOUT_VERSION
 from kpng.backends.ebpf.toolchain import unavailable
-from kpng.backends.ebpf.traffic import FrontendTraffic, Labels, labels, merged_samples
+from kpng.backends.ebpf.traffic import (
+    EndpointEntries,
+    FrontendTraffic,
+    Labels,
+    endpoint_labels,
+    labels,
+    merged_samples,
+)
 from kpng.client import NodeState
 from kpng.model.messages import Endpoint, ServiceEndpoints
 from kpng.testing import states
@@ -24,7 +40,14 @@ from kpng.testing.conformance import Cluster, endpoint_slice, port, service
 from kpng.testing.netns import ClusterSpec, TestBed, available
 from kpng.testing.states import keyed_state
 from kpng.testing.waiting import poll
-from tests.kernel.test_ebpf_kernel import DNS_IP, EMPTY_IP, IP, metered_cluster, scraped
+from tests.kernel.test_ebpf_kernel import (
+    DNS_IP,
+    EMPTY_IP,
+    IP,
+    METRICS,
+    metered_cluster,
+    scraped,
+)
 
 WEB = labels("ns", "web", "http")
 DNS = labels("ns", "dns", "")
@@ -95,6 +118,71 @@ def test_past_the_limit_the_service_ports_with_the_least_connections_are_left_ou
     kept = {s.labels for s in samples if s.name == CONNECTIONS}
     assert kept == {WEB, other}
     assert [s.value for s in samples if s.name == DROPPED] == [1]
+
+
+E1, E2, E3 = b"1" * 20, b"2" * 20, b"3" * 20
+
+
+@pytest.mark.parametrize(
+    ("wanted", "set_ids", "made", "deleted", "held"),
+    [
+        # A newcomer gets an entry; those that stay are not written again.
+        ({7: [E1, E2, E3]}, [7], [(7, E3)], [], {7: {E1, E2, E3}, 8: {E1}}),
+        # One that left loses its entry; a set left empty is forgotten.
+        ({7: [E2], 8: []}, [7, 8], [], [(7, E1), (8, E1)], {7: {E2}}),
+        # Only the sets asked about are looked at (an incremental sync's).
+        ({}, [9], [], [], {7: {E1, E2}, 8: {E1}}),
+        # Every set (a full sync): one no longer wanted loses its entries.
+        ({7: [E1, E2]}, None, [], [(8, E1)], {7: {E1, E2}}),
+    ],
+    ids=["newcomer", "left", "untouched", "full"],
+)
+def test_an_endpoint_has_an_entry_while_it_is_in_the_set(
+    wanted: dict[int, list[bytes]],
+    set_ids: list[int] | None,
+    made: list[tuple[int, bytes]],
+    deleted: list[tuple[int, bytes]],
+    held: dict[int, set[bytes]],
+) -> None:
+    entries = EndpointEntries()
+    entries.found([(7, E1), (7, E2), (8, E1)])
+    assert entries.changes(wanted, set_ids) == (made, deleted)
+    assert entries.held == held
+
+
+WEB_A = endpoint_labels(WEB, "10.0.0.1:8080")
+WEB_B = endpoint_labels(WEB, "10.0.0.2:8080")
+
+
+def test_an_endpoint_counts_over_its_sets_and_keeps_what_one_it_left_counted() -> None:
+    """An endpoint in two sets of its service port (ClusterIP and node port scopes): its
+    series sums both; out of one set, what that set's entry counted stays in the series."""
+    t = FrontendTraffic()
+    t.fold([(A, 3), (B, 4), (C, 2)], {A: WEB_A, B: WEB_A, C: WEB_B})
+    assert t.totals == {WEB_A: 7, WEB_B: 2}
+    t.fold([(A, 5), (C, 2)], {A: WEB_A, C: WEB_B})
+    assert t.totals == {WEB_A: 9, WEB_B: 2}
+    # Gone from every set, the endpoint is gone with its series.
+    t.fold([(C, 2)], {C: WEB_B})
+    assert t.totals == {WEB_B: 2}
+
+
+def test_endpoint_counts_are_summed_with_the_nftables_parts_within_the_limit() -> None:
+    web_c = endpoint_labels(WEB, "10.0.0.3:8080")
+    packets = [
+        *_packets(WEB, 5, 0),
+        PacketsSample(ENDPOINT_CONNECTIONS, "", 2, counter=True, labels=WEB_A),
+        PacketsSample(ENDPOINT_CONNECTIONS, "", 1, counter=True, labels=web_c),
+    ]
+    samples = merged_samples({WEB: 10}, packets, 2, {WEB_A: 4, WEB_B: 6})
+    values = {(s.name, s.labels): s.value for s in samples}
+    assert values[(ENDPOINT_CONNECTIONS, WEB_A)] == 6
+    assert values[(ENDPOINT_CONNECTIONS, WEB_B)] == 6
+    assert (ENDPOINT_CONNECTIONS, web_c) not in values  # the least traffic, past the limit
+    assert values[(ENDPOINTS, ())] == 3
+    assert values[(ENDPOINTS_DROPPED, ())] == 1
+    # At the service level, no endpoint series at all.
+    assert not [s for s in merged_samples({WEB: 10}, packets, 2) if "endpoint" in s.name]
 
 
 # --- in the kernel
@@ -297,3 +385,235 @@ def test_the_programs_counts_survive_incremental_syncs_and_a_full_repair() -> No
         {web: 8, other: 2},
         {web: 8},
     ]
+
+
+@kernel
+def test_each_endpoint_counts_the_connections_it_served_across_syncs_and_a_repair() -> None:
+    """kpng's sockets part in this process with the endpoint level: N connections to web,
+    on a2 and a3, reach each endpoint's total as the servers answered them; a state adding a4
+    (incremental: its entry made, the others' left), one taking a2 away (a4 moved into a2's
+    slot, its count with it, not a2's) and a repair (every entry written anew, as after a
+    drift) leave every remaining endpoint's count where it was, and what follows adds up."""
+    web_ip = "10.96.0.42"
+    with TestBed(ClusterSpec.parse({"node-1": ["a1", "a2", "a3", "a4"]}), sockets=True) as bed:
+        node = bed.nodes["node-1"]
+        assert node.cgroup is not None
+        assert node.pin_dir is not None
+        pin_dir = node.pin_dir
+        ips = {name: bed.pod(name).ip4 for name in ("a2", "a3", "a4")}
+        web = labels("ns", "web", "http")
+
+        def state(revision: int, *pods: str) -> NodeState:
+            current[:] = pods
+            eps = tuple(states.endpoint(ips[p]) for p in pods)
+            se = ServiceEndpoints(states.service("web", cluster_ip=web_ip), eps)
+            return keyed_state(revision, {("ns", "web"): se})
+
+        served: dict[str, int] = {}
+
+        def connect(n: int) -> None:
+            answers = bed.probe(bed.pod("a1").netns, "tcp", web_ip, 80, count=n)
+            for answer in answers:
+                served[answer.split()[0]] = served.get(answer.split()[0], 0) + 1
+            assert len(answers) == n
+            assert {a.split()[0] for a in answers} <= set(current), answers
+
+        current: list[str] = []
+
+        def expected() -> dict[Labels, int]:
+            """Every endpoint of web, those that served nothing yet at 0."""
+            return {endpoint_labels(web, f"{ips[p]}:8080"): served.get(p, 0) for p in current}
+
+        async def scenario() -> list[tuple[dict[Labels, int], dict[Labels, int]]]:
+            balancer = SocketBalancer(
+                options=Options(), from_node=FromNode(), cgroup=node.cgroup,
+                pin_dir=pin_dir, bpf_object=None, traffic_counters=True,
+                endpoint_counters=True,
+            )  # fmt: skip
+            seen = []
+
+            async def read() -> None:
+                await balancer.read_traffic()
+                totals = balancer.endpoint_totals()
+                assert totals is not None
+                seen.append((dict(totals), expected()))
+
+            # No read between connections and the sync after them: a sync that zeroed an
+            # entry would lose them unseen.
+            try:
+                await balancer.apply(state(1, "a2", "a3"))
+                await asyncio.to_thread(connect, 20)
+                await read()
+                await asyncio.to_thread(connect, 6)
+                await balancer.apply(state(2, "a2", "a3", "a4"))
+                await read()
+                await asyncio.to_thread(connect, 12)
+                await balancer.apply(state(3, "a3", "a4"))
+                served.pop("a2", None)
+                await read()
+                await asyncio.to_thread(connect, 8)
+                await balancer.repair()
+                await read()
+            finally:
+                balancer.close()
+            return seen
+
+        seen = asyncio.run(scenario())
+    for i, (totals, wanted) in enumerate(seen):
+        assert totals == wanted, (i, seen)
+    # Both endpoints served some of the first 20, a4 some of the 12 after it came.
+    first = seen[0][1]
+    assert sum(first.values()) == 20, seen
+    assert all(first.values()), seen
+    assert seen[2][1][endpoint_labels(web, f"{ips['a4']}:8080")] > 0, seen
+
+
+_EXPLAIN = """
+import json, sys, urllib.request
+answer = json.loads(urllib.request.urlopen(sys.argv[1]).read().decode())
+endpoints = answer[0]["ports"][0]["endpoints"]
+print(json.dumps({ep["address"]: ep.get("connections") for ep in endpoints}))
+"""
+"""/debug/explain's endpoints of web's one port, with their counted connections."""
+
+
+@kernel
+def test_a_live_kpng_exposes_each_endpoints_connections_as_its_server_saw_them(
+    tmp_path: Path,
+) -> None:
+    """kpng (``to-ebpf --traffic-counters endpoint --sync-period 1s``) in a node: N connections
+    to web, on a2 and a3, reach kpng_endpoint_connections_total as the servers answered them
+    (the sum N), and /debug/explain and ``kpng explain --metrics-url`` give each endpoint its
+    count; a1 added (an incremental sync) and kpng_slots emptied behind kpng's back (found as
+    drift, repaired by a full sync) never lower a count, and the connections that follow add
+    up."""
+    flags = "--traffic-counters endpoint --sync-period 1s"
+    with metered_cluster(tmp_path, flags, pods=("a1", "a2", "a3")) as cluster:
+        bed = cluster.bed
+        ips = {name: bed.pod(name).ip4 for name in ("a1", "a2", "a3")}
+        names = {ip: name for name, ip in ips.items()}
+        cluster.write(
+            "web",
+            service("web", IP, [port("http", 80)]),
+            endpoint_slice(cluster, "web", ["a2", "a3"]),
+        )
+        assert poll(lambda: len(_endpoint_series(cluster, names)) == 2, within=30, interval=0.5)
+        assert poll(
+            lambda: (
+                {a.split()[0] for a in cluster.probe("a1", "tcp", IP, 80, count=4)} == {"a2", "a3"}
+            ),
+            within=30,
+            interval=0.5,
+        )
+        # kpng reads the programs' counts every 10 s: wait for a read that saw the probes.
+        start = _settled(cluster, names)
+        served = _connect(cluster, 30)
+        assert sum(served.values()) == 30
+        assert set(served) == {"a2", "a3"}, served
+        wanted = {p: start.get(p, 0) + served.get(p, 0) for p in ("a2", "a3")}
+        assert poll(lambda: _endpoint_series(cluster, names) == wanted, within=30), (
+            _endpoint_series(cluster, names),
+            wanted,
+        )
+        url = f"http://{METRICS}/debug/explain?service=conformance/web"
+        netns = bed.nodes["node-1"].netns
+        explained = json.loads(bed.exec(netns, [sys.executable, "-c", _EXPLAIN, url]))
+        assert {names[ip]: n for ip, n in explained.items()} == wanted
+        argv = [sys.executable, "-m", "kpng", "file", "--input", str(tmp_path / "manifests")]
+        argv += ["explain", "--node-name", "node-1", "--service", "conformance/web"]
+        text = bed.exec(netns, [*argv, "--metrics-url", METRICS])
+        # ENDPOINT NODE CLUSTER LOCAL CONNS WHY: each endpoint's row.
+        rows = {
+            line.split()[0]: line.split()[4]
+            for line in text.splitlines()
+            if line.startswith("    10.")
+        }
+        assert rows == {f"{ips[p]}:8080": str(int(n)) for p, n in wanted.items()}, text
+
+        # An incremental sync adds a1: a2's and a3's entries stay as they are.
+        cluster.write(
+            "web",
+            service("web", IP, [port("http", 80)]),
+            endpoint_slice(cluster, "web", ["a1", "a2", "a3"]),
+        )
+        grown = _monotonic(cluster, names, wanted)
+        assert poll(lambda: "a1" in grown(), within=30, interval=0.5)
+        wanted = _settled(cluster, names)
+        served = _connect(cluster, 30)
+        assert "a1" in served, served
+        wanted = {p: wanted.get(p, 0) + served.get(p, 0) for p in ("a1", "a2", "a3")}
+        assert poll(lambda: grown() == wanted, within=30), (grown(), wanted)
+
+        # Another program empties kpng_slots: the drift check finds it, the repair rewrites
+        # every entry of the maps kpng writes, and leaves the counts.
+        repaired = _log(cluster).count("hold revision")
+        _empty_slots(cluster)
+        assert poll(lambda: _log(cluster).count("hold revision") > repaired, within=30)
+        grown = _monotonic(cluster, names, wanted)
+        served = _connect(cluster, 30)
+        wanted = {p: wanted[p] + served.get(p, 0) for p in wanted}
+        assert poll(lambda: grown() == wanted, within=30), (grown(), wanted)
+
+
+def _endpoint_series(cluster: Cluster, names: dict[str, str]) -> dict[str, float]:
+    """web's endpoint series, by the pod each endpoint is."""
+    out = {}
+    for (name, sample_labels), value in scraped(cluster).items():
+        found = dict(sample_labels)
+        if name == ENDPOINT_CONNECTIONS and found["service"] == "web":
+            out[names[found["endpoint"].rsplit(":", 1)[0]]] = value
+    return out
+
+
+def _connect(cluster: Cluster, n: int) -> dict[str, int]:
+    """N connections from a1 to web: how many each endpoint served, by its answer."""
+    served: dict[str, int] = {}
+    for answer in cluster.probe("a1", "tcp", IP, 80, count=n):
+        served[answer.split()[0]] = served.get(answer.split()[0], 0) + 1
+    return served
+
+
+def _settled(cluster: Cluster, names: dict[str, str]) -> dict[str, float]:
+    """web's endpoint series once two reads 11 s apart (past kpng's read period) agree."""
+    last = _endpoint_series(cluster, names)
+    while True:
+        time.sleep(11)
+        now = _endpoint_series(cluster, names)
+        if now == last:
+            return now
+        last = now
+
+
+def _monotonic(
+    cluster: Cluster, names: dict[str, str], floor: dict[str, float]
+) -> Callable[[], dict[str, float]]:
+    """A read of web's endpoint series that fails the test should one go below ``floor`` or
+    below what an earlier read saw."""
+    seen = dict(floor)
+
+    def read() -> dict[str, float]:
+        now = _endpoint_series(cluster, names)
+        for pod, value in seen.items():
+            assert now.get(pod, 0) >= value, (pod, now, seen)
+        seen.update(now)
+        return now
+
+    return read
+
+
+def _log(cluster: Cluster) -> str:
+    return (cluster.logs / "node-1.log").read_text()
+
+
+def _empty_slots(cluster: Cluster) -> None:
+    pin_dir = cluster.bed.nodes["node-1"].pin_dir
+    assert pin_dir is not None
+    path = str(pin_dir / f"maps-v{LAYOUT_VERSION}" / "kpng_slots")
+    done = subprocess.run(
+        ["bpftool", "-j", "map", "dump", "pinned", path], capture_output=True, text=True, check=True
+    )
+    found = json.loads(done.stdout)
+    assert found, "kpng_slots holds nothing to delete"
+    for entry in found:
+        key = [b.removeprefix("0x") for b in entry["key"]]
+        subprocess.run(["bpftool", "map", "delete", "pinned", path, "key", "hex", *key], check=True)

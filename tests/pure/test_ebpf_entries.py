@@ -151,6 +151,38 @@ def test_a_udp_port_keeps_flows_on_endpoints_serving_anywhere() -> None:
     assert [_ip(e[:16]) for e in c.sets[serving]] == ["10.244.1.2", "10.244.2.2"]
 
 
+def test_endpoints_are_counted_in_the_sets_frontends_pick_from_not_the_serving_set() -> None:
+    """The programs count an endpoint with the set its frontend points at: those sets alone
+    are counted, for their service port; the serving set a UDP flow stays on is not."""
+    serving_port = msgspec.structs.replace(
+        _service(protocol="UDP").Ports[0],
+        ServingEndpoints=(EndpointAddress(IP="10.244.1.2", Port=8080),),
+    )
+    service = msgspec.structs.replace(_service(protocol="UDP"), Ports=(serving_port,))
+    c = contribute(ServiceEndpoints(service, (_ep("10.244.1.2", protocol="UDP"),)), Options())
+    (value,) = c.frontends.values()
+    set_id, _, serving, _ = struct.unpack("=QQQI4x", value)
+    assert c.counted == {set_id: "p"}
+    assert serving in c.sets
+    state = SocketState()
+    state.changes({("ns", "svc"): c})
+    assert state.counted == {set_id: (("ns", "svc"), "p")}
+    state.changes({("ns", "svc"): None})
+    assert state.counted == {}
+
+
+@pytest.mark.parametrize(
+    ("address", "label"),
+    [("10.244.1.2", "10.244.1.2:8080"), ("fd00::2", "[fd00::2]:8080")],
+)
+def test_an_endpoint_key_reads_as_its_set_and_ip_port(address: str, label: str) -> None:
+    endpoint = entries.address(address) + (8080).to_bytes(2, "big") + b"\0\0"
+    key = entries.endpoint_key(7, endpoint)
+    assert len(key) == 32  # struct member_key
+    assert entries.split_endpoint_key(key) == (7, endpoint)
+    assert entries.describe_endpoint(endpoint) == label
+
+
 # relayout: (old slots, new endpoints, new slots)
 RELAYOUT_CASES = [
     ("a newcomer is appended", "ab", "abc", "abc"),

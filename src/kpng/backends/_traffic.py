@@ -178,38 +178,11 @@ class TrafficCounters:
         return out
 
     def _endpoint_samples(self) -> list[Sample]:
-        totals = self._endpoint_totals
-        if len(totals) > self.series_limit:
-            kept = heapq.nlargest(self.series_limit, totals, key=totals.__getitem__)
-        else:
-            kept = list(totals)
-        out = [
-            Sample(
-                ENDPOINT_CONNECTIONS,
-                "new connections to a Service port sent to one of its endpoints (IP:port)",
-                totals[series],
-                counter=True,
-                labels=(*_labels(series[0]), ("endpoint", series[1])),
-            )
-            for series in sorted(kept)
-        ]
-        out.append(
-            Sample(
-                ENDPOINTS,
-                "endpoints of Service ports whose traffic kpng counts (--traffic-counters "
-                "endpoint)",
-                len(totals),
-            )
-        )
-        out.append(
-            Sample(
-                ENDPOINTS_DROPPED,
-                "endpoints left out of kpng_endpoint_connections_total "
-                "(--traffic-series-limit), those with the least traffic",
-                len(totals) - len(kept),
-            )
-        )
-        return out
+        totals = {
+            (*_labels(port), ("endpoint", endpoint)): count
+            for (port, endpoint), count in self._endpoint_totals.items()
+        }
+        return endpoint_samples(totals, self.series_limit)
 
 
 def _add(offsets: dict[Series, int], read: _Read) -> None:
@@ -288,6 +261,44 @@ def service_port_samples(
             DROPPED,
             "Service ports left out of kpng_service_connections_total and "
             "kpng_service_rejected_total (--traffic-series-limit), those with the least traffic",
+            len(totals) - len(kept),
+        )
+    )
+    return out
+
+
+def endpoint_samples(
+    totals: Mapping[tuple[tuple[str, str], ...], int], series_limit: int
+) -> list[Sample]:
+    """The endpoint counter of each of the ``series_limit`` endpoints with the most
+    connections, then how many endpoints are counted and how many were left out. ``totals``:
+    each endpoint's labels (its service port's, then ``endpoint``), with its connections."""
+    if len(totals) > series_limit:
+        kept = heapq.nlargest(series_limit, totals, key=totals.__getitem__)
+    else:
+        kept = list(totals)
+    out = [
+        Sample(
+            ENDPOINT_CONNECTIONS,
+            "new connections to a Service port sent to one of its endpoints (IP:port)",
+            totals[labels],
+            counter=True,
+            labels=labels,
+        )
+        for labels in sorted(kept)
+    ]
+    out.append(
+        Sample(
+            ENDPOINTS,
+            "endpoints of Service ports whose traffic kpng counts (--traffic-counters endpoint)",
+            len(totals),
+        )
+    )
+    out.append(
+        Sample(
+            ENDPOINTS_DROPPED,
+            "endpoints left out of kpng_endpoint_connections_total "
+            "(--traffic-series-limit), those with the least traffic",
             len(totals) - len(kept),
         )
     )

@@ -20,7 +20,7 @@ from kpng.backends._drift import Drift
 from kpng.backends._healthchecks import HealthServers
 from kpng.backends._nftables import NftBackend, kube_proxy_leftovers
 from kpng.backends._nftables import cleanup as cleanup_nft
-from kpng.backends._nftables.counting import READ_PERIOD_S, SERIES_LIMIT
+from kpng.backends._nftables.counting import SERIES_LIMIT
 from kpng.backends._nftables.executing import LibNft, NetlinkBatches, default_nft
 from kpng.backends._node import (
     FromNode,
@@ -31,6 +31,8 @@ from kpng.backends._node import (
     options_from_args,
 )
 from kpng.backends._samples import Sample
+from kpng.backends._traffic import add_arguments as add_traffic_arguments
+from kpng.backends._traffic import read_paced
 from kpng.backends.ebpf import (
     auditing,
     entries,
@@ -101,6 +103,7 @@ class SocketBalancer:
         bpf_object: Path | None,
         connected_udp: ConnectedUdp = "packets",
         traffic_counters: bool = False,
+        endpoint_counters: bool = False,
     ) -> None:
         self._options, self._from_node = options, from_node
         self._cgroup, self._pin_dir, self._bpf_object = cgroup, pin_dir, bpf_object
@@ -110,6 +113,14 @@ class SocketBalancer:
         self._counted: set[bytes] = set()
         """The frontends ``kpng_traffic`` holds an entry for, as written (``traffic.py``)."""
         self._zero_counts = b""
+        self._endpoint_traffic = (
+            traffic.FrontendTraffic() if traffic_counters and endpoint_counters else None
+        )
+        self._endpoint_fd: int | None = None
+        self._endpoint_entries = traffic.EndpointEntries()
+        """The (set, endpoint) pairs ``kpng_endpoint_traffic`` holds an entry for, as written."""
+        self._endpoint_names: dict[bytes, str] = {}
+        """Packed endpoints as their ``endpoint`` label, those of the last read."""
         self._reading: asyncio.Task[None] | None = None
         self._object: BpfObject | None = None
         self._destroyer: UdpDestroyer | None = None
@@ -252,6 +263,11 @@ class SocketBalancer:
             except BpfError:
                 # A --bpf-object compiled from an older source: fine unless it is to count.
                 if self._traffic is not None:
+                    raise
+            try:
+                self._endpoint_fd = self._object.map_fd("kpng_endpoint_traffic")
+            except BpfError:
+                if self._endpoint_traffic is not None:
                     raise
             self._zero_counts = bytes(
                 libbpf.per_cpu_stride(traffic.VALUE_SIZE) * libbpf.possible_cpus()
@@ -419,7 +435,24 @@ class SocketBalancer:
             self._counted = {key for key, _ in found}
             if self._traffic is not None and not self._traffic.begun:
                 self._traffic.begin(found)
+        efd = self._endpoint_fd
+        if efd is not None:
+            # What the map holds is what _write keeps or adds to: no live count is zeroed.
+            found = [
+                (key, traffic.sum_counts(values))
+                for key, values in libbpf.per_cpu_entries(
+                    efd, traffic.ENDPOINT_KEY_SIZE, traffic.VALUE_SIZE
+                )
+            ]
+            self._endpoint_entries.found(entries.split_endpoint_key(key) for key, _ in found)
+            if self._endpoint_traffic is not None and not self._endpoint_traffic.begun:
+                self._endpoint_traffic.begin(found)
         self._write(changes)
+        if efd is not None and self._endpoint_traffic is None:
+            # Without the endpoint level, the programs stop counting per endpoint.
+            _, stale_pairs = self._endpoint_entries.changes({})
+            keys = [entries.endpoint_key(s, ep) for s, ep in stale_pairs]
+            libbpf.delete_batch(efd, "kpng_endpoint_traffic", keys)
         if fd is not None:
             # Entries of frontends no service wants, or every entry without the flag: the
             # programs stop counting.
@@ -472,6 +505,22 @@ class SocketBalancer:
         return self._pin_dir / "links" / str(cgroup.stat().st_ino)
 
     def _write(self, changes: MapChanges) -> None:
+        efd = self._endpoint_fd if self._endpoint_traffic is not None else None
+        left_keys: list[bytes] = []
+        if efd is not None:
+            # Before the slots that expose them: no connection to a new endpoint goes
+            # uncounted. Those of endpoints that left go after the slots.
+            counted, sets = self.state.counted, self.state.sets
+            touched = None if changes.full else _sets_touched(changes)
+            ids = counted.keys() if touched is None else touched
+            wanted = {s: sets.get(s, ()) for s in ids if s in counted}
+            made, left = self._endpoint_entries.changes(wanted, touched)
+            libbpf.update_batch(
+                efd,
+                "kpng_endpoint_traffic",
+                [(entries.endpoint_key(s, ep), self._zero_counts) for s, ep in made],
+            )
+            left_keys = [entries.endpoint_key(s, ep) for s, ep in left]
         fd = self._traffic_fd if self._traffic is not None else None
         if fd is not None:
             # Before the frontends: no connection to a new one goes uncounted.
@@ -498,22 +547,26 @@ class SocketBalancer:
             ]
             libbpf.delete_batch(fd, "kpng_traffic", gone)
             self._counted.difference_update(gone)
+        if efd is not None:
+            libbpf.delete_batch(efd, "kpng_endpoint_traffic", left_keys)
 
     async def _read_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(READ_PERIOD_S)
-            try:
-                await self.read_traffic()
-            except BpfError as exc:
-                log.warning("to-ebpf: the traffic counters were not read: %s", exc)
+        # Paced as to-nft's reads: a read of every endpoint's per-CPU entry takes seconds at
+        # 100,000 of them (bench_ebpf.py), under the lock that syncs take.
+        await read_paced(self.read_traffic, sleep=asyncio.sleep, failure=BpfError, log=log)
 
     async def read_traffic(self) -> None:
-        """Read ``kpng_traffic`` and fold it into the service ports' totals (``traffic.py``),
-        under the lock, so that the owners are those of the frontends the read saw."""
+        """Read ``kpng_traffic`` (and ``kpng_endpoint_traffic``) and fold it into the service
+        ports' (and endpoints') totals (``traffic.py``), under the lock, so that the owners are
+        those of the frontends and sets the read saw."""
         if self._traffic is None or self._traffic_fd is None:
             return
         async with self._lock:
             await asyncio.to_thread(self._read_traffic, self._traffic, self._traffic_fd)
+            if self._endpoint_traffic is not None and self._endpoint_fd is not None:
+                await asyncio.to_thread(
+                    self._read_endpoint_traffic, self._endpoint_traffic, self._endpoint_fd
+                )
 
     def _read_traffic(self, totals: traffic.FrontendTraffic, fd: int) -> None:
         with collector_paused():
@@ -526,6 +579,36 @@ class SocketBalancer:
             for key, values in libbpf.per_cpu_entries(fd, traffic.KEY_SIZE, traffic.VALUE_SIZE)
         ]
         totals.fold(counts, owners)
+
+    def _read_endpoint_traffic(self, totals: traffic.FrontendTraffic, fd: int) -> None:
+        names, known = {}, self._endpoint_names
+        owners = {}
+        with collector_paused():
+            counted = self.state.counted
+            for set_id, endpoints in self._endpoint_entries.held.items():
+                owner = counted.get(set_id)
+                if owner is None:
+                    continue
+                (namespace, service), port = owner
+                port_labels = traffic.labels(namespace, service, port)
+                for ep in endpoints:
+                    name = names[ep] = known.get(ep) or entries.describe_endpoint(ep)
+                    owners[entries.endpoint_key(set_id, ep)] = traffic.endpoint_labels(
+                        port_labels, name
+                    )
+        self._endpoint_names = names
+        counts = [
+            (key, traffic.sum_counts(values))
+            for key, values in libbpf.per_cpu_entries(
+                fd, traffic.ENDPOINT_KEY_SIZE, traffic.VALUE_SIZE
+            )
+        ]
+        totals.fold(counts, owners)
+
+    def endpoint_totals(self) -> Mapping[traffic.Labels, int] | None:
+        """Per endpoint of a service port (``traffic.endpoint_labels``), the connections the
+        programs gave it, as of the last read (None: not counted)."""
+        return self._endpoint_traffic.totals if self._endpoint_traffic is not None else None
 
     def traffic_totals(self) -> Mapping[traffic.Labels, int] | None:
         """Per service port, the connections the programs translated, as of the last read
@@ -545,10 +628,25 @@ class SocketBalancer:
             self._destroyer.close()
             self._destroyer = None
         if self._object is not None:
-            self._counters_fd = self._traffic_fd = None
+            self._counters_fd = self._traffic_fd = self._endpoint_fd = None
             self._object.close()
             self._object = None
             self._locality = None
+
+
+def _sets_touched(changes: MapChanges) -> set[int]:
+    """The sets whose slots or count these changes write or delete."""
+    return {
+        entries.set_of_slot(key)
+        for name, pairs in changes.updates
+        if name in ("kpng_slots", "kpng_sets")
+        for key, _ in pairs
+    } | {
+        entries.set_of_slot(key)
+        for name, keys in changes.deletes
+        if name in ("kpng_slots", "kpng_sets")
+        for key in keys
+    }
 
 
 def _may_take_endpoints(changes: MapChanges) -> bool:
@@ -650,12 +748,15 @@ class EbpfBackend:
     def metric_samples(self) -> list[Sample]:
         """What kpng's ``/metrics`` adds for to-ebpf (``kpng.status.ReportsSamples``): with
         ``--traffic-counters service``, each service port's connections, those the programs
-        translated and those the nftables part counted, summed (``traffic.py``)."""
+        translated and those the nftables part counted, summed (``traffic.py``); with
+        ``endpoint``, each endpoint's likewise."""
         samples = self.sockets.metric_samples()
         translated = self.sockets.traffic_totals()
         if translated is not None:
             packets = self.packets.metric_samples()
-            samples += traffic.merged_samples(translated, packets, self._series_limit)
+            samples += traffic.merged_samples(
+                translated, packets, self._series_limit, self.sockets.endpoint_totals()
+            )
         return samples
 
     async def close(self) -> None:
@@ -738,29 +839,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "(EDESTADDRREQ), such as metrics clients that ignore send errors: they never deliver "
         "again",
     )
-    parser.add_argument(
-        "--traffic-counters",
-        choices=("off", "service"),
-        default="off",
-        help="service: count each Service port's new connections, and those refused for want "
-        "of endpoints, for /metrics (kpng_service_connections_total, "
-        "kpng_service_rejected_total; default off): those the programs translate, in a "
-        "per-CPU BPF map, and what the nftables part serves or refuses, as to-nft counts it",
+    add_traffic_arguments(
+        parser,
+        where="those the programs translate, counted in per-CPU BPF maps, and those the "
+        "nftables part serves or refuses, counted as to-nft counts them (its endpoints: not "
+        "those of ClientIP-affinity Service ports), summed",
     )
-    parser.add_argument(
-        "--traffic-series-limit",
-        type=_positive,
-        default=SERIES_LIMIT,
-        metavar="N",
-        help="the most Service ports --traffic-counters exposes: past it, those with the least "
-        f"traffic are left out (kpng_service_traffic_series_dropped; default {SERIES_LIMIT})",
-    )
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive number, not {value!r}")
-    return int(value)
 
 
 def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
@@ -774,8 +858,11 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
     if too_old is not None:
         raise KpngError(too_old)
     options, from_node = options_from_args(args)
-    counting = args.traffic_counters == "service"
-    options = dataclasses.replace(options, traffic_counters=counting)
+    counting = args.traffic_counters != "off"
+    per_endpoint = args.traffic_counters == "endpoint"
+    options = dataclasses.replace(
+        options, traffic_counters=counting, endpoint_counters=per_endpoint
+    )
     nft = default_nft()
     if not isinstance(nft, LibNft) and shutil.which("nft") is None:
         raise UsageError("to-ebpf needs libnftables or the nft command for traffic from outside")
@@ -803,6 +890,7 @@ def _create(args: argparse.Namespace, syncs: SyncReporter) -> Backend:
         bpf_object=args.bpf_object,
         connected_udp=args.connected_udp,
         traffic_counters=counting,
+        endpoint_counters=per_endpoint,
     )
     backend = EbpfBackend(
         sockets=sockets,

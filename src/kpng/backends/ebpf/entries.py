@@ -126,6 +126,9 @@ class Contribution:
     """The sets whose members are written: those a remembered endpoint is checked against."""
     ports: dict[bytes, str] = field(default_factory=dict)
     """Frontend key: the name of the service port it serves (its traffic's counter's)."""
+    counted: dict[int, str] = field(default_factory=dict)
+    """Set id of a frontend (not a serving set): the name of the service port it serves, what
+    its endpoints' connections are counted for (``kpng_endpoint_traffic``)."""
 
 
 def contribute(
@@ -188,6 +191,7 @@ def contribute(
                     return
                 set_id = _id("set", *port_id, scope)  # noqa: B023
                 out.sets[set_id] = tuple([_endpoint(e, cache) for e in eps])
+                out.counted[set_id] = port.Name  # noqa: B023
                 out.frontends[key] = _FRONTEND.pack(set_id, affinity, serving, timeout)  # noqa: B023
                 # What pick and pick_for_send look a remembered endpoint up in.
                 if affinity:  # noqa: B023
@@ -207,6 +211,33 @@ def contribute(
                 for ip in own:
                     frontend(ip, port.NodePort, scope, reached)
     return out
+
+
+def endpoint_key(set_id: int, endpoint: bytes) -> bytes:
+    """A ``kpng_endpoint_traffic`` key: the set and the endpoint, ``struct member_key``."""
+    return _MEMBER_KEY.pack(set_id, endpoint)
+
+
+def split_endpoint_key(key: bytes) -> tuple[int, bytes]:
+    """A ``kpng_endpoint_traffic`` key's set id and endpoint."""
+    set_id, endpoint = _MEMBER_KEY.unpack(key)
+    return set_id, endpoint
+
+
+def set_of_slot(key: bytes) -> int:
+    """The set id a ``kpng_slots`` or ``kpng_sets`` key is of."""
+    set_id: int = _SET_KEY.unpack_from(key)[0]
+    return set_id
+
+
+def describe_endpoint(endpoint: bytes) -> str:
+    """A packed endpoint as the ``endpoint`` label: ``IP:port``, ``[IP]:port`` for IPv6."""
+    addr, port = _ENDPOINT.unpack(endpoint)
+    if addr.startswith(_V4_MAPPED):
+        host = socket.inet_ntop(socket.AF_INET, addr[12:])
+    else:
+        host = f"[{socket.inet_ntop(socket.AF_INET6, addr)}]"
+    return f"{host}:{int.from_bytes(port, 'big')}"
 
 
 def describe_frontend(key: bytes) -> str:
@@ -287,6 +318,9 @@ class SocketState:
         self.checked: set[int] = set()
         """The sets whose members are written."""
         self.contributions: dict[ServiceKey, Contribution] = {}
+        self.counted: dict[int, tuple[ServiceKey, str]] = {}
+        """Set id of a frontend: its service and port name (``Contribution.counted``). A set id
+        hashes its service's name: no two services have one."""
         self._owners: dict[bytes, dict[ServiceKey, bytes]] = {}
         """Frontend key: the value each service that has it wants (two services may share an
         external IP and port); the first service's is written, as to-nft does, and deleting
@@ -395,6 +429,8 @@ class SocketState:
         for key, new in updated.items():
             old = self.contributions.pop(key, None)
             if old is not None:
+                for set_id in old.counted:
+                    self.counted.pop(set_id, None)
                 for k in old.frontends:
                     wanting = owners[k]
                     del wanting[key]
@@ -402,6 +438,8 @@ class SocketState:
                         del owners[k]
             if new is not None:
                 self.contributions[key] = new
+                for set_id, name in new.counted.items():
+                    self.counted[set_id] = (key, name)
                 for k, v in new.frontends.items():
                     others = owners.get(k)
                     if others is None:

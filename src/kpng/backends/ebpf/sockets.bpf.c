@@ -16,6 +16,9 @@
  *                   programs count, kpng sums the CPUs for /metrics)
  *   kpng_traffic    frontend -> the connections translated to its endpoints (per CPU), for
  *                   the frontends kpng made an entry for (--traffic-counters service)
+ *   kpng_endpoint_traffic  (set id, endpoint) -> the connections the programs gave that
+ *                   endpoint of that set (per CPU), for the pairs kpng made an entry for
+ *                   (--traffic-counters endpoint)
  *   kpng_locality   0 -> the families whose sockets are translated only in the network
  *                   namespaces of kpng_local_netns (locality.py)
  *   kpng_local_netns  network namespace -> the families local traffic detection counts its
@@ -185,9 +188,30 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } kpng_traffic SEC(".maps");
 
-static __always_inline void count_connection(const struct frontend_key *key)
+/* Keyed by what the endpoint is, not by its slot: a slot that passes to another endpoint
+ * (relayout) never carries one endpoint's count over to the next. kpng makes a zeroed entry
+ * for each endpoint of each set a frontend points at, before the slot that exposes it, and
+ * deletes it once the endpoint left the set: as for kpng_traffic, the programs never add one,
+ * and without --traffic-counters endpoint the map is empty. The set id stands for its service
+ * port (entries.py), member_key's layout is the key. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 2097152);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct member_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} kpng_endpoint_traffic SEC(".maps");
+
+/* One new connection of this frontend, given the endpoint ep of set (the frontend's). */
+static __always_inline void count_connection(const struct frontend_key *key, __u64 set,
+					     const struct endpoint *ep)
 {
 	__u64 *n = bpf_map_lookup_elem(&kpng_traffic, key);
+	if (n)
+		(*n)++;
+	struct member_key ekey = {.set = set, .ep = *ep};
+	n = bpf_map_lookup_elem(&kpng_endpoint_traffic, &ekey);
 	if (n)
 		(*n)++;
 }
@@ -283,7 +307,8 @@ static __always_inline void remember_frontend(struct bpf_sock_addr *ctx,
  * conntrack entries do. */
 #define FLOW_IDLE_NS (120 * NS_PER_S)
 
-/* A new flow (a pick) is one connection for kpng_traffic, as conntrack counts one. */
+/* A new flow (a pick) is one connection for kpng_traffic and kpng_endpoint_traffic, as
+ * conntrack counts one. */
 static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 					 const struct frontend_key *key,
 					 const struct frontend *fe, struct endpoint *out)
@@ -292,7 +317,7 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 	if (!sk) {
 		if (!pick(ctx, fe, out))
 			return 0;
-		count_connection(key);
+		count_connection(key, fe->set, out);
 		return 1;
 	}
 	struct flow_key fkey = {.netns = bpf_get_netns_cookie(ctx), .frontend = *key,
@@ -311,7 +336,7 @@ static __always_inline int pick_for_send(struct bpf_sock_addr *ctx,
 		return 0;
 	struct flow started = {.ep = *out, .last_ns = now};
 	bpf_map_update_elem(&kpng_flows, &fkey, &started, BPF_ANY);
-	count_connection(key);
+	count_connection(key, fe->set, out);
 	return 1;
 }
 
@@ -364,7 +389,7 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, int v6, int send
 	if (c)
 		c->translated++;
 	if (!send)
-		count_connection(&key);
+		count_connection(&key, fe->set, &ep);
 	return 1;
 }
 

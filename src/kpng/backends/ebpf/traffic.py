@@ -22,6 +22,18 @@ found lower than last read (deleted and made again), a frontend gone, or one tha
 (two Services, one after the other, with the same external IP and port), adds what its last
 owner had counted to that owner's offset. A service port with no frontend left is gone, its
 series with it, as in to-nft.
+
+With ``--traffic-counters endpoint`` the programs also count, in ``kpng_endpoint_traffic``, each
+connection by the endpoint they picked and the set they picked it from (a set is one scope of
+one service port's endpoints: ``entries.py``). ``EndpointEntries`` says which entries kpng makes
+and deletes so that there is one for each endpoint of each set a frontend points at, no more:
+an entry is keyed by the endpoint itself, not by its slot, so that a slot passed on to another
+endpoint never hands one endpoint's count to the next, and an entry that stays is never
+written again (a full sync, after a restart or a drift, included). The same ``FrontendTraffic``
+folds them, each entry owned by its endpoint's series (service port and ``IP:port``): an entry
+deleted with its endpoint leaves its count in the series while another set of the service port
+still has the endpoint, an endpoint gone from all of them is gone with its series (one that
+comes back starts from zero, a reset Prometheus' ``rate`` takes in its stride, as in to-nft).
 """
 
 from __future__ import annotations
@@ -31,10 +43,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kpng.backends._samples import Sample
-from kpng.backends._traffic import CONNECTIONS, REJECTED, service_port_samples
+from kpng.backends._traffic import (
+    CONNECTIONS,
+    ENDPOINT_CONNECTIONS,
+    REJECTED,
+    endpoint_samples,
+    service_port_samples,
+)
 
 KEY_SIZE = 20
 """``struct frontend_key``."""
+ENDPOINT_KEY_SIZE = 32
+"""``struct member_key``: set id, endpoint."""
 VALUE_SIZE = 8
 """One CPU's count, a ``__u64``."""
 
@@ -116,17 +136,71 @@ def _add(offsets: dict[Labels, int], read: _Read) -> None:
     offsets[read.owner] = offsets.get(read.owner, 0) + read.value - read.base
 
 
+class EndpointEntries:
+    """The entries kpng holds in ``kpng_endpoint_traffic``, by set: which to make and which to
+    delete for the sets' endpoints to have one each (pure)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, set[bytes]] = {}
+        """Set id: the endpoints (packed) an entry is held for."""
+
+    def found(self, keys: Iterable[tuple[int, bytes]]) -> None:
+        """What the map holds (set id, endpoint), read at a full sync: the map, pinned,
+        outlives kpng's process, and another program may have changed it."""
+        held: dict[int, set[bytes]] = {}
+        for set_id, endpoint in keys:
+            held.setdefault(set_id, set()).add(endpoint)
+        self.held = held
+
+    def changes(
+        self, wanted: Mapping[int, Iterable[bytes]], set_ids: Iterable[int] | None = None
+    ) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+        """The entries to make and those to delete (set id, endpoint) so that the sets
+        ``set_ids`` (None: every set, held or wanted) hold an entry for each endpoint
+        ``wanted`` gives them, and no other; recorded as done."""
+        held = self.held
+        if set_ids is None:
+            set_ids = held.keys() | wanted.keys()
+        made: list[tuple[int, bytes]] = []
+        gone: list[tuple[int, bytes]] = []
+        for set_id in set_ids:
+            want = set(wanted.get(set_id, ()))
+            have = held.get(set_id, set())
+            made += [(set_id, ep) for ep in want - have]
+            gone += [(set_id, ep) for ep in have - want]
+            if want:
+                held[set_id] = want
+            else:
+                held.pop(set_id, None)
+        return sorted(made), sorted(gone)
+
+
+def endpoint_labels(port: Labels, endpoint: str) -> Labels:
+    return (*port, ("endpoint", endpoint))
+
+
 def merged_samples(
-    translated: Mapping[Labels, int], packets: Iterable[Sample], series_limit: int
+    translated: Mapping[Labels, int],
+    packets: Iterable[Sample],
+    series_limit: int,
+    endpoints: Mapping[Labels, int] | None = None,
 ) -> list[Sample]:
     """The service ports' series of kpng's ``/metrics``: the programs' ``translated``
     connections added to the nftables part's counts (its samples, every service port's: it
     is given no limit of its own), at most ``series_limit`` service ports, those with the
-    most connections; the gauges of how many there are and how many were left out."""
+    most connections; the gauges of how many there are and how many were left out. With
+    ``endpoints`` (the programs' per-endpoint totals, ``endpoint_labels``), the endpoints'
+    series too, summed with the nftables part's likewise, at most ``series_limit`` of them."""
     totals: dict[Labels, list[int]] = {port: [n, 0] for port, n in translated.items()}
+    per_endpoint = dict(endpoints) if endpoints is not None else {}
     for sample in packets:
         if sample.name == CONNECTIONS:
             totals.setdefault(sample.labels, [0, 0])[0] += int(sample.value)
         elif sample.name == REJECTED:
             totals.setdefault(sample.labels, [0, 0])[1] += int(sample.value)
-    return service_port_samples({port: (c, r) for port, (c, r) in totals.items()}, series_limit)
+        elif sample.name == ENDPOINT_CONNECTIONS and endpoints is not None:
+            per_endpoint[sample.labels] = per_endpoint.get(sample.labels, 0) + int(sample.value)
+    out = service_port_samples({port: (c, r) for port, (c, r) in totals.items()}, series_limit)
+    if endpoints is not None:
+        out += endpoint_samples(per_endpoint, series_limit)
+    return out
