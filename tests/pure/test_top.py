@@ -14,7 +14,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 
@@ -377,6 +377,10 @@ def test_once_says_what_is_wrong_with_the_page(
     assert "Traceback" not in done.stderr
 
 
+def _without(env: Mapping[str, str], *names: str) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in names}
+
+
 def test_the_live_view_shows_the_rows_changes_its_sort_by_key_and_quits(
     served: tuple[str, type[_Pages]],
 ) -> None:
@@ -388,7 +392,9 @@ def test_the_live_view_shows_the_rows_changes_its_sort_by_key_and_quits(
         stdin=child,
         stdout=child,
         stderr=child,
-        env={**os.environ, "TERM": "xterm"},
+        # curses takes LINES and COLUMNS over the terminal's size, and pytest-xdist's workers
+        # have them set (24 x 80, too narrow for the BUSIEST column).
+        env={**_without(os.environ, "LINES", "COLUMNS"), "TERM": "xterm"},
     )
     os.close(child)
     screen = b""
