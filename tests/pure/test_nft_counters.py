@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 
+import pytest
+
+from kpng.backends._netlink import attr, nested
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.counting import (
     CONNECTIONS,
@@ -18,7 +22,7 @@ from kpng.backends._nftables.counting import (
 )
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
-from kpng.backends._nftables.netlink import counted, dispatch_key
+from kpng.backends._nftables.netlink import dispatch_key, element_counters
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.testing import states
@@ -252,4 +256,81 @@ def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
         "30000",
     )
     assert dispatch_key(bytes([99, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=True) is None
-    assert counted(b"") is None
+
+
+# --- the counters' decoding: a dump's message bytes in, each counted element's key and packets out
+
+
+def _counter(packets: int, *, flags: int = 0) -> bytes:
+    """A counter expression as the kernel writes it (``flags`` on its data: another layout)."""
+    data = attr(1, (packets * 64).to_bytes(8, "big")) + attr(2, packets.to_bytes(8, "big"))
+    return attr(1, b"counter\0") + attr(2 | flags, data)
+
+
+def _element(key: bytes, *attrs: bytes) -> bytes:
+    return nested(1, nested(1, attr(1, key)) + b"".join(attrs))
+
+
+def _message(*elements: bytes) -> bytes:
+    body = attr(1, b"kpng\0") + attr(2, b"cluster-v4\0") + nested(3, b"".join(elements))
+    return struct.pack("=IHHII", 20 + len(body), 0x0A0C, 2, 1, 0) + bytes(4) + body
+
+
+KEY = bytes([10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0])
+OTHER_KEY = bytes([10, 96, 0, 2, 6, 0, 0, 0, 0, 80, 0, 0])
+VERDICT = attr(2, nested(2, attr(1, (0xFFFFFFFC).to_bytes(4, "big")) + attr(2, b"pick\0")))
+NOTE = attr(6, b"\0\x09ns/web:p\0")
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        # The kernel's layout: key, verdict, one expression, comment.
+        (_message(_element(KEY, VERDICT, attr(7, _counter(5)), NOTE)), [(KEY, 5)]),
+        (_message(_element(KEY, attr(7, _counter(2**40 + 3)))), [(KEY, 2**40 + 3)]),
+        # Nested flags, the expression list, another expression first: read all the same.
+        (_message(_element(KEY, attr(7, _counter(7, flags=0x8000)))), [(KEY, 7)]),
+        (
+            _message(
+                _element(KEY, attr(11, nested(1, attr(1, b"limit\0")) + nested(1, _counter(4))))
+            ),
+            [(KEY, 4)],
+        ),
+        # No counter, or another expression alone: not counted.
+        (_message(_element(KEY, VERDICT, NOTE)), []),
+        (_message(_element(KEY, attr(7, attr(1, b"limit\0") + attr(2, b"")))), []),
+        # Several elements, several per message.
+        (
+            _message(
+                _element(KEY, attr(7, _counter(1))), _element(OTHER_KEY, attr(7, _counter(9)))
+            ),
+            [(KEY, 1), (OTHER_KEY, 9)],
+        ),
+        # Cut short (a counter's packets, an element, the message): what is whole is read.
+        (_message(_element(KEY, attr(7, _counter(5)[:-4]))), []),
+        (
+            _message(_element(KEY, attr(7, _counter(1))))
+            + _message(_element(OTHER_KEY, attr(7, _counter(2))))[:40],
+            [(KEY, 1)],
+        ),
+        (b"", []),
+        (bytes(20), []),
+    ],
+    ids=[
+        "kernel-layout",
+        "large",
+        "nested-flags",
+        "expression-list",
+        "no-counter",
+        "other-expression",
+        "two-elements",
+        "short-counter",
+        "short-message",
+        "empty",
+        "header-only",
+    ],
+)
+def test_each_counted_elements_key_and_packets_are_read_from_a_dump_message(
+    message: bytes, expected: list[tuple[bytes, int]]
+) -> None:
+    assert element_counters(message) == expected

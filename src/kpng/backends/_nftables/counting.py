@@ -20,7 +20,7 @@ counted between its last read and its rewrite are lost: at most ``READ_PERIOD_S`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from kpng.backends import _traffic
 from kpng.backends._nftables.layout import REFUSING, ElementKey
@@ -84,17 +84,28 @@ def _series(
     applied: Mapping[ElementKey, tuple[str, ...]],
     comments: Mapping[ElementKey, str],
     dispatched_by: Mapping[str, str],
-) -> Iterable[tuple[ElementKey, Series, int]]:
+) -> Iterator[tuple[ElementKey, Series, int]]:
+    # Once per element read: a million at 100k services and the endpoint level. Each series
+    # made once per read, so that its every element carries the same (hashed) tuple.
+    made: dict[Series, Series] = {}
+    labels: dict[tuple[str, ...], str] = {}
+    container, dispatch = "", None
     for ek, packets in counts:
         value = applied.get(ek)
         if value is None:
             continue  # not (or no longer) kpng's: it counts nothing of a service's
-        dispatch = dispatched_by.get(ek[0])
+        if ek[0] != container:
+            container = ek[0]
+            dispatch = dispatched_by.get(container)
         if dispatch is None:
             port = comments.get(ek)
             if port:
-                yield ek, (port, REFUSED if value in REFUSING else SERVED), packets
+                series = (port, REFUSED if value in REFUSING else SERVED)
+                yield ek, made.setdefault(series, series), packets
         else:
             port = comments.get((dispatch, ek[1]))
             if port and len(value) == 2:
-                yield ek, (port, endpoint_label(*value)), packets
+                label = labels.get(value)
+                if label is None:
+                    label = labels[value] = endpoint_label(*value)
+                yield ek, (port, label), packets
