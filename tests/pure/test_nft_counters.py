@@ -334,3 +334,41 @@ def test_each_counted_elements_key_and_packets_are_read_from_a_dump_message(
     message: bytes, expected: list[tuple[bytes, int]]
 ) -> None:
     assert element_counters(message) == expected
+
+
+def test_an_endpoints_connections_follow_its_service_port_when_another_service_takes_the_ip() -> (
+    None
+):
+    # Only the dispatch element is written again (its comment): the endpoint element, the
+    # same, now counts for the other service's port.
+    traffic = TrafficCounters(endpoints=True)
+    key: tuple[str, ...] = ("10.96.0.1", "tcp", "80")
+    web, e0 = ("cluster-v4", key), ("cluster-eps-v4-0", key)
+    dispatched_by = {"cluster-eps-v4-0": "cluster-v4"}
+    comments = {web: "ns/web:p"}
+    applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
+        web: ("goto pick-cluster-v4-1",),
+        e0: ("10.244.1.2", "8080"),
+    }
+
+    def fold(counts: list[tuple[tuple[str, tuple[str, ...]], int]]) -> dict[str, float]:
+        traffic.fold_elements(counts, applied, comments, traffic.take_rewritten(), dispatched_by)
+        return {
+            dict(s.labels)["service"]: s.value
+            for s in traffic.samples()
+            if s.name == ENDPOINT_CONNECTIONS
+        }
+
+    assert fold([(web, 4), (e0, 4)]) == {"web": 4}
+    assert fold([(web, 5), (e0, 5)]) == {"web": 5}
+    traffic.replaced([web])
+    comments[web] = "ns/other:p"
+    assert fold([(web, 1), (e0, 6)]) == {"other": 6}
+    assert fold([(web, 2), (e0, 7)]) == {"other": 7}
+    # And the endpoint's own rewrite (another endpoint, starting from zero) is seen as well.
+    traffic.replaced([e0])
+    applied[e0] = ("10.244.9.9", "8080")
+    assert fold([(web, 3), (e0, 1)]) == {"other": 1}
+    assert [
+        dict(s.labels)["endpoint"] for s in traffic.samples() if s.name == ENDPOINT_CONNECTIONS
+    ] == ["10.244.9.9:8080"]
