@@ -6,7 +6,10 @@ needed), ``bench_nft``'s generated services (10 endpoints each): the first (full
 empty table, its time and how much the kernel's slab and per-CPU memory grew
 (``/proc/meminfo``: the machine's, so idle is best); with the counters on, a read of every
 counter (as a running kpng makes one every read period) and the exposition's size at the
-default series limit; then one change (a service's endpoint moves: an incremental sync),
+default series limit, and a second read (as every later one: what the first learnt of the
+elements' keys kept); each read's time and the process's CPU time in it (the kernel's dump
+included: on a shared machine, where waiting for a CPU makes most of a read's time, the
+steadier figure); then one change (a service's endpoint moves: an incremental sync),
 median of ``--changes``, with no periodic read running meanwhile (a sync waits for one
 holding the lock). Ratios are to ``off`` of the same backend and size. to-iptables runs
 iptables-legacy by default: iptables-nft 1.8.9 does not restore 10k services x 10 endpoints
@@ -36,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,9 @@ class Run:
     change: float
     memory_kib: int
     read: float = 0.0
+    read_cpu: float = 0.0
+    again: float = 0.0
+    again_cpu: float = 0.0
     scrape_kib: float = 0.0
 
 
@@ -77,6 +83,13 @@ def _scrape(samples: Sequence[Any]) -> bytes:
 async def _never(seconds: float) -> None:
     """The backends' sleep: their periodic reads never come (the bench reads once itself)."""
     await asyncio.Event().wait()
+
+
+async def _timed(read: Awaitable[None]) -> tuple[float, float]:
+    """How long ``read`` took, and the process's CPU time in it (its threads included)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    await read
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 async def _one(backend_name: str, services: int, level: str, changes: int, variant: str) -> Run:
@@ -110,9 +123,8 @@ async def _one(backend_name: str, services: int, level: str, changes: int, varia
     await asyncio.sleep(1)  # freed per-CPU chunks and RCU callbacks settle
     run = Run(first=first, change=0.0, memory_kib=_kernel_kib() - before)
     if level != "off":
-        start = time.perf_counter()
-        await backend.read_traffic()
-        run.read = time.perf_counter() - start
+        run.read, run.read_cpu = await _timed(backend.read_traffic())
+        run.again, run.again_cpu = await _timed(backend.read_traffic())
         run.scrape_kib = len(_scrape(backend.metric_samples())) / 1024
     times = []
     for n in range(changes):
@@ -138,7 +150,8 @@ def inside(
 ) -> int:
     print(
         f"{'backend':<11} {'services':>8} {'level':<9} {'first sync s':>12} {'ratio':>6} "
-        f"{'change ms':>9} {'ratio':>6} {'kernel MiB':>10} {'read s':>7} {'scrape KiB':>10}"
+        f"{'change ms':>9} {'ratio':>6} {'kernel MiB':>10} {'read s':>7} {'cpu s':>6} "
+        f"{'again s':>7} {'cpu s':>6} {'scrape KiB':>10}"
     )
     for backend in backends:
         for services in sizes:
@@ -152,7 +165,8 @@ def inside(
                     kept = best.setdefault(level, run)
                     kept.first = min(kept.first, run.first)
                     kept.change = min(kept.change, run.change)
-                    kept.read = min(kept.read, run.read)
+                    for name in ("read", "read_cpu", "again", "again_cpu"):
+                        setattr(kept, name, min(getattr(kept, name), getattr(run, name)))
             base = best[levels[0]]
             for level in levels:
                 run = best[level]
@@ -160,7 +174,8 @@ def inside(
                     f"{'to-' + backend:<11} {services:>8} {level:<9} {run.first:>12.2f} "
                     f"{run.first / base.first:>6.2f} {run.change * 1000:>9.1f} "
                     f"{run.change / base.change:>6.2f} {run.memory_kib / 1024:>+10.1f} "
-                    f"{run.read:>7.2f} {run.scrape_kib:>10.0f}",
+                    f"{run.read:>7.2f} {run.read_cpu:>6.2f} {run.again:>7.2f} "
+                    f"{run.again_cpu:>6.2f} {run.scrape_kib:>10.0f}",
                     flush=True,
                 )
     return 0

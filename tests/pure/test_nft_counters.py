@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 
+import pytest
+
+from kpng.backends._netlink import attr, nested
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.counting import (
     CONNECTIONS,
@@ -20,7 +24,7 @@ from kpng.backends._nftables.counting import (
 )
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
-from kpng.backends._nftables.netlink import counted, dispatch_key
+from kpng.backends._nftables.netlink import dispatch_key, element_counters
 from kpng.backends._traffic import ENDPOINTS
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
@@ -287,7 +291,6 @@ def test_kernel_element_bytes_are_read_back_as_kpngs_keys() -> None:
         "30000",
     )
     assert dispatch_key(bytes([99, 0, 0, 0, 0, 80, 0, 0]), "v4", port_only=True) is None
-    assert counted(b"") is None
 
 
 def test_the_series_limit_holds_at_100k_service_ports_and_their_endpoints() -> None:
@@ -329,3 +332,119 @@ def test_the_series_limit_holds_at_100k_service_ports_and_their_endpoints() -> N
         ENDPOINTS: n,
         ENDPOINTS_DROPPED: n - limit,
     }
+
+
+# --- the counters' decoding: a dump's message bytes in, each counted element's key and packets out
+
+
+def _counter(packets: int, *, flags: int = 0) -> bytes:
+    """A counter expression as the kernel writes it (``flags`` on its data: another layout)."""
+    data = attr(1, (packets * 64).to_bytes(8, "big")) + attr(2, packets.to_bytes(8, "big"))
+    return attr(1, b"counter\0") + attr(2 | flags, data)
+
+
+def _element(key: bytes, *attrs: bytes) -> bytes:
+    return nested(1, nested(1, attr(1, key)) + b"".join(attrs))
+
+
+def _message(*elements: bytes) -> bytes:
+    body = attr(1, b"kpng\0") + attr(2, b"cluster-v4\0") + nested(3, b"".join(elements))
+    return struct.pack("=IHHII", 20 + len(body), 0x0A0C, 2, 1, 0) + bytes(4) + body
+
+
+KEY = bytes([10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0])
+OTHER_KEY = bytes([10, 96, 0, 2, 6, 0, 0, 0, 0, 80, 0, 0])
+VERDICT = attr(2, nested(2, attr(1, (0xFFFFFFFC).to_bytes(4, "big")) + attr(2, b"pick\0")))
+NOTE = attr(6, b"\0\x09ns/web:p\0")
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        # The kernel's layout: key, verdict, one expression, comment.
+        (_message(_element(KEY, VERDICT, attr(7, _counter(5)), NOTE)), [(KEY, 5)]),
+        (_message(_element(KEY, attr(7, _counter(2**40 + 3)))), [(KEY, 2**40 + 3)]),
+        # Nested flags, the expression list, another expression first: read all the same.
+        (_message(_element(KEY, attr(7, _counter(7, flags=0x8000)))), [(KEY, 7)]),
+        (
+            _message(
+                _element(KEY, attr(11, nested(1, attr(1, b"limit\0")) + nested(1, _counter(4))))
+            ),
+            [(KEY, 4)],
+        ),
+        # No counter, or another expression alone: not counted.
+        (_message(_element(KEY, VERDICT, NOTE)), []),
+        (_message(_element(KEY, attr(7, attr(1, b"limit\0") + attr(2, b"")))), []),
+        # Several elements, several per message.
+        (
+            _message(
+                _element(KEY, attr(7, _counter(1))), _element(OTHER_KEY, attr(7, _counter(9)))
+            ),
+            [(KEY, 1), (OTHER_KEY, 9)],
+        ),
+        # Cut short (a counter's packets, an element, the message): what is whole is read.
+        (_message(_element(KEY, attr(7, _counter(5)[:-4]))), []),
+        (
+            _message(_element(KEY, attr(7, _counter(1))))
+            + _message(_element(OTHER_KEY, attr(7, _counter(2))))[:40],
+            [(KEY, 1)],
+        ),
+        (b"", []),
+        (bytes(20), []),
+    ],
+    ids=[
+        "kernel-layout",
+        "large",
+        "nested-flags",
+        "expression-list",
+        "no-counter",
+        "other-expression",
+        "two-elements",
+        "short-counter",
+        "short-message",
+        "empty",
+        "header-only",
+    ],
+)
+def test_each_counted_elements_key_and_packets_are_read_from_a_dump_message(
+    message: bytes, expected: list[tuple[bytes, int]]
+) -> None:
+    assert element_counters(message) == expected
+
+
+def test_an_endpoints_connections_follow_its_service_port_when_another_service_takes_the_ip() -> (
+    None
+):
+    # Only the dispatch element is written again (its comment): the endpoint element, the
+    # same, now counts for the other service's port.
+    traffic = TrafficCounters(endpoints=True)
+    key: tuple[str, ...] = ("10.96.0.1", "tcp", "80")
+    web, e0 = ("cluster-v4", key), ("cluster-eps-v4-0", key)
+    dispatched_by = {"cluster-eps-v4-0": "cluster-v4"}
+    comments = {web: "ns/web:p"}
+    applied: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
+        web: ("goto pick-cluster-v4-1",),
+        e0: ("10.244.1.2", "8080"),
+    }
+
+    def fold(counts: list[tuple[tuple[str, tuple[str, ...]], int]]) -> dict[str, float]:
+        traffic.fold_elements(counts, applied, comments, traffic.take_rewritten(), dispatched_by)
+        return {
+            dict(s.labels)["service"]: s.value
+            for s in traffic.samples()
+            if s.name == ENDPOINT_CONNECTIONS
+        }
+
+    assert fold([(web, 4), (e0, 4)]) == {"web": 4}
+    assert fold([(web, 5), (e0, 5)]) == {"web": 5}
+    traffic.replaced([web])
+    comments[web] = "ns/other:p"
+    assert fold([(web, 1), (e0, 6)]) == {"other": 6}
+    assert fold([(web, 2), (e0, 7)]) == {"other": 7}
+    # And the endpoint's own rewrite (another endpoint, starting from zero) is seen as well.
+    traffic.replaced([e0])
+    applied[e0] = ("10.244.9.9", "8080")
+    assert fold([(web, 3), (e0, 1)]) == {"other": 1}
+    assert [
+        dict(s.labels)["endpoint"] for s in traffic.samples() if s.name == ENDPOINT_CONNECTIONS
+    ] == ["10.244.9.9:8080"]

@@ -28,7 +28,6 @@ import heapq
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping
-from dataclasses import dataclass
 
 from kpng.backends._samples import Sample
 
@@ -56,12 +55,9 @@ Series = tuple[str, str]
 Key = Hashable
 
 
-@dataclass
-class _Read:
-    """What a kernel counter counted when last read, and for which series."""
-
-    series: Series
-    packets: int
+_Read = tuple[Series, int]
+"""What a kernel counter counted when last read, and for which series: a tuple, as there is
+one for every element read (a million at 100k services and the endpoint level)."""
 
 
 class TrafficCounters:
@@ -104,11 +100,11 @@ class TrafficCounters:
         """These counters (None: all) restart from zero now, with no read in between (a
         backend that reads and writes under one lock)."""
         reads = self._reads
-        for key in reads if keys is None else keys:
+        for key in list(reads) if keys is None else keys:
             read = reads.get(key)
-            if read is not None and read.packets:
+            if read is not None and read[1]:
                 _add(self._offsets, read)
-                read.packets = 0
+                reads[key] = (read[0], 0)
 
     def fold(
         self,
@@ -127,19 +123,21 @@ class TrafficCounters:
         if within is not None:
             reads = {key: read for key, read in before.items() if not within(key)}
             before = {key: read for key, read in before.items() if within(key)}
+        pop = before.pop
         for key, series, packets in counts:
-            last = before.pop(key, None)
+            last = pop(key, None)
             if last is not None and (
-                everything or key in rewritten or packets < last.packets or last.series != series
+                everything or packets < last[1] or last[0] != series or key in rewritten
             ):
                 _add(offsets, last)
-            reads[key] = _Read(series, packets)
+            reads[key] = (series, packets)
         for last in before.values():  # counters gone with their counts
             _add(offsets, last)
         self._reads = reads
         present: dict[Series, int] = {}
-        for read in reads.values():
-            present[read.series] = present.get(read.series, 0) + read.packets
+        get = present.get
+        for series, packets in reads.values():
+            present[series] = get(series, 0) + packets
         ports = {port for port, part in present if part in (SERVED, REFUSED)}
         # A service port nothing counts for is gone, its series with it: a Service made again
         # with the same name starts from zero, as Prometheus takes a new process.
@@ -150,15 +148,15 @@ class TrafficCounters:
                 del offsets[series]
         totals = {port: [0, 0] for port in ports}
         endpoint_totals: dict[Series, int] = {}
-        for series in present.keys() | offsets.keys():
-            count = present.get(series, 0) + offsets.get(series, 0)
-            port, part = series
-            if part == SERVED:
-                totals[port][0] += count
-            elif part == REFUSED:
-                totals[port][1] += count
-            elif port in ports:
-                endpoint_totals[series] = count
+        for counts_of in (present, offsets):
+            for series, count in counts_of.items():
+                port, part = series
+                if part == SERVED:
+                    totals[port][0] += count
+                elif part == REFUSED:
+                    totals[port][1] += count
+                elif port in ports:
+                    endpoint_totals[series] = endpoint_totals.get(series, 0) + count
         self._totals = {port: (c, r) for port, (c, r) in totals.items()}
         self._endpoint_totals = endpoint_totals
         self._samples = self._exposed()
@@ -186,7 +184,8 @@ class TrafficCounters:
 
 
 def _add(offsets: dict[Series, int], read: _Read) -> None:
-    offsets[read.series] = offsets.get(read.series, 0) + read.packets
+    series, packets = read
+    offsets[series] = offsets.get(series, 0) + packets
 
 
 def endpoint_label(address: str, port: str) -> str:

@@ -652,31 +652,101 @@ _PROTOCOL_NAMES = {6: "tcp", 17: "udp", 132: "sctp"}
 _ADDRESS_BYTES = {"v4": 4, "v6": 16}
 
 
-def counted(element: bytes) -> tuple[bytes, int] | None:
-    """One ``NFTA_LIST_ELEM`` payload's key bytes and its counter's packets (None: it has no
-    counter)."""
-    key = b""
-    packets: int | None = None
-    for kind, payload in nested_attributes(element):
-        if kind == 1:  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
-            key = next((p for k, p in nested_attributes(payload) if k == 1), b"")
-        elif kind == 7:  # NFTA_SET_ELEM_EXPR: its one expression
-            packets = _counter_packets(payload)
-        elif kind == 11:  # NFTA_SET_ELEM_EXPRESSIONS { NFTA_LIST_ELEM { expression } }
-            for k, expression in nested_attributes(payload):
-                found = _counter_packets(expression) if k == 1 else None
-                packets = found if found is not None else packets
-    return None if packets is None else (key, packets)
+def element_counters(message: bytes) -> list[tuple[bytes, int]]:
+    """Each counted element of one NEWSETELEM message of a dump: its key's bytes and its
+    counter's packets (elements without a counter are left out). Walks the message in place,
+    reading only the key and the counter: it runs for every element of every counted map, a
+    million at 100k services and the endpoint level (the generic attribute walk took 20 us an
+    element)."""
+    out: list[tuple[bytes, int]] = []
+    end = min(len(message), _U32(message, 0)[0]) if len(message) >= 4 else 0
+    offset = 20  # nlmsghdr, nfgenmsg
+    while offset + 4 <= end:
+        size, kind = _HEADER(message, offset)
+        if size < 4:
+            break
+        if kind & 0x3FFF == 3:  # NFTA_SET_ELEM_LIST_ELEMENTS
+            _list_counters(message, offset + 4, min(offset + size, end), out)
+        offset += (size + 3) & ~3
+    return out
 
 
-def _counter_packets(expression: bytes) -> int | None:
-    """``NFTA_COUNTER_PACKETS`` of a ``counter`` expression (None: another expression)."""
-    attrs = dict(nested_attributes(expression))
-    if _text(attrs.get(1, b"")) != "counter":  # NFTA_EXPR_NAME
-        return None
-    data = dict(nested_attributes(attrs.get(2, b"")))  # NFTA_EXPR_DATA
-    raw = data.get(2, b"")  # NFTA_COUNTER_PACKETS, big-endian u64
-    return int.from_bytes(raw[:8], "big") if len(raw) >= 8 else None
+def _list_counters(buf: bytes, offset: int, end: int, out: list[tuple[bytes, int]]) -> None:
+    append = out.append
+    while offset + 4 <= end:
+        size, kind = _HEADER(buf, offset)
+        if size < 4:
+            return
+        stop = min(offset + size, end)
+        if kind & 0x3FFF == 1:  # NFTA_LIST_ELEM
+            key: bytes | None = None
+            packets: int | None = None
+            at = offset + 4
+            while at + 4 <= stop:
+                attr_size, attr = _HEADER(buf, at)
+                if attr_size < 4:
+                    break
+                attr &= 0x3FFF
+                if attr == 1 and at + 8 <= stop:  # NFTA_SET_ELEM_KEY { NFTA_DATA_VALUE }
+                    inner, _ = _HEADER(buf, at + 4)
+                    key = buf[at + 8 : min(at + 4 + inner, at + attr_size, stop)]
+                elif attr == 7:  # NFTA_SET_ELEM_EXPR: its one expression
+                    # The kernel writes a counter so: its name, its bytes, its packets.
+                    if buf.startswith(_COUNTER_HEAD, at + 4) and buf.startswith(
+                        _PACKETS_HEAD, at + 32
+                    ):
+                        if at + 44 <= stop:
+                            packets = _U64(buf, at + 36)[0]
+                    else:
+                        found = _packets(buf, at + 4, min(at + attr_size, stop))
+                        packets = packets if found is None else found
+                elif attr == 11:  # NFTA_SET_ELEM_EXPRESSIONS { NFTA_LIST_ELEM { expression } }
+                    each, after = at + 4, min(at + attr_size, stop)
+                    while each + 4 <= after:
+                        each_size, _ = _HEADER(buf, each)
+                        if each_size < 4:
+                            break
+                        found = _packets(buf, each + 4, min(each + each_size, after))
+                        packets = packets if found is None else found
+                        each += (each_size + 3) & ~3
+                at += (attr_size + 3) & ~3
+            if key is not None and packets is not None:
+                append((key, packets))
+        offset += (size + 3) & ~3
+
+
+def _packets(buf: bytes, offset: int, end: int) -> int | None:
+    """``NFTA_COUNTER_PACKETS`` of the ``counter`` expression at ``offset`` (None: another
+    expression, or none)."""
+    counter = False
+    while offset + 4 <= end:
+        size, kind = _HEADER(buf, offset)
+        if size < 4:
+            return None
+        kind &= 0x3FFF
+        if kind == 1:  # NFTA_EXPR_NAME
+            counter = size == 12 and buf.startswith(_COUNTER_NAME, offset + 4)
+        elif kind == 2 and counter:  # NFTA_EXPR_DATA
+            at, stop = offset + 4, min(offset + size, end)
+            while at + 4 <= stop:
+                data_size, data = _HEADER(buf, at)
+                if data_size < 4:
+                    return None
+                if data & 0x3FFF == 2:  # NFTA_COUNTER_PACKETS, big-endian u64
+                    return _U64(buf, at + 4)[0] if data_size >= 12 and at + 12 <= stop else None
+                at += (data_size + 3) & ~3
+            return None
+        offset += (size + 3) & ~3
+    return None
+
+
+_U32 = struct.Struct("=I").unpack_from
+_U64 = struct.Struct(">Q").unpack_from
+_COUNTER_NAME = b"counter\0"
+_COUNTER_HEAD = b"\x0c\x00\x01\x00counter\x00\x1c\x00\x02\x00\x0c\x00\x01\x00"
+"""A counter expression's name and data, up to the packets: NFTA_EXPR_NAME, NFTA_EXPR_DATA {
+NFTA_COUNTER_BYTES ..., as the kernel writes them (``_packets`` reads any other layout)."""
+_PACKETS_HEAD = b"\x0c\x00\x02\x00"
 
 
 def dispatch_key(key: bytes, fam: str, *, port_only: bool) -> tuple[str, ...] | None:
@@ -692,4 +762,10 @@ def dispatch_key(key: bytes, fam: str, *, port_only: bool) -> tuple[str, ...] | 
     port = str(int.from_bytes(key[start + 4 : start + 6], "big"))
     if port_only:
         return (proto, port)
-    return (str(ipaddress.ip_address(key[:start])), proto, port)
+    # inet_ntop writes IPv4 as ipaddress does, and faster; IPv6 goes through ipaddress, whose
+    # text kpng writes (inet_ntop's differs for IPv4-mapped addresses).
+    address = _ipv4_text(key[:4]) if start == 4 else str(ipaddress.ip_address(key[:start]))
+    return (address, proto, port)
+
+
+_ipv4_text: Callable[[bytes], str] = functools.partial(socket.inet_ntop, socket.AF_INET)

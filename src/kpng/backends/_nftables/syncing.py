@@ -46,9 +46,8 @@ from kpng.backends._nftables.layout import (
 from kpng.backends._nftables.localhost import LocalhostProxy, listeners
 from kpng.backends._nftables.netlink import (
     FreshTable,
-    counted,
     dispatch_key,
-    elements_in,
+    element_counters,
     split_fresh,
 )
 from kpng.backends._nftables.nftables import Nft, NftError, Table, TableObjects, Transaction
@@ -141,6 +140,8 @@ class NftBackend:
             else None
         )
         self._traffic_reader: asyncio.Task[None] | None = None
+        self._traffic_keys: dict[str, dict[bytes, ElementKey | None]] = {}
+        """The counted elements' keys by their kernel bytes (``_keyed``)."""
         self._generation: int | None = None
         """The ruleset's generation after kpng's last commit or drift check (None: unknown)."""
         self._applied_rules: dict[str, tuple[bytes, ...]] | None = None
@@ -470,8 +471,10 @@ class NftBackend:
 
     async def _read_traffic(self) -> None:
         # The kernel dumps a map's elements in O(n^2) (each part of the dump walks past what
-        # went before): 2.7 s under the sync lock at 100k services, so reads are spaced to
-        # hold it a tenth of the time at most.
+        # went before): 2.7 s under the sync lock at 100k services, 19 s of kernel time at the
+        # endpoint level (ten endpoint maps more, of 100k elements each), so reads are spaced
+        # to hold it a tenth of the time at most. Decoding and folding the elements, outside
+        # the lock, take some 8 us an element after the first read (``_keyed``'s memo).
         await read_paced(self.read_traffic, sleep=self._sleep, failure=NftError, log=log)
 
     async def read_traffic(self) -> None:
@@ -487,15 +490,21 @@ class NftBackend:
             dumps = await netlink.dumps(TABLE, list(containers))
             rewritten = traffic.take_rewritten()
         dispatched_by = {name: c[2] for name, c in containers.items() if c[2]}
-        await asyncio.to_thread(
-            lambda: traffic.fold_elements(
-                _keyed(dumps, containers),
-                store.applied_elements,
-                store.applied_comments,
-                rewritten,
-                dispatched_by,
-            )
-        )
+        keys = self._traffic_keys
+
+        def fold() -> None:
+            # A million elements at 100k services and the endpoint level: with the collector
+            # on, its passes over kpng's heap took most of the read (46 s of 65 s).
+            with collector_paused():
+                traffic.fold_elements(
+                    _keyed(dumps, containers, keys),
+                    store.applied_elements,
+                    store.applied_comments,
+                    rewritten,
+                    dispatched_by,
+                )
+
+        await asyncio.to_thread(fold)
 
     def metric_samples(self) -> list[Sample]:
         """What kpng's ``/metrics`` adds for to-nft (``kpng.status.ReportsSamples``): each
@@ -663,19 +672,37 @@ def _rewritten(plan: Plan, store: TableState) -> list[ElementKey]:
 
 
 def _keyed(
-    dumps: list[tuple[str, list[bytes]]], containers: Mapping[str, _Counted]
+    dumps: list[tuple[str, list[bytes]]],
+    containers: Mapping[str, _Counted],
+    memo: dict[str, dict[bytes, ElementKey | None]],
 ) -> list[tuple[ElementKey, int]]:
-    """The counters of the elements dumped, by the keys kpng wrote."""
-    out = []
+    """The counters of the elements dumped, by the keys kpng wrote. ``memo``: each container's
+    keys by their kernel bytes (None: no key of kpng's), kept from read to read, as the same
+    elements are read every period; a container's is dropped once it holds twice what it read."""
+    out: list[tuple[ElementKey, int]] = []
+    append = out.append
+    for name in [name for name in memo if name not in containers]:
+        del memo[name]
     for container, messages in dumps:
         fam, port_only, _ = containers[container]
+        known = memo.setdefault(container, {})
+        read = 0
         for message in messages:
-            for element in elements_in(message):
-                read = counted(element)
-                fields = read and dispatch_key(read[0], fam, port_only=port_only)
-                if read is not None and fields:
-                    out.append(((container, fields), read[1]))
+            for key, packets in element_counters(message):
+                ek = known.get(key, _UNKNOWN)
+                if ek is _UNKNOWN:
+                    fields = dispatch_key(key, fam, port_only=port_only)
+                    ek = known[key] = (container, fields) if fields else None
+                if ek is not None:
+                    append((ek, packets))
+                read += 1
+        if len(known) > 2 * read + 1024:
+            memo[container] = {}
     return out
+
+
+_UNKNOWN: ElementKey = ("", ())
+"""Not in a ``_keyed`` memo."""
 
 
 _NAMED = 10
