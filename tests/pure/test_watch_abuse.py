@@ -383,11 +383,11 @@ def test_every_watch_ending_is_counted_by_code_and_early_ones_logged_with_their_
     assert len(warned) == 1, warned
     assert re.fullmatch(
         r"ended a watch from unix:\S* with DEADLINE_EXCEEDED \(no request within 0\.5 s\), "
-        r"0\.\d s after the brain took it; first request none, first state none",
+        r"\d+\.\d s after the brain took it; first request none, first state none",
         warned[0],
     ), warned[0]
     endings = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any(
-        re.search(r"ended OK, .* first request after 0\.\d s, first state after 0\.\d s", m)
+        re.search(r"ended OK, .* first request after \d+\.\d s, first state after \d+\.\d s", m)
         for m in endings
     ), endings
