@@ -87,6 +87,10 @@ FANOUT_TIMEOUT_S = 120.0
 _NEW_ADDRESSES = ipaddress.IPv4Network("10.255.0.0/16")  # outside the generator's pod network
 _MAX_MESSAGE = 64 << 20
 _OPTIONS = [("grpc.max_receive_message_length", _MAX_MESSAGE)]
+_OWN_CONNECTION = [*_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+"""A watcher's channel options: a connection of its own, as a node has. Else gRPC gives every
+channel of the process to one target the same connection, and the brain's 100 streams per
+connection (``kpng.server.serving.STREAMS_PER_CONNECTION``) leave the 101st watcher waiting."""
 _encode = msgspec.json.Encoder().encode
 
 
@@ -712,7 +716,7 @@ class Watcher:
     async def _follow(self, api: str) -> None:
         request = batchv1_pb2.WatchReq(NodeName=self.node, Encoding=batchv1_pb2.JSON)
         target = f"unix:{api.removeprefix('unix://')}"
-        async with grpc.aio.insecure_channel(target, _OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(target, _OWN_CONNECTION) as channel:
             call = channel.stream_stream(
                 "/kpng.batchv1.Sets/Watch",
                 request_serializer=batchv1_pb2.WatchReq.SerializeToString,
