@@ -50,8 +50,9 @@ system-packages-as-root:
 	else echo "not root: the tests that need system packages will be skipped (see the summary)"; fi
 
 # The pure tier alone (tests/pure: no root, no network namespace, no API server, nothing built
-# with Go): the quick loop while editing, over every core, without its `slow` tests (fuzzing,
-# thousands of generated services), which `make test` runs. tests/<tier>/conftest.py says what
+# with Go): the quick loop while editing, over every core, without its `slow` tests (kpng
+# processes, fuzzing, thousands of generated objects: a tenth of the tests, four fifths of the
+# tier's CPU), which `make test` runs. tests/<tier>/conftest.py says what
 # each tier needs.
 check: $(DEV)
 	@$(COMPILE)

@@ -71,6 +71,7 @@ def plugin_server(tmp_path: Path) -> Iterator[Callable[..., str]]:
             proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_plugin_that_takes_a_state_without_sync_fails_that_case_only(
     plugin_server: Callable[..., str],
 ) -> None:
@@ -85,6 +86,7 @@ def test_a_plugin_that_takes_a_state_without_sync_fails_that_case_only(
     assert done.returncode == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "failed", "message"),
     [
@@ -104,6 +106,7 @@ def test_what_a_plugin_refuses_or_reports_fails_with_its_message(
     assert done.returncode == 1
 
 
+@pytest.mark.slow
 def test_no_plugin_at_the_socket_fails_at_describe(tmp_path: Path) -> None:
     done = _check("plugin", f"unix://{tmp_path}/none.sock", "--timeout", "2")
     assert done.stdout.splitlines()[0].startswith("FAIL  describe")
@@ -113,6 +116,7 @@ def test_no_plugin_at_the_socket_fails_at_describe(tmp_path: Path) -> None:
 READER = "import json, sys\nfor line in sys.stdin: json.loads(line)\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("program", "args", "verdict", "message"),
     [

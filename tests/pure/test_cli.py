@@ -100,6 +100,7 @@ def test_node_with_local_endpoints_gets_them_for_external_traffic(kpng_command: 
     assert _scopes(services["edge/ingress"]) == {"10.244.1.31": "IEC", "10.244.3.32": "IC"}
 
 
+@pytest.mark.slow
 def test_output_is_deterministic(kpng_command: list[str]) -> None:
     assert _state(kpng_command, "node-3") == _state(kpng_command, "node-3")
 
@@ -129,6 +130,7 @@ def test_a_one_shot_run_ends_with_its_output_flushed_and_its_exit_handlers_run(
     assert "source file synced" in done.stderr
 
 
+@pytest.mark.slow
 def test_to_file_dump_reads_back_to_the_same_node_state(
     kpng_command: list[str], tmp_path: Path
 ) -> None:
@@ -158,6 +160,7 @@ def test_missing_input_exits_non_zero_with_a_clear_error(
     assert f"--input {missing}: no such file or directory" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_external_ips_serves_services_without_them(kpng_command: list[str]) -> None:
     """kube-proxy 1.36+'s AllowServiceExternalIPs=false: no externalIP reaches the backends, nor
     makes a service externally accessible (so no External scope comes of it)."""
@@ -266,6 +269,7 @@ def test_unreadable_input_exits_non_zero_with_a_clear_error(
 TO_API = ["file", "--input", "x", "to-api", "--listen", "unix:///tmp/x.sock"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -381,6 +385,7 @@ def test_usage_errors_exit_2(kpng_command: list[str], args: list[str], message: 
     assert message in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -416,6 +421,7 @@ def test_once_without_a_server_gives_up_after_the_connect_timeout(
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_sources_sinks_and_registered_backends(kpng_command: list[str]) -> None:
     done = _run(kpng_command, "--help")
     assert done.returncode == 0
@@ -424,6 +430,7 @@ def test_help_lists_sources_sinks_and_registered_backends(kpng_command: list[str
     assert "to-json    write the node-local state as one JSON line per revision" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "usage"),
     [
@@ -441,6 +448,7 @@ def test_help_of_a_sink_or_backend_needs_nothing_before_it(
     assert done.stdout.startswith(usage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "given",
     ["ABSOLUTE", "sub/cluster.yaml", "./sub/cluster.yaml", "sub", "./sub/../sub/"],

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from kpng.testing.ports import free_port
 from kpng.testing.waiting import until
 from tests.pure.test_status import _get as get
@@ -64,6 +66,7 @@ def _kpng(
             proc.wait()
 
 
+@pytest.mark.slow
 def test_state_explain_and_livez_on_the_metrics_address_only(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
@@ -97,6 +100,7 @@ def test_state_explain_and_livez_on_the_metrics_address_only(
             assert _get(f"http://127.0.0.1:{healthz}{path}")[0] == 404
 
 
+@pytest.mark.slow
 def test_explain_of_a_brain_needs_the_node(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
     metrics = free_port()
     argv = [

@@ -260,6 +260,7 @@ def test_stderr_flood_is_rate_limited_and_counted(
     assert reported() >= 5000 - 50
 
 
+@pytest.mark.slow
 def test_slow_reader_gets_coalesced_states_and_a_log_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -378,6 +379,7 @@ def _alive(pid: int) -> bool:
 # --- in kpng, beside other backends
 
 
+@pytest.mark.slow
 def test_failing_exec_and_plugin_backends_leave_kpng_and_the_other_backends_working(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

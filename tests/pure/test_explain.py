@@ -208,6 +208,7 @@ def _kpng(*argv: str) -> bytes:
     ).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", ["node-1", "node-2", "node-3"])
 def test_explain_command_agrees_with_to_json_on_the_example_cluster(node: str) -> None:
     explained = json.loads(
@@ -301,6 +302,7 @@ spec: {type: ExternalName, externalName: example.com}
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("service", "why"),
     [

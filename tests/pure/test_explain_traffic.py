@@ -133,6 +133,7 @@ def _explain(address: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 
+@pytest.mark.slow
 def test_explain_shows_the_counts_read_from_the_nodes_metrics(
     page: tuple[str, list[bytes]],
 ) -> None:
@@ -144,6 +145,7 @@ def test_explain_shows_the_counts_read_from_the_nodes_metrics(
     assert rows == {"10.244.1.11:8080": "39", "10.244.2.13:8080": "0", "10.244.3.12:8080": "0"}
 
 
+@pytest.mark.slow
 def test_explain_fails_naming_a_page_without_counters(page: tuple[str, list[bytes]]) -> None:
     address, body = page
     body[0] = b"kpng_store_revision 7\n"

@@ -183,6 +183,7 @@ def test_a_write_between_the_load_and_the_watch_is_not_lost(tmp_path: Path) -> N
     assert ("ns", "b") in store.services
 
 
+@pytest.mark.slow
 def test_a_big_reload_leaves_the_event_loop_free(tmp_path: Path) -> None:
     """Parsing runs in a thread: the loop keeps answering (/healthz, the API) meanwhile."""
     path = tmp_path / "big.yaml"

@@ -268,6 +268,7 @@ def test_a_stream_of_garbage_is_survived_and_the_next_connection_served(
         assert dict(got.services) == state
 
 
+@pytest.mark.slow
 def test_a_message_larger_than_the_client_takes_ends_the_connection_not_the_client(
     socket_dir: Path,
 ) -> None:

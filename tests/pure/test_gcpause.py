@@ -28,6 +28,7 @@ def _unfrozen() -> Iterator[None]:
         gc.enable()
 
 
+@pytest.mark.slow
 def test_what_a_big_paused_step_keeps_is_frozen_and_the_collector_runs_again() -> None:
     with collector_paused():
         assert not gc.isenabled()
@@ -53,6 +54,7 @@ def test_the_collector_left_off_stays_off() -> None:
     assert not gc.isenabled()
 
 
+@pytest.mark.slow
 def test_syncs_of_a_churning_cluster_leave_no_cyclic_garbage_behind_the_freeze() -> None:
     """Full and incremental syncs, services added, changed and deleted: every paused step of
     to-nft makes only what reference counting frees. A cycle made there would be frozen and

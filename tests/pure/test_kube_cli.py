@@ -43,6 +43,7 @@ contexts: [{{name: c, context: {{cluster: k, user: u}}}}]
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "args", "message"),
     [
@@ -78,6 +79,7 @@ def test_bad_kubeconfig_is_a_clear_error(
     assert message.format(path=path) in errors[0]
 
 
+@pytest.mark.slow
 def test_unreachable_server_with_a_sync_timeout_is_a_clear_error(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -94,6 +96,7 @@ def test_unreachable_server_with_a_sync_timeout_is_a_clear_error(
     assert f"Service: cannot list: cannot connect to https://127.0.0.1:{port}" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_failing_source_leaves_no_socket_and_no_stray_traceback_behind_to_api(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -164,6 +167,7 @@ def test_the_size_flags_default_to_the_clients_bounds() -> None:
     assert parse_bytes(parser.get_default("max_event_bytes")) == MAX_LINE
 
 
+@pytest.mark.slow
 def test_max_list_bytes_fails_a_larger_page(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -177,6 +181,7 @@ def test_max_list_bytes_fails_a_larger_page(
     assert "a body larger than 1024 bytes" in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_max_event_bytes_ends_a_watch_with_a_longer_event(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

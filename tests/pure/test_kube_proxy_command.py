@@ -493,6 +493,7 @@ def test_flags_beside_config_are_ignored_as_kube_proxy_does_but_said() -> None:
     assert warnings == ["--masquerade-all: ignored because --config is given, as kube-proxy does"]
 
 
+@pytest.mark.slow
 def test_init_only_and_an_unreadable_config_through_the_cli(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

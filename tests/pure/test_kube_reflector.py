@@ -532,6 +532,7 @@ def test_a_watch_event_that_does_not_decode_fails_the_watch_and_lists_again() ->
     assert reflector.resource_version == ""  # the next round lists
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("head", "body", "error"),
     [

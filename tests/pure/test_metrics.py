@@ -130,6 +130,7 @@ def _slice(name: str, ip: str, trigger: float, *, v6: bool = False) -> Slice:
     return converted
 
 
+@pytest.mark.slow
 def test_network_programming_runs_from_the_trigger_time_to_the_rules_applied() -> None:
     async def scenario() -> None:
         store = Store()
@@ -180,6 +181,7 @@ def test_network_programming_runs_from_the_trigger_time_to_the_rules_applied() -
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_change_waits_for_every_backend_before_it_counts_as_programmed() -> None:
     async def scenario() -> None:
         store = Store()
@@ -294,6 +296,7 @@ def test_no_local_endpoints_counts_the_ports_whose_local_policy_drops(case: str)
     assert dict(no_local_endpoints(ServiceEndpoints(service, endpoints))) == expected
 
 
+@pytest.mark.slow
 def test_no_local_endpoints_follow_the_services_changed_and_deleted() -> None:
     async def scenario() -> None:
         status = Status(timeout=60.0)
@@ -315,6 +318,7 @@ def test_no_local_endpoints_follow_the_services_changed_and_deleted() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_refused_services_and_drift_repairs_are_on_metrics_and_in_the_state_view() -> None:
     """A service to-nft cannot write is counted and named; another program's change to its
     table is reported while it lasts, and counted by kind once repaired."""
@@ -366,6 +370,7 @@ RECONCILED_S = "kubeproxy_conntrack_reconciler_sync_duration_seconds"
 RECONCILED_DELETED = "kubeproxy_conntrack_reconciler_deleted_entries_total"
 
 
+@pytest.mark.slow
 def test_the_udp_conntrack_cleanup_is_kube_proxys_conntrack_reconciler() -> None:
     """Each family's reconciliation after a sync is timed, in kube-proxy's buckets, and its
     deleted flows counted; before the first there is no series, as in kube-proxy."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -239,6 +240,7 @@ def test_the_table_names_what_kube_proxy_exports() -> None:
     assert not set(NOT_EXPORTED) & set(names)
 
 
+@pytest.mark.slow
 def test_the_dashboard_reads_kpng_under_the_file_source(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

@@ -295,6 +295,7 @@ def test_a_refused_state_is_logged_and_retried_whole(
     )
 
 
+@pytest.mark.slow
 def test_a_hung_plugin_hits_the_deadline_and_the_others_go_on(
     plugins: Plugins, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -343,6 +344,7 @@ def test_a_missing_socket_is_logged_and_the_plugin_fed_once_it_appears(
     assert json_lines(plugins.record("late"))[0]["full"] is True
 
 
+@pytest.mark.slow
 def test_a_crashed_plugin_gets_the_whole_state_when_it_is_back_without_a_new_change(
     plugins: Plugins, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -408,6 +410,7 @@ def test_a_missing_named_config_is_an_error_the_plugin_is_retried_for(
     assert f"its configuration {config} does not exist" in "\n".join(_messages(caplog))
 
 
+@pytest.mark.slow
 def test_a_plugin_directory_is_followed_as_plugins_come_and_go(
     plugins: Plugins, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -482,6 +485,7 @@ def test_an_unhealthy_plugin_is_logged_once(
     assert unhealthy == ["plugin u reports it is unhealthy: the kernel table is gone"]
 
 
+@pytest.mark.slow
 def test_a_grpc_server_of_another_api_is_reported_as_the_wrong_protocol(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, kpng_command: list[str]
 ) -> None:
@@ -568,6 +572,7 @@ def _has_revision(record: Path, revision: int) -> Callable[[], bool]:
     return lambda: bool(json_lines(record)) and json_lines(record)[-1]["revision"] >= revision
 
 
+@pytest.mark.slow
 def test_a_slow_plugin_stalls_neither_the_fast_one_nor_the_other_backends(
     plugins: Plugins, tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

@@ -125,6 +125,7 @@ def _errors(stderr: str) -> list[str]:
 # --- a brain's unix socket
 
 
+@pytest.mark.slow
 def test_a_second_brain_on_a_live_socket_is_refused_and_the_first_keeps_serving(
     env: dict[str, str], sock_dir: Path, tmp_path: Path
 ) -> None:
@@ -145,6 +146,7 @@ def test_a_second_brain_on_a_live_socket_is_refused_and_the_first_keeps_serving(
         first.kill()
 
 
+@pytest.mark.slow
 def test_a_stale_socket_is_taken_over(env: dict[str, str], sock_dir: Path, tmp_path: Path) -> None:
     sock = sock_dir / "api.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
@@ -156,6 +158,7 @@ def test_a_stale_socket_is_taken_over(env: dict[str, str], sock_dir: Path, tmp_p
         brain.kill()
 
 
+@pytest.mark.slow
 def test_a_path_that_is_not_a_socket_is_refused(env: dict[str, str], sock_dir: Path) -> None:
     path = sock_dir / "api.sock"
     path.write_text("someone's file\n")
@@ -166,6 +169,7 @@ def test_a_path_that_is_not_a_socket_is_refused(env: dict[str, str], sock_dir: P
     assert path.read_text() == "someone's file\n"
 
 
+@pytest.mark.slow
 def test_on_exit_a_brain_leaves_a_socket_that_replaced_its_own(
     env: dict[str, str], sock_dir: Path, tmp_path: Path
 ) -> None:
@@ -215,6 +219,7 @@ def _usable(backend: str) -> bool:
     return ctypes.util.find_library("bpf") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_one_shot_run_without_privilege_fails_at_once_with_one_line(
     env: dict[str, str], backend: str
@@ -244,6 +249,7 @@ def test_a_one_shot_run_without_privilege_fails_at_once_with_one_line(
 # --- SIGTERM ends every command
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_node_agent_that_keeps_reconnecting(
     env: dict[str, str], sock_dir: Path, tmp_path: Path
 ) -> None:
@@ -259,6 +265,7 @@ def test_sigterm_ends_a_node_agent_that_keeps_reconnecting(
         agent.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_node_agent_whose_brain_is_gone(
     env: dict[str, str], sock_dir: Path, tmp_path: Path
 ) -> None:
@@ -279,6 +286,7 @@ def test_sigterm_ends_a_node_agent_whose_brain_is_gone(
         brain.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_backend_that_keeps_failing_without_privilege(
     env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -299,6 +307,7 @@ def test_sigterm_ends_a_backend_that_keeps_failing_without_privilege(
         proxy.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_brain(env: dict[str, str], sock_dir: Path, tmp_path: Path) -> None:
     sock = sock_dir / "api.sock"
     brain = _brain(sock, env, tmp_path / "brain.log")

@@ -75,6 +75,7 @@ def _expected(tmp_path: Path) -> list[str]:
     return sorted(f"{s['service']['Namespace']}/{s['service']['Name']}" for s in state["services"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_each_shape_gets_the_node_state(tmp_path: Path, shape: str) -> None:
     (tmp_path / "mine.py").write_text(SHAPES[shape])
@@ -88,6 +89,7 @@ def test_each_shape_gets_the_node_state(tmp_path: Path, shape: str) -> None:
     assert json.loads(done.stdout.splitlines()[0]) == _expected(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "module", "message"),
     [
@@ -139,6 +141,7 @@ class backend:
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", FOLLOWERS)
 def test_once_exits_after_the_first_state(tmp_path: Path, shape: str) -> None:
     (tmp_path / "follow.py").write_text(FOLLOWERS[shape])
@@ -152,6 +155,7 @@ def test_once_exits_after_the_first_state(tmp_path: Path, shape: str) -> None:
     assert json.loads(line) == _expected(tmp_path)
 
 
+@pytest.mark.slow
 def test_once_fails_on_a_file_that_never_parsed(tmp_path: Path) -> None:
     (tmp_path / "follow.py").write_text(FOLLOWERS["handler"])
     broken = tmp_path / "broken.yaml"

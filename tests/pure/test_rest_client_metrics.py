@@ -81,6 +81,7 @@ def _series(text: str, prefix: str) -> Series:
     }
 
 
+@pytest.mark.slow
 def test_requests_are_counted_by_status_method_and_host_and_timed_as_client_go() -> None:
     async def scenario() -> str:
         server = await asyncio.start_server(_serve, "127.0.0.1", 0)

@@ -241,6 +241,7 @@ def test_the_outage_and_the_resume_are_counted_on_both_sides() -> None:
     _run(scenario())
 
 
+@pytest.mark.slow
 def test_a_change_made_while_the_agent_was_away_is_delivered_exactly_once() -> None:
     sink = RecordingSink()
 
@@ -270,6 +271,7 @@ def test_a_change_made_while_the_agent_was_away_is_delivered_exactly_once() -> N
     assert resumed < whole / 10  # that service and the digests that found it, not the state
 
 
+@pytest.mark.slow
 def test_a_service_added_changed_and_deleted_while_away_reaches_the_sink_as_those_changes() -> None:
     sink = RecordingSink()
 
@@ -339,6 +341,7 @@ class _Forgetful:
                 forwarding.cancel()
 
 
+@pytest.mark.slow
 def test_a_brain_that_ignores_holds_sends_a_whole_state_the_agent_takes_as_a_difference() -> None:
     sink = RecordingSink()
 
@@ -368,6 +371,7 @@ def test_a_brain_that_ignores_holds_sends_a_whole_state_the_agent_takes_as_a_dif
     assert calls == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
 
 
+@pytest.mark.slow
 def test_a_go_kpng_style_client_still_gets_a_whole_state_beside_a_resuming_agent() -> None:
     sink = RecordingSink()
 

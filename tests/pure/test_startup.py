@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import EXAMPLE, ROOT
 
 HEAVY = ("grpc", "google.protobuf", "importlib.metadata")
@@ -56,6 +58,7 @@ def _imported(*argv: str) -> dict[str, list[str]]:
     return stages
 
 
+@pytest.mark.slow
 def test_file_to_local_to_json_imports_no_grpc_protobuf_or_entry_points(tmp_path: Path) -> None:
     out = tmp_path / "state.jsonl"
     stages = _imported(
@@ -71,6 +74,7 @@ def test_file_to_local_to_json_imports_no_grpc_protobuf_or_entry_points(tmp_path
 NOT_FOR_A_NODE_AGENT = ("yaml", "watchfiles", "kpng.sources.manifests", "kpng.resolver.resolving")
 
 
+@pytest.mark.slow
 def test_kpng_local_to_nft_builds_without_parsers_file_watcher_or_resolver() -> None:
     script = (
         "import json, sys, kpng.cli; kpng.cli.build(sys.argv[1:]); "
@@ -80,6 +84,7 @@ def test_kpng_local_to_nft_builds_without_parsers_file_watcher_or_resolver() -> 
     assert json.loads(_run_python(script, *argv).stdout) == []
 
 
+@pytest.mark.slow
 def test_kpng_kube_with_status_addresses_builds_without_aiohttp(tmp_path: Path) -> None:
     """The kube source's client and the status server are kpng's own (``kpng.http1``): aiohttp
     alone took about 0.2 s to import (kubernetes_asyncio, for the kubeconfigs kpng does not read
@@ -103,6 +108,7 @@ def test_kpng_kube_with_status_addresses_builds_without_aiohttp(tmp_path: Path) 
     assert json.loads(_run_python(script, *argv).stdout) == []
 
 
+@pytest.mark.slow
 def test_help_and_other_commands_do_not_import_what_kpng_top_needs() -> None:
     """``kpng top``'s parser (prometheus_client, whose package imports http.server and more)
     and its modules are imported when ``kpng top`` runs, not by ``kpng --help`` nor any

@@ -320,6 +320,7 @@ def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     assert proc.returncode == 0, log.read_text()
 
 
+@pytest.mark.slow
 def test_a_backend_that_keeps_failing_turns_healthz_and_then_livez_to_503(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -379,6 +380,7 @@ spec: {clusterIP: 10.96.0.99, ports: [{port: 70000}]}
 """
 
 
+@pytest.mark.slow
 def test_healthz_follows_the_state_the_node_and_metrics_count_it(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -428,6 +430,7 @@ def test_healthz_follows_the_state_the_node_and_metrics_count_it(
         _stop(proc, log)
 
 
+@pytest.mark.slow
 def test_a_bad_or_taken_address_is_a_clear_error(
     kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -450,6 +453,7 @@ def test_a_bad_or_taken_address_is_a_clear_error(
     assert f"cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in busy.stderr
 
 
+@pytest.mark.slow
 def test_to_api_reports_its_watches(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
@@ -534,6 +538,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_http_max_connections_and_request_timeout_take_effect(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:

@@ -268,6 +268,7 @@ def test_a_metrics_address_becomes_a_url(address: str, expected: str) -> None:
     assert metrics_url(address) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -336,6 +337,7 @@ def _top(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_once_with_no_window_prints_the_totals_and_says_so(
     served: tuple[str, type[_Pages]],
 ) -> None:
@@ -356,6 +358,7 @@ def test_once_with_no_window_prints_the_totals_and_says_so(
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("status", "body", "message"),
     [
@@ -381,6 +384,7 @@ def _without(env: Mapping[str, str], *names: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in names}
 
 
+@pytest.mark.slow
 def test_the_live_view_shows_the_rows_changes_its_sort_by_key_and_quits(
     served: tuple[str, type[_Pages]],
 ) -> None:

@@ -306,6 +306,7 @@ def test_new_tokens_are_reviewed_at_a_bounded_rate_and_known_ones_from_the_cache
     assert _run(scenario()) == (80, 30)
 
 
+@pytest.mark.slow
 def test_the_first_request_timeout_and_streams_per_connection_are_flags(
     tmp_path: Path, kpng_command: list[str], subprocess_env: dict[str, str]
 ) -> None:
