@@ -29,6 +29,29 @@ from tests.pure.test_nft_counters import (
 )
 
 
+def _kernel_backend(netns: str, options: Options) -> NftBackend:
+    """to-nft on ``netns``'s kernel; its counters are read when a test says, not on a timer."""
+    return NftBackend(
+        nft=KernelNft(("ip", "netns", "exec", netns, "nft")),
+        options=options,
+        netlink=NetlinkBatches(f"/run/netns/{netns}"),
+        sync_period=30,
+    )
+
+
+async def _web_counts(backend: NftBackend) -> dict[str, float]:
+    """One read of ``backend``'s counters: each endpoint of ns/web's connections, and the
+    service's own (key ``web``)."""
+    await backend.read_traffic()
+    samples = backend.metric_samples()
+    endpoints = {
+        dict(s.labels)["endpoint"]: s.value
+        for s in samples
+        if s.name == ENDPOINT_CONNECTIONS and dict(s.labels)["service"] == "web"
+    }
+    return {**endpoints, "web": _values(samples, CONNECTIONS)["web"]}  # type: ignore[arg-type]
+
+
 def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs() -> None:
     """N connections to a Service (from the node, through its ClusterIP, and from outside,
     through a node port) and M to a Service with no endpoint are counted as such; an unrelated
@@ -47,12 +70,7 @@ def test_kernel_counts_new_and_refused_connections_per_service_port_across_syncs
         options = Options(cluster_cidrs=("10.244.0.0/16",), traffic_counters=True)
 
         async def scenario() -> list[dict[str, dict[str, float]]]:
-            backend = NftBackend(
-                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
-                options=options,
-                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
-                sync_period=30,
-            )
+            backend = _kernel_backend(node.netns, options)
             seen = []
 
             async def read() -> None:
@@ -126,23 +144,11 @@ def test_kernel_counts_each_endpoints_connections_across_syncs() -> None:
         split: dict[str, int] = {}
 
         async def scenario() -> list[dict[str, float]]:
-            backend = NftBackend(
-                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
-                options=options,
-                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
-                sync_period=30,
-            )
+            backend = _kernel_backend(node.netns, options)
             seen = []
 
             async def read() -> None:
-                await backend.read_traffic()
-                samples = backend.metric_samples()
-                endpoints = {
-                    dict(s.labels)["endpoint"]: s.value
-                    for s in samples
-                    if s.name == ENDPOINT_CONNECTIONS and dict(s.labels)["service"] == "web"
-                }
-                seen.append({**endpoints, "web": _values(samples, CONNECTIONS)["web"]})  # type: ignore[arg-type]
+                seen.append(await _web_counts(backend))
 
             def connect(count: int) -> None:
                 for answer in bed.probe(node.netns, "tcp", web_ip, 80, count=count, timeout=1):
@@ -221,23 +227,11 @@ def test_kernel_counts_client_ip_affinity_connections_on_the_endpoint_they_stick
             return names
 
         async def scenario() -> list[dict[str, float]]:
-            backend = NftBackend(
-                nft=KernelNft(("ip", "netns", "exec", node.netns, "nft")),
-                options=options,
-                netlink=NetlinkBatches(f"/run/netns/{node.netns}"),
-                sync_period=30,
-            )
+            backend = _kernel_backend(node.netns, options)
             seen = []
 
             async def read() -> None:
-                await backend.read_traffic()
-                samples = backend.metric_samples()
-                endpoints = {
-                    dict(s.labels)["endpoint"]: s.value
-                    for s in samples
-                    if s.name == ENDPOINT_CONNECTIONS
-                }
-                seen.append({**endpoints, "web": _values(samples, CONNECTIONS)["web"]})  # type: ignore[arg-type]
+                seen.append(await _web_counts(backend))
 
             await backend.apply(keyed_state(1, services))
             assert len(connect(node.netns, web_ip, 80, 12)) == 1  # it sticks
