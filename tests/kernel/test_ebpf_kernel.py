@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -261,17 +262,22 @@ def metered(tmp_path: Path) -> Iterator[Cluster]:
 
 @contextlib.contextmanager
 def metered_cluster(
-    tmp_path: Path, *flags: str, pods: tuple[str, ...] = ("a1", "a2")
+    tmp_path: Path, *flags: str, pods: tuple[str, ...] = ("a1", "a2"), local: bool = False
 ) -> Iterator[Cluster]:
     """kpng (to-ebpf with ``flags``) on node-1 (with ``pods``, a1 and a2 among them) serving
     /metrics in the node's namespace; web (TCP, on a2), dns (UDP, on a2) and empty (no
-    endpoint)."""
+    endpoint). With ``local``, to-ebpf runs in a ``kpng local`` agent fed by a brain on a unix
+    socket in the node's namespace."""
     cidrs = ",".join(CLUSTER_CIDRS)
     backend = " ".join(
         ("to-ebpf", f"--cluster-cidr {cidrs} --cgroup {{cgroup}} --pin-dir {{pin_dir}}", *flags)
     )
     (tmp_path / "manifests").mkdir()
-    with TestBed(ClusterSpec.parse({"node-1": list(pods)}), sockets=True) as bed:
+    # A unix socket's path is at most 107 bytes: pytest's temporary paths can be longer.
+    with (
+        tempfile.TemporaryDirectory(prefix="kpng-ebpf-") as sockets,
+        TestBed(ClusterSpec.parse({"node-1": list(pods)}), sockets=True) as bed,
+    ):
         flags = ("--metrics-bind-address", METRICS)
         c = Cluster(bed, tmp_path / "manifests", tmp_path, backend, flags=flags)
         c.write("nodes", *(node_object(n) for n in bed.nodes.values()))
@@ -283,7 +289,11 @@ def metered_cluster(
             endpoint_slice(c, "dns", ["a2"], ports=dns),
         )
         c.write("empty", service("empty", EMPTY_IP, [port("http", 80)]))
-        c.start_backend("node-1")
+        api = None
+        if local:
+            api = f"unix://{sockets}/kpng.sock"
+            c.start_brain("node-1", api)
+        c.start_backend("node-1", api=api)
         c.eventually("a1", "tcp", IP, 80, lambda r: r == ["a2 10.244.1.2"])
         yield c
 

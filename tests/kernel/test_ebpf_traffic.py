@@ -617,3 +617,57 @@ def _empty_slots(cluster: Cluster) -> None:
     for entry in found:
         key = [b.removeprefix("0x") for b in entry["key"]]
         subprocess.run(["bpftool", "map", "delete", "pinned", path, "key", "hex", *key], check=True)
+
+
+@kernel
+def test_connections_behind_kpng_local_are_counted_per_service_and_endpoint(
+    tmp_path: Path,
+) -> None:
+    """A ``kpng local`` agent (``to-ebpf --traffic-counters endpoint``) fed by a brain on a unix
+    socket: N connections to web, on a2 and a3, reach its kpng_service_connections_total as N
+    and kpng_endpoint_connections_total as the servers answered them; those to empty (no
+    endpoint) are refused and counted so. to-nft's and to-iptables' agents:
+    tests/kernel/test_traffic_split.py."""
+    flags = "--traffic-counters endpoint --sync-period 1s"
+    with metered_cluster(tmp_path, flags, pods=("a1", "a2", "a3"), local=True) as cluster:
+        bed = cluster.bed
+        names = {bed.pod(name).ip4: name for name in ("a2", "a3")}
+        cluster.write(
+            "web",
+            service("web", IP, [port("http", 80)]),
+            endpoint_slice(cluster, "web", ["a2", "a3"]),
+        )
+        log = cluster.logs / "node-1.log"
+        assert poll(lambda: len(_endpoint_series(cluster, names)) == 2, within=30, interval=0.5), (
+            log.read_text()[-3000:]
+        )
+        assert poll(
+            lambda: (
+                {a.split()[0] for a in cluster.probe("a1", "tcp", IP, 80, count=4)} == {"a2", "a3"}
+            ),
+            within=30,
+            interval=0.5,
+        )
+        # The fixture's and the probes above counted too: wait for a read that saw them all.
+        start = _settled(cluster, names)
+        before = _series(cluster)
+        n, refusals = 30, 4
+        served = _connect(cluster, n)
+        assert sum(served.values()) == n
+        assert cluster.probe("a1", "tcp", EMPTY_IP, 80, count=refusals) == ["refused"] * refusals
+        wanted = {p: start.get(p, 0) + served.get(p, 0) for p in ("a2", "a3")}
+        expected = {(CONNECTIONS, "web"): n, (REJECTED, "web"): 0}
+        seen: tuple[dict[tuple[str, str], float], dict[str, float]] = ({}, {})
+
+        def counted() -> bool:
+            nonlocal seen
+            after = _series(cluster)
+            grown = {k: after.get(k, 0) - before.get(k, 0) for k in [*expected, *_EMPTY]}
+            seen = (grown, _endpoint_series(cluster, names))
+            return (
+                all(grown[k] == v for k, v in expected.items())
+                and _refused(grown, refusals)
+                and seen[1] == wanted
+            )
+
+        assert poll(counted, within=30, interval=1), (seen, wanted, served)

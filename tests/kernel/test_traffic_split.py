@@ -4,7 +4,8 @@ endpoint``) in a node's network namespace. Real connections reach the agent's ``
 they went: N connections to a Service as N, split over its endpoints as the servers saw them,
 and those to a Service without endpoints as refused. The counters' logic and the backends'
 reads in one process: tests/kernel/test_nft_counters_kernel.py,
-tests/kernel/test_iptables_counters.py."""
+tests/kernel/test_iptables_counters.py; to-ebpf's agent (its programs need the node's cgroup):
+tests/kernel/test_ebpf_traffic.py."""
 
 from __future__ import annotations
 
