@@ -1,5 +1,5 @@
 """An incremental Sink that records every call, for the tests of watches over real gRPC
-(tests/pure/test_server.py, tests/pure/test_resume.py)."""
+(tests/pure/test_server.py, tests/pure/test_resume.py, tests/pure/test_fuzz_client.py)."""
 
 from __future__ import annotations
 

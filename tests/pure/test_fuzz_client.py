@@ -46,6 +46,7 @@ from kpng.model.paths import endpoint_keys, in_key_order
 from kpng.remote.address import MAX_MESSAGE
 from kpng.remote.watching import LocalOps
 from tests.pure.fuzzing import fuzz_settings, json_values
+from tests.pure.recording import RecordingSink
 
 # --- a valid state, as kpng's brain would send it
 
@@ -294,30 +295,11 @@ def _web() -> ServiceEndpoints:
 # --- the seeds of the bugs the fuzzing found, as plain regression tests
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def reset(self) -> None:
-        self.calls.append(("reset",))
-
-    def set_service(self, service: Service) -> None:
-        self.calls.append(("set_service", service.Namespace, service.Name))
-
-    def delete_service(self, namespace: str, name: str) -> None:
-        self.calls.append(("delete_service", namespace, name))
-
-    def set_endpoint(self, namespace: str, service: str, key: str, endpoint: Endpoint) -> None:
-        self.calls.append(("set_endpoint", namespace, service, key))
-
-    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
-        self.calls.append(("delete_endpoint", namespace, service, key))
+class _Recorder(RecordingSink):
+    """test_server's recording sink, with the node's facts recorded too."""
 
     def set_node(self, facts: NodeFacts) -> None:
         self.calls.append(("set_node",))
-
-    def sync(self) -> None:
-        self.calls.append(("sync",))
 
 
 @pytest.mark.parametrize(
