@@ -492,21 +492,7 @@ def test_a_live_kpng_exposes_each_endpoints_connections_as_its_server_saw_them(
         bed = cluster.bed
         ips = {name: bed.pod(name).ip4 for name in ("a1", "a2", "a3")}
         names = {ip: name for name, ip in ips.items()}
-        cluster.write(
-            "web",
-            service("web", IP, [port("http", 80)]),
-            endpoint_slice(cluster, "web", ["a2", "a3"]),
-        )
-        assert poll(lambda: len(_endpoint_series(cluster, names)) == 2, within=30, interval=0.5)
-        assert poll(
-            lambda: (
-                {a.split()[0] for a in cluster.probe("a1", "tcp", IP, 80, count=4)} == {"a2", "a3"}
-            ),
-            within=30,
-            interval=0.5,
-        )
-        # kpng reads the programs' counts every 10 s: wait for a read that saw the probes.
-        start = _settled(cluster, names)
+        start = _web_on_a2_and_a3(cluster, names)
         served = _connect(cluster, 30)
         assert sum(served.values()) == 30
         assert set(served) == {"a2", "a3"}, served
@@ -601,6 +587,25 @@ def _monotonic(
     return read
 
 
+def _web_on_a2_and_a3(cluster: Cluster, names: dict[str, str]) -> dict[str, float]:
+    """Service web written with endpoints a2 and a3, once both are counted and both answer a1:
+    each endpoint's count (by pod name) as of a read that saw those probes and the fixture's
+    (kpng reads the programs' counts every 10 s)."""
+    cluster.write(
+        "web",
+        service("web", IP, [port("http", 80)]),
+        endpoint_slice(cluster, "web", ["a2", "a3"]),
+    )
+    counted = poll(lambda: len(_endpoint_series(cluster, names)) == 2, within=30, interval=0.5)
+    assert counted, _log(cluster)[-3000:]
+    assert poll(
+        lambda: {a.split()[0] for a in cluster.probe("a1", "tcp", IP, 80, count=4)} == {"a2", "a3"},
+        within=30,
+        interval=0.5,
+    )
+    return _settled(cluster, names)
+
+
 def _log(cluster: Cluster) -> str:
     return (cluster.logs / "node-1.log").read_text()
 
@@ -632,24 +637,7 @@ def test_connections_behind_kpng_local_are_counted_per_service_and_endpoint(
     with metered_cluster(tmp_path, flags, pods=("a1", "a2", "a3"), local=True) as cluster:
         bed = cluster.bed
         names = {bed.pod(name).ip4: name for name in ("a2", "a3")}
-        cluster.write(
-            "web",
-            service("web", IP, [port("http", 80)]),
-            endpoint_slice(cluster, "web", ["a2", "a3"]),
-        )
-        log = cluster.logs / "node-1.log"
-        assert poll(lambda: len(_endpoint_series(cluster, names)) == 2, within=30, interval=0.5), (
-            log.read_text()[-3000:]
-        )
-        assert poll(
-            lambda: (
-                {a.split()[0] for a in cluster.probe("a1", "tcp", IP, 80, count=4)} == {"a2", "a3"}
-            ),
-            within=30,
-            interval=0.5,
-        )
-        # The fixture's and the probes above counted too: wait for a read that saw them all.
-        start = _settled(cluster, names)
+        start = _web_on_a2_and_a3(cluster, names)
         before = _series(cluster)
         n, refusals = 30, 4
         served = _connect(cluster, n)
