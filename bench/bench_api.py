@@ -686,8 +686,11 @@ class Watcher:
     as INTERNAL ("Internal error from Core", grpc/grpc#36066), which ended a 2,500-watcher run
     of bench_apiserver.py; kpng.client retries every code alike."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, packed: bool = True) -> None:
         self.node = node
+        self.packed = packed
+        """Ask for packing, as kpng's node agents do: a first state's base comes compressed
+        (kpng.server.firststates), and is not inflated here."""
         self.syncs: list[float] = []
         self.bytes = 0
         self.reconnects = 0
@@ -714,7 +717,9 @@ class Watcher:
             await backoff.wait()
 
     async def _follow(self, api: str) -> None:
-        request = batchv1_pb2.WatchReq(NodeName=self.node, Encoding=batchv1_pb2.JSON)
+        request = batchv1_pb2.WatchReq(
+            NodeName=self.node, Encoding=batchv1_pb2.JSON, Packed=self.packed
+        )
         target = f"unix:{api.removeprefix('unix://')}"
         async with grpc.aio.insecure_channel(target, _OWN_CONNECTION) as channel:
             call = channel.stream_stream(

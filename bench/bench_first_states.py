@@ -11,8 +11,9 @@ read its input before the storm (its call is then ended, and not counted).
 ``--watchers`` N watchers, watcher i following node i, are spread over ``--processes`` spawned
 child processes (watcher i in process i mod P), so that their parsing shares the two cores with
 the brain as real nodes' would not more than it must. Each is a raw batched watch
-(``bench_api.Watcher``: op batches parsed, not decoded), asking for JSON payloads as node agents
-do (``kpng.remote.watching.watch_local``), so the bytes are a node's. Every process makes its
+(``bench_api.Watcher``: op batches parsed, not decoded, packed ones not inflated), asking for
+JSON payloads and packing as node agents do (``kpng.remote.watching.watch_local``), so the bytes
+are a node's; ``--no-packing`` asks for none, as a watcher from before packing did. Every process makes its
 watchers, says it is ready, and waits; they are released at once (the same instant, a
 ``time.monotonic`` reading sent to all: the clock is system-wide). Each watcher then connects
 and calls, and notes the time from the release to its first Sync, the bytes it received, and
@@ -98,11 +99,11 @@ class StormWatcher(Watcher):
 # --- the child processes
 
 
-def _watch(api: str, nodes: Sequence[int], pipe: Connection) -> None:
+def _watch(api: str, nodes: Sequence[int], packed: bool, pipe: Connection) -> None:
     """A child process: ``nodes``' watchers, released by the parent's ``go``, each to its first
     state; then their figures, and the calls are held open until ``close``."""
     _raise_nofile(2 * len(nodes) + 256)
-    watchers = [StormWatcher(synthetic.node_name(i)) for i in nodes]
+    watchers = [StormWatcher(synthetic.node_name(i), packed=packed) for i in nodes]
     pipe.send({"step": "ready"})
     message = pipe.recv()
     if message.get("step") != "go":
@@ -158,13 +159,15 @@ class Children:
     """The spawned watcher processes (spawned, not forked: grpc's core does not survive a
     fork), stopped (terminated, then killed) on leaving, whatever happened."""
 
-    def __init__(self, api: str, shares: Sequence[Sequence[int]]) -> None:
+    def __init__(self, api: str, shares: Sequence[Sequence[int]], packed: bool) -> None:
         context = multiprocessing.get_context("spawn")
         self.pipes: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         for share in shares:
             ours, theirs = context.Pipe()
-            proc = context.Process(target=_watch, args=(api, list(share), theirs), daemon=True)
+            proc = context.Process(
+                target=_watch, args=(api, list(share), packed, theirs), daemon=True
+            )
             proc.start()
             theirs.close()
             self.pipes.append(ours)
@@ -210,8 +213,8 @@ class Children:
 
 
 @contextlib.contextmanager
-def _children(api: str, shares: Sequence[Sequence[int]]) -> Iterator[Children]:
-    children = Children(api, shares)
+def _children(api: str, shares: Sequence[Sequence[int]], packed: bool) -> Iterator[Children]:
+    children = Children(api, shares, packed)
     try:
         yield children
     finally:
@@ -330,7 +333,7 @@ def _storm_run(args: argparse.Namespace, brain: Server, metrics_port: int) -> St
     deadline = args.start + args.timeout
     shares = [range(k, args.watchers, args.processes) for k in range(args.processes)]
     result = Storm()
-    with _children(brain.api, shares) as children:
+    with _children(brain.api, shares, not args.no_packing) as children:
         children.gather("ready", min(deadline, time.monotonic() + READY_S))
         ended_before = calls_ended(metrics_port)
         brain_before = brain.cpu_s()
@@ -420,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4, help="watcher processes (4)")
     parser.add_argument("--timeout", type=float, default=900.0, help="whole run, s (900)")
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS", help="sample brain")
+    parser.add_argument(
+        "--no-packing", action="store_true", help="watchers do not ask for packed first states"
+    )
     parser.add_argument("--min-free-gb", type=float, default=MIN_FREE_GB, help="default: 3")
     args = parser.parse_args(argv)
     if not 1 <= args.watchers <= args.nodes or not 1 <= args.processes <= 64:
@@ -436,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"== first states: {args.services} services x {args.endpoints} endpoints over "
         f"{args.nodes} nodes, {args.watchers} watchers in {args.processes} processes"
+        f"{', not asking for packing' if args.no_packing else ''}"
     )
     synthetic.ENDPOINTS_PER_SERVICE = args.endpoints
     try:

@@ -15,6 +15,10 @@ the digests are equal. When they differ the server first asks (OpBatch.Ask) for 
 of the watcher's buckets of services, then for those of the services in the buckets that
 differ; the watcher answers each ask with a WatchReq carrying only the answer. A server that
 cannot resume (or would rather not) sends a whole state with Reset, as to any watcher.
+
+Packing (kpng's own, docs/reference/wire.md): a watcher whose first request sets Packed may be
+sent ops compressed (OpBatch.Packed). The server packs what many watchers share, a whole
+state's services as a zone's nodes all see them, once for all of them.
 """
 
 from collections import abc as _abc
@@ -67,6 +71,7 @@ class WatchReq(_message.Message):
     HOLDS_FIELD_NUMBER: _builtins.int
     BUCKETS_FIELD_NUMBER: _builtins.int
     SERVICES_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
     NodeName: _builtins.str
     Encoding: Global___Encoding.ValueType
     Holds: _builtins.bytes
@@ -75,6 +80,8 @@ class WatchReq(_message.Message):
     """
     Buckets: _builtins.bytes
     """The answer to Ask.Buckets: the 256 bucket digests, 16 bytes each, in bucket order."""
+    Packed: _builtins.bool
+    """The first request only: the watcher reads OpBatch.Packed."""
     @_builtins.property
     def Services(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServiceDigest]:
         """The answer to Ask.ServicesIn: every service the watcher holds in those buckets."""
@@ -87,10 +94,11 @@ class WatchReq(_message.Message):
         Holds: _builtins.bytes = ...,
         Buckets: _builtins.bytes = ...,
         Services: _abc.Iterable[Global___ServiceDigest] | None = ...,
+        Packed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "Encoding", b"Encoding", "Holds", b"Holds", "NodeName", b"NodeName", "Services", b"Services"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "Encoding", b"Encoding", "Holds", b"Holds", "NodeName", b"NodeName", "Packed", b"Packed", "Services", b"Services"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -170,6 +178,7 @@ class OpBatch(_message.Message):
     OPS_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
     Resumed: _builtins.bool
     """The first batch of a resumed change set: no Reset, it changes what the watcher holds."""
     @_builtins.property
@@ -178,16 +187,24 @@ class OpBatch(_message.Message):
     def Ask(self) -> Global___DigestAsk:
         """A question to the watcher while resuming, in a batch with no ops."""
 
+    @_builtins.property
+    def Packed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Ops compressed with zlib (RFC 1950), each entry the encoding of an OpBatch holding only Ops,
+        at most 64 MiB once inflated. A message's ops are those of its Packed entries, in order,
+        then its Ops. Sent only to a watcher that asked (WatchReq.Packed).
+        """
+
     def __init__(
         self,
         *,
         Ops: _abc.Iterable[_localv1_pb2.OpItem] | None = ...,
         Ask: Global___DigestAsk | None = ...,
         Resumed: _builtins.bool = ...,
+        Packed: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask", "Ops", b"Ops", "Resumed", b"Resumed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask", "Ops", b"Ops", "Packed", b"Packed", "Resumed", b"Resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,6 +15,10 @@ the digests are equal. When they differ the server first asks (OpBatch.Ask) for 
 of the watcher's buckets of services, then for those of the services in the buckets that
 differ; the watcher answers each ask with a WatchReq carrying only the answer. A server that
 cannot resume (or would rather not) sends a whole state with Reset, as to any watcher.
+
+Packing (kpng's own, docs/reference/wire.md): a watcher whose first request sets Packed may be
+sent ops compressed (OpBatch.Packed). The server packs what many watchers share, a whole
+state's services as a zone's nodes all see them, once for all of them.
 """
 
 from collections import abc as _abc

@@ -6,12 +6,13 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import grpc
 import msgspec
+from google.protobuf.message import DecodeError
 
 from kpng.api import WARNING_METADATA, batchv1_pb2, codec, globalv1_pb2, localv1_pb2
 from kpng.api.digests import (
@@ -72,6 +73,17 @@ def answer_ask(holdings: Holdings, ask: batchv1_pb2.DigestAsk) -> batchv1_pb2.Wa
         holdings.complete = False
         raise WireError(f"an answer of {reply.ByteSize()} bytes: too big, starting over")
     return reply
+
+
+def _batch_ops(message: batchv1_pb2.OpBatch) -> Iterator[localv1_pb2.OpItem]:
+    """An OpBatch's ops: those of its Packed entries, in order, then its own."""
+    for entry in message.Packed:
+        try:
+            packed = batchv1_pb2.OpBatch.FromString(codec.unpacked(entry))
+        except DecodeError as exc:
+            raise WireError(f"a Packed entry that is no OpBatch: {exc}") from None
+        yield from packed.Ops
+    yield from message.Ops
 
 
 @dataclass
@@ -151,12 +163,12 @@ async def _follow_once(
                     await call.write(answer_ask(resumable, message.Ask))
                     continue
                 _resumed(handle)
-            for op in message.Ops if rpc.batched else (message,):
+            for op in _batch_ops(message) if rpc.batched else (message,):
                 kind = op.WhichOneof("Op")
                 if kind == "Set":
-                    value = op.Set
-                    ref = value.Ref
-                    on_op(kind, ref.Set, ref.Path, value.Bytes)
+                    item = op.Set
+                    ref = item.Ref
+                    on_op(kind, ref.Set, ref.Path, item.Bytes)
                 elif kind == "Delete":
                     on_op(kind, op.Delete.Set, op.Delete.Path, b"")
                 elif kind == "Sync":
@@ -342,6 +354,11 @@ def json_decoding(decoder: msgspec.json.Decoder[T]) -> Callable[[bytes], T]:
     return decode
 
 
+def _path_parts(path: str) -> list[str]:
+    """What sorts paths in the Sink's order: by namespace, name and endpoint key."""
+    return path.split("/", 2)
+
+
 def endpoint_path(path: str) -> tuple[str, str, str]:
     """(namespace, service, key) of an endpoint's path; WireError if it has fewer parts."""
     parts = path.split("/", 2)
@@ -356,6 +373,14 @@ def report_skipped(url: str, kind: str, set_: int, path: str, exc: WireError) ->
               url, kind, set_, path, exc)  # fmt: skip
 
 
+@dataclass
+class _Whole:
+    """A whole state's Sets as they came, by path, decoded (kept until its Sync)."""
+
+    services: dict[str, tuple[bytes, Service]] = field(default_factory=dict)
+    endpoints: dict[str, tuple[bytes, str, str, str, Endpoint]] = field(default_factory=dict)
+
+
 class LocalOps:
     """Dispatches node-local ops to an incremental Sink: node facts to a NodeSink, trigger
     times to a TriggerSink, each only if the sink is one.
@@ -367,6 +392,10 @@ class LocalOps:
     services the node should not hold: here only the items that really differ reach the sink,
     in the Sink's order, the endpoints held but not sent again deleted; and when nothing
     differed, the sink is not even synced.
+
+    A whole state (a change set that starts with Reset) is held here until its Sync and handed
+    on in the Sink's order: a packed one comes as its zone's base in bucket order, then the
+    node's own services, some set twice (kpng.server.firststates).
     """
 
     def __init__(
@@ -397,6 +426,8 @@ class LocalOps:
         """Paths of the items a resumed change set sent."""
         self._gone: list[str] = []
         """Services a resumed change set deleted."""
+        self._whole: _Whole | None = None
+        """The services and endpoints of a whole state, until its Sync."""
 
     def resumed(self) -> None:
         """The change set coming resumes what is held."""
@@ -419,6 +450,19 @@ class LocalOps:
         held = self._holdings
         if held is not None:
             held.complete = False  # until this change set's Sync
+        whole = self._whole
+        if whole is not None and set_ in (localv1_pb2.ServicesSet, localv1_pb2.EndpointsSet):
+            # Decoded now: a Set kpng cannot read is skipped, and keeps an earlier one's value.
+            if set_ == localv1_pb2.ServicesSet:
+                if kind == "Set":
+                    whole.services[path] = (payload, self._checked_service(path, payload))
+                elif kind == "Delete":
+                    whole.services.pop(path, None)
+            elif kind == "Set":
+                whole.endpoints[path] = (payload, *endpoint_path(path), self._endpoint(payload))
+            elif kind == "Delete":
+                whole.endpoints.pop(path, None)
+            return
         if kind == "Set":
             if set_ == localv1_pb2.EndpointsSet:
                 namespace, name, key = endpoint_path(path)
@@ -462,6 +506,22 @@ class LocalOps:
             sink.reset()
             if held is not None:
                 held.clear()
+            self._whole = _Whole()
+
+    def _hand_whole(self, whole: _Whole) -> None:
+        """A whole state's services and endpoints to the sink, in the Sink's order."""
+        sink, held = self._sink, self._holdings
+        services, endpoints = whole.services, whole.endpoints
+        for path in sorted(services, key=_path_parts):
+            payload, service = services[path]
+            sink.set_service(service)
+            if held is not None:
+                held.set(path, path, item_digest(path, payload))
+        for path in sorted(endpoints, key=_path_parts):
+            payload, namespace, name, key, endpoint = endpoints[path]
+            sink.set_endpoint(namespace, name, key, endpoint)
+            if held is not None:
+                held.set(f"{namespace}/{name}", path, item_digest(path, payload))
 
     def _checked_service(self, path: str, payload: bytes) -> Service:
         service = self._service(payload)
@@ -527,6 +587,9 @@ class LocalOps:
                     "nothing as local",
                     self._url,
                 )
+        if self._whole is not None:
+            self._hand_whole(self._whole)
+            self._whole = None
         held = self._holdings
         if held is not None and self._resuming:
             self._end_resume(held)
@@ -557,7 +620,7 @@ async def watch_local(
         target.check(),
         batched=_Rpc(
             "/kpng.batchv1.Sets/Watch",
-            batchv1_pb2.WatchReq(NodeName=node_name, Encoding=batchv1_pb2.JSON),
+            batchv1_pb2.WatchReq(NodeName=node_name, Encoding=batchv1_pb2.JSON, Packed=True),
             batchv1_pb2.OpBatch,
             batched=True,
         ),

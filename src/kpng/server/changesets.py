@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -117,18 +117,29 @@ class SharedOps:
         return entry
 
 
-def batches(ops: Iterable[bytes], limit: int) -> Iterator[bytes]:
-    """Encoded OpBatches of ``ops``, each cut once it holds ``limit`` bytes of ops or more."""
+def _cut(items: Iterable[bytes], limit: int) -> Iterator[list[bytes]]:
+    """``items`` in runs, each cut once it holds ``limit`` bytes or more."""
     chunk: list[bytes] = []
     size = 0
-    for op in ops:
-        chunk.append(op)
-        size += len(op)
+    for item in items:
+        chunk.append(item)
+        size += len(item)
         if size >= limit:
-            yield codec.op_batch(chunk)
+            yield chunk
             chunk, size = [], 0
     if chunk:
-        yield codec.op_batch(chunk)
+        yield chunk
+
+
+def batches(ops: Iterable[bytes], limit: int) -> Iterator[bytes]:
+    """Encoded OpBatches of ``ops``, each cut once it holds ``limit`` bytes of ops or more."""
+    return map(codec.op_batch, _cut(ops, limit))
+
+
+def joined(pieces: Iterable[bytes], limit: int) -> Iterator[bytes]:
+    """Encoded OpBatches concatenated (which makes one OpBatch of all their entries) into
+    messages, each cut once it holds ``limit`` bytes or more."""
+    return map(b"".join, _cut(pieces, limit))
 
 
 @dataclass(frozen=True)
@@ -140,14 +151,27 @@ class ChangeSet:
     shared: Shared
     tail: list[bytes]
     """Change triggers, Sync."""
+    base: Sequence[bytes] = ()
+    """A first state's zone base, as encoded OpBatches shared by the zone's watchers
+    (``firststates.BaseFrames``), sent between ``head`` and ``shared``: ``shared`` then holds
+    the node's corrections to it. Only batched watches are sent one."""
 
     def ops(self) -> list[bytes]:
+        if self.base:
+            raise ValueError("a change set over a zone's base is for batched watches only")
         return [*self.head, *self.shared.ops, *self.tail]
 
     def batches(self, limit: int) -> Iterator[bytes]:
-        """What ``batches(self.ops(), limit)`` gives, byte for byte. A change set under the
-        limit is one batch, and OpBatch encodings concatenate into the OpBatch of all their ops
-        (Ops is the only field, repeated): the shared ops are framed once for all views."""
+        """What ``batches(self.ops(), limit)`` gives, byte for byte, without a base. A change
+        set under the limit is one batch, and OpBatch encodings concatenate into the OpBatch of
+        all their ops (Ops is the only field, repeated): the shared ops are framed once for all
+        views. With a base: the head alone (a Reset must come before any Packed entry), the
+        base's pieces joined up to ``limit``, then the rest."""
+        if self.base:
+            yield codec.op_batch(self.head)
+            yield from joined(self.base, limit)
+            yield from batches(itertools.chain(self.shared.ops, self.tail), limit)
+            return
         size = sum(len(op) for op in self.head) + self.shared.size
         size += sum(len(op) for op in self.tail)
         if 0 < size < limit:
