@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from kpng.api import batchv1_pb2, codec, localv1_pb2
+from kpng.api.digests import bucket_of
 from kpng.api.localv1_pb2 import EndpointsSet, ServicesSet
 from kpng.api.ops import FirstOps, local_ops
 from kpng.client import watch
@@ -43,9 +44,9 @@ from tests.pure.test_zone_bases import (
 _encode = msgspec.json.encode
 
 
-def _frames(cluster: ClusterResolver, piece_bytes: int = 1 << 18) -> tuple[BaseFrames, FirstOps]:
+def _frames(cluster: ClusterResolver, message_bytes: int = 1 << 18) -> tuple[BaseFrames, FirstOps]:
     first_ops = FirstOps(_encode, _encode)
-    frames = BaseFrames(first_ops, piece_bytes=piece_bytes)
+    frames = BaseFrames(first_ops, message_bytes=message_bytes)
     cluster.on_change.append(first_ops.forget)
     cluster.on_base_change.append(frames.changed)
     return frames, first_ops
@@ -83,7 +84,7 @@ def _whole(state: Mapping[ServiceKey, ServiceEndpoints]) -> dict[tuple[int, str]
 def _first_state(frames: BaseFrames, first_ops: FirstOps, view: NodeView) -> list[bytes]:
     base, zone, overlay = view.layers()
     assert zone is not None
-    return _inflated(frames.pieces(zone, base)) + corrections(base, overlay, first_ops).ops
+    return _inflated(frames.messages(zone, base)) + corrections(base, overlay, first_ops).ops
 
 
 @pytest.mark.parametrize("node", NODES)
@@ -107,7 +108,7 @@ def test_packed_bases_follow_random_changes(seed: int) -> None:
     open view would be sent now is exactly its state (pieces made at earlier steps reused)."""
     rng = random.Random(seed)
     cluster = ClusterResolver()
-    frames, first_ops = _frames(cluster, piece_bytes=rng.choice([64, 1 << 18]))
+    frames, first_ops = _frames(cluster, message_bytes=rng.choice([64, 1 << 18]))
     views: list[NodeView] = []
     for _step in range(150):
         action = rng.random()
@@ -129,7 +130,7 @@ def test_packed_bases_follow_random_changes(seed: int) -> None:
             assert _applied(_first_state(frames, first_ops, view)) == _whole(view.state)
 
 
-def test_a_change_repacks_only_its_bucket() -> None:
+def test_a_change_repacks_only_its_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = ClusterResolver()
     for i in range(300):
         cluster.set_service(("ns", f"s{i}"), _service(f"s{i}"))
@@ -138,12 +139,24 @@ def test_a_change_repacks_only_its_bucket() -> None:
     view.resolve()
     base, zone, _ = view.layers()
     assert zone is not None
-    before = frames.pieces(zone, base)
+    packs: list[bytes] = []
+    pack = codec.packed
+
+    def counted(batch: bytes) -> bytes:
+        packs.append(batch)
+        return pack(batch)
+
+    monkeypatch.setattr(codec, "packed", counted)
+    before = frames.messages(zone, base)
+    assert len(packs) == len({bucket_of(f"ns/s{i}") for i in range(300)})  # one per bucket
+    assert frames.messages(zone, base) is before  # nothing changed: the same messages
+    packs.clear()
     cluster.set_slice(("ns", "s7-1"), _slice("s7", *KINDS["plain"][1][0].endpoints))
     cluster.view("n1").resolve()  # moves the zone's base on
-    after = frames.pieces(zone, base)
-    assert len(after) == len(before) > 100
-    assert sum(a is not b for a, b in zip(before, after, strict=True)) == 1
+    after = frames.messages(zone, base)
+    assert len(packs) == 1
+    assert b"ns/s7" in packs[0]
+    assert after != before
     assert _applied(_first_state(frames, first_ops, view)) == _whole(view.state)
 
 
@@ -157,8 +170,8 @@ def test_packed_is_15_times_smaller_than_the_json_it_holds() -> None:
     view.resolve()
     base, zone, _ = view.layers()
     assert zone is not None
-    packed = sum(map(len, frames.pieces(zone, base)))
-    plain = sum(map(len, _inflated(frames.pieces(zone, base))))
+    packed = sum(map(len, frames.messages(zone, base)))
+    plain = sum(map(len, _inflated(frames.messages(zone, base))))
     assert plain > 10 * packed
 
 

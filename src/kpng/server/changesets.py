@@ -152,13 +152,13 @@ class ChangeSet:
     tail: list[bytes]
     """Change triggers, Sync."""
     base: Sequence[bytes] = ()
-    """A first state's zone base, as encoded OpBatches shared by the zone's watchers
-    (``firststates.BaseFrames``), sent between ``head`` and ``shared``: ``shared`` then holds
-    the node's corrections to it. Only batched watches are sent one."""
+    """A first state's zone base, as the messages every watcher of the zone is sent
+    (``firststates.BaseFrames``), between ``head`` and ``shared``: ``shared`` then holds the
+    node's corrections to it. Sent only to batched watchers that asked for packing."""
 
     def ops(self) -> list[bytes]:
         if self.base:
-            raise ValueError("a change set over a zone's base is for batched watches only")
+            raise ValueError("a change set over a zone's base is for packing watchers only")
         return [*self.head, *self.shared.ops, *self.tail]
 
     def batches(self, limit: int) -> Iterator[bytes]:
@@ -166,10 +166,10 @@ class ChangeSet:
         set under the limit is one batch, and OpBatch encodings concatenate into the OpBatch of
         all their ops (Ops is the only field, repeated): the shared ops are framed once for all
         views. With a base: the head alone (a Reset must come before any Packed entry), the
-        base's pieces joined up to ``limit``, then the rest."""
+        base's messages, then the rest."""
         if self.base:
             yield codec.op_batch(self.head)
-            yield from joined(self.base, limit)
+            yield from self.base
             yield from batches(itertools.chain(self.shared.ops, self.tail), limit)
             return
         size = sum(len(op) for op in self.head) + self.shared.size

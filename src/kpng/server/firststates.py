@@ -25,13 +25,13 @@ from kpng.api.ops import FirstOps, local_ops
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.model.paths import service_path
-from kpng.server.changesets import Shared, batches
+from kpng.server.changesets import Shared, batches, joined
 
 
 class _ZoneFrames:
     """One zone's base as packed buckets: the services of each, and its pieces once made."""
 
-    __slots__ = ("members", "pieces", "stale")
+    __slots__ = ("members", "messages", "pieces", "stale")
 
     def __init__(self) -> None:
         self.members: list[set[ServiceKey]] = [set() for _ in range(BUCKETS)]
@@ -40,6 +40,8 @@ class _ZoneFrames:
         it changed)."""
         self.stale: set[ServiceKey] | None = None
         """Services whose value in the base changed since (None: every one, not yet made)."""
+        self.messages: list[bytes] | None = None
+        """The pieces joined into messages (None: not made since a bucket changed)."""
 
 
 class BaseFrames:
@@ -48,11 +50,12 @@ class BaseFrames:
     listener. A bucket is packed at the first first state that needs it after it changed, so
     a churning cluster costs nothing until a node connects."""
 
-    def __init__(self, first_ops: FirstOps, *, piece_bytes: int) -> None:
+    def __init__(self, first_ops: FirstOps, *, message_bytes: int) -> None:
         self._first_ops = first_ops
-        self._piece_bytes = piece_bytes
-        """A bucket's ops are cut into pieces of about this size (``batches``): a bucket of a
-        few huge services is not one message beyond what a watcher takes."""
+        self._message_bytes = message_bytes
+        """A bucket's ops are cut into pieces of about this size before they are packed (a
+        bucket of a few huge services is not one entry beyond what a watcher inflates), and the
+        packed pieces are joined into messages of about this size."""
         self._zones: dict[str, _ZoneFrames] = {}
 
     def changed(self, zone: str, key: ServiceKey | None) -> None:
@@ -64,18 +67,21 @@ class BaseFrames:
         if entry is not None and entry.stale is not None:
             entry.stale.add(key)
 
-    def pieces(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> list[bytes]:
+    def messages(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> list[bytes]:
         """``zone``'s ``base`` as encoded OpBatches of Packed entries, in bucket order; they
-        concatenate into one OpBatch whose ops are every Set of the base."""
+        concatenate into one OpBatch whose ops are every Set of the base. The same bytes
+        objects for every node of the zone until the base changes: not even copied per node."""
         entry = self._current(zone, base)
-        made = entry.pieces
-        found: list[bytes] = []
-        for index in range(BUCKETS):
-            pieces = made[index]
-            if pieces is None:
-                pieces = made[index] = self._pack(entry.members[index], base)
-            found.extend(pieces)
-        return found
+        if entry.messages is None:
+            made = entry.pieces
+            found: list[bytes] = []
+            for index in range(BUCKETS):
+                pieces = made[index]
+                if pieces is None:
+                    pieces = made[index] = self._pack(entry.members[index], base)
+                found.extend(pieces)
+            entry.messages = list(joined(found, self._message_bytes))
+        return entry.messages
 
     def _pack(
         self, members: set[ServiceKey], base: Mapping[ServiceKey, ServiceEndpoints]
@@ -86,7 +92,8 @@ class BaseFrames:
             service_op, ops = self._first_ops(key, base[key])
             service_ops.append(service_op)
             endpoint_ops.extend(ops)
-        return [codec.packed(b) for b in batches(service_ops + endpoint_ops, self._piece_bytes)]
+        ops = service_ops + endpoint_ops
+        return [codec.packed(batch) for batch in batches(ops, self._message_bytes)]
 
     def _current(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> _ZoneFrames:
         """``zone``'s frames, their buckets' members brought up to its base and the pieces of
@@ -105,6 +112,7 @@ class BaseFrames:
                 else:
                     entry.members[index].discard(key)
                 entry.pieces[index] = None
+                entry.messages = None
         entry.stale = set()
         return entry
 

@@ -171,7 +171,7 @@ class Encoders:
             SharedOps(service, endpoint, first_ops),
             digests := ServiceDigests(service, endpoint),
             BaseDigests(digests),
-            BaseFrames(first_ops, piece_bytes=BATCH_BYTES),
+            BaseFrames(first_ops, message_bytes=BATCH_BYTES),
         )
 
     @classmethod
@@ -188,7 +188,7 @@ class Encoders:
             SharedOps(encode, encode, first_ops),
             digests := ServiceDigests(encode, encode),
             BaseDigests(digests),
-            BaseFrames(first_ops, piece_bytes=BATCH_BYTES),
+            BaseFrames(first_ops, message_bytes=BATCH_BYTES),
         )
 
 
@@ -531,7 +531,7 @@ class WatchServer:
                     # services after it: some 20 of 10,000.
                     zone_base, zone, overlay = layers
                     assert zone is not None
-                    base = enc.base_frames.pieces(zone, zone_base)
+                    base = enc.base_frames.messages(zone, zone_base)
                     shared = corrections(zone_base, overlay, enc.first_ops)
                 else:
                     # A first state is not remembered: its key would name every service, and a
