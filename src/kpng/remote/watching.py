@@ -375,7 +375,8 @@ def report_skipped(url: str, kind: str, set_: int, path: str, exc: WireError) ->
 
 @dataclass
 class _Whole:
-    """A whole state's Sets as they came, by path, decoded (kept until its Sync)."""
+    """A whole state's Sets as they came, by path: each item's digest (empty without holdings)
+    and what it decoded to, kept until its Sync."""
 
     services: dict[str, tuple[bytes, Service]] = field(default_factory=dict)
     endpoints: dict[str, tuple[bytes, str, str, str, Endpoint]] = field(default_factory=dict)
@@ -455,11 +456,15 @@ class LocalOps:
             # Decoded now: a Set kpng cannot read is skipped, and keeps an earlier one's value.
             if set_ == localv1_pb2.ServicesSet:
                 if kind == "Set":
-                    whole.services[path] = (payload, self._checked_service(path, payload))
+                    service = self._checked_service(path, payload)
+                    digest = item_digest(path, payload) if held is not None else b""
+                    whole.services[path] = (digest, service)
                 elif kind == "Delete":
                     whole.services.pop(path, None)
             elif kind == "Set":
-                whole.endpoints[path] = (payload, *endpoint_path(path), self._endpoint(payload))
+                parts, endpoint = endpoint_path(path), self._endpoint(payload)
+                digest = item_digest(path, payload) if held is not None else b""
+                whole.endpoints[path] = (digest, *parts, endpoint)
             elif kind == "Delete":
                 whole.endpoints.pop(path, None)
             return
@@ -513,15 +518,15 @@ class LocalOps:
         sink, held = self._sink, self._holdings
         services, endpoints = whole.services, whole.endpoints
         for path in sorted(services, key=_path_parts):
-            payload, service = services[path]
+            digest, service = services[path]
             sink.set_service(service)
             if held is not None:
-                held.set(path, path, item_digest(path, payload))
+                held.set(path, path, digest)
         for path in sorted(endpoints, key=_path_parts):
-            payload, namespace, name, key, endpoint = endpoints[path]
+            digest, namespace, name, key, endpoint = endpoints[path]
             sink.set_endpoint(namespace, name, key, endpoint)
             if held is not None:
-                held.set(f"{namespace}/{name}", path, item_digest(path, payload))
+                held.set(f"{namespace}/{name}", path, digest)
 
     def _checked_service(self, path: str, payload: bytes) -> Service:
         service = self._service(payload)
