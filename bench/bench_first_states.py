@@ -13,12 +13,12 @@ child processes (watcher i in process i mod P), so that their parsing shares the
 the brain as real nodes' would not more than it must. Each is a raw batched watch
 (``bench_api.Watcher``: op batches parsed, not decoded, packed ones not inflated), asking for
 JSON payloads and packing as node agents do (``kpng.remote.watching.watch_local``), so the bytes
-are a node's; ``--no-packing`` asks for none, as a watcher from before packing did. Every process makes its
-watchers, says it is ready, and waits; they are released at once (the same instant, a
-``time.monotonic`` reading sent to all: the clock is system-wide). Each watcher then connects
-and calls, and notes the time from the release to its first Sync, the bytes it received, and
-the codes that ended its calls before it (it calls again after a backoff, as ``kpng.client``
-does, whatever the code).
+are a node's; ``--no-packing`` asks for none, as a watcher from before packing did. Every
+process makes its watchers, says it is ready, and waits; they are released at once (the same
+instant, a ``time.monotonic`` reading sent to all: the clock is system-wide). Each watcher then
+connects and calls, and notes the time from the release to its first Sync, the bytes it
+received, and the codes that ended its calls before it (it calls again after a backoff, as
+``kpng.client`` does, whatever the code).
 
 Reported: per-watcher release → first Sync p50, p99 and max (the last watcher's: the storm's
 length); the brain's CPU seconds over the storm (``/proc/PID/stat``, release → last first state)
