@@ -26,6 +26,7 @@ from kpng.model.cluster import ServiceKey
 from kpng.model.messages import Endpoint, ServiceEndpoints
 from kpng.remote.watching import LocalOps
 from kpng.resolver.resolving import ClusterResolver, NodeView
+from kpng.server.changesets import SharedOps
 from kpng.server.firststates import BaseFrames, corrections
 from kpng.store import Store
 from tests.pure.recording import RecordingSink
@@ -44,12 +45,13 @@ from tests.pure.test_zone_bases import (
 _encode = msgspec.json.encode
 
 
-def _frames(cluster: ClusterResolver, message_bytes: int = 1 << 18) -> tuple[BaseFrames, FirstOps]:
+def _frames(cluster: ClusterResolver, message_bytes: int = 1 << 18) -> tuple[BaseFrames, SharedOps]:
+    """Wired to ``cluster`` as ``serving.WatchServer`` wires its JSON ``Encoders``."""
     first_ops = FirstOps(_encode, _encode)
     frames = BaseFrames(first_ops, message_bytes=message_bytes)
     cluster.on_change.append(first_ops.forget)
     cluster.on_base_change.append(frames.changed)
-    return frames, first_ops
+    return frames, SharedOps(_encode, _encode, first_ops)
 
 
 def _inflated(pieces: Iterable[bytes]) -> list[bytes]:
@@ -81,16 +83,16 @@ def _whole(state: Mapping[ServiceKey, ServiceEndpoints]) -> dict[tuple[int, str]
     return _applied(ops)
 
 
-def _first_state(frames: BaseFrames, first_ops: FirstOps, view: NodeView) -> list[bytes]:
+def _first_state(frames: BaseFrames, shared_ops: SharedOps, view: NodeView) -> list[bytes]:
     base, zone, overlay = view.layers()
     assert zone is not None
-    return _inflated(frames.messages(zone, base)) + corrections(base, overlay, first_ops).ops
+    return _inflated(frames.messages(zone, base)) + corrections(base, overlay, shared_ops).ops
 
 
 @pytest.mark.parametrize("node", NODES)
 def test_a_packed_base_and_the_node_s_corrections_make_the_node_s_state(node: str) -> None:
     cluster, _ = _cluster(list(KINDS))
-    frames, first_ops = _frames(cluster)
+    frames, shared_ops = _frames(cluster)
     others = [cluster.view(n) for n in NODES if n != node]  # the zones' bases, made by others
     for other in others:
         other.resolve()
@@ -98,7 +100,7 @@ def test_a_packed_base_and_the_node_s_corrections_make_the_node_s_state(node: st
     view.resolve()
     _, _, overlay = view.layers()
     assert overlay or node in ("n1", "nz", "ghost")  # hosts, or is hinted, some endpoints
-    assert _applied(_first_state(frames, first_ops, view)) == _whole(view.state)
+    assert _applied(_first_state(frames, shared_ops, view)) == _whole(view.state)
 
 
 @pytest.mark.slow
@@ -108,7 +110,7 @@ def test_packed_bases_follow_random_changes(seed: int) -> None:
     open view would be sent now is exactly its state (pieces made at earlier steps reused)."""
     rng = random.Random(seed)
     cluster = ClusterResolver()
-    frames, first_ops = _frames(cluster, message_bytes=rng.choice([64, 1 << 18]))
+    frames, shared_ops = _frames(cluster, message_bytes=rng.choice([64, 1 << 18]))
     views: list[NodeView] = []
     for _step in range(150):
         action = rng.random()
@@ -127,14 +129,14 @@ def test_packed_bases_follow_random_changes(seed: int) -> None:
         elif views:
             rng.choice(views).resolve()
         for view in views:
-            assert _applied(_first_state(frames, first_ops, view)) == _whole(view.state)
+            assert _applied(_first_state(frames, shared_ops, view)) == _whole(view.state)
 
 
 def test_a_change_repacks_only_its_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = ClusterResolver()
     for i in range(300):
         cluster.set_service(("ns", f"s{i}"), _service(f"s{i}"))
-    frames, first_ops = _frames(cluster)
+    frames, shared_ops = _frames(cluster)
     view = cluster.view("n0")
     view.resolve()
     base, zone, _ = view.layers()
@@ -157,7 +159,7 @@ def test_a_change_repacks_only_its_bucket(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(packs) == 1
     assert b"ns/s7" in packs[0]
     assert after != before
-    assert _applied(_first_state(frames, first_ops, view)) == _whole(view.state)
+    assert _applied(_first_state(frames, shared_ops, view)) == _whole(view.state)
 
 
 def test_packed_is_15_times_smaller_than_the_json_it_holds() -> None:

@@ -83,15 +83,15 @@ class FirstOps(ResolvedMemo[tuple[bytes, list[bytes]]]):
 
     def __init__(self, encode_service: EncodeService, encode_endpoint: EncodeEndpoint) -> None:
         super().__init__()
-        self.encode_service = encode_service
-        self.encode_endpoint = encode_endpoint
+        self._encode_service = encode_service
+        self._encode_endpoint = encode_endpoint
 
     def _compute(self, key: ServiceKey, value: ServiceEndpoints) -> tuple[bytes, list[bytes]]:
         path = service_path(key)
-        service_op = codec.op_set(ServicesSet, path, self.encode_service(value.service))
+        service_op = codec.op_set(ServicesSet, path, self._encode_service(value.service))
         keyed = endpoint_keys(value.endpoints)
         endpoint_ops = [
-            codec.op_set(EndpointsSet, f"{path}/{k}", self.encode_endpoint(keyed[k]))
+            codec.op_set(EndpointsSet, f"{path}/{k}", self._encode_endpoint(keyed[k]))
             for k in sorted(keyed)
         ]
         return service_op, endpoint_ops

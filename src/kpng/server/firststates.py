@@ -6,7 +6,7 @@ its endpoints) under the node's overlay, some 20 services of 10,000 (``NodeView.
 to a watcher that asked for packing (``WatchReq.Packed``) a first state is sent as the base's
 ops, framed and compressed once per bucket of services for every node of the zone
 (``codec.packed``), followed by the ops that turn the base's value of each overlay service
-into the node's (``local_ops`` from the base's value): some 1.8 MB a node instead of 27 MB at
+into the node's (their ops from the base's value): some 2.2 MB a node instead of 27 MB at
 10,000 services x 10 endpoints in JSON, and no framing per node (docs/design/mass-connect.md).
 
 Such a first state is in bucket order, not path order, and sets some paths twice (the later
@@ -21,51 +21,41 @@ from collections.abc import Mapping
 
 from kpng.api import codec
 from kpng.api.digests import BUCKETS, bucket_of
-from kpng.api.ops import FirstOps, local_ops
+from kpng.api.ops import FirstOps
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.model.paths import service_path
-from kpng.server.changesets import Shared, batches, joined
+from kpng.server.changesets import Shared, SharedOps, batches, joined
+from kpng.server.zonecaches import ZoneCaches
 
 
 class _ZoneFrames:
     """One zone's base as packed buckets: the services of each, and its pieces once made."""
 
-    __slots__ = ("members", "messages", "pieces", "stale")
+    __slots__ = ("members", "messages", "pieces")
 
     def __init__(self) -> None:
         self.members: list[set[ServiceKey]] = [set() for _ in range(BUCKETS)]
         self.pieces: list[list[bytes] | None] = [None] * BUCKETS
         """A bucket's ops as encoded OpBatches of one Packed entry each (None: not made since
         it changed)."""
-        self.stale: set[ServiceKey] | None = None
-        """Services whose value in the base changed since (None: every one, not yet made)."""
         self.messages: list[bytes] | None = None
         """The pieces joined into messages (None: not made since a bucket changed)."""
 
 
-class BaseFrames:
+class BaseFrames(ZoneCaches[_ZoneFrames]):
     """The packed buckets of every zone's base, for one encoding (``first_ops`` frames each
     service's ops); follows the bases through ``changed``, a ``ClusterResolver.on_base_change``
     listener. A bucket is packed at the first first state that needs it after it changed, so
     a churning cluster costs nothing until a node connects."""
 
     def __init__(self, first_ops: FirstOps, *, message_bytes: int) -> None:
+        super().__init__(_ZoneFrames)
         self._first_ops = first_ops
         self._message_bytes = message_bytes
         """A bucket's ops are cut into pieces of about this size before they are packed (a
         bucket of a few huge services is not one entry beyond what a watcher inflates), and the
         packed pieces are joined into messages of about this size."""
-        self._zones: dict[str, _ZoneFrames] = {}
-
-    def changed(self, zone: str, key: ServiceKey | None) -> None:
-        """Service ``key`` changed in ``zone``'s base (None: the base is dropped)."""
-        if key is None:
-            self._zones.pop(zone, None)
-            return
-        entry = self._zones.get(zone)
-        if entry is not None and entry.stale is not None:
-            entry.stale.add(key)
 
     def messages(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> list[bytes]:
         """``zone``'s ``base`` as encoded OpBatches of Packed entries, in bucket order; they
@@ -98,14 +88,12 @@ class BaseFrames:
     def _current(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> _ZoneFrames:
         """``zone``'s frames, their buckets' members brought up to its base and the pieces of
         changed buckets dropped."""
-        entry = self._zones.get(zone)
-        if entry is None:
-            entry = self._zones[zone] = _ZoneFrames()
-        if entry.stale is None:
+        entry, stale = self._take(zone)
+        if stale is None:
             for key in base:
                 entry.members[bucket_of(service_path(key))].add(key)
         else:
-            for key in entry.stale:
+            for key in stale:
                 index = bucket_of(service_path(key))
                 if key in base:
                     entry.members[index].add(key)
@@ -113,14 +101,13 @@ class BaseFrames:
                     entry.members[index].discard(key)
                 entry.pieces[index] = None
                 entry.messages = None
-        entry.stale = set()
         return entry
 
 
 def corrections(
     base: Mapping[ServiceKey, ServiceEndpoints],
     overlay: Mapping[ServiceKey, ServiceEndpoints | None],
-    first_ops: FirstOps,
+    shared_ops: SharedOps,
 ) -> Shared:
     """The ops that turn a watcher holding ``base`` into one holding ``overlay`` over it (None
     in the overlay: a service the state lacks): a node's own services after its zone's base."""
@@ -137,12 +124,5 @@ def corrections(
             updated[key] = value
         elif old is not None:
             deleted.append(key)
-    ops = local_ops(
-        updated=updated,
-        deleted=deleted,
-        previous=previous,
-        encode_service=first_ops.encode_service,
-        encode_endpoint=first_ops.encode_endpoint,
-        first_ops=first_ops,
-    )
-    return Shared(ops)
+    # Not remembered: they are the node's own.
+    return shared_ops(updated=updated, deleted=deleted, previous=previous, remember=False)

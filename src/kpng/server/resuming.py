@@ -21,6 +21,7 @@ from kpng.api.ops import EncodeEndpoint, EncodeService, ResolvedMemo
 from kpng.model.cluster import ServiceKey
 from kpng.model.messages import ServiceEndpoints
 from kpng.model.paths import endpoint_keys, service_path, split_service_path
+from kpng.server.zonecaches import ZoneCaches
 
 DIFFERING_BUCKETS_MAX = 32
 """Buckets that may differ for a resume to ask for their services: past that (an eighth of the
@@ -93,7 +94,7 @@ class StateDigests:
 class _ZoneDigests:
     """The digests of one zone's base: its services' by bucket, and the buckets'."""
 
-    __slots__ = ("buckets", "services", "stale")
+    __slots__ = ("buckets", "services")
 
     def __init__(self) -> None:
         self.services: list[dict[str, bytes]] = [{} for _ in range(BUCKETS)]
@@ -101,11 +102,9 @@ class _ZoneDigests:
         a resume holds across its rounds are not moved under it."""
         self.buckets: list[bytes | None] = [None] * BUCKETS
         """None: not computed since the bucket changed."""
-        self.stale: set[ServiceKey] | None = None
-        """Services whose value in the base changed since (None: every one, not yet made)."""
 
 
-class BaseDigests:
+class BaseDigests(ZoneCaches[_ZoneDigests]):
     """The digests of node states read over their zone's base (``NodeView.layers``), shared by
     every stream of one encoding: a zone's base is digested once, and each node's digest is
     its zone's with the buckets of the services it holds otherwise replaced. A resume then
@@ -115,17 +114,8 @@ class BaseDigests:
     Follows the bases through ``changed`` (a ``ClusterResolver.on_base_change`` listener)."""
 
     def __init__(self, digest: Callable[[ServiceKey, ServiceEndpoints], Digested]) -> None:
+        super().__init__(_ZoneDigests)
         self._digest = digest
-        self._zones: dict[str, _ZoneDigests] = {}
-
-    def changed(self, zone: str, key: ServiceKey | None) -> None:
-        """Service ``key`` changed in ``zone``'s base (None: the base is dropped)."""
-        if key is None:
-            self._zones.pop(zone, None)
-            return
-        entry = self._zones.get(zone)
-        if entry is not None and entry.stale is not None:
-            entry.stale.add(key)
 
     def of(
         self,
@@ -164,18 +154,14 @@ class BaseDigests:
 
     def _current(self, zone: str, base: Mapping[ServiceKey, ServiceEndpoints]) -> _ZoneDigests:
         """``zone``'s digests, brought up to its base."""
-        entry = self._zones.get(zone)
-        if entry is None:
-            entry = self._zones[zone] = _ZoneDigests()
-        if entry.stale is None:
-            entry.services = [{} for _ in range(BUCKETS)]
+        entry, stale = self._take(zone)
+        if stale is None:
             for key, value in base.items():
                 path, index, digest = self._digest(key, value)
                 entry.services[index][path] = digest
-            entry.buckets = [None] * BUCKETS
         else:
             changed: dict[int, dict[str, bytes]] = {}
-            for key in entry.stale:
+            for key in stale:
                 path = service_path(key)
                 index = bucket_of(path)
                 members = changed.get(index)
@@ -189,7 +175,6 @@ class BaseDigests:
             for index, members in changed.items():
                 entry.services[index] = members
                 entry.buckets[index] = None
-        entry.stale = set()
         for index, computed in enumerate(entry.buckets):
             if computed is None:
                 entry.buckets[index] = bucket_digest(entry.services[index])

@@ -532,7 +532,7 @@ class WatchServer:
                     zone_base, zone, overlay = layers
                     assert zone is not None
                     base = enc.base_frames.messages(zone, zone_base)
-                    shared = corrections(zone_base, overlay, enc.first_ops)
+                    shared = corrections(zone_base, overlay, enc.shared_ops)
                 else:
                     # A first state is not remembered: its key would name every service, and a
                     # whole state is rarely another view's (a node hosting any endpoint has its
