@@ -26,6 +26,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+REPEAT_WINDOW_S = 10.0
+"""How long a warning that repeats another is dropped (``RepeatFilter``)."""
+
+
 @dataclass
 class _Window:
     until: float
@@ -38,7 +42,9 @@ class RepeatFilter(logging.Filter):
     a warning repeat as fast as it connects (asyncio failing to accept for want of descriptors,
     a connection cap reached): 37 MB of the same traceback in 30 s, unfiltered."""
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self._window_s = window_s
         self._clock = clock

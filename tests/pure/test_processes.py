@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from kpng.backoff import Backoff
+from kpng.logs import REPEAT_WINDOW_S
 from kpng.testing.waiting import until
 from tests.conftest import EXAMPLE, ROOT
 
@@ -297,7 +299,11 @@ def test_sigterm_ends_a_backend_that_keeps_failing_without_privilege(
     argv = ["file", "--input", str(EXAMPLE), "to-local", "--node-name", "node-1", "to-nft"]
     proxy = _Started(argv, env, tmp_path / "nft.log", prefix=_unprivileged())
     try:
-        until(lambda: proxy.stderr().count("retrying") >= 2, "a retry", within=START_S)
+        # The second line is the first past the log's repeat window (the retries in it are
+        # counted, not logged), so it comes after that window and a backoff's longest wait:
+        # 13 s after the start here when idle, past 20 s under CI's load.
+        retried_within = START_S + REPEAT_WINDOW_S + Backoff().maximum
+        until(lambda: proxy.stderr().count("retrying") >= 2, "a retry", within=retried_within)
         failure = next(line for line in proxy.stderr().splitlines() if "retrying" in line)
         assert "to-nft failed to apply revision 1: " in failure
         assert "Operation not permitted" in failure
