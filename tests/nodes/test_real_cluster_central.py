@@ -171,17 +171,33 @@ def _watching(node: RealNode) -> tcpinfo.Connection:
     return connections[0]
 
 
-def _kill_brain(cluster: RealCluster, brain: RealNode) -> None:
-    """SIGKILL the brain on ``brain`` (its kubelet starts it again)."""
+def _brain_container(cluster: RealCluster, brain: RealNode) -> dict[str, Any]:
+    """The status of the brain container on ``brain``."""
     (pod,) = [p for p in _brain_pods(cluster) if p["spec"]["nodeName"] == brain.name]
-    (container,) = pod["status"]["containerStatuses"]
+    statuses: list[dict[str, Any]] = pod["status"]["containerStatuses"]
+    (container,) = statuses
+    return container
+
+
+def _kill_brain(cluster: RealCluster, brain: RealNode) -> int:
+    """SIGKILL the brain on ``brain`` (its kubelet starts it again). Returns the container's
+    restarts before the kill."""
+    container = _brain_container(cluster, brain)
     brain.ctr("tasks", "kill", "--signal", "SIGKILL", container["containerID"].split("//")[1])
+    return int(container["restartCount"])
 
 
-def _brains_ready(cluster: RealCluster) -> bool:
+def _brains_ready(cluster: RealCluster, restarted: RealNode, restarts: int) -> bool:
+    """Every brain Ready, the one on ``restarted`` in a container started after ``restarts``.
+    Ready alone is not enough: until the kubelet notices the kill, the API still shows the dead
+    container Ready."""
     pods = _brain_pods(cluster)
-    return len(pods) == len(cluster.nodes) and all(
-        status["ready"] for p in pods for status in p["status"].get("containerStatuses", [])
+    return (
+        len(pods) == len(cluster.nodes)
+        and all(
+            status["ready"] for p in pods for status in p["status"].get("containerStatuses", [])
+        )
+        and _brain_container(cluster, restarted)["restartCount"] > restarts
     )
 
 
@@ -263,14 +279,18 @@ def _fail_over(cluster: RealCluster) -> tuple[list[Resume], dict[str, float], fl
         # not measured), so that the one measured moves every node.
         moved = by_ip[_watching(cluster.nodes[-1]).peer_host]
         print(f"\n(the agents watched both brains: {moved.name}'s is killed first, unmeasured)")
-        _kill_brain(cluster, moved)
+        restarts = _kill_brain(cluster, moved)
         for n in cluster.nodes:
             until(
                 functools.partial(_live_elsewhere, n, moved.ip),
                 f"{n.name}'s agent live off {moved.name}'s brain",
                 within=60,
             )
-        until(functools.partial(_brains_ready, cluster), "both brains Ready", within=120)
+        until(
+            functools.partial(_brains_ready, cluster, moved, restarts),
+            f"both brains Ready, {moved.name}'s restarted",
+            within=120,
+        )
     (victim_ip,) = {_watching(n).peer_host for n in cluster.nodes}
     victim = by_ip[victim_ip]
     (survivor,) = [n for n in cluster.nodes if n is not victim]
