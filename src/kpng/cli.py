@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from kpng import malloc, sinks, sources, subcommands
+from kpng import gcpause, malloc, sinks, sources, subcommands
 from kpng.backends import registry
 from kpng.backends._conntrack import RECONCILED
 from kpng.backends.registry import BackendSpec
@@ -422,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(pipeline.options.log_level, pipeline.options.log_format)
     _raise_open_files_limit()
     malloc.configure()
+    gcpause.configure()
     try:
         asyncio.run(_run_until_signalled(pipeline.run))
     except KpngError as exc:

@@ -12,7 +12,7 @@ import pytest
 from kpng.backends._nftables import NftBackend
 from kpng.backends._nftables.fake import FakeNft
 from kpng.backends._nftables.layout import Options
-from kpng.gcpause import FREEZE_AFTER, collector_paused
+from kpng.gcpause import FREEZE_AFTER, THRESHOLDS, collector_paused
 from tests.nft_services import churn
 
 
@@ -32,7 +32,7 @@ def _unfrozen() -> Iterator[None]:
 def test_what_a_big_paused_step_keeps_is_frozen_and_the_collector_runs_again() -> None:
     with collector_paused():
         assert not gc.isenabled()
-        kept = [[i] for i in range(FREEZE_AFTER)]  # lists: always tracked
+        kept = [[i] for i in range(FREEZE_AFTER + 100)]  # lists: always tracked
     assert gc.isenabled()
     assert gc.get_freeze_count() >= len(kept)
 
@@ -45,6 +45,21 @@ def test_a_small_step_is_left_to_the_collector() -> None:
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
     assert len(kept) == 1000
+
+
+def test_a_small_step_after_many_young_objects_is_left_to_the_collector() -> None:
+    """With kpng's thresholds, up to 100,000 young objects may wait for the collector when a
+    step starts: they are not the step's, and are not frozen with it."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*THRESHOLDS)
+    try:
+        others = [[i] for i in range(FREEZE_AFTER - 500)]
+        with collector_paused():
+            kept = [[i] for i in range(1000)]
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.get_freeze_count() == 0
+    assert len(others) + len(kept) == FREEZE_AFTER + 500
 
 
 def test_the_collector_left_off_stays_off() -> None:
