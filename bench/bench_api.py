@@ -686,11 +686,14 @@ class Watcher:
     as INTERNAL ("Internal error from Core", grpc/grpc#36066), which ended a 2,500-watcher run
     of bench_apiserver.py; kpng.client retries every code alike."""
 
-    def __init__(self, node: str, *, packed: bool = True) -> None:
+    def __init__(self, node: str, *, packed: bool = True, follow: bool = True) -> None:
         self.node = node
         self.packed = packed
         """Ask for packing, as kpng's node agents do: a first state's base comes compressed
         (kpng.server.firststates), and is not inflated here."""
+        self.follow = follow
+        """Ask to be sent each change set without a request for it, as kpng's node agents do;
+        off, a request asks for each."""
         self.syncs: list[float] = []
         self.bytes = 0
         self.reconnects = 0
@@ -718,7 +721,7 @@ class Watcher:
 
     async def _follow(self, api: str) -> None:
         request = batchv1_pb2.WatchReq(
-            NodeName=self.node, Encoding=batchv1_pb2.JSON, Packed=self.packed
+            NodeName=self.node, Encoding=batchv1_pb2.JSON, Packed=self.packed, Follow=self.follow
         )
         target = f"unix:{api.removeprefix('unix://')}"
         async with grpc.aio.insecure_channel(target, _OWN_CONNECTION) as channel:
@@ -729,30 +732,32 @@ class Watcher:
             )()  # type: ignore[call-arg]
             try:
                 await call.write(request)
+                followed = False
                 async for data in call:
-                    synced = self._take(data)
+                    synced, following = self._take(data)
+                    followed = followed or following
                     # Held while the watcher idles otherwise: a first state's last batch is
                     # a megabyte, times thousands of watchers.
                     del data
-                    if synced:
+                    if synced and not followed:
                         await call.write(request)  # ask for the next change set
             finally:
                 call.cancel()
 
-    def _take(self, data: bytes) -> bool:
-        """Note one batch; True if it ends a change set."""
+    def _take(self, data: bytes) -> tuple[bool, bool]:
+        """Note one batch: whether it ends a change set, and whether the server follows."""
         batch = batchv1_pb2.OpBatch.FromString(data)
         self.bytes += len(data)
         if self.keep:
             self._batches.append(data)
         if not batch.Ops or batch.Ops[-1].WhichOneof("Op") != "Sync":
-            return False
+            return False, batch.Following
         self.syncs.append(time.perf_counter())
         if self.keep:
             self.change_sets.append(self._batches)
             self._batches = []
         self.synced.set()
-        return True
+        return True, batch.Following
 
 
 def _raw(data: bytes) -> bytes:

@@ -108,7 +108,8 @@ class Round:
 class Fleet:
     """Watchers and their tasks, in this process's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, follow: bool = True) -> None:
+        self.follow = follow
         self.watchers: list[Watcher] = []
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -118,7 +119,7 @@ class Fleet:
         start = time.perf_counter()
         while len(self.watchers) < count:
             new = [
-                Watcher(synthetic.node_name(i))
+                Watcher(synthetic.node_name(i), follow=self.follow)
                 for i in range(len(self.watchers), min(count, len(self.watchers) + wave))
             ]
             offset = len(self.watchers)
@@ -293,7 +294,7 @@ async def _bench(args: argparse.Namespace, cluster: ClusterFile, brain: Server) 
     rounds: list[Round] = []
     top = max(args.watchers)
     for relays in args.relays:
-        fleet = Fleet()
+        fleet = Fleet(follow=not args.no_follow)
         try:
             if relays == 0:
                 for count in args.watchers:
@@ -341,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wave", type=int, default=500, help="watchers connecting at once")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", type=Path, help="cProfile the brain into this file")
+    parser.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="watchers ask for each change set (no WatchReq.Follow), as Go KPNG's do",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.changes <= 100 or not 1 <= args.files <= 10_000 or args.wave < 1:
         parser.error("--changes: 1 to 100; --files: 1 to 10000; --wave: at least 1")
@@ -354,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
     print(
         f"== fan-out: {args.services} services x 10 endpoints over {args.nodes} nodes, "
-        f"watchers {args.watchers}, relays {args.relays}, {args.changes} changes each"
+        f"watchers {args.watchers}, relays {args.relays}, {args.changes} changes each, "
+        f"{'a request per change set' if args.no_follow else 'following'}"
     )
     start = time.perf_counter()
     try:

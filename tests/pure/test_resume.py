@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import msgspec
@@ -303,11 +303,15 @@ def test_a_service_added_changed_and_deleted_while_away_reaches_the_sink_as_thos
 
 
 class _Forgetful:
-    """A brain as an older kpng is to a resuming agent: a gRPC proxy that drops Holds from the
-    first request, so that the brain behind it sends a whole state."""
+    """A brain as an older kpng is to a newer agent: a gRPC proxy that drops the fields the
+    older one did not know from the requests (Holds: the brain behind it sends a whole state;
+    Follow: it waits for a request for each change set)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(
+        self, upstream: str, forgets: tuple[Literal["Holds", "Follow"], ...] = ("Holds",)
+    ) -> None:
         self.upstream = upstream
+        self.forgets = forgets
         self.server = grpc.aio.server()
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.add_generic_rpc_handlers(
@@ -330,7 +334,8 @@ class _Forgetful:
             async def forward() -> None:
                 async for data in requests:
                     request = batchv1_pb2.WatchReq.FromString(data)
-                    request.ClearField("Holds")
+                    for field in self.forgets:
+                        request.ClearField(field)
                     await call.write(request.SerializeToString())
 
             forwarding = asyncio.create_task(forward())
@@ -369,6 +374,36 @@ def test_a_brain_that_ignores_holds_sends_a_whole_state_the_agent_takes_as_a_dif
     calls, change_sets = _run(scenario())
     assert change_sets == 1  # a whole state, with Reset, which the agent diffed
     assert calls == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+
+
+def test_an_agent_asks_for_each_change_set_of_a_brain_that_does_not_follow() -> None:
+    """An agent asks to Follow; a brain from before Follow never says Following, and the agent
+    goes on asking for each change set, as it did."""
+    sink = RecordingSink()
+
+    async def scenario() -> list[list[Any]]:
+        async with _brains() as (a, _):
+            assert a.serving is not None
+            old = _Forgetful(a.serving.addresses[0].removeprefix("tcp://"), forgets=("Follow",))
+            await old.server.start()
+            try:
+                async with _agent(sink, f"tcp://127.0.0.1:{old.port}"):
+                    await sink.next_sync()
+                    api = a.store.slices[("shop", "api-x7k2p")]
+                    changes = []
+                    for endpoints in (api.endpoints[1:], api.endpoints):
+                        a.handle.set_slice(
+                            api.key, msgspec.structs.replace(api, endpoints=endpoints)
+                        )
+                        a.handle.commit()
+                        changes.append(await sink.next_sync())
+                    return changes
+            finally:
+                await old.server.stop(None)
+
+    removed, restored = _run(scenario())
+    assert removed == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+    assert [call[0] for call in restored] == ["set_endpoint", "sync"]
 
 
 @pytest.mark.slow

@@ -17,9 +17,10 @@ import grpc
 import msgspec
 import pytest
 
-from kpng.api import codec, localv1_pb2
+from kpng.api import batchv1_pb2, codec, localv1_pb2
 from kpng.client import Api, Backoff, ClientTls, NodeState, watch, watch_state
 from kpng.errors import KpngError
+from kpng.model.messages import Service
 from kpng.remote.watching import _follow_once, global_rpcs
 from kpng.resolver.resolving import NodeResolver
 from kpng.server.hub import Turns
@@ -407,6 +408,128 @@ def test_slow_client_gets_one_coalesced_change_set(tmp_path: Path) -> None:
     assert [o.kind for o in ops] == ["Set", "Sync"]
     port = wire.sub(wire.fields(ops[0].payload), 6)
     assert wire.one(port, 3) == 9100
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["following", "asking"])
+def test_a_following_watcher_is_sent_each_change_set_unasked(tmp_path: Path, follow: bool) -> None:
+    """batchv1's Follow: one request, then every change set as it comes, the first one saying
+    so (Following). Without it, the next change set waits for its request."""
+    store, handle = _example_store()
+    api = store.slices[("shop", "api-x7k2p")]
+
+    async def change_set(call: Any) -> list[batchv1_pb2.OpBatch]:
+        batches = [await asyncio.wait_for(call.read(), WAIT_S)]
+        while batches[-1].Ops[-1].WhichOneof("Op") != "Sync":
+            batches.append(await asyncio.wait_for(call.read(), WAIT_S))
+        return batches
+
+    async def scenario() -> tuple[list[batchv1_pb2.OpBatch], list[list[str | None]]]:
+        async with _connected(store, tmp_path) as (_, channel):
+            call = channel.stream_stream(
+                "/kpng.batchv1.Sets/Watch",
+                request_serializer=batchv1_pb2.WatchReq.SerializeToString,
+                response_deserializer=batchv1_pb2.OpBatch.FromString,
+            )()  # type: ignore[call-arg]
+            await call.write(batchv1_pb2.WatchReq(NodeName="node-2", Follow=follow))
+            first = await change_set(call)
+            unasked: list[list[str | None]] = []
+            for endpoints in (api.endpoints[:1], api.endpoints):
+                handle.set_slice(api.key, msgspec.structs.replace(api, endpoints=endpoints))
+                handle.commit()
+                read = asyncio.ensure_future(change_set(call))
+                done, _ = await asyncio.wait([read], timeout=WAIT_S if follow else 0.5)
+                if not done:
+                    break
+                unasked.append([op.WhichOneof("Op") for b in read.result() for op in b.Ops])
+            call.cancel()
+            return first, unasked
+
+    first, unasked = _run(scenario())
+    assert first[0].Following is follow
+    assert not any(batch.Following for batch in first[1:])
+    assert unasked == ([["Delete", "Sync"], ["Set", "Sync"]] if follow else [])
+
+
+class _SlowSink(RecordingSink):
+    """A backend whose syncs take ``slow`` seconds; notes any call made while one runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = 0.0
+        self.syncing = False
+        self.during_sync: list[tuple[Any, ...]] = []
+        self.ports: list[int] = []  # shop/api's port, at each set_service of it
+
+    def set_service(self, service: Service) -> None:
+        if self.syncing:
+            self.during_sync.append(("set_service", service.Namespace, service.Name))
+        if (service.Namespace, service.Name) == ("shop", "api"):
+            self.ports.append(service.Ports[0].Port)
+        super().set_service(service)
+
+    def delete_endpoint(self, namespace: str, service: str, key: str) -> None:
+        if self.syncing:
+            self.during_sync.append(("delete_endpoint", namespace, service, key))
+        super().delete_endpoint(namespace, service, key)
+
+    async def sync(self) -> None:  # type: ignore[override]  # a Sink's sync may be async
+        self.syncing = True
+        try:
+            await asyncio.sleep(self.slow)
+        finally:
+            self.syncing = False
+        super().sync()
+
+
+def test_a_backend_slower_than_the_changes_applies_them_merged(tmp_path: Path) -> None:
+    """A followed watch reads on while its backend syncs, and hands the change sets that came
+    meanwhile on together, with one sync: the backend applies the latest state, not each step
+    to it, as when the server merged them for a watcher that had not asked yet. No call comes
+    while a sync runs."""
+    store, handle = _example_store()
+    sink = _SlowSink()
+    api = store.services[("shop", "api")]
+    slice_ = store.slices[("shop", "api-x7k2p")]
+
+    async def scenario() -> list[list[tuple[Any, ...]]]:
+        async with _serving(store, _urls(tmp_path, "unix")) as serving:
+            client = asyncio.create_task(watch(sink, api=serving.addresses[0], node_name="node-1"))
+            try:
+                await sink.next_sync()
+                sink.slow = 1.0
+                handle.set_slice(
+                    slice_.key, msgspec.structs.replace(slice_, endpoints=slice_.endpoints[1:])
+                )
+                handle.commit()
+                await eventually(lambda: sink.syncing, "the slow sync", within=WAIT_S)
+                for port in range(9001, 9005):  # four change sets while it runs
+                    ports = (msgspec.structs.replace(api.Ports[0], Port=port),)
+                    handle.set_service(("shop", "api"), msgspec.structs.replace(api, Ports=ports))
+                    handle.commit()
+                    await asyncio.sleep(0.05)
+                await eventually(
+                    lambda: sink.calls[-1:] == [("sync",)] and sink.ports[-1] == 9004,
+                    "the last port synced",
+                    within=WAIT_S,
+                )
+                await asyncio.sleep(1.5)  # time for any further sync
+                syncs: list[list[tuple[Any, ...]]] = [[]]
+                for call in sink.calls:
+                    syncs[-1].append(call)
+                    if call == ("sync",):
+                        syncs.append([])
+                return syncs
+            finally:
+                client.cancel()
+                await asyncio.gather(client, return_exceptions=True)
+
+    removed, merged, after = _run(scenario())  # each a sync's calls
+    assert removed == [("delete_endpoint", "shop", "api", "10.244.1.21"), ("sync",)]
+    assert merged[-1] == ("sync",)
+    assert {call[0] for call in merged[:-1]} == {"set_service"}
+    assert sink.ports[-1] == 9004
+    assert after == []
+    assert sink.during_sync == []
 
 
 def test_unix_socket_is_owner_only_unless_told_otherwise(tmp_path: Path) -> None:

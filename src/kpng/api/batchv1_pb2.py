@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kpng.api import localv1_pb2 as kpng_dot_api_dot_localv1__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x16kpng/api/localv1.proto\"\xa5\x01\n\x08WatchReq\x12\x10\n\x08NodeName\x18\x01 \x01(\t\x12(\n\x08\x45ncoding\x18\x02 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\x12\r\n\x05Holds\x18\x03 \x01(\x0c\x12\x0f\n\x07\x42uckets\x18\x04 \x01(\x0c\x12-\n\x08Services\x18\x05 \x03(\x0b\x32\x1b.kpng.batchv1.ServiceDigest\x12\x0e\n\x06Packed\x18\x06 \x01(\x08\"-\n\rServiceDigest\x12\x0c\n\x04Path\x18\x01 \x01(\t\x12\x0e\n\x06\x44igest\x18\x02 \x01(\x0c\"0\n\tDigestAsk\x12\x0f\n\x07\x42uckets\x18\x01 \x01(\x08\x12\x12\n\nServicesIn\x18\x02 \x03(\r\":\n\x0eGlobalWatchReq\x12(\n\x08\x45ncoding\x18\x01 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\"n\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem\x12$\n\x03\x41sk\x18\x02 \x01(\x0b\x32\x17.kpng.batchv1.DigestAsk\x12\x0f\n\x07Resumed\x18\x03 \x01(\x08\x12\x0e\n\x06Packed\x18\x04 \x03(\x0c*\"\n\x08\x45ncoding\x12\x0c\n\x08PROTOBUF\x10\x00\x12\x08\n\x04JSON\x10\x01\x32\x8a\x01\n\x04Sets\x12:\n\x05Watch\x12\x16.kpng.batchv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x46\n\x0bWatchGlobal\x12\x1c.kpng.batchv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x42\x12Z\x10kpng/api/batchv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kpng/api/batchv1.proto\x12\x0ckpng.batchv1\x1a\x16kpng/api/localv1.proto\"\xb5\x01\n\x08WatchReq\x12\x10\n\x08NodeName\x18\x01 \x01(\t\x12(\n\x08\x45ncoding\x18\x02 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\x12\r\n\x05Holds\x18\x03 \x01(\x0c\x12\x0f\n\x07\x42uckets\x18\x04 \x01(\x0c\x12-\n\x08Services\x18\x05 \x03(\x0b\x32\x1b.kpng.batchv1.ServiceDigest\x12\x0e\n\x06Packed\x18\x06 \x01(\x08\x12\x0e\n\x06\x46ollow\x18\x07 \x01(\x08\"-\n\rServiceDigest\x12\x0c\n\x04Path\x18\x01 \x01(\t\x12\x0e\n\x06\x44igest\x18\x02 \x01(\x0c\"0\n\tDigestAsk\x12\x0f\n\x07\x42uckets\x18\x01 \x01(\x08\x12\x12\n\nServicesIn\x18\x02 \x03(\r\":\n\x0eGlobalWatchReq\x12(\n\x08\x45ncoding\x18\x01 \x01(\x0e\x32\x16.kpng.batchv1.Encoding\"\x81\x01\n\x07OpBatch\x12\x1c\n\x03Ops\x18\x01 \x03(\x0b\x32\x0f.localv1.OpItem\x12$\n\x03\x41sk\x18\x02 \x01(\x0b\x32\x17.kpng.batchv1.DigestAsk\x12\x0f\n\x07Resumed\x18\x03 \x01(\x08\x12\x0e\n\x06Packed\x18\x04 \x03(\x0c\x12\x11\n\tFollowing\x18\x05 \x01(\x08*\"\n\x08\x45ncoding\x12\x0c\n\x08PROTOBUF\x10\x00\x12\x08\n\x04JSON\x10\x01\x32\x8a\x01\n\x04Sets\x12:\n\x05Watch\x12\x16.kpng.batchv1.WatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x12\x46\n\x0bWatchGlobal\x12\x1c.kpng.batchv1.GlobalWatchReq\x1a\x15.kpng.batchv1.OpBatch(\x01\x30\x01\x42\x12Z\x10kpng/api/batchv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpng.api.batchv1_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z\020kpng/api/batchv1'
-  _globals['_ENCODING']._serialized_start=501
-  _globals['_ENCODING']._serialized_end=535
+  _globals['_ENCODING']._serialized_start=537
+  _globals['_ENCODING']._serialized_end=571
   _globals['_WATCHREQ']._serialized_start=65
-  _globals['_WATCHREQ']._serialized_end=230
-  _globals['_SERVICEDIGEST']._serialized_start=232
-  _globals['_SERVICEDIGEST']._serialized_end=277
-  _globals['_DIGESTASK']._serialized_start=279
-  _globals['_DIGESTASK']._serialized_end=327
-  _globals['_GLOBALWATCHREQ']._serialized_start=329
-  _globals['_GLOBALWATCHREQ']._serialized_end=387
-  _globals['_OPBATCH']._serialized_start=389
-  _globals['_OPBATCH']._serialized_end=499
-  _globals['_SETS']._serialized_start=538
-  _globals['_SETS']._serialized_end=676
+  _globals['_WATCHREQ']._serialized_end=246
+  _globals['_SERVICEDIGEST']._serialized_start=248
+  _globals['_SERVICEDIGEST']._serialized_end=293
+  _globals['_DIGESTASK']._serialized_start=295
+  _globals['_DIGESTASK']._serialized_end=343
+  _globals['_GLOBALWATCHREQ']._serialized_start=345
+  _globals['_GLOBALWATCHREQ']._serialized_end=403
+  _globals['_OPBATCH']._serialized_start=406
+  _globals['_OPBATCH']._serialized_end=535
+  _globals['_SETS']._serialized_start=574
+  _globals['_SETS']._serialized_end=712
 # @@protoc_insertion_point(module_scope)

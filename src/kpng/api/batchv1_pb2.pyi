@@ -72,6 +72,7 @@ class WatchReq(_message.Message):
     BUCKETS_FIELD_NUMBER: _builtins.int
     SERVICES_FIELD_NUMBER: _builtins.int
     PACKED_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
     NodeName: _builtins.str
     Encoding: Global___Encoding.ValueType
     Holds: _builtins.bytes
@@ -82,6 +83,12 @@ class WatchReq(_message.Message):
     """The answer to Ask.Buckets: the 256 bucket digests, 16 bytes each, in bucket order."""
     Packed: _builtins.bool
     """The first request only: the watcher reads OpBatch.Packed."""
+    Follow: _builtins.bool
+    """The first request only: send each change set as soon as there is one, without a request
+    for it, if the server says so (OpBatch.Following). The watcher's only later requests are
+    then answers to Ask. It reads at its own pace: HTTP/2's flow control holds the server back,
+    and what changes meanwhile comes as one change set.
+    """
     @_builtins.property
     def Services(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServiceDigest]:
         """The answer to Ask.ServicesIn: every service the watcher holds in those buckets."""
@@ -95,10 +102,11 @@ class WatchReq(_message.Message):
         Buckets: _builtins.bytes = ...,
         Services: _abc.Iterable[Global___ServiceDigest] | None = ...,
         Packed: _builtins.bool = ...,
+        Follow: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "Encoding", b"Encoding", "Holds", b"Holds", "NodeName", b"NodeName", "Packed", b"Packed", "Services", b"Services"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Buckets", b"Buckets", "Encoding", b"Encoding", "Follow", b"Follow", "Holds", b"Holds", "NodeName", b"NodeName", "Packed", b"Packed", "Services", b"Services"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -179,8 +187,14 @@ class OpBatch(_message.Message):
     ASK_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
     PACKED_FIELD_NUMBER: _builtins.int
+    FOLLOWING_FIELD_NUMBER: _builtins.int
     Resumed: _builtins.bool
     """The first batch of a resumed change set: no Reset, it changes what the watcher holds."""
+    Following: _builtins.bool
+    """On the first batch of a stream's first change set, to a watcher that asked to Follow: the
+    server will send every change set unasked. A server that does not say so (an older one)
+    waits for a request for each, and the watcher must send them.
+    """
     @_builtins.property
     def Ops(self) -> _containers.RepeatedCompositeFieldContainer[_localv1_pb2.OpItem]: ...
     @_builtins.property
@@ -201,10 +215,11 @@ class OpBatch(_message.Message):
         Ask: Global___DigestAsk | None = ...,
         Resumed: _builtins.bool = ...,
         Packed: _abc.Iterable[_builtins.bytes] | None = ...,
+        Following: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask", "Ops", b"Ops", "Packed", b"Packed", "Resumed", b"Resumed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["Ask", b"Ask", "Following", b"Following", "Ops", b"Ops", "Packed", b"Packed", "Resumed", b"Resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

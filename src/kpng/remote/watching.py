@@ -30,6 +30,9 @@ from kpng.remote.sinks import NodeSink, Sink, TriggerSink
 
 log = logging.getLogger(__name__)
 
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc has it, its type stubs do not
+"""What a call's read() gives at the end of the stream."""
+
 
 class OpHandler(Protocol):
     """Consumes a watch stream's ops. ``op`` takes Set, Delete and Reset (kind, set, path,
@@ -134,6 +137,7 @@ async def _follow_once(
         request_serializer=type(rpc.request).SerializeToString,
         response_deserializer=rpc.response.FromString,
     )(metadata=metadata or None)  # type: ignore[call-arg]  # aio: written to, not iterated
+    message: Any
     resumable = holdings if holdings is not None and holdings.complete else None
     try:
         if resumable is not None:
@@ -144,18 +148,16 @@ async def _follow_once(
         else:
             await call.write(rpc.request)
         on_op = handle.op
+        followed = False  # the server sends each change set unasked (OpBatch.Following)
         if warned is not None:
             for key, value in await call.initial_metadata() or ():
                 if key == WARNING_METADATA and value not in warned:
                     warned.add(str(value))
                     log.warning("the server says: %s", value)
-        async for message in call:
-            if message is None:
-                # What grpc yields for bytes its deserializer refused (a truncated or foreign
-                # message): what it held is unknown, so the stream cannot go on; the next
-                # connection starts again with the whole state.
-                name = rpc.response.DESCRIPTOR.full_name
-                raise WireError(f"the server sent a message that is no {name}")
+        while (message := await call.read()) is not _EOF:
+            _check_read(message, rpc)
+            if rpc.batched and message.Following:
+                followed = True
             if rpc.batched and (message.HasField("Ask") or message.Resumed):
                 if resumable is None:  # no digests offered, or past the first change set
                     raise WireError("the server resumed a watch it was not asked to")
@@ -163,24 +165,105 @@ async def _follow_once(
                     await call.write(answer_ask(resumable, message.Ask))
                     continue
                 _resumed(handle)
-            for op in _batch_ops(message) if rpc.batched else (message,):
-                kind = op.WhichOneof("Op")
-                if kind == "Set":
-                    item = op.Set
-                    ref = item.Ref
-                    on_op(kind, ref.Set, ref.Path, item.Bytes)
-                elif kind == "Delete":
-                    on_op(kind, op.Delete.Set, op.Delete.Path, b"")
-                elif kind == "Sync":
-                    resumable = None  # only a stream's first change set resumes
-                    if await handle.sync():
-                        return True
-                    await call.write(rpc.request)  # ask for the next change set
-                elif kind is not None:
-                    on_op(kind, 0, "", b"")
+            ops = iter(_batch_ops(message) if rpc.batched else (message,))
+            while _hand(on_op, ops):
+                resumable = None  # only a stream's first change set resumes
+                if await handle.sync():
+                    return True
+                if followed:
+                    return await _followed(call, rpc, handle, list(ops))
+                await call.write(rpc.request)  # ask for the next change set
         return False
     finally:
         call.cancel()
+
+
+def _check_read(message: Any, rpc: _Rpc) -> None:
+    if message is None:
+        # What grpc reads for bytes its deserializer refused (a truncated or foreign message):
+        # what it held is unknown, so the stream cannot go on; the next connection starts
+        # again with the whole state.
+        name = rpc.response.DESCRIPTOR.full_name
+        raise WireError(f"the server sent a message that is no {name}")
+
+
+def _hand(on_op: Callable[[str, int, str, bytes], None], ops: Iterator[Any]) -> bool:
+    """Hand ``ops`` on to ``on_op`` up to the next Sync: True if one came (the rest of ``ops``
+    follows it), False if they ran out first."""
+    for op in ops:
+        kind = op.WhichOneof("Op")
+        if kind == "Set":
+            item = op.Set
+            ref = item.Ref
+            on_op(kind, ref.Set, ref.Path, item.Bytes)
+        elif kind == "Delete":
+            on_op(kind, op.Delete.Set, op.Delete.Path, b"")
+        elif kind == "Sync":
+            return True
+        elif kind is not None:
+            on_op(kind, 0, "", b"")
+    return False
+
+
+READ_AHEAD_OPS = 65_536
+"""Ops a followed watch reads ahead while its handler syncs. Past them it stops reading:
+HTTP/2's flow control then holds the server back, which merges what changes meanwhile."""
+
+
+async def _followed(call: Any, rpc: _Rpc, handle: OpHandler, queued: list[Any]) -> bool:
+    """The rest of a stream the server follows, after its first change set (``queued``: ops
+    read past that change set's Sync). Ops are handed on as they come, but not while the
+    handler syncs: they are read ahead meanwhile, and the change sets complete when the sync
+    ends are handed on together, with one sync. So a backend slower than the cluster's changes
+    applies the latest state, not each step to it, as when it asked for each change set."""
+    on_op = handle.op
+    syncing: asyncio.Task[bool] | None = None
+    reading: asyncio.Task[Any] | None = None
+    try:
+        while True:
+            if syncing is None and queued:
+                synced = _last_sync(queued)
+                ops = iter(queued[:synced] if synced else queued)
+                while _hand(on_op, ops):  # the Syncs but the last are the change sets' merge
+                    pass
+                del queued[: synced or len(queued)]
+                if synced:
+                    syncing = asyncio.ensure_future(handle.sync())
+            if reading is None and len(queued) < READ_AHEAD_OPS:
+                reading = asyncio.ensure_future(call.read())
+            waits = [task for task in (reading, syncing) if task is not None]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if syncing is not None and syncing.done():
+                if syncing.result():
+                    return True
+                syncing = None
+            if reading is not None and reading.done():
+                try:
+                    message = reading.result()
+                except Exception:
+                    # The stream broke: an apply under way is not cut short for it.
+                    if syncing is not None and await syncing:
+                        return True
+                    raise
+                reading = None
+                if message is _EOF:
+                    return syncing is not None and await syncing
+                _check_read(message, rpc)
+                if message.HasField("Ask") or message.Resumed:
+                    raise WireError("the server resumed a watch past its first change set")
+                queued.extend(_batch_ops(message))
+    finally:
+        for task in (reading, syncing):
+            if task is not None:
+                task.cancel()
+
+
+def _last_sync(ops: list[Any]) -> int:
+    """The index just past the last Sync of ``ops``, 0 if there is none."""
+    for index in range(len(ops) - 1, -1, -1):
+        if ops[index].WhichOneof("Op") == "Sync":
+            return index + 1
+    return 0
 
 
 async def follow(
@@ -625,7 +708,9 @@ async def watch_local(
         target.check(),
         batched=_Rpc(
             "/kpng.batchv1.Sets/Watch",
-            batchv1_pb2.WatchReq(NodeName=node_name, Encoding=batchv1_pb2.JSON, Packed=True),
+            batchv1_pb2.WatchReq(
+                NodeName=node_name, Encoding=batchv1_pb2.JSON, Packed=True, Follow=True
+            ),
             batchv1_pb2.OpBatch,
             batched=True,
         ),

@@ -322,6 +322,8 @@ class _Resume:
 
 _RESUMED = batchv1_pb2.OpBatch(Resumed=True).SerializeToString()
 """Appended to the first OpBatch of a resumed change set (encoded messages concatenate)."""
+_FOLLOWING = batchv1_pb2.OpBatch(Following=True).SerializeToString()
+"""Appended to the first OpBatch of a following watcher's first change set."""
 _ASK_BUCKETS = batchv1_pb2.OpBatch(Ask=batchv1_pb2.DigestAsk(Buckets=True)).SerializeToString()
 
 RESUME_OUTCOMES = ("unchanged", "changed", "whole", "refused")
@@ -475,13 +477,20 @@ class WatchServer:
         sent: NodeFacts | None = None
         revision = 0  # the brain's revision of the last change set sent
         turn: Turn | None = None
-        packs = False
+        packs = follows = False
+        request: Any = None
         self.stats.local_watches += 1
         try:
-            async for request in requests:
+            while True:
+                # A following watcher asks once: each next change set is its first request's.
+                if not follows or request is None:
+                    try:
+                        request = await anext(requests)
+                    except StopAsyncIteration:
+                        return
                 holds: bytes = request.Holds if batched and view is None else b""
                 if batched and view is None:
-                    packs = request.Packed
+                    packs, follows = request.Packed, request.Follow
                 first = view is None or view.node_name != request.NodeName
                 if first:
                     await self._authorize(context, node=request.NodeName)
@@ -562,6 +571,8 @@ class WatchServer:
                 for index, message in enumerate(messages(change_set)):
                     if index == 0 and resumed is not None:
                         message += _RESUMED
+                    if index == 0 and follows and call.first_state is None:
+                        message += _FOLLOWING
                     if turn is not None:
                         turn.writing()
                     yield message
