@@ -439,6 +439,7 @@ def test_a_following_watcher_is_sent_each_change_set_unasked(tmp_path: Path, fol
                 read = asyncio.ensure_future(change_set(call))
                 done, _ = await asyncio.wait([read], timeout=WAIT_S if follow else 0.5)
                 if not done:
+                    read.cancel()
                     break
                 unasked.append([op.WhichOneof("Op") for b in read.result() for op in b.Ops])
             call.cancel()
@@ -496,7 +497,7 @@ def test_a_backend_slower_than_the_changes_applies_them_merged(tmp_path: Path) -
             client = asyncio.create_task(watch(sink, api=serving.addresses[0], node_name="node-1"))
             try:
                 await sink.next_sync()
-                sink.slow = 1.0
+                sink.slow = 2.0  # the four changes below come well within it
                 handle.set_slice(
                     slice_.key, msgspec.structs.replace(slice_, endpoints=slice_.endpoints[1:])
                 )
