@@ -571,7 +571,7 @@ class WatchServer:
                 for index, message in enumerate(messages(change_set)):
                     if index == 0 and resumed is not None:
                         message += _RESUMED
-                    if index == 0 and follows and call.first_state is None:
+                    if index == 0 and follows and first:
                         message += _FOLLOWING
                     if turn is not None:
                         turn.writing()
