@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kpng.api import codec, localv1_pb2
+from kpng.api import batchv1_pb2, codec, localv1_pb2
 from kpng.api.localv1_pb2 import ChangeTriggersSet, EndpointsSet, NodeFactsSet, ServicesSet
 from kpng.client import Backoff, NodeState, watch_state
 from kpng.errors import KpngError, WireError
@@ -267,6 +267,77 @@ def test_a_stream_of_garbage_is_survived_and_the_next_connection_served(
     assert got is not None
     if script.served > 1:
         assert dict(got.services) == state
+
+
+def _replaced(
+    old: dict[tuple[str, str], ServiceEndpoints], new: dict[tuple[str, str], ServiceEndpoints]
+) -> list[bytes]:
+    """The ops of a change set from ``old`` to ``new``: every endpoint and service of ``old``
+    deleted, then ``new`` set."""
+    ops = []
+    for (namespace, name), se in sorted(old.items()):
+        for key in sorted(endpoint_keys(se.endpoints)):
+            ops.append(codec.op_delete(EndpointsSet, f"{namespace}/{name}/{key}"))
+        ops.append(codec.op_delete(ServicesSet, f"{namespace}/{name}"))
+    return ops + _valid_ops(new, True)
+
+
+_FOLLOWING = batchv1_pb2.OpBatch(Following=True).SerializeToString()
+
+
+@fuzz_settings(40, deadline_ms=5000)
+@given(data=st.data(), first=_states(), then=_states(), garbage=st.none() | _raw_messages)
+def test_a_followed_stream_survives_hostile_ops_and_garbage_past_its_first_state(
+    socket_dir: Path,
+    data: st.DataObject,
+    first: dict[Any, ServiceEndpoints],
+    then: dict[Any, ServiceEndpoints],
+    garbage: bytes | None,
+) -> None:
+    """Past its first change set a followed watch reads on by itself (it reads ahead while its
+    backend syncs): hostile ops in a later change set change nothing the backend gets, and bytes
+    that are no OpBatch end the connection, the next one serving the state."""
+    assume(first != then)
+    change = _replaced(first, then)
+    hostile = data.draw(st.lists(_hostile_op(json_=True), max_size=6))
+    for op in hostile:
+        if op != codec.OP_RESET:  # a Reset there is a real one
+            change.insert(data.draw(st.integers(0, len(change))), op)
+    followed = [_messages([codec.OP_RESET, *_valid_ops(first, True)], True)[0] + _FOLLOWING]
+    if garbage is not None:  # before the change: the watch stops once it has the state
+        followed.append(garbage)
+    followed += _messages(change, True)
+    script = _Script()
+    script.connections = [
+        (followed, False),
+        (_messages([codec.OP_RESET, *_valid_ops(then, True)], True), False),
+    ]
+    seen: list[tuple[dict[Any, ServiceEndpoints], tuple[str, ...]]] = []
+
+    def handle(state: NodeState) -> bool:
+        # Copied: a NodeState's services are the client's own, changed by the next state.
+        seen.append((dict(state.services), state.pod_cidrs))
+        return seen[-1][0] == then
+
+    async def watched() -> None:
+        server = await _serve(socket_dir / "kpng.sock", script, True)
+        try:
+            await asyncio.wait_for(
+                watch_state(
+                    handle,
+                    api=f"unix://{socket_dir / 'kpng.sock'}",
+                    node_name="node-1",
+                    backoff=Backoff(initial=0.001, maximum=0.01),
+                ),
+                10,
+            )
+        finally:
+            await server.stop(grace=None)
+
+    asyncio.run(watched())
+    assert seen[0][0] == first
+    assert seen[-1][0] == then
+    assert all(pod_cidrs == FACTS.PodCIDRs for _, pod_cidrs in seen)
 
 
 @pytest.mark.slow
